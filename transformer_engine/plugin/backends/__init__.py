@@ -1,0 +1,1 @@
+"""In-tree backends: reference (pure PyTorch), flagos (Triton), vendor (e.g. cuda)."""

@@ -1,0 +1,58 @@
+"""Helpers shared by the in-tree backends: turning a module's functions into OpImpls.
+
+A backend module lists the ops it implements in ``__all__``, each function named after its op.
+``SUPPORTS`` (optional, a dict op name -> predicate) and ``CAPABILITIES`` (optional, a dict op name
+-> :class:`Capabilities`) refine single ops.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Iterable, List, Optional
+
+from transformer_engine.plugin.core.types import BackendImplKind, Capabilities, OpImpl
+
+__all__ = ["impls_from_modules", "register_torch_capability_probe"]
+
+
+def impls_from_modules(
+    modules: Iterable[ModuleType],
+    impl_id: str,
+    kind: BackendImplKind,
+    capabilities: Capabilities,
+    vendor: Optional[str] = None,
+    description: str = "",
+) -> List[OpImpl]:
+    """One OpImpl per name in each module's ``__all__``."""
+    impls = []
+    for module in modules:
+        supports = getattr(module, "SUPPORTS", {})
+        caps = getattr(module, "CAPABILITIES", {})
+        for name in module.__all__:
+            impls.append(
+                OpImpl(
+                    op_name=name,
+                    impl_id=impl_id,
+                    kind=kind,
+                    fn=getattr(module, name),
+                    vendor=vendor,
+                    capabilities=caps.get(name, capabilities),
+                    supports=supports.get(name),
+                    description=description,
+                )
+            )
+    return impls
+
+
+def register_torch_capability_probe() -> None:
+    """Let the core read CUDA compute capability through torch (idempotent)."""
+    import torch
+
+    from transformer_engine.plugin.core.devices import register_capability_probe
+
+    def probe(index):
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
+
+    register_capability_probe("cuda", probe)

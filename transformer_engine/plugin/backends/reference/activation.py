@@ -1,0 +1,3 @@
+"""Reference (pure PyTorch) implementations: activation ops. See plugin/catalog/activation.py for the math."""
+
+__all__ = []

@@ -1,0 +1,3 @@
+"""Reference (pure PyTorch) implementations: optimizer ops. See plugin/catalog/optimizer.py for the math."""
+
+__all__ = []

@@ -1,0 +1,3 @@
+"""Reference (pure PyTorch) implementations: rope ops. See plugin/catalog/rope.py for the math."""
+
+__all__ = []

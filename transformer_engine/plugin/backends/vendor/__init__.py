@@ -1,0 +1,1 @@
+"""Vendor backends (vendor libraries reached through PyTorch)."""

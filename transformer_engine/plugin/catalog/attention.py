@@ -1,0 +1,104 @@
+"""Scaled dot-product attention, forward and backward, with TE's mask, window, bias and softmax variants.
+
+Layouts (``AttentionConfig.qkv_format``):
+- ``"bshd"``: q [b, s_q, h, d_qk], k [b, s_kv, h_kv, d_qk], v [b, s_kv, h_kv, d_v];
+- ``"thd"``: packed sequences q [t_q, h, d_qk], k/v [t_kv, h_kv, d], with int32 ``cu_seqlens_q`` /
+  ``cu_seqlens_kv`` of shape [b + 1] (sequence i is rows cu[i]:cu[i+1]).
+h is a multiple of h_kv (GQA / MQA: query head n uses kv head n // (h / h_kv)). The output has q's
+layout with d_v features.
+
+For one sequence and head, with scores S = softmax_scale * Q K^T (s_q x s_kv):
+- ``bias_type`` "pre_scale_bias": S = softmax_scale * (Q K^T + B); "post_scale_bias": S += B;
+  "alibi": S += -slope_h * |i + s_kv - s_q - j| (``alibi_slopes`` [h] or [b, h]);
+- masking sets S[i, j] = -inf where: ``attn_mask`` is True (broadcast to [b, h, s_q, s_kv]);
+  ``mask_type`` "causal" and j > i; "causal_bottom_right" and j > i + s_kv - s_q;
+  ``window_size`` (left, right) with left >= 0 and j < i + s_kv - s_q - left, or right >= 0 and
+  j > i + s_kv - s_q + right (the window is bottom-right aligned; -1 means unbounded);
+- P = softmax(S) with denominator sum_j exp(S_ij) (+ 1 for ``softmax_type`` "off-by-one",
+  + exp(alpha_h) for "learnable", alpha = ``softmax_offset`` [h]); a fully masked row gives P = 0;
+- dropout: P' = P * M / (1 - dropout_p) with M ~ Bernoulli(1 - dropout_p) from the device's
+  default generator; O = P' V.
+``fused_attn_fwd`` returns (O, ctx): ctx is opaque and backend-specific (e.g. the log-sum-exp and
+the dropout state); ``fused_attn_bwd`` must run on the backend that produced ctx.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from transformer_engine.plugin.core.catalog import declare
+
+__all__ = ["AttentionConfig", "fused_attn_fwd", "fused_attn_bwd"]
+
+MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+QKV_FORMATS = ("bshd", "thd")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The non-tensor settings of one attention call (hashable, so backends can test it cheaply).
+
+    Attributes:
+        softmax_scale: multiplier of Q K^T (usually 1 / sqrt(d_qk)).
+        mask_type: "no_mask", "causal" (top-left) or "causal_bottom_right"; padding and arbitrary
+            masks are passed as ``attn_mask`` or, for "thd", through ``cu_seqlens``.
+        window_size: (left, right) sliding window, -1 = unbounded.
+        dropout_p: attention dropout probability (0 in eval).
+        softmax_type: "vanilla", "off-by-one" or "learnable".
+        bias_type: "no_bias", "pre_scale_bias", "post_scale_bias" or "alibi".
+        qkv_format: "bshd" or "thd".
+        max_seqlen_q, max_seqlen_kv: longest sequence for "thd" (0 = compute from cu_seqlens).
+    """
+
+    softmax_scale: float
+    mask_type: str = "no_mask"
+    window_size: Tuple[int, int] = (-1, -1)
+    dropout_p: float = 0.0
+    softmax_type: str = "vanilla"
+    bias_type: str = "no_bias"
+    qkv_format: str = "bshd"
+    max_seqlen_q: int = 0
+    max_seqlen_kv: int = 0
+
+    def __post_init__(self):
+        _check("mask_type", self.mask_type, MASK_TYPES)
+        _check("softmax_type", self.softmax_type, SOFTMAX_TYPES)
+        _check("bias_type", self.bias_type, BIAS_TYPES)
+        _check("qkv_format", self.qkv_format, QKV_FORMATS)
+        if not 0.0 <= self.dropout_p < 1.0:
+            raise ValueError(f"dropout_p={self.dropout_p} must be in [0, 1)")
+        left, right = self.window_size
+        if left < -1 or right < -1:
+            raise ValueError(f"window_size={self.window_size}: each side is -1 (unbounded) or >= 0")
+        object.__setattr__(self, "window_size", (int(left), int(right)))
+
+    @property
+    def has_window(self) -> bool:
+        """True when a sliding window limits the keys."""
+        return self.window_size != (-1, -1)
+
+
+def _check(name: str, value: str, allowed: Tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+@declare
+def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+    """O = dropout(softmax(S)) V for the settings in ``config`` (see the module docstring).
+
+    Returns: (out in q's layout and dtype with d_v features, ctx for ``fused_attn_bwd``).
+    """
+
+
+@declare
+def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+    """Gradients of ``fused_attn_fwd`` given dO.
+
+    With D_i = sum_j dO_i O_i: dP' = dO V^T, dS = P * (dP' * M / (1 - p) - D) (M the dropout mask),
+    dQ = softmax_scale dS K, dK = softmax_scale dS^T Q, dV = P'^T dO (summed over the query heads
+    of a kv group); dbias = dS reduced to attn_bias's shape (times softmax_scale for pre-scale);
+    dalpha_h = -sum_i exp(alpha_h - lse_i) * D_i for "learnable".
+    Returns: (dq, dk, dv, dbias or None, dsoftmax_offset or None).
+    """

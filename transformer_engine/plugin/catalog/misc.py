@@ -1,0 +1,34 @@
+"""Dropout and cross entropy."""
+
+from transformer_engine.plugin.core.catalog import declare
+
+
+@declare
+def dropout_fwd(x, p):
+    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the device's default generator.
+
+    Returns: (y like x, m as a bool tensor of x's shape, True = kept).
+    """
+
+
+@declare
+def dropout_bwd(dy, mask, p):
+    """dx = dy * mask / (1 - p)."""
+
+
+@declare
+def cross_entropy_fwd(logits, target, label_smoothing=0.0, ignore_index=-100):
+    """Per-row cross entropy of logits [N, V] (any float dtype) against int64 target [N].
+
+    lse = log sum_j exp(z_j); loss = (1 - eps) (lse - z_t) + eps (lse - mean_j z_j), eps =
+    ``label_smoothing``; rows whose target equals ``ignore_index`` have loss 0.
+    Returns: (loss float32 [N], lse float32 [N]).
+    """
+
+
+@declare
+def cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing=0.0, ignore_index=-100):
+    """dz_j = grad_loss * (softmax(z)_j - (1 - eps) [j == t] - eps / V), 0 for ignored rows.
+
+    Returns: dlogits with logits' shape and dtype.
+    """

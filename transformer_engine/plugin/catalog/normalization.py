@@ -1,0 +1,44 @@
+"""LayerNorm and RMSNorm, forward (optionally writing FP8) and backward.
+
+gamma_eff = (1 + gamma) when ``zero_centered_gamma`` else gamma. Statistics are float32, one per
+row of x viewed as [M, H] (H = last dim). With ``fp8_scale`` given, y is returned quantized
+(saturating cast with that scale) together with its scale_inv and the amax of the unquantized y;
+otherwise y is in ``out_dtype`` (default x's dtype) and scale_inv, amax are None.
+"""
+
+from transformer_engine.plugin.core.catalog import declare
+
+
+@declare
+def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+    """mean = E[x], rstd = 1 / sqrt(Var[x] + eps), y = (x - mean) * rstd * gamma_eff + beta.
+
+    Returns: (y, mean [M], rstd [M], scale_inv, amax).
+    """
+
+
+@declare
+def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
+    """x_hat = (x - mean) * rstd, g = dy * gamma_eff,
+    dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)),
+    dgamma = sum_rows(dy * x_hat), dbeta = sum_rows(dy).
+
+    Returns: (dx like x, dgamma and dbeta in weight's dtype).
+    """
+
+
+@declare
+def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+    """rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * gamma_eff.
+
+    Returns: (y, rstd [M], scale_inv, amax).
+    """
+
+
+@declare
+def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
+    """x_hat = x * rstd, g = dy * gamma_eff, dx = rstd * (g - x_hat * mean(g * x_hat)),
+    dgamma = sum_rows(dy * x_hat).
+
+    Returns: (dx like x, dgamma in weight's dtype).
+    """

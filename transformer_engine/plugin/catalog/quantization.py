@@ -1,0 +1,73 @@
+"""FP8 quantization ops: per-tensor casts, transposes, amax, block scaling, delayed-scaling update."""
+
+from transformer_engine.plugin.core.catalog import declare
+
+
+@declare
+def quantize(x, scale, fp8_dtype):
+    """Per-tensor saturating cast to FP8.
+
+    q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)),  scale_inv = 1 / scale,  amax = max|x| (finite x)
+
+    Args: x: any shape, float32/bfloat16/float16; scale: float32, one element; fp8_dtype: the FP8 dtype.
+    Returns: (q, scale_inv, amax): q has x's shape in ``fp8_dtype``; scale_inv and amax are 0-d float32.
+    NaN in x stays NaN in q; +-inf saturates to +-fp8_max.
+    """
+
+
+@declare
+def dequantize(q, scale_inv, out_dtype):
+    """x = q * scale_inv, computed in float32 and cast to ``out_dtype``.
+
+    Returns: x with q's shape.
+    """
+
+
+@declare
+def cast_transpose(x, scale, fp8_dtype):
+    """Quantize a 2-D tensor and also write its transpose (the layout the wgrad/dgrad GEMMs need).
+
+    q = quantize(x),  q_t = q^T (contiguous)
+    Args: x: [M, N]. Returns: (q [M, N], q_t [N, M], scale_inv, amax) as in ``quantize``.
+    """
+
+
+@declare
+def fp8_transpose(q):
+    """Contiguous transpose of a 2-D FP8 tensor (no rescaling): q_t[j, i] = q[i, j]."""
+
+
+@declare
+def compute_amax(x):
+    """amax = max|x| over the finite elements of x, as a 0-d float32 tensor (0 for an empty x)."""
+
+
+@declare
+def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax_epsilon):
+    """Block-scaled FP8 cast of a 2-D tensor: one scale per ``block_rows x block_cols`` tile.
+
+    For each tile T: a = max(max|T|, amax_epsilon); scale = fp8_max / a (1 if a == 0 or not finite);
+    with power_2_scale, scale = 2^floor(log2(scale)) (so scale_inv = 2^ceil(log2(a / fp8_max)), the
+    MXFP8 E8M0 rule for 1x32 tiles); q = cast_fp8(clip(T * scale)); scale_inv = 1 / scale.
+    Float8BlockScaling uses 1x128 (activations, gradients) and 128x128 (weights) tiles.
+    Args: x: [M, N]. Returns: (q [M, N], scale_inv float32 [ceil(M / block_rows), ceil(N / block_cols)]).
+    """
+
+
+@declare
+def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
+    """x[i, j] = q[i, j] * scale_inv[i // block_rows, j // block_cols], cast to ``out_dtype``."""
+
+
+@declare(key="amax_history")
+def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo):
+    """One delayed-scaling step for N tensors (TE's recipe contract).
+
+    H = amax_history [L, N] whose row 0 holds this step's amaxes; s = scale [N].
+    amax = max over all L rows ("max") or H[0] ("most_recent"), taken before the roll;
+    s_new = (fp8_max / amax) / 2^margin where amax is finite and > 0, else the old s;
+    an infinite s_new (tiny amax) becomes float32 max;
+    H_new = roll(H, -1, dim 0) with row 0 zeroed.
+    Args: fp8_max: float or float32 [N]; margin: float; amax_compute_algo: "max" or "most_recent".
+    Returns: (H_new [L, N], s_new [N]), both new float32 tensors.
+    """

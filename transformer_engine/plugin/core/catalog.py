@@ -1,0 +1,117 @@
+"""The op catalog: one declaration per op (name, parameters, results, math).
+
+An op is declared by writing its signature as a stub function decorated with :func:`declare`; the
+stub's docstring carries the math and the results. Backends register functions whose signature
+equals the stub's (same parameter names, order, kinds and defaults); :meth:`OpSpec.check_impl`
+enforces it at registration so a drifting signature fails loudly, once.
+
+The built-in declarations live in :mod:`transformer_engine.plugin.catalog`; an out-of-tree plugin
+may declare new ops with :func:`declare` before registering impls for them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+__all__ = ["OpSpec", "declare", "get_spec", "list_specs", "CatalogError"]
+
+
+class CatalogError(ValueError):
+    """An op declaration or an implementation's signature does not fit the catalog."""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """The declaration of one op.
+
+    Attributes:
+        name: op name (``"gemm"``).
+        signature: the declared call signature.
+        doc: the stub's docstring (math and results).
+        key_param: parameter whose device and dtype select the implementation (default: the first).
+        inplace: the op mutates its arguments; after an exception its state may be dirty, so the
+            manager never retries it on another implementation.
+    """
+
+    name: str
+    signature: inspect.Signature
+    doc: str
+    key_param: str
+    inplace: bool = False
+
+    @property
+    def key_index(self) -> int:
+        """Position of ``key_param`` among the positional parameters."""
+        return list(self.signature.parameters).index(self.key_param)
+
+    def check_impl(self, fn: Callable, impl_id: str) -> None:
+        """Raise :class:`CatalogError` unless ``fn``'s signature equals the declared one."""
+        try:
+            actual = inspect.signature(fn)
+        except (TypeError, ValueError) as exc:
+            raise CatalogError(f"{impl_id}: cannot read the signature of the impl of {self.name!r}: {exc}")
+        expected = self.signature
+        if _shape(actual) != _shape(expected):
+            raise CatalogError(
+                f"{impl_id}: the impl of op {self.name!r} has signature {actual}, "
+                f"but the catalog declares {self.name}{expected}"
+            )
+
+
+def _shape(sig: inspect.Signature) -> Tuple:
+    return tuple((p.name, p.kind, p.default) for p in sig.parameters.values())
+
+
+_LOCK = threading.Lock()
+_SPECS: Dict[str, OpSpec] = {}
+
+
+def declare(fn: Optional[Callable] = None, *, key: Optional[str] = None, inplace: bool = False):
+    """Declare an op from a stub function; usable as ``@declare`` or ``@declare(key=..., inplace=...)``.
+
+    Declaring the same name twice with the same signature is a no-op; with another one it raises.
+    """
+
+    def wrap(stub: Callable) -> OpSpec:
+        sig = inspect.signature(stub)
+        params = list(sig.parameters)
+        if not params:
+            raise CatalogError(f"op {stub.__name__!r} declares no parameters")
+        key_param = key or params[0]
+        if key_param not in params:
+            raise CatalogError(f"op {stub.__name__!r}: key parameter {key_param!r} is not a parameter")
+        spec = OpSpec(stub.__name__, sig, inspect.getdoc(stub) or "", key_param, inplace)
+        with _LOCK:
+            old = _SPECS.get(spec.name)
+            if old is not None and (_shape(old.signature) != _shape(sig) or old.inplace != inplace):
+                raise CatalogError(f"op {spec.name!r} is already declared with signature {old.signature}")
+            _SPECS.setdefault(spec.name, spec)
+        return _SPECS[spec.name]
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def get_spec(name: str) -> OpSpec:
+    """The declaration of op ``name``; KeyError names the close matches."""
+    _load_builtin_catalog()
+    try:
+        return _SPECS[name]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(_SPECS), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise KeyError(f"unknown op {name!r}{hint}") from None
+
+
+def list_specs() -> Tuple[OpSpec, ...]:
+    """Every declared op, sorted by name."""
+    _load_builtin_catalog()
+    return tuple(_SPECS[name] for name in sorted(_SPECS))
+
+
+def _load_builtin_catalog() -> None:
+    import transformer_engine.plugin.catalog  # noqa: F401  (declares the built-in ops on import)

@@ -1,0 +1,140 @@
+"""The one loader of the ``TE_FL_*`` environment variables. Bad values warn; nothing here raises.
+
+| variable | values |
+|---|---|
+| ``TE_FL_PREFER`` | ``flagos`` (default), ``vendor`` or ``reference`` |
+| ``TE_FL_STRICT`` | ``1`` = an implementation's exception propagates; ``0`` or unset = try the next one |
+| ``TE_FL_ALLOW_VENDORS`` | comma list of vendor names allowed (case-insensitive); unset = all |
+| ``TE_FL_DENY_VENDORS`` | comma list of vendor names denied (deny beats allow) |
+| ``TE_FL_PER_OP`` | ``op=tok|tok;op2=tok``, tokens ``flagos``, ``vendor``, ``reference``, ``vendor:<name>``, ``impl:<id>``; a final ``only`` makes the list exclusive |
+| ``TE_FL_PLUGIN_MODULES`` | comma list of importable modules with a ``register(registry)`` hook |
+| ``TEFL_LOG_LEVEL`` | ``DEBUG``, ``INFO``, ``WARNING`` (default), ``ERROR`` |
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple
+
+__all__ = ["EnvConfig", "load_env", "parse_per_op", "parse_token", "PolicyConfigWarning", "KIND_TOKENS"]
+
+KIND_TOKENS = ("flagos", "vendor", "reference")
+ONLY_TOKEN = "only"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_LOG_LEVELS = {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
+_OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class PolicyConfigWarning(UserWarning):
+    """A ``TE_FL_*`` variable holds a value that is ignored; the message names it."""
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The validated content of the environment."""
+
+    prefer: str = "flagos"
+    strict: bool = False
+    allow_vendors: Optional[FrozenSet[str]] = None
+    deny_vendors: FrozenSet[str] = frozenset()
+    per_op: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
+    plugin_modules: Tuple[str, ...] = ()
+    log_level: int = logging.WARNING
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, PolicyConfigWarning, stacklevel=3)
+
+
+def parse_token(token: str) -> Optional[str]:
+    """Normalise one selection token, or return None (after a warning) if it is not one.
+
+    Valid: ``flagos``, ``vendor``, ``reference``, ``vendor:<name>`` (name lower-cased), ``impl:<id>``.
+    """
+    text = token.strip()
+    low = text.lower()
+    if low in KIND_TOKENS:
+        return low
+    if low.startswith("vendor:") and len(low) > len("vendor:"):
+        return "vendor:" + low[len("vendor:"):].strip()
+    if low.startswith("impl:") and len(text) > len("impl:"):
+        return "impl:" + text[len("impl:"):].strip()
+    _warn(
+        f"TE-FL: ignoring selection token {token!r}: valid tokens are flagos, vendor, reference, "
+        "vendor:<name>, impl:<impl_id>"
+    )
+    return None
+
+
+def parse_per_op(text: str) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """Parse ``op=tok|tok;op2=tok`` into sorted ``((op, tokens), ...)``; bad parts warn and are dropped.
+
+    A last token ``only`` is kept as the marker of an exclusive order.
+    """
+    result: Dict[str, Tuple[str, ...]] = {}
+    for part in text.split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" not in part:
+            _warn(f"TE-FL: ignoring TE_FL_PER_OP entry {part!r}: expected op=token|token")
+            continue
+        op, _, rhs = part.partition("=")
+        op = op.strip()
+        if not _OP_NAME.match(op):
+            _warn(f"TE-FL: ignoring TE_FL_PER_OP entry {part!r}: {op!r} is not an op name")
+            continue
+        raw = [t for t in rhs.split("|") if t.strip()]
+        only = bool(raw) and raw[-1].strip().lower() == ONLY_TOKEN
+        tokens = [tok for tok in (parse_token(t) for t in (raw[:-1] if only else raw)) if tok]
+        if not tokens:
+            _warn(f"TE-FL: ignoring TE_FL_PER_OP entry {part!r}: no valid token")
+            continue
+        result[op] = tuple(tokens) + ((ONLY_TOKEN,) if only else ())
+    return tuple(sorted(result.items()))
+
+
+def _vendor_set(text: str) -> FrozenSet[str]:
+    return frozenset(v.strip().lower() for v in text.split(",") if v.strip())
+
+
+def _flag(name: str, value: Optional[str], default: bool) -> bool:
+    if value is None:
+        return default
+    low = value.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    _warn(f"TE-FL: ignoring {name}={value!r}: expected 1 or 0")
+    return default
+
+
+def load_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
+    """Read and validate every ``TE_FL_*`` variable (and ``TEFL_LOG_LEVEL``) once."""
+    env = os.environ if environ is None else environ
+    prefer = env.get("TE_FL_PREFER", "").strip().lower() or "flagos"
+    if prefer not in KIND_TOKENS:
+        _warn(f"TE-FL: ignoring TE_FL_PREFER={env['TE_FL_PREFER']!r}: expected flagos, vendor or reference")
+        prefer = "flagos"
+    allow_text = env.get("TE_FL_ALLOW_VENDORS")
+    allow = _vendor_set(allow_text) if allow_text and allow_text.strip() else None
+    level_name = env.get("TEFL_LOG_LEVEL", "WARNING").strip().upper() or "WARNING"
+    if level_name not in _LOG_LEVELS:
+        _warn(f"TE-FL: ignoring TEFL_LOG_LEVEL={level_name!r}: expected one of {sorted(_LOG_LEVELS)}")
+        level_name = "WARNING"
+    modules = tuple(m.strip() for m in env.get("TE_FL_PLUGIN_MODULES", "").split(",") if m.strip())
+    return EnvConfig(
+        prefer=prefer,
+        strict=_flag("TE_FL_STRICT", env.get("TE_FL_STRICT"), False),
+        allow_vendors=allow,
+        deny_vendors=_vendor_set(env.get("TE_FL_DENY_VENDORS", "")),
+        per_op=parse_per_op(env.get("TE_FL_PER_OP", "")),
+        plugin_modules=modules,
+        log_level=getattr(logging, level_name),
+    )

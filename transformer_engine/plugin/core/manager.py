@@ -1,0 +1,450 @@
+"""OpManager: picks, per call, the implementation that runs an op, and explains the choice.
+
+Selection for one call of op ``o`` whose key argument has device/dtype ``k`` under policy ``p``:
+
+1. candidates = impls of ``o`` that pass the vendor filter of ``p`` and whose static
+   :class:`~.types.Capabilities` accept ``k`` (device type, dtype, compute capability);
+2. ordered by ``p``'s token order for ``o``, then priority (high first), then impl_id;
+3. that ordered list is cached per (``p``'s fingerprint, registry epoch, device, dtype): a *plan*;
+4. at call time the first candidate whose ``supports(*args, **kwargs)`` predicate accepts (or that
+   has none) runs. If it raises and ``p.strict`` is off and the op is not in-place, the next
+   candidate runs and a warning is issued once per (op, impl, exception type). The plan is never
+   changed by a failure, so one bad call never demotes an op for later calls.
+
+The cached path costs a tuple build and a dict lookup on top of the impl call (see
+``benchmarks/bench_dispatch.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import policy as _policy
+from .catalog import OpSpec, get_spec, list_specs
+from .devices import arg_key, clear_probe_cache, compute_capability
+from .discovery import PluginRecord, load_builtin_backends, load_plugins
+from .registry import OpRegistry
+from .types import ArgKey, BackendImplKind, OpImpl
+
+__all__ = [
+    "OpManager",
+    "Decision",
+    "NoImplementationError",
+    "FallbackWarning",
+    "Reject",
+    "get_default_manager",
+    "reset_default_manager",
+]
+
+logger = logging.getLogger("transformer_engine.plugin")
+_MAX_PLANS_PER_OP = 512
+
+
+class NoImplementationError(RuntimeError):
+    """No registered implementation can run this call; the message says why each was passed over."""
+
+
+class FallbackWarning(RuntimeWarning):
+    """An implementation raised and the call was passed to the next candidate."""
+
+
+class Reject:
+    """A falsy answer a ``supports`` predicate may return to say *why* it declines a call.
+
+    >>> bool(Reject("head_dim 96 is not supported"))
+    False
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"Reject({self.reason!r})"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One line of an explanation: what the manager thinks of one impl for one call."""
+
+    impl_id: str
+    kind: str
+    priority: int
+    status: str  # "selected", "fallback", "rejected"
+    reason: str
+
+
+class _Plan:
+    """The ordered candidates for one (policy, registry epoch, device, dtype) and the callable that runs them."""
+
+    __slots__ = ("candidates", "strict", "run")
+
+    def __init__(self, candidates: Tuple[OpImpl, ...], strict: bool, run: Callable):
+        self.candidates = candidates
+        self.strict = strict
+        self.run = run
+
+
+class OpManager:
+    """Dispatches catalog ops to registered implementations.
+
+    Args:
+        registry: the registry to read; a new one by default.
+        load_builtins: register the in-tree backends (reference, flagos, vendor) on first use.
+        discover: load out-of-tree plugins (entry points ``te_fl.plugin`` and ``TE_FL_PLUGIN_MODULES``)
+            on first use.
+    """
+
+    def __init__(self, registry: Optional[OpRegistry] = None, *, load_builtins: bool = True, discover: bool = True):
+        self.registry = registry if registry is not None else OpRegistry()
+        self._load_builtins = load_builtins
+        self._discover = discover
+        self._init_lock = threading.RLock()
+        self._initialized = False
+        self._plans: Dict[str, Dict[tuple, _Plan]] = {}
+        self._warned: set = set()
+        self.plugin_records: List[PluginRecord] = []
+        _live_managers.add(self)
+
+    # -- initialisation -----------------------------------------------------------------------
+    def ensure_initialized(self) -> None:
+        """Register the built-in backends and discovered plugins, once per manager."""
+        if self._initialized:
+            return
+        with self._init_lock:
+            if self._initialized:
+                return
+            records: List[PluginRecord] = []
+            if self._load_builtins:
+                records += load_builtin_backends(self.registry)
+            if self._discover:
+                records += load_plugins(self.registry)
+            self.plugin_records = records
+            self._initialized = True
+            self._warn_unknown_per_op_ops(_policy.get_policy())
+            logger.info("TE-FL dispatch ready: %d ops, backends %s", len(self.registry.list_operators()), self.registry.impl_ids())
+
+    def reload(self) -> None:
+        """Forget everything registered and discovered, then initialise again on next use."""
+        with self._init_lock:
+            self.registry.clear()
+            self._initialized = False
+            self.plugin_records = []
+            self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Drop every cached plan (they are rebuilt on the next call)."""
+        for plans in list(self._plans.values()):
+            plans.clear()  # the dispatchers stay; their plans are rebuilt
+        self._warned.clear()
+
+    def _warn_unknown_per_op_ops(self, policy: _policy.SelectionPolicy) -> None:
+        known = {spec.name for spec in list_specs()}
+        for op, _tokens in policy.per_op_order:
+            if op not in known:
+                warnings.warn(f"TE-FL: TE_FL_PER_OP names unknown op {op!r}; it is ignored", UserWarning, stacklevel=3)
+
+    # -- selection ----------------------------------------------------------------------------
+    def rank(self, op_name: str, key: ArgKey, policy: Optional[_policy.SelectionPolicy] = None) -> Tuple[List[OpImpl], List[Tuple[OpImpl, str]]]:
+        """(candidates in call order, [(impl, reason)] passed over) for a key argument described by ``key``."""
+        self.ensure_initialized()
+        policy = policy or _policy.get_policy()
+        cc = compute_capability(key.device_type, key.device_index)
+        eligible, rejected = [], []
+        for impl in self.registry.get_implementations(op_name):
+            reason = policy.vendor_allowed(impl.vendor) if impl.kind is BackendImplKind.VENDOR else None
+            reason = reason or impl.capabilities.reject_reason(key, cc)
+            (rejected.append((impl, reason)) if reason else eligible.append(impl))
+        tokens, exclusive = policy.order_for(op_name)
+        ordered: List[OpImpl] = []
+        for token in tokens:
+            group = [i for i in eligible if _matches(token, i) and i not in ordered]
+            ordered += sorted(group, key=lambda i: (-i.priority, i.impl_id))
+        for impl in eligible:
+            if impl not in ordered:
+                why = "not named by the exclusive per-op order" if exclusive else "matches no token of the order"
+                rejected.append((impl, why))
+        return ordered, rejected
+
+    def _plan(self, spec: OpSpec, policy: _policy.SelectionPolicy, key: ArgKey) -> _Plan:
+        candidates, rejected = self.rank(spec.name, key, policy)
+        strict = policy.strict or spec.inplace
+        if not candidates:
+            message = _no_impl_message(spec.name, key, rejected)
+            return _Plan((), strict, _raiser(NoImplementationError, message))
+        if candidates[0].supports is None and (strict or len(candidates) == 1):
+            return _Plan(tuple(candidates), strict, candidates[0].fn)
+        return _Plan(tuple(candidates), strict, self._make_runner(spec, tuple(candidates), strict, rejected))
+
+    def _make_runner(self, spec: OpSpec, candidates: Tuple[OpImpl, ...], strict: bool, rejected) -> Callable:
+        first = candidates[0]
+
+        def run_all(args, kwargs, start: int = 0, first_error: Optional[BaseException] = None):
+            declined = []
+            for impl in candidates[start:]:
+                if impl.supports is not None:
+                    verdict = impl.supports(*args, **kwargs)
+                    if not verdict:
+                        declined.append((impl, getattr(verdict, "reason", "supports() declined these arguments")))
+                        continue
+                if strict:
+                    return impl.fn(*args, **kwargs)
+                try:
+                    return impl.fn(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - fallback is the documented behaviour
+                    self._note_failure(spec.name, impl, exc)
+                    first_error = first_error or exc
+            if first_error is not None:
+                raise first_error
+            raise NoImplementationError(_no_impl_message(spec.name, None, list(rejected) + declined))
+
+        if first.supports is None:
+            fn0 = first.fn
+
+            def run(*args, **kwargs):
+                try:
+                    return fn0(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001
+                    self._note_failure(spec.name, first, exc)
+                    return run_all(args, kwargs, 1, exc)
+
+            return run
+        return lambda *args, **kwargs: run_all(args, kwargs)
+
+    def _note_failure(self, op_name: str, impl: OpImpl, exc: BaseException) -> None:
+        key = (op_name, impl.impl_id, type(exc))
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        message = (
+            f"TE-FL: {impl.impl_id} failed on op {op_name!r} ({type(exc).__name__}: {exc}); "
+            "trying the next implementation for this call. Set TE_FL_STRICT=1 to raise instead."
+        )
+        logger.warning(message)
+        warnings.warn(message, FallbackWarning, stacklevel=4)
+
+    def _plan_for(self, op_name: str, args: Sequence, kwargs: Dict) -> _Plan:
+        return self.dispatcher(op_name).plan_for(args, kwargs)
+
+    # -- calling ------------------------------------------------------------------------------
+    def dispatcher(self, op_name: str) -> Callable:
+        """The fast callable for ``op_name``: ``manager.dispatcher("gemm")(a, b, ...)``."""
+        plans = self._plans.get(op_name)
+        if plans is None:
+            with self._init_lock:
+                plans = self._plans.get(op_name)
+                if plans is None:
+                    plans = _PlanDict()
+                    plans.dispatcher = _make_dispatcher(self, get_spec(op_name), plans)
+                    self._plans[op_name] = plans
+        return plans.dispatcher
+
+    def call(self, op_name: str, *args, **kwargs) -> Any:
+        """Run ``op_name`` with the implementation the policy selects (with fallback unless strict)."""
+        return self.dispatcher(op_name)(*args, **kwargs)
+
+    def select(self, op_name: str, *args, **kwargs) -> OpImpl:
+        """The impl that would run first for these arguments (supports predicates evaluated)."""
+        for impl in self._plan_for(op_name, args, kwargs).candidates:
+            if impl.supports is None or impl.supports(*args, **kwargs):
+                return impl
+        raise NoImplementationError(self._explain_text(op_name, args, kwargs))
+
+    def resolve(self, op_name: str, *args, **kwargs) -> Callable:
+        """Upstream name: the function :meth:`select` picks."""
+        return self.select(op_name, *args, **kwargs).fn
+
+    def call_traced(self, op_name: str, *args, **kwargs) -> Tuple[Any, OpImpl]:
+        """Like :meth:`call`, also returning the impl that produced the result.
+
+        Used for op pairs whose backward must run on the forward's backend (attention keeps an
+        opaque, backend-specific context for its backward).
+        """
+        plan = self._plan_for(op_name, args, kwargs)
+        first_error = None
+        for impl in plan.candidates:
+            if impl.supports is not None and not impl.supports(*args, **kwargs):
+                continue
+            if plan.strict:
+                return impl.fn(*args, **kwargs), impl
+            try:
+                return impl.fn(*args, **kwargs), impl
+            except Exception as exc:  # noqa: BLE001
+                self._note_failure(op_name, impl, exc)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        raise NoImplementationError(self._explain_text(op_name, args, kwargs))
+
+    def call_impl(self, op_name: str, impl_id: str, *args, **kwargs) -> Any:
+        """Run ``op_name`` on exactly the backend ``impl_id`` (no policy, no fallback)."""
+        self.ensure_initialized()
+        impl = self.registry.get_implementation(op_name, impl_id)
+        if impl is None:
+            raise NoImplementationError(f"backend {impl_id!r} has no implementation of op {op_name!r}")
+        return impl.fn(*args, **kwargs)
+
+    # -- explanations -------------------------------------------------------------------------
+    def explain(self, op_name: str, *args, **kwargs) -> List[Decision]:
+        """For a call with these arguments: which impl runs and why each other one would not."""
+        spec = get_spec(op_name)
+        bound = spec.signature.bind_partial(*args, **kwargs).arguments
+        key = arg_key(bound.get(spec.key_param))
+        candidates, rejected = self.rank(op_name, key)
+        decisions, chosen = [], False
+        for impl in candidates:
+            verdict = True if impl.supports is None else impl.supports(*args, **kwargs)
+            if not verdict:
+                reason = getattr(verdict, "reason", "supports() declined these arguments")
+                decisions.append(Decision(impl.impl_id, impl.kind.value, impl.priority, "rejected", reason))
+            elif not chosen:
+                chosen = True
+                decisions.append(Decision(impl.impl_id, impl.kind.value, impl.priority, "selected", "first accepting candidate"))
+            else:
+                decisions.append(Decision(impl.impl_id, impl.kind.value, impl.priority, "fallback", "used if the selected one raises"))
+        decisions += [Decision(i.impl_id, i.kind.value, i.priority, "rejected", r) for i, r in rejected]
+        return decisions
+
+    def _explain_text(self, op_name, args, kwargs) -> str:
+        lines = [f"no implementation of op {op_name!r} accepts these arguments:"]
+        lines += [f"  {d.impl_id}: {d.reason}" for d in self.explain(op_name, *args, **kwargs)]
+        return "\n".join(lines)
+
+    def describe(self, device_type: str = "cpu", dtype: Optional[str] = None, device_index: Optional[int] = None) -> Dict[str, List[Decision]]:
+        """Static dispatch table: for every declared op, the decisions for a key argument on ``device_type``.
+
+        Runtime ``supports`` predicates cannot be evaluated without arguments; such candidates are
+        reported as selected "unless supports() declines".
+        """
+        key = ArgKey(device_type, device_index, dtype)
+        table: Dict[str, List[Decision]] = {}
+        for spec in list_specs():
+            candidates, rejected = self.rank(spec.name, key)
+            rows, chosen = [], False
+            for impl in candidates:
+                note = " (unless its supports() declines)" if impl.supports is not None else ""
+                status = "fallback" if chosen else "selected"
+                reason = ("used if the selected one raises or declines" if chosen else "first candidate in policy order") + note
+                rows.append(Decision(impl.impl_id, impl.kind.value, impl.priority, status, reason))
+                chosen = chosen or impl.supports is None
+            rows += [Decision(i.impl_id, i.kind.value, i.priority, "rejected", r) for i, r in rejected]
+            table[spec.name] = rows
+        return table
+
+    # -- fork safety --------------------------------------------------------------------------
+    def _after_fork_in_child(self) -> None:
+        self._init_lock = threading.RLock()
+        self.registry._reinit_lock_after_fork()
+        self.clear_cache()
+
+
+def _matches(token: str, impl: OpImpl) -> bool:
+    if token.startswith("vendor:"):
+        return impl.kind is BackendImplKind.VENDOR and impl.vendor == token[7:]
+    if token.startswith("impl:"):
+        return impl.impl_id == token[5:]
+    return impl.kind.value == token
+
+
+def _raiser(exc_type, message: str) -> Callable:
+    def run(*args, **kwargs):
+        raise exc_type(message)
+
+    return run
+
+
+def _no_impl_message(op_name: str, key: Optional[ArgKey], rejected) -> str:
+    where = f" for {key.device_type or '?'} / {key.dtype or '?'}" if key is not None else ""
+    lines = [f"no implementation of op {op_name!r} can run{where}:"]
+    lines += [f"  {impl.impl_id}: {reason}" for impl, reason in rejected] or ["  (no backend implements it)"]
+    return "\n".join(lines)
+
+
+def _make_dispatcher(manager: OpManager, spec: OpSpec, plans: Dict[tuple, _Plan]) -> Callable:
+    """Build the per-op fast path: key = (policy fingerprint, registry epoch, device, dtype)."""
+    index, name = spec.key_index, spec.key_param
+    registry = manager.registry
+    get_override = _policy._override.get
+    policy_module = _policy
+
+    def plan_for(args, kwargs) -> _Plan:
+        x = args[index] if len(args) > index else kwargs.get(name)
+        policy = get_override() or policy_module._global or policy_module.get_policy()
+        try:
+            cache_key = (policy.fingerprint, registry.epoch, x.device, x.dtype)
+            hash(cache_key)
+        except (AttributeError, TypeError):  # not a tensor, a list of tensors, or unhashable
+            cache_key = (policy.fingerprint, registry.epoch, arg_key(x))
+        plan = plans.get(cache_key)
+        if plan is None:
+            if len(plans) >= _MAX_PLANS_PER_OP:
+                plans.clear()
+            plan = plans[cache_key] = manager._plan(spec, policy, arg_key(x))
+        return plan
+
+    def dispatch(*args, **kwargs):
+        x = args[index] if len(args) > index else kwargs.get(name)
+        policy = get_override() or policy_module._global or policy_module.get_policy()
+        try:
+            plan = plans.get((policy.fingerprint, registry.epoch, x.device, x.dtype))
+        except (AttributeError, TypeError):
+            plan = None
+        if plan is None:
+            plan = plan_for(args, kwargs)
+        return plan.run(*args, **kwargs)
+
+    dispatch.__name__ = dispatch.__qualname__ = spec.name
+    dispatch.__doc__ = spec.doc
+    dispatch.__signature__ = spec.signature
+    dispatch.plan_for = plan_for
+    dispatch.spec = spec
+    dispatch.traced = lambda *args, **kwargs: manager.call_traced(spec.name, *args, **kwargs)
+    return dispatch
+
+
+class _PlanDict(dict):
+    """The plan cache of one op; ``.dispatcher`` is that op's fast callable."""
+
+    dispatcher: Callable
+
+
+_live_managers: "weakref.WeakSet[OpManager]" = weakref.WeakSet()
+_default: Optional[OpManager] = None
+_default_lock = threading.Lock()
+
+
+def get_default_manager() -> OpManager:
+    """The process-wide manager that ``transformer_engine.plugin.ops`` dispatches through."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = OpManager()
+    return _default
+
+
+def reset_default_manager() -> None:
+    """Reload the default manager: registry cleared, built-ins and plugins loaded again on next use."""
+    get_default_manager().reload()
+
+
+def _after_fork_in_child() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()
+    clear_probe_cache()
+    for manager in list(_live_managers):
+        manager._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

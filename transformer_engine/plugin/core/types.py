@@ -1,0 +1,167 @@
+"""The value types of the dispatch layer: backend kinds, capabilities and one implementation of an op.
+
+Nothing here imports a tensor library: devices and dtypes are described by plain strings
+(``"cuda"``, ``"bfloat16"``), read off tensors by duck typing in :mod:`.devices`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, FrozenSet, Optional, Tuple
+
+__all__ = ["BackendImplKind", "Capabilities", "OpImpl", "ArgKey"]
+
+
+class BackendImplKind(str, enum.Enum):
+    """The three kinds of backend. The policy orders kinds; priority orders impls inside a kind.
+
+    ``DEFAULT`` is the portable Triton backend, named ``flagos`` as upstream TE-FL does.
+    """
+
+    DEFAULT = "flagos"
+    VENDOR = "vendor"
+    REFERENCE = "reference"
+
+    @property
+    def default_priority(self) -> int:
+        """Priority an impl of this kind gets when it names none: flagos 150, vendor 100, reference 50."""
+        return _DEFAULT_PRIORITY[self]
+
+    @classmethod
+    def parse(cls, name: "str | BackendImplKind") -> "BackendImplKind":
+        """Accept an enum member or its name/value in any case (``"flagos"``, ``"DEFAULT"``, ``"vendor"``)."""
+        if isinstance(name, cls):
+            return name
+        text = str(name).strip().lower()
+        for kind in cls:
+            if text in (kind.value, kind.name.lower()):
+                return kind
+        raise ValueError(f"unknown backend kind {name!r}; expected one of flagos, vendor, reference")
+
+
+_DEFAULT_PRIORITY = {
+    BackendImplKind.DEFAULT: 150,
+    BackendImplKind.VENDOR: 100,
+    BackendImplKind.REFERENCE: 50,
+}
+
+
+@dataclass(frozen=True)
+class ArgKey:
+    """What the manager knows about the key argument of a call: its device and dtype.
+
+    ``device_type`` is ``"cpu"``, ``"cuda"``, ... ; ``device_index`` is None for devices without one;
+    ``dtype`` is the dtype's short name (``"bfloat16"``, ``"float8_e4m3fn"``) or None when the
+    key argument carries no dtype.
+    """
+
+    device_type: Optional[str]
+    device_index: Optional[int]
+    dtype: Optional[str]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an implementation can run on, checked before the call.
+
+    Attributes:
+        device_types: device types it accepts (``{"cuda"}``); None means any.
+        dtypes: dtype short names of the key argument it accepts; None means any.
+        min_compute_capability: (major, minor) it needs on devices that report one; None means any.
+    """
+
+    device_types: Optional[FrozenSet[str]] = None
+    dtypes: Optional[FrozenSet[str]] = None
+    min_compute_capability: Optional[Tuple[int, int]] = None
+
+    def __post_init__(self):
+        if self.device_types is not None:
+            object.__setattr__(self, "device_types", frozenset(d.lower() for d in self.device_types))
+        if self.dtypes is not None:
+            object.__setattr__(self, "dtypes", frozenset(_short_dtype(d) for d in self.dtypes))
+        if self.min_compute_capability is not None:
+            major, minor = self.min_compute_capability
+            object.__setattr__(self, "min_compute_capability", (int(major), int(minor)))
+
+    def reject_reason(self, key: ArgKey, compute_capability: Optional[Tuple[int, int]]) -> Optional[str]:
+        """Why an argument with ``key`` cannot run here, or None when it can."""
+        if self.device_types is not None and key.device_type not in self.device_types:
+            return f"device {key.device_type!r} not in {sorted(self.device_types)}"
+        if self.dtypes is not None and key.dtype is not None and key.dtype not in self.dtypes:
+            return f"dtype {key.dtype!r} not in {sorted(self.dtypes)}"
+        if self.min_compute_capability is not None and compute_capability is not None:
+            if tuple(compute_capability) < self.min_compute_capability:
+                need = "%d.%d" % self.min_compute_capability
+                have = "%d.%d" % tuple(compute_capability)
+                return f"needs compute capability >= {need}, device has {have}"
+        return None
+
+
+def _short_dtype(name: Any) -> str:
+    text = str(name)
+    return text[len("torch."):] if text.startswith("torch.") else text
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    """One implementation of one catalog op.
+
+    Attributes:
+        op_name: the catalog op it implements (``"gemm"``).
+        impl_id: the backend's id, shared by all its ops, ``"<kind>.<name>"`` by convention
+            (``"flagos.triton"``, ``"vendor.cuda"``, ``"reference.torch"``).
+        kind: a :class:`BackendImplKind` (or its name).
+        fn: the function; its signature must equal the op's declared signature.
+        vendor: vendor name, required for VENDOR impls; stored lower-case.
+        priority: order inside a kind, larger first; None means the kind's default.
+        capabilities: static device / dtype / compute-capability limits, checked before the call.
+        supports: optional predicate ``supports(*args, **kwargs) -> bool`` called with the op's
+            arguments before the call; returning False passes the call to the next candidate.
+        description: one line shown by ``te-fl info``.
+    """
+
+    op_name: str
+    impl_id: str
+    kind: BackendImplKind
+    fn: Callable[..., Any]
+    vendor: Optional[str] = None
+    priority: Optional[int] = None
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    supports: Optional[Callable[..., bool]] = None
+    description: str = ""
+
+    def __post_init__(self):
+        kind = BackendImplKind.parse(self.kind)
+        object.__setattr__(self, "kind", kind)
+        if not self.op_name or not self.impl_id:
+            raise ValueError("OpImpl needs a non-empty op_name and impl_id")
+        if not callable(self.fn):
+            raise TypeError(f"OpImpl {self.impl_id!r} for op {self.op_name!r}: fn is not callable")
+        if self.supports is not None and not callable(self.supports):
+            raise TypeError(f"OpImpl {self.impl_id!r}: supports must be callable or None")
+        vendor = self.vendor.strip().lower() if self.vendor else None
+        if kind is BackendImplKind.VENDOR and not vendor:
+            raise ValueError(f"OpImpl {self.impl_id!r} is of kind vendor and must name its vendor")
+        object.__setattr__(self, "vendor", vendor)
+        if self.priority is None:
+            object.__setattr__(self, "priority", kind.default_priority)
+        if not isinstance(self.capabilities, Capabilities):
+            raise TypeError("OpImpl.capabilities must be a Capabilities instance")
+
+    def same_as(self, other: "OpImpl") -> bool:
+        """True when ``other`` registers the very same implementation (same fields, same function)."""
+        return (
+            self.op_name == other.op_name
+            and self.impl_id == other.impl_id
+            and self.kind is other.kind
+            and _unwrap(self.fn) is _unwrap(other.fn)
+            and self.vendor == other.vendor
+            and self.priority == other.priority
+            and self.capabilities == other.capabilities
+            and _unwrap(self.supports) is _unwrap(other.supports)
+        )
+
+
+def _unwrap(fn):
+    return getattr(fn, "__func__", fn)
