@@ -1,3 +1,298 @@
-"""Reference (pure PyTorch) implementations: activation ops. See plugin/catalog/activation.py for the math."""
+"""Reference (pure PyTorch) activations. See plugin/catalog/activation.py for the contract.
 
-__all__ = []
+All math is float32, cast back to x's dtype. Plain ops: y = act(x), dx = dy act'(x). Gated ops split
+x = [a, b] in halves along the last dim: y = act(a) b, dx = [dy b act'(a), dy act(a)].
+
+    gelu(x)  = 0.5 x (1 + tanh(u)),  u = k (x + 0.044715 x^3),  k = sqrt(2 / pi)
+    gelu'(x) = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) k (1 + 3 * 0.044715 x^2)
+    qgelu(x) = x s, s = sigmoid(1.702 x);  qgelu'(x) = s + 1.702 x s (1 - s)
+    silu(x)  = x s, s = sigmoid(x);        silu'(x)  = s + x s (1 - s)
+    relu(x)  = max(x, 0), relu' = [x > 0];  srelu(x) = relu(x)^2, srelu' = 2 relu(x)
+    sigmoid' = s (1 - s)  (glu)
+    clamped_swiglu: a' = min(a, limit), b' = clip(b, -limit, limit), s = sigmoid(alpha a'),
+                    y = a' s (b' + 1),
+                    dx = [dy (b' + 1)(s + alpha a' s (1 - s)) [a <= limit], dy a' s [|b| <= limit]]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+
+from ._fp8 import check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
+
+__all__ = [
+    "gelu", "dgelu", "qgelu", "dqgelu", "relu", "drelu", "srelu", "dsrelu", "silu", "dsilu",
+    "glu", "dglu", "geglu", "dgeglu", "qgeglu", "dqgeglu", "reglu", "dreglu", "sreglu", "dsreglu",
+    "swiglu", "dswiglu", "clamped_swiglu", "clamped_dswiglu", "activation_quantize",
+]  # fmt: skip
+
+_K_GELU = math.sqrt(2.0 / math.pi)
+_QGELU_ALPHA = 1.702
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + torch.tanh(_K_GELU * (x + 0.044715 * x * x * x)))
+
+
+def _gelu_grad(x):
+    t = torch.tanh(_K_GELU * (x + 0.044715 * x * x * x))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _K_GELU * (1.0 + 3.0 * 0.044715 * x * x)
+
+
+def _sigmoid_grad(x):
+    s = torch.sigmoid(x)
+    return s * (1.0 - s)
+
+
+def _silu_grad(x):
+    s = torch.sigmoid(x)
+    return s + x * s * (1.0 - s)
+
+
+def _qgelu(x):
+    return x * torch.sigmoid(_QGELU_ALPHA * x)
+
+
+def _qgelu_grad(x):
+    s = torch.sigmoid(_QGELU_ALPHA * x)
+    return s + _QGELU_ALPHA * x * s * (1.0 - s)
+
+
+def _relu_grad(x):
+    return (x > 0).to(x.dtype)
+
+
+def _srelu(x):
+    return torch.relu(x).square()
+
+
+def _srelu_grad(x):
+    return 2.0 * torch.relu(x)
+
+
+class _Act(NamedTuple):
+    """An elementwise activation on float32: value and derivative."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    grad: Callable[[torch.Tensor], torch.Tensor]
+
+
+_GELU, _QGELU = _Act(_gelu, _gelu_grad), _Act(_qgelu, _qgelu_grad)
+_RELU, _SRELU = _Act(torch.relu, _relu_grad), _Act(_srelu, _srelu_grad)
+_SILU, _SIGMOID = _Act(torch.nn.functional.silu, _silu_grad), _Act(torch.sigmoid, _sigmoid_grad)
+
+_PLAIN = {"gelu": _GELU, "qgelu": _QGELU, "relu": _RELU, "srelu": _SRELU, "silu": _SILU}
+_GATED = {"glu": _SIGMOID, "geglu": _GELU, "qgeglu": _QGELU, "reglu": _RELU, "sreglu": _SRELU, "swiglu": _SILU}
+_FORWARD_NAMES = tuple(_PLAIN) + tuple(_GATED) + ("clamped_swiglu",)
+
+
+def _halves(x: torch.Tensor, op: str):
+    """(a, b): the two halves of x's last dim; ValueError when it is odd."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"{op} splits x's last dim in two halves [a, b], but x has shape {tuple(x.shape)}; it must be even")
+    return x.chunk(2, dim=-1)
+
+
+def _check_dy(dy, shape, op: str) -> None:
+    check_high_precision(dy, "dy")
+    if tuple(dy.shape) != tuple(shape):
+        raise ValueError(f"{op}: dy has shape {tuple(dy.shape)} but must be {tuple(shape)} (the forward output's)")
+
+
+def _check_clamp(limit, alpha) -> None:
+    if not limit > 0:
+        raise ValueError(f"clamped_swiglu needs limit > 0, got limit={limit!r} (GPT-OSS uses 7.0)")
+    if not math.isfinite(alpha):
+        raise ValueError(f"clamped_swiglu needs a finite alpha, got alpha={alpha!r} (GPT-OSS uses 1.702)")
+
+
+def _clamped_parts(x_f32, limit, alpha):
+    a, b = _halves(x_f32, "clamped_swiglu")
+    a_c, b_c = a.clamp(max=limit), b.clamp(-limit, limit)
+    return a, b, a_c, b_c, torch.sigmoid(alpha * a_c)
+
+
+def _forward_f32(op: str, x_f32: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """y = act(x) in float32 for any of the twelve forward ops."""
+    if op in _PLAIN:
+        return _PLAIN[op].fn(x_f32)
+    if op in _GATED:
+        a, b = _halves(x_f32, op)
+        return _GATED[op].fn(a) * b
+    _, _, a_c, b_c, s = _clamped_parts(x_f32, limit, alpha)
+    return a_c * s * (b_c + 1.0)
+
+
+def _backward_f32(op: str, dy: torch.Tensor, x_f32: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """dx in float32 for any of the twelve backward ops (``dy`` already float32)."""
+    if op in _PLAIN:
+        return dy * _PLAIN[op].grad(x_f32)
+    if op in _GATED:
+        a, b = _halves(x_f32, op)
+        act = _GATED[op]
+        return torch.cat([dy * b * act.grad(a), dy * act.fn(a)], dim=-1)
+    a, b, a_c, b_c, s = _clamped_parts(x_f32, limit, alpha)
+    da = dy * (b_c + 1.0) * (s + alpha * a_c * s * (1.0 - s)) * (a <= limit)
+    return torch.cat([da, dy * a_c * s * (b.abs() <= limit)], dim=-1)
+
+
+def _forward(op: str, x, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    check_high_precision(x)
+    if op not in _PLAIN:
+        _halves(x, op)
+    return _forward_f32(op, x.float(), limit, alpha).to(x.dtype)
+
+
+def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    check_high_precision(x)
+    out_shape = x.shape if op in _PLAIN else (*x.shape[:-1], _halves(x, op)[0].shape[-1])
+    _check_dy(dy, out_shape, op)
+    return _backward_f32(op, dy.float(), x.float(), limit, alpha).to(x.dtype)
+
+
+def gelu(x):
+    """y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return _forward("gelu", x)
+
+
+def dgelu(dy, x):
+    """dx = dy * gelu_tanh'(x)."""
+    return _backward("gelu", dy, x)
+
+
+def qgelu(x):
+    """y = x * sigmoid(1.702 x)."""
+    return _forward("qgelu", x)
+
+
+def dqgelu(dy, x):
+    """dx = dy * (s + 1.702 x s (1 - s)), s = sigmoid(1.702 x)."""
+    return _backward("qgelu", dy, x)
+
+
+def relu(x):
+    """y = max(x, 0)."""
+    return _forward("relu", x)
+
+
+def drelu(dy, x):
+    """dx = dy * [x > 0]."""
+    return _backward("relu", dy, x)
+
+
+def srelu(x):
+    """y = max(x, 0)^2."""
+    return _forward("srelu", x)
+
+
+def dsrelu(dy, x):
+    """dx = dy * 2 max(x, 0)."""
+    return _backward("srelu", dy, x)
+
+
+def silu(x):
+    """y = x * sigmoid(x)."""
+    return _forward("silu", x)
+
+
+def dsilu(dy, x):
+    """dx = dy * (s + x s (1 - s)), s = sigmoid(x)."""
+    return _backward("silu", dy, x)
+
+
+def glu(x):
+    """y = sigmoid(a) * b, x = [a, b]."""
+    return _forward("glu", x)
+
+
+def dglu(dy, x):
+    """dx = [dy * b * s (1 - s), dy * s], s = sigmoid(a)."""
+    return _backward("glu", dy, x)
+
+
+def geglu(x):
+    """y = gelu_tanh(a) * b, x = [a, b]."""
+    return _forward("geglu", x)
+
+
+def dgeglu(dy, x):
+    """dx = [dy * b * gelu_tanh'(a), dy * gelu_tanh(a)]."""
+    return _backward("geglu", dy, x)
+
+
+def qgeglu(x):
+    """y = qgelu(a) * b, x = [a, b]."""
+    return _forward("qgeglu", x)
+
+
+def dqgeglu(dy, x):
+    """dx = [dy * b * qgelu'(a), dy * qgelu(a)]."""
+    return _backward("qgeglu", dy, x)
+
+
+def reglu(x):
+    """y = relu(a) * b, x = [a, b]."""
+    return _forward("reglu", x)
+
+
+def dreglu(dy, x):
+    """dx = [dy * b * [a > 0], dy * relu(a)]."""
+    return _backward("reglu", dy, x)
+
+
+def sreglu(x):
+    """y = relu(a)^2 * b, x = [a, b]."""
+    return _forward("sreglu", x)
+
+
+def dsreglu(dy, x):
+    """dx = [dy * b * 2 relu(a), dy * relu(a)^2]."""
+    return _backward("sreglu", dy, x)
+
+
+def swiglu(x):
+    """y = silu(a) * b, x = [a, b]."""
+    return _forward("swiglu", x)
+
+
+def dswiglu(dy, x):
+    """dx = [dy * b * silu'(a), dy * silu(a)]."""
+    return _backward("swiglu", dy, x)
+
+
+def clamped_swiglu(x, limit=7.0, alpha=1.702):
+    """y = a' sigmoid(alpha a') (b' + 1), a' = min(a, limit), b' = clip(b, -limit, limit).
+
+    Raises:
+        ValueError: limit <= 0, a non-finite alpha, or an odd last dim.
+    """
+    _check_clamp(limit, alpha)
+    return _forward("clamped_swiglu", x, limit, alpha)
+
+
+def clamped_dswiglu(dy, x, limit=7.0, alpha=1.702):
+    """dx = [dy (b' + 1)(s + alpha a' s (1 - s)) [a <= limit], dy a' s [|b| <= limit]], s = sigmoid(alpha a')."""
+    _check_clamp(limit, alpha)
+    return _backward("clamped_swiglu", dy, x, limit, alpha)
+
+
+def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702):
+    """(q, scale_inv, amax) = quantize(act(x), fp8_scale, fp8_dtype), act one of the twelve forward ops.
+
+    act(x) is evaluated in float32 and quantized directly, without rounding to x's dtype first (as
+    TE's fused kernels); for float32 x this is exactly quantize(<activation>(x)).
+
+    Raises:
+        ValueError: unknown activation, bad scale or fp8_dtype, or the activation's own input errors.
+    """
+    if activation not in _FORWARD_NAMES:
+        raise ValueError(f"activation={activation!r} is not one of the forward activation ops {_FORWARD_NAMES}")
+    check_high_precision(x)
+    scale_f32 = scalar_f32(fp8_scale, "fp8_scale")
+    check_fp8_dtype(fp8_dtype)
+    if activation == "clamped_swiglu":
+        _check_clamp(limit, alpha)
+    return quantize_fp32(_forward_f32(activation, x.float(), limit, alpha), scale_f32, fp8_dtype)

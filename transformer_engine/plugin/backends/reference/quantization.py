@@ -1,3 +1,236 @@
-"""Reference (pure PyTorch) implementations: quantization ops. See plugin/catalog/quantization.py for the math."""
+"""Reference (pure PyTorch) quantization ops. See plugin/catalog/quantization.py for the contract.
 
-__all__ = []
+Per tensor:   q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)),  scale_inv = 1 / scale,
+              amax = max |x| over finite x;  dequantize: x = q * scale_inv (float32, then cast).
+Per block:    a = max(max |T|, eps) per tile T, scale = fp8_max / a (1 when a is 0 or not finite,
+              float32 max when it overflows), optionally rounded down to 2^floor(log2(scale)).
+Delayed scaling (one step): amax from the history before the roll, s = (fp8_max / amax) / 2^margin
+              where amax is finite and > 0 (else the old s), inf -> float32 max, roll by -1, row 0 = 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+from ._fp8 import (
+    amax_finite,
+    check_fp8_dtype,
+    check_high_precision,
+    check_out_dtype,
+    check_tensor,
+    fp8_max_of,
+    is_fp8,
+    quantize_fp32,
+    saturating_cast,
+    scalar_f32,
+)
+
+__all__ = [
+    "quantize",
+    "dequantize",
+    "cast_transpose",
+    "fp8_transpose",
+    "compute_amax",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "delayed_scaling_update",
+]
+
+_AMAX_ALGOS = ("max", "most_recent")
+
+
+def _check_fp8_tensor(q, name: str) -> None:
+    check_tensor(q, name)
+    if not is_fp8(q):
+        raise TypeError(f"{name} has dtype {q.dtype}; it must be torch.float8_e4m3fn or torch.float8_e5m2")
+
+
+def _check_2d(t: torch.Tensor, name: str) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
+
+
+def quantize(x, scale, fp8_dtype):
+    """Per-tensor saturating cast to FP8: q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)).
+
+    Args:
+        x: float32/bfloat16/float16 tensor of any shape.
+        scale: one-element float32 tensor.
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+
+    Returns:
+        (q, scale_inv, amax): q has x's shape in ``fp8_dtype``; scale_inv = 1 / scale and
+        amax = max |x| over finite x are 0-d float32.
+
+    Raises:
+        TypeError: x is not a high-precision float tensor. ValueError: bad scale or fp8_dtype.
+    """
+    check_high_precision(x)
+    scale_f32 = scalar_f32(scale, "scale")
+    check_fp8_dtype(fp8_dtype)
+    return quantize_fp32(x.float(), scale_f32, fp8_dtype)
+
+
+def dequantize(q, scale_inv, out_dtype):
+    """x = q * scale_inv, computed in float32 and cast to ``out_dtype``.
+
+    Raises:
+        TypeError: q is not FP8. ValueError: scale_inv is not one element or out_dtype is not a float dtype.
+    """
+    _check_fp8_tensor(q, "q")
+    scale_inv_f32 = scalar_f32(scale_inv, "scale_inv")
+    check_out_dtype(out_dtype)
+    return (q.float() * scale_inv_f32).to(out_dtype)
+
+
+def cast_transpose(x, scale, fp8_dtype):
+    """Quantize a 2-D tensor and also return its contiguous transpose: q = quantize(x), q_t = q^T.
+
+    Returns:
+        (q [M, N], q_t [N, M], scale_inv, amax) as in :func:`quantize`.
+    """
+    check_high_precision(x)
+    _check_2d(x, "x")
+    q, scale_inv, amax = quantize(x, scale, fp8_dtype)
+    return q, q.t().contiguous(), scale_inv, amax
+
+
+def fp8_transpose(q):
+    """Contiguous transpose of a 2-D FP8 tensor, no rescaling: q_t[j, i] = q[i, j]."""
+    _check_fp8_tensor(q, "q")
+    _check_2d(q, "q")
+    return q.t().contiguous()
+
+
+def compute_amax(x):
+    """amax = max |x| over the finite elements of x, a 0-d float32 tensor (0 for an empty x)."""
+    check_high_precision(x)
+    return amax_finite(x)
+
+
+def _check_block_args(block_rows, block_cols, amax_epsilon=0.0) -> None:
+    for name, value in (("block_rows", block_rows), ("block_cols", block_cols)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int (e.g. 1 x 128, 128 x 128 or 1 x 32 tiles)")
+    if not amax_epsilon >= 0.0:
+        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a float >= 0")
+
+
+def _tiles(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
+    """x [M, N] zero-padded to whole tiles and viewed as [M/br, br, N/bc, bc]."""
+    m_tiles, n_tiles = -(-x.shape[0] // block_rows), -(-x.shape[1] // block_cols)
+    padded = torch.nn.functional.pad(x, (0, n_tiles * block_cols - x.shape[1], 0, m_tiles * block_rows - x.shape[0]))
+    return padded.reshape(m_tiles, block_rows, n_tiles, block_cols)
+
+
+def _block_scale(tile_amax: torch.Tensor, fp8_dtype, power_2_scale: bool, amax_epsilon: float) -> torch.Tensor:
+    """scale = fp8_max / max(a, eps); 1 when that is 0 or not finite; inf -> float32 max; pow-2 rounds down."""
+    a = tile_amax.clamp_min(amax_epsilon)
+    valid = torch.isfinite(a) & (a > 0)
+    # tensor / tensor: torch computes ``python_float / tensor`` as a product with a reciprocal
+    scale = torch.where(valid, torch.full_like(a, fp8_max_of(fp8_dtype)) / a, torch.ones_like(a))
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, torch.finfo(torch.float32).max), scale)
+    if power_2_scale:
+        _, exponent = torch.frexp(scale)  # scale = m * 2^e with m in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+    return scale
+
+
+def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax_epsilon):
+    """Block-scaled FP8 cast of a 2-D tensor, one scale per ``block_rows x block_cols`` tile.
+
+    q = cast_fp8(clip(T * scale_T)), scale_T = fp8_max / max(max |T|, eps) (see the module docstring);
+    a tile holding inf or NaN gets scale 1. Edge tiles may be ragged.
+
+    Returns:
+        (q [M, N] in ``fp8_dtype``, scale_inv float32 [ceil(M / block_rows), ceil(N / block_cols)]).
+
+    Raises:
+        TypeError: x is not a high-precision float tensor. ValueError: x not 2-D, bad block sizes,
+        epsilon or fp8_dtype.
+    """
+    check_high_precision(x)
+    _check_2d(x, "x")
+    check_fp8_dtype(fp8_dtype)
+    _check_block_args(block_rows, block_cols, amax_epsilon)
+    tiles = _tiles(x.float(), block_rows, block_cols)
+    scale = _block_scale(tiles.abs().amax(dim=(1, 3)), fp8_dtype, bool(power_2_scale), float(amax_epsilon))
+    q_tiles = saturating_cast(tiles * scale[:, None, :, None], fp8_dtype)
+    m, n = x.shape
+    q = q_tiles.reshape(tiles.shape[0] * block_rows, -1)[:m, :n].contiguous()
+    return q, torch.reciprocal(scale)
+
+
+def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
+    """x[i, j] = q[i, j] * scale_inv[i // block_rows, j // block_cols] in float32, cast to ``out_dtype``.
+
+    Raises:
+        TypeError: q is not FP8. ValueError: q not 2-D, scale_inv of the wrong shape, bad block sizes
+        or out_dtype.
+    """
+    _check_fp8_tensor(q, "q")
+    _check_2d(q, "q")
+    _check_block_args(block_rows, block_cols)
+    check_tensor(scale_inv, "scale_inv")
+    check_out_dtype(out_dtype)
+    m, n = q.shape
+    expected = (-(-m // block_rows), -(-n // block_cols))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"scale_inv has shape {tuple(scale_inv.shape)} but q {tuple(q.shape)} with {block_rows} x {block_cols} "
+            f"tiles needs {expected}"
+        )
+    full = scale_inv.float().repeat_interleave(block_rows, dim=0).repeat_interleave(block_cols, dim=1)[:m, :n]
+    return (q.float() * full).to(out_dtype)
+
+
+def _check_delayed_args(amax_history, scale, fp8_max_value, margin, amax_compute_algo) -> None:
+    check_tensor(amax_history, "amax_history")
+    check_tensor(scale, "scale")
+    if amax_history.dim() != 2 or amax_history.shape[0] < 1:
+        raise ValueError(f"amax_history must be [L, N] with L >= 1, got shape {tuple(amax_history.shape)}")
+    n = amax_history.shape[1]
+    if tuple(scale.shape) != (n,):
+        raise ValueError(f"scale has shape {tuple(scale.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
+    if isinstance(fp8_max_value, torch.Tensor) and fp8_max_value.numel() not in (1, n):
+        raise ValueError(f"fp8_max has shape {tuple(fp8_max_value.shape)}; pass a float or a tensor of 1 or {n} elements")
+    if not math.isfinite(float(margin)):
+        raise ValueError(f"margin={margin!r} must be a finite float (usually 0)")
+    if amax_compute_algo not in _AMAX_ALGOS:
+        raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of {_AMAX_ALGOS}")
+
+
+def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One delayed-scaling step for N tensors: s_new = (fp8_max / amax) / 2^margin, then roll the history.
+
+    amax = max over the L rows of H ("max") or H[0] ("most_recent"), read before the roll; s_new keeps
+    the old s where amax is not finite or <= 0; an infinite s_new becomes float32 max;
+    H_new = roll(H, -1, dim 0) with row 0 zeroed.
+
+    Args:
+        amax_history: H [L, N]; row 0 holds this step's amaxes.
+        scale: s [N].
+        fp8_max: float, or float32 tensor of 1 or N elements.
+        margin: float.
+        amax_compute_algo: "max" or "most_recent".
+
+    Returns:
+        (H_new [L, N], s_new [N]), new float32 tensors.
+
+    Raises:
+        ValueError: shapes that do not match, a non-finite margin or an unknown amax_compute_algo.
+    """
+    _check_delayed_args(amax_history, scale, fp8_max, margin, amax_compute_algo)
+    history = amax_history.detach().float()
+    scale_old = scale.detach().float()
+    amax = history.amax(dim=0) if amax_compute_algo == "max" else history[0]
+    fp8_max_f32 = torch.as_tensor(fp8_max, dtype=torch.float32, device=history.device).reshape(-1)
+    scale_new = (fp8_max_f32 / amax) / torch.full_like(amax, 2.0 ** float(margin))
+    scale_new = torch.where(torch.isfinite(amax) & (amax > 0), scale_new, scale_old)
+    scale_new = torch.where(torch.isinf(scale_new), torch.full_like(scale_new, torch.finfo(torch.float32).max), scale_new)
+    history_new = torch.roll(history, -1, dims=0)
+    history_new[0] = 0
+    return history_new, scale_new

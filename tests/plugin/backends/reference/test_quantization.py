@@ -1,0 +1,341 @@
+"""Reference quantization ops vs independent float64 oracles.
+
+The FP8 oracle below never calls torch's float8 cast: it rounds |v| to the nearest value of the
+FP8 grid (ties to the even code), saturates at fp8_max and sets the sign bit, so "q is the
+saturating round-to-nearest-even cast of x * scale" is checked bit for bit.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.utils import dtype_tols, randn, sqnr
+from transformer_engine.plugin import ops
+from transformer_engine.plugin.backends.reference import IMPL_ID
+from transformer_engine.plugin.backends.reference import quantization as ref
+from transformer_engine.plugin.core import with_preference, with_strict_mode
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_DTYPES = (E4M3, E5M2)
+HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_CODE = {E4M3: 0x7E, E5M2: 0x7B}  # largest finite positive code: 448 and 57344
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _fp8_codes(v: torch.Tensor, fp8_dtype) -> torch.Tensor:
+    """uint8 codes of saturate-then-round-to-nearest-even(v) on the FP8 grid (v finite or inf, not NaN)."""
+    grid = torch.arange(_MAX_CODE[fp8_dtype] + 1, dtype=torch.uint8).view(fp8_dtype).double()  # increasing
+    mag = v.double().abs().clamp(max=grid[-1].item()).reshape(-1)
+    hi = torch.searchsorted(grid, mag).clamp(max=grid.numel() - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = mag - grid[lo], grid[hi] - mag
+    code = torch.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    code = code | (torch.signbit(v.reshape(-1)).long() << 7)
+    return code.to(torch.uint8).reshape(v.shape)
+
+
+def _wide_range(shape, dtype):
+    """Random values spanning ~1e-6 .. 1e4 in magnitude: FP8 subnormals, normals and saturation."""
+    magnitude = 10.0 ** (torch.rand(shape) * 10 - 6)
+    return (randn(*shape) * magnitude).to(dtype)
+
+
+def _random_scale():
+    return torch.exp(torch.randn(1)).float()
+
+
+def _product_f32(x, scale):
+    """x * scale rounded once to float32 (the float64 product of two <=24-bit values is exact)."""
+    return (x.double() * scale.double()).float()
+
+
+def _finite_amax(x):
+    x64 = x.double()
+    finite = x64[torch.isfinite(x64)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+# ---------------------------------------------------------------- per-tensor quantize / dequantize
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 131), (2, 5, 17)])
+def test_quantize_bit_exact(shape, dtype, fp8_dtype):
+    x = _wide_range(shape, dtype)
+    scale = _random_scale()
+    q, scale_inv, amax = ref.quantize(x, scale, fp8_dtype)
+    assert q.dtype == fp8_dtype and q.shape == x.shape
+    assert torch.equal(q.view(torch.uint8), _fp8_codes(_product_f32(x, scale), fp8_dtype))
+    assert scale_inv.shape == () and scale_inv.dtype == torch.float32
+    assert scale_inv.item() == torch.tensor(1.0 / scale.double().item(), dtype=torch.float32).item()
+    assert amax.shape == () and amax.dtype == torch.float32 and amax.item() == _finite_amax(x)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_quantize_saturates_inf_and_large_keeps_nan(fp8_dtype):
+    fp8_max = torch.finfo(fp8_dtype).max
+    x = torch.tensor([math.inf, -math.inf, 1e30, -1e30, 2 * fp8_max, math.nan, 3.0, -0.0])
+    q, _, amax = ref.quantize(x, torch.ones(1), fp8_dtype)
+    values = q.float()
+    assert values[:5].tolist() == [fp8_max, -fp8_max, fp8_max, -fp8_max, fp8_max]
+    assert torch.isnan(values[5]) and values[6].item() == 3.0
+    assert torch.signbit(values[7]) and values[7].item() == 0.0
+    assert amax.item() == torch.tensor(1e30).item()  # NaN and inf do not poison amax
+
+
+@pytest.mark.parametrize(
+    "fp8_dtype, x, expected",
+    [
+        # halfway cases round to the even code (e4m3 step 0.125 at 1, e5m2 step 0.25)
+        (E4M3, [1.0625, 1.1875, -1.0625, 0.001953125 * 1.5], [1.0, 1.25, -1.0, 0.001953125 * 2]),
+        (E5M2, [1.125, 1.375, -1.125, 2.0**-16 * 1.5], [1.0, 1.5, -1.0, 2.0**-16 * 2]),
+    ],
+)
+def test_quantize_rounds_half_to_even(fp8_dtype, x, expected):
+    q, _, _ = ref.quantize(torch.tensor(x), torch.ones(1), fp8_dtype)
+    assert q.float().tolist() == expected
+
+
+def test_quantize_all_non_finite_gives_zero_amax():
+    x = torch.tensor([math.nan, math.inf, -math.inf])
+    assert ref.quantize(x, torch.ones(1), E4M3)[2].item() == 0.0
+
+
+@pytest.mark.parametrize("out_dtype", HP_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_dequantize(fp8_dtype, out_dtype):
+    q, scale_inv, _ = ref.quantize(_wide_range((5, 37), torch.float32), _random_scale(), fp8_dtype)
+    x = ref.dequantize(q, scale_inv, out_dtype)
+    expected = q.double() * scale_inv.double()
+    assert x.dtype == out_dtype and x.shape == q.shape
+    if out_dtype == torch.float32:  # one rounding on both sides: exact
+        assert torch.equal(x, expected.float())
+    else:
+        torch.testing.assert_close(x.double(), expected, **dtype_tols(out_dtype))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_quantize_dequantize_sqnr(fp8_dtype):
+    # Round trip of N(0, 1) with a scale that maps amax to fp8_max: E4M3 keeps 3 mantissa bits
+    # (~31 dB for uniform rounding error), E5M2 2 bits (~25 dB); the floors leave ~5 dB slack.
+    x = randn(64, 129)
+    scale = torch.tensor([torch.finfo(fp8_dtype).max]) / x.abs().max()
+    q, scale_inv, _ = ref.quantize(x, scale, fp8_dtype)
+    assert sqnr(x, ref.dequantize(q, scale_inv, torch.float32)) > (25.0 if fp8_dtype == E4M3 else 19.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (37, 1), (64, 129)])
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_cast_transpose(shape, dtype):
+    x = _wide_range(shape, dtype)
+    scale = _random_scale()
+    q, q_t, scale_inv, amax = ref.cast_transpose(x, scale, E4M3)
+    codes = _fp8_codes(_product_f32(x, scale), E4M3)
+    assert torch.equal(q.view(torch.uint8), codes)
+    assert q_t.shape == (shape[1], shape[0]) and q_t.is_contiguous()
+    assert torch.equal(q_t.view(torch.uint8), codes.t())
+    assert scale_inv.item() == torch.tensor(1.0 / scale.item(), dtype=torch.float64).float().item()
+    assert amax.item() == _finite_amax(x)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 3), (17, 64)])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_fp8_transpose(shape, fp8_dtype):
+    q = randn(*shape).to(fp8_dtype)
+    q_t = ref.fp8_transpose(q)
+    assert q_t.dtype == fp8_dtype and q_t.is_contiguous()
+    bits, bits_t = q.view(torch.uint8), q_t.view(torch.uint8)
+    assert all(bits_t[j, i] == bits[i, j] for i in range(shape[0]) for j in range(shape[1]))
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(0,), (1,), (13,), (4, 97)])
+def test_compute_amax(shape, dtype):
+    x = randn(*shape, scale=3.0).to(dtype)
+    if x.numel() > 2:
+        x.view(-1)[0], x.view(-1)[1] = math.nan, -math.inf
+    amax = ref.compute_amax(x)
+    assert amax.shape == () and amax.dtype == torch.float32
+    assert amax.item() == _finite_amax(x)
+
+
+# ---------------------------------------------------------------- block scaling
+
+
+def _block_oracle(x, fp8_dtype, block_rows, block_cols, power_2, eps):
+    """(codes, scale_inv) from per-tile Python loops, following the catalog text."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    m, n = x.shape
+    tiles_m, tiles_n = -(-m // block_rows), -(-n // block_cols)
+    scale_inv = torch.empty(tiles_m, tiles_n, dtype=torch.float32)
+    scale_full = torch.empty(m, n, dtype=torch.float64)
+    for ti in range(tiles_m):
+        for tj in range(tiles_n):
+            rows, cols = slice(ti * block_rows, (ti + 1) * block_rows), slice(tj * block_cols, (tj + 1) * block_cols)
+            a = max(x[rows, cols].double().abs().max().item(), eps)
+            scale = fp8_max / a if (a > 0 and math.isfinite(a)) else 1.0
+            scale = min(float(torch.tensor(scale, dtype=torch.float32)), _FP32_MAX)  # float32 division, inf -> max
+            if power_2:
+                scale = 2.0 ** (math.frexp(scale)[1] - 1)
+            scale_inv[ti, tj] = 1.0 / scale
+            scale_full[rows, cols] = scale
+    return _fp8_codes((x.double() * scale_full).float(), fp8_dtype), scale_inv
+
+
+BLOCK_CASES = [(1, 128, False), (1, 128, True), (128, 128, True), (128, 128, False), (1, 32, True)]
+
+
+@pytest.mark.parametrize("block_rows, block_cols, power_2", BLOCK_CASES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 200), (130, 131)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_blockwise_matches_tile_oracle(shape, dtype, block_rows, block_cols, power_2):
+    x = _wide_range(shape, dtype)
+    x[: min(block_rows, shape[0]), : min(block_cols, shape[1])] = 0  # an all-zero tile: scale 1
+    q, scale_inv = ref.quantize_blockwise(x, E4M3, block_rows, block_cols, power_2, 0.0)
+    codes, expected_scale_inv = _block_oracle(x, E4M3, block_rows, block_cols, power_2, 0.0)
+    assert q.shape == x.shape and q.dtype == E4M3 and q.is_contiguous()
+    assert scale_inv.dtype == torch.float32 and torch.equal(scale_inv, expected_scale_inv)
+    assert scale_inv[0, 0].item() == 1.0
+    assert torch.equal(q.view(torch.uint8), codes)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_mxfp8_scale_is_e8m0_rounded_up(fp8_dtype):
+    x = _wide_range((5, 96), torch.float32)
+    _, scale_inv = ref.quantize_blockwise(x, fp8_dtype, 1, 32, True, 0.0)
+    tile_amax = x.double().abs().reshape(5, 3, 32).amax(-1)
+    fp8_max = torch.finfo(fp8_dtype).max
+    expected = [[2.0 ** math.ceil(math.log2(a / fp8_max)) for a in row] for row in tile_amax.tolist()]
+    assert scale_inv.tolist() == expected
+
+
+def test_quantize_blockwise_epsilon_and_non_finite_tiles():
+    x = randn(2, 64)
+    x[0, :32] *= 1e-6  # tile amax below eps: a = eps
+    x[1, 40] = math.inf  # a non-finite tile amax: scale 1, inf saturates
+    q, scale_inv = ref.quantize_blockwise(x, E4M3, 1, 32, False, 1e-3)
+    eps_f32 = float(torch.tensor(1e-3))
+    scale_f32 = float(torch.tensor(448.0 / eps_f32))  # float32 division, rounded once
+    assert scale_inv[0, 0].item() == float(torch.tensor(1.0 / scale_f32))
+    assert scale_inv[1, 1].item() == 1.0 and q[1, 40].float().item() == 448.0
+
+
+@pytest.mark.parametrize("block_rows, block_cols, power_2", BLOCK_CASES)
+@pytest.mark.parametrize("out_dtype", HP_DTYPES)
+def test_dequantize_blockwise(block_rows, block_cols, power_2, out_dtype):
+    x = randn(131, 150)
+    q, scale_inv = ref.quantize_blockwise(x, E4M3, block_rows, block_cols, power_2, 0.0)
+    out = ref.dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype)
+    expected = torch.empty(131, 150, dtype=torch.float64)
+    for i in range(0, 131, block_rows):
+        for j in range(0, 150, block_cols):
+            tile = (slice(i, i + block_rows), slice(j, j + block_cols))
+            expected[tile] = q[tile].double() * scale_inv[i // block_rows, j // block_cols].item()
+    assert out.dtype == out_dtype
+    if out_dtype == torch.float32:
+        assert torch.equal(out, expected.float())
+    else:
+        torch.testing.assert_close(out.double(), expected, **dtype_tols(out_dtype))
+    assert sqnr(x, out.float()) > 25.0  # E4M3 with per-tile scales: same floor as per tensor
+
+
+# ---------------------------------------------------------------- delayed scaling
+
+
+def test_delayed_scaling_hand_computed_steps():
+    """L=3, N=2, margin 0, "max": history and scale written out by hand, step by step."""
+    nan, inf = math.nan, math.inf
+    steps = [  # (amaxes written into row 0, expected history after the update, expected scale)
+        ([2.0, 0.0], [[0, 0], [0, 0], [2, 0]], [224.0, 1.0]),
+        ([8.0, 4.0], [[0, 0], [2, 0], [8, 4]], [56.0, 112.0]),
+        ([1.0, inf], [[0, 0], [8, 4], [1, inf]], [56.0, 112.0]),
+        ([nan, 3.5], [[0, 0], [1, inf], [nan, 3.5]], [56.0, 112.0]),
+        ([0.5, 2.0], [[0, 0], [nan, 3.5], [0.5, 2]], [56.0, 112.0]),
+        ([0.0, 0.0], [[0, 0], [0.5, 2], [0, 0]], [56.0, 128.0]),
+        ([0.0, 1.0], [[0, 0], [0, 0], [0, 1]], [896.0, 224.0]),
+    ]
+    history, scale = torch.zeros(3, 2), torch.ones(2)
+    for amaxes, expected_history, expected_scale in steps:
+        history[0] = torch.tensor(amaxes)
+        history, scale = ref.delayed_scaling_update(history, scale, 448.0, 0.0, "max")
+        torch.testing.assert_close(history, torch.tensor(expected_history, dtype=torch.float32), equal_nan=True)
+        assert scale.tolist() == expected_scale
+
+
+def test_delayed_scaling_most_recent_margin_and_tiny_amax():
+    """L=2, N=3, margin 1, "most_recent", HYBRID per-slot fp8_max; tiny amax overflows to float32 max."""
+    fp8_max = torch.tensor([448.0, 57344.0, 448.0])
+    history, scale = torch.zeros(2, 3), torch.ones(3)
+    history[0] = torch.tensor([7.0, 1e-40, 448.0])
+    history, scale = ref.delayed_scaling_update(history, scale, fp8_max, 1.0, "most_recent")
+    assert scale.tolist() == [32.0, _FP32_MAX, 0.5]
+    assert history.tolist() == [[0.0, 0.0, 0.0], [7.0, float(torch.tensor(1e-40)), 448.0]]
+    history[0] = torch.tensor([0.25, 2.0, math.nan])
+    history, scale = ref.delayed_scaling_update(history, scale, fp8_max, 1.0, "most_recent")
+    assert scale.tolist() == [896.0, 14336.0, 0.5]  # "most_recent" ignores the older 7.0; NaN keeps 0.5
+
+
+def test_delayed_scaling_history_length_one():
+    history, scale = torch.tensor([[3.5, 0.0]]), torch.tensor([2.0, 2.0])
+    new_history, new_scale = ref.delayed_scaling_update(history, scale, 448.0, 2.0, "max")
+    assert new_history.tolist() == [[0.0, 0.0]] and new_scale.tolist() == [32.0, 2.0]
+    assert history.tolist() == [[3.5, 0.0]] and scale.tolist() == [2.0, 2.0]  # inputs untouched
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 4])
+@pytest.mark.parametrize("margin", [0.0, 2.0])
+def test_delayed_scaling_random_run_vs_list_simulation(algo, length, margin):
+    n, fp8_max = 5, 57344.0
+    history, scale = torch.zeros(length, n), torch.ones(n)
+    sim_rows, sim_scale = [[0.0] * n for _ in range(length)], [1.0] * n
+    for _ in range(6):
+        amaxes = (torch.rand(n) * 100).tolist()
+        history[0], sim_rows[0] = torch.tensor(amaxes), amaxes
+        history, scale = ref.delayed_scaling_update(history, scale, fp8_max, margin, algo)
+        for slot in range(n):
+            column = [float(torch.tensor(row[slot], dtype=torch.float32)) for row in sim_rows]
+            amax = max(column) if algo == "max" else column[0]
+            if amax > 0:
+                sim_scale[slot] = fp8_max / amax / 2.0**margin
+        sim_rows = sim_rows[1:] + [sim_rows[0]]
+        sim_rows[0] = [0.0] * n
+        torch.testing.assert_close(history.double(), torch.tensor(sim_rows, dtype=torch.float64), **dtype_tols(torch.float32))
+        torch.testing.assert_close(scale.double(), torch.tensor(sim_scale, dtype=torch.float64), **dtype_tols(torch.float32))
+
+
+# ---------------------------------------------------------------- errors and dispatch
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: ref.quantize(randn(4), torch.ones(1), torch.float16), ValueError, "not an FP8 dtype"),
+        (lambda: ref.quantize(randn(4), torch.ones(2), E4M3), ValueError, "exactly one element"),
+        (lambda: ref.quantize(randn(4).to(E4M3), torch.ones(1), E4M3), TypeError, "dequantize FP8 first"),
+        (lambda: ref.dequantize(randn(4), torch.ones(1), torch.float32), TypeError, "float8"),
+        (lambda: ref.dequantize(randn(4).to(E5M2), torch.ones(1), E4M3), ValueError, "not FP8"),
+        (lambda: ref.cast_transpose(randn(2, 3, 4), torch.ones(1), E4M3), ValueError, "2-D"),
+        (lambda: ref.quantize_blockwise(randn(4, 4), E4M3, 0, 32, True, 0.0), ValueError, "block_rows"),
+        (lambda: ref.quantize_blockwise(randn(4, 4), E4M3, 1, 32, True, -1.0), ValueError, "amax_epsilon"),
+        (lambda: ref.dequantize_blockwise(randn(4, 40).to(E4M3), torch.ones(4, 1), 1, 32, torch.float32), ValueError, r"\(4, 2\)"),
+        (lambda: ref.delayed_scaling_update(torch.zeros(2, 3), torch.ones(3), 448.0, 0.0, "mean"), ValueError, "most_recent"),
+        (lambda: ref.delayed_scaling_update(torch.zeros(2, 3), torch.ones(2), 448.0, 0.0, "max"), ValueError, r"needs \[3\]"),
+    ],
+)
+def test_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_dispatch_through_ops():
+    x = randn(3, 40)
+    with with_preference("reference"), with_strict_mode():
+        (q, scale_inv, amax), impl = ops.quantize.traced(x, torch.ones(1), E4M3)
+        history, scale = ops.delayed_scaling_update(torch.ones(2, 2), torch.ones(2), 448.0, 0.0, "max")
+        q_b, _ = ops.quantize_blockwise(x, E4M3, 1, 32, True, 0.0)
+    assert impl.impl_id == IMPL_ID
+    assert torch.equal(q.view(torch.uint8), ref.quantize(x, torch.ones(1), E4M3)[0].view(torch.uint8))
+    assert scale.tolist() == [448.0, 448.0] and q_b.shape == x.shape

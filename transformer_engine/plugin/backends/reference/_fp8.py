@@ -1,0 +1,120 @@
+"""Private helpers shared by the reference ops: input checks and the FP8 cast pipeline.
+
+The per-tensor FP8 pipeline (catalog conventions, reference/te_pytorch_api.md sections 2-3):
+
+    amax = max |x| over the finite elements of x            (NaN and +-inf never poison it)
+    q = cast_fp8(clip(x * scale, -fp8_max, fp8_max))        (saturating: +-inf -> +-fp8_max, NaN stays NaN)
+    scale_inv = 1 / scale
+
+``fp8_max`` is ``torch.finfo(fp8_dtype).max``: 448 for E4M3, 57344 for E5M2.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+__all__ = [
+    "FP8_DTYPES",
+    "amax_finite",
+    "check_fp8_dtype",
+    "check_fp8_output",
+    "check_high_precision",
+    "check_last_dim",
+    "check_out_dtype",
+    "check_tensor",
+    "fp8_max_of",
+    "is_fp8",
+    "quantize_fp32",
+    "saturating_cast",
+    "scalar_f32",
+]
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    """True when ``t`` holds an FP8 dtype."""
+    return t.dtype in FP8_DTYPES
+
+
+def check_fp8_dtype(fp8_dtype, name: str = "fp8_dtype") -> None:
+    """Raise ValueError unless ``fp8_dtype`` is torch.float8_e4m3fn or torch.float8_e5m2."""
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"{name}={fp8_dtype!r} is not an FP8 dtype; pass torch.float8_e4m3fn or torch.float8_e5m2")
+
+
+def check_tensor(t, name: str) -> None:
+    """Raise TypeError unless ``t`` is a torch.Tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_high_precision(x, name: str = "x") -> None:
+    """Raise TypeError unless ``x`` is a floating-point tensor that is not FP8."""
+    check_tensor(x, name)
+    if not x.is_floating_point() or is_fp8(x):
+        raise TypeError(f"{name} has dtype {x.dtype}; it must be float32, bfloat16 or float16 (dequantize FP8 first)")
+
+
+def check_out_dtype(out_dtype, name: str = "out_dtype") -> None:
+    """Raise ValueError unless ``out_dtype`` is a high-precision floating-point torch dtype."""
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point or out_dtype in FP8_DTYPES:
+        raise ValueError(f"{name}={out_dtype!r} must be a floating-point torch dtype such as torch.bfloat16 (not FP8)")
+
+
+def check_last_dim(x: torch.Tensor, t: Optional[torch.Tensor], name: str) -> None:
+    """Raise ValueError unless ``t`` (if given) has shape [H] with H = x's last dim."""
+    if t is not None and tuple(t.shape) != (x.shape[-1],):
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}; {name} must be [{x.shape[-1]}]")
+
+
+def scalar_f32(t, name: str) -> torch.Tensor:
+    """A one-element tensor as a 0-d float32 tensor; ValueError if it has another element count."""
+    check_tensor(t, name)
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold exactly one element (per-tensor scaling), got shape {tuple(t.shape)}")
+    return t.detach().reshape(()).to(torch.float32)
+
+
+def fp8_max_of(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    return torch.finfo(fp8_dtype).max
+
+
+def amax_finite(x: torch.Tensor) -> torch.Tensor:
+    """amax = max |x| over the finite elements of x, as a 0-d float32 tensor (0 for an empty x)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    x_abs = x.detach().float().abs()
+    return torch.where(torch.isfinite(x_abs), x_abs, torch.zeros_like(x_abs)).amax()
+
+
+def saturating_cast(x_f32: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """q = cast_fp8(clip(x, -fp8_max, fp8_max)): +-inf saturates to +-fp8_max, NaN stays NaN."""
+    bound = fp8_max_of(fp8_dtype)
+    return x_f32.clamp(-bound, bound).to(fp8_dtype)
+
+
+def quantize_fp32(x_f32: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 cast of an already-float32 tensor (callers validate the arguments).
+
+    q = cast_fp8(clip(x * scale)), scale_inv = 1 / scale, amax = max |x| (finite x).
+
+    Returns:
+        (q in ``fp8_dtype`` with x's shape, scale_inv 0-d float32, amax 0-d float32).
+    """
+    scale_f32 = scale.detach().reshape(()).to(torch.float32)
+    q = saturating_cast(x_f32 * scale_f32, fp8_dtype)
+    return q, torch.reciprocal(scale_f32), amax_finite(x_f32)
+
+
+def check_fp8_output(fp8_scale, fp8_dtype) -> None:
+    """Validate the optional FP8 output of a fused op: both or neither of scale and dtype."""
+    if fp8_scale is None:
+        if fp8_dtype is not None:
+            raise ValueError(f"fp8_dtype={fp8_dtype!r} was given without fp8_scale; pass both to get an FP8 output, or neither")
+        return
+    scalar_f32(fp8_scale, "fp8_scale")
+    check_fp8_dtype(fp8_dtype)
