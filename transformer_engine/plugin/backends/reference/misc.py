@@ -1,3 +1,125 @@
-"""Reference (pure PyTorch) implementations: misc ops. See plugin/catalog/misc.py for the math."""
+"""Reference (pure PyTorch) implementations: dropout and cross entropy. See plugin/catalog/misc.py.
 
-__all__ = []
+Dropout, with keep mask m ~ Bernoulli(1 - p) drawn from the default generator of x's device:
+    forward   y = x * m / (1 - p)
+    backward  dx = dy * m / (1 - p)
+(p = 1 keeps nothing and gives zeros.)
+
+Cross entropy of one row z [V] against target t with label smoothing eps:
+    lse = log sum_j exp(z_j)
+    forward   loss = (1 - eps) (lse - z_t) + eps (lse - mean_j z_j)
+    backward  dz_j = dloss * (softmax(z)_j - (1 - eps) [j == t] - eps / V)
+Rows whose target is ``ignore_index`` have loss 0 and gradient 0. Math in float32.
+"""
+
+import torch
+
+__all__ = ["dropout_fwd", "dropout_bwd", "cross_entropy_fwd", "cross_entropy_bwd"]
+
+
+def _keep_scale(p: float) -> float:
+    """1 / (1 - p), the scale of the kept elements (0 when p = 1: nothing is kept)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability p={p} must be in [0, 1]")
+    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+
+def dropout_fwd(x, p):
+    """Inverted dropout: y = x * m / (1 - p), m ~ Bernoulli(1 - p).
+
+    Args:
+        x: input tensor, any float dtype and device.
+        p: drop probability in [0, 1].
+
+    Returns:
+        (y with x's shape and dtype, keep mask m as a bool tensor, True = kept).
+
+    Raises:
+        ValueError: p outside [0, 1].
+    """
+    scale = _keep_scale(p)
+    keep = torch.rand(x.shape, device=x.device) >= p
+    return (x.float() * keep * scale).to(x.dtype), keep
+
+
+def dropout_bwd(dy, mask, p):
+    """dx = dy * m / (1 - p) with the keep mask ``mask`` of :func:`dropout_fwd`.
+
+    Raises:
+        ValueError: p outside [0, 1], or mask's shape differs from dy's.
+    """
+    scale = _keep_scale(p)
+    if mask.shape != dy.shape:
+        raise ValueError(f"dropout mask shape {tuple(mask.shape)} must equal the gradient's {tuple(dy.shape)}")
+    return (dy.float() * mask * scale).to(dy.dtype)
+
+
+def _check_cross_entropy(logits, target, label_smoothing: float) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}; flatten the leading dims")
+    if target.shape != logits.shape[:1]:
+        raise ValueError(f"target shape {tuple(target.shape)} must be [N] = [{logits.shape[0]}] (one class per row)")
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise TypeError(f"target must be an integer tensor of class indices, got {target.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+
+
+def _valid_targets(logits, target, ignore_index: int):
+    """(kept rows as bool [N], targets with ignored rows replaced by 0); raises on out-of-range classes."""
+    kept = target != ignore_index
+    vocab = logits.shape[1]
+    if bool((kept & ((target < 0) | (target >= vocab))).any()):
+        raise ValueError(f"every target must be in [0, {vocab}) or equal ignore_index={ignore_index}")
+    return kept, torch.where(kept, target, torch.zeros_like(target)).long()
+
+
+def cross_entropy_fwd(logits, target, label_smoothing=0.0, ignore_index=-100):
+    """Per-row cross entropy: loss = (1 - eps) (lse - z_t) + eps (lse - mean_j z_j).
+
+    Args:
+        logits: [N, V] float tensor.
+        target: [N] integer class indices; ``ignore_index`` rows get loss 0.
+        label_smoothing: eps in [0, 1].
+        ignore_index: target value that marks rows to ignore.
+
+    Returns:
+        (loss float32 [N], lse float32 [N]).
+
+    Raises:
+        ValueError / TypeError: bad shapes, dtypes, eps, or a target out of [0, V).
+    """
+    _check_cross_entropy(logits, target, label_smoothing)
+    kept, safe_target = _valid_targets(logits, target, ignore_index)
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    z_t = z.gather(1, safe_target[:, None])[:, 0]
+    loss = (1.0 - label_smoothing) * (lse - z_t) + label_smoothing * (lse - z.mean(dim=-1))
+    return torch.where(kept, loss, torch.zeros_like(loss)), lse
+
+
+def cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing=0.0, ignore_index=-100):
+    """dz_j = dloss * (softmax(z)_j - (1 - eps) [j == t] - eps / V), zero for ignored rows.
+
+    Args:
+        grad_loss: [N] gradient of the per-row loss.
+        logits, target, label_smoothing, ignore_index: as given to :func:`cross_entropy_fwd`.
+        lse: [N] log-sum-exp returned by :func:`cross_entropy_fwd`.
+
+    Returns:
+        dlogits with logits' shape and dtype.
+
+    Raises:
+        ValueError / TypeError: as :func:`cross_entropy_fwd`, or grad_loss / lse not of shape [N].
+    """
+    _check_cross_entropy(logits, target, label_smoothing)
+    for name, value in (("grad_loss", grad_loss), ("lse", lse)):
+        if value.shape != target.shape:
+            raise ValueError(f"{name} shape {tuple(value.shape)} must be [N] = [{target.shape[0]}]")
+    kept, safe_target = _valid_targets(logits, target, ignore_index)
+    z = logits.float()
+    probs = torch.exp(z - lse.float()[:, None])
+    one_hot = torch.zeros_like(probs).scatter_(1, safe_target[:, None], 1.0)
+    dz = probs - (1.0 - label_smoothing) * one_hot - label_smoothing / z.shape[1]
+    scale = torch.where(kept, grad_loss.float(), torch.zeros_like(lse, dtype=torch.float32))
+    return (dz * scale[:, None]).to(logits.dtype)

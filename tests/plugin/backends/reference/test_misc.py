@@ -1,0 +1,89 @@
+"""Reference dropout (statistics, mask consistency) and cross entropy vs torch.nn.functional.cross_entropy."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.utils import dtype_tols, randn
+from transformer_engine.plugin import ops
+from transformer_engine.plugin.backends.reference.misc import (
+    cross_entropy_bwd,
+    cross_entropy_fwd,
+    dropout_bwd,
+    dropout_fwd,
+)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.83])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_keeps_1_minus_p_and_scales(p, dtype):
+    x = randn(61, 127, dtype=dtype)
+    y, keep = dropout_fwd(x, p)
+    assert keep.dtype == torch.bool and keep.shape == x.shape and y.dtype == dtype
+    n = keep.numel()
+    assert abs(keep.float().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)  # 5 sigma
+    torch.testing.assert_close(y.double(), x.double() * keep / (1 - p), **dtype_tols(dtype))
+    dy = randn(61, 127, dtype=dtype)
+    torch.testing.assert_close(dropout_bwd(dy, keep, p).double(), dy.double() * keep / (1 - p), **dtype_tols(dtype))
+
+
+def test_dropout_edge_probabilities_and_generator():
+    x = randn(7, 13)
+    y, keep = dropout_fwd(x, 0.0)
+    assert keep.all() and torch.equal(y, x)
+    y, keep = dropout_fwd(x, 1.0)
+    assert not keep.any() and torch.all(y == 0)
+    torch.manual_seed(7)
+    first = dropout_fwd(x, 0.5)[1]
+    torch.manual_seed(7)
+    assert torch.equal(first, ops.dropout_fwd(x, 0.5)[1])  # same default generator through ops
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        dropout_fwd(x, 1.5)
+    with pytest.raises(ValueError, match="shape"):
+        dropout_bwd(x, keep[:3], 0.5)
+
+
+def _reference_ce(logits, target, grad_loss, eps, ignore_index):
+    """float64 loss and dlogits through F.cross_entropy (reduction='none') and autograd."""
+    z = logits.double().requires_grad_()
+    loss = F.cross_entropy(z, target, reduction="none", label_smoothing=eps, ignore_index=ignore_index)
+    (loss * grad_loss.double()).sum().backward()
+    return loss.detach(), z.grad
+
+
+@pytest.mark.parametrize("n,vocab", [(1, 2), (13, 37), (29, 1031)])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_matches_torch(n, vocab, eps, ignore_index, dtype):
+    logits = randn(n, vocab, dtype=dtype, scale=3.0)
+    target = torch.randint(0, vocab, (n,))
+    target[::4] = ignore_index
+    grad_loss = randn(n)
+    loss, lse = cross_entropy_fwd(logits, target, eps, ignore_index)
+    ref_loss, ref_grad = _reference_ce(logits, target, grad_loss, eps, ignore_index)
+    assert loss.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref_loss, **dtype_tols(torch.float32))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits.double(), -1), **dtype_tols(torch.float32))
+    dlogits = cross_entropy_bwd(grad_loss, logits, target, lse, eps, ignore_index)
+    assert dlogits.dtype == dtype and dlogits.shape == logits.shape
+    torch.testing.assert_close(dlogits.double(), ref_grad, **dtype_tols(dtype))
+    ignored = target == ignore_index
+    assert torch.all(loss[ignored] == 0) and torch.all(dlogits[ignored] == 0)
+
+
+def test_cross_entropy_through_ops_and_errors():
+    logits, target = randn(5, 11), torch.tensor([0, 10, -100, 3, 7])
+    (loss, lse), impl = ops.cross_entropy_fwd.traced(logits, target, 0.05)
+    assert impl.impl_id == "reference.torch"
+    torch.testing.assert_close(loss, cross_entropy_fwd(logits, target, 0.05)[0], rtol=0, atol=0)
+    grad = ops.cross_entropy_bwd(torch.ones(5), logits, target, lse, 0.05)
+    torch.testing.assert_close(grad, cross_entropy_bwd(torch.ones(5), logits, target, lse, 0.05), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"\[0, 11\)"):
+        cross_entropy_fwd(logits, torch.tensor([0, 11, 1, 2, 3]))
+    with pytest.raises(ValueError, match="2-D"):
+        cross_entropy_fwd(logits[None], target)
+    with pytest.raises(TypeError, match="integer"):
+        cross_entropy_fwd(logits, target.float())
