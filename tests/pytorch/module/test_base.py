@@ -1,0 +1,141 @@
+"""Module machinery: checkpoints (_extra_state without pickle, bit-identical continuation), their errors, device default."""
+
+import io
+import pickle
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from tests.utils import randn
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+RECIPE = DelayedScaling(margin=1, fp8_format=Format.HYBRID, amax_history_len=5, amax_compute_algo="max")
+
+
+def _model():
+    return torch.nn.Sequential(
+        te.LayerNormLinear(32, 32, normalization="RMSNorm"),
+        te.LayerNormMLP(32, 64, activation="swiglu"),
+        te.Linear(32, 16),
+    )
+
+
+def _train(model, optimizer, batches, recipe):
+    losses = []
+    for x, target in batches:
+        with te.autocast(recipe=recipe):
+            out = model(x)
+        loss = torch.nn.functional.mse_loss(out, target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _batches(n):
+    return [(randn(16, 32), randn(16, 16)) for _ in range(n)]
+
+
+def _round_trip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_checkpoint_round_trip_continues_bit_identically():
+    batches = _batches(6)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _train(model, opt, batches[:3], RECIPE)
+    saved = _round_trip({"model": model.state_dict(), "opt": opt.state_dict()})
+    straight = _train(model, opt, batches[3:], RECIPE)
+
+    torch.manual_seed(1234)  # a different initialization, overwritten by the checkpoint
+    resumed_model = _model()
+    resumed_opt = torch.optim.Adam(resumed_model.parameters(), lr=1e-3)
+    resumed_model.load_state_dict(saved["model"], strict=True)
+    resumed_opt.load_state_dict(saved["opt"])
+    meta = resumed_model[1].fp8_meta
+    assert meta["recipe"] == RECIPE and meta["scaling_fwd"].amax_history.shape == (5, 6)
+    resumed = _train(resumed_model, resumed_opt, batches[3:], RECIPE)
+
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    for (name, p), q in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q), name
+    for a, b in zip(model, resumed_model):
+        for key in ("scaling_fwd", "scaling_bwd"):
+            for attr in ("scale", "scale_inv", "amax_history"):
+                assert torch.equal(getattr(a.fp8_meta[key], attr), getattr(b.fp8_meta[key], attr))
+
+
+def test_extra_state_is_empty_without_delayed_scaling():
+    layer = te.Linear(16, 16)
+    assert layer.get_extra_state().numel() == 0
+    with te.autocast(recipe=Float8CurrentScaling()):
+        layer(randn(8, 16))
+    state = layer.state_dict()["_extra_state"]
+    assert state.dtype == torch.uint8 and state.numel() == 0
+    te.Linear(16, 16).load_state_dict(_round_trip(layer.state_dict()))
+
+
+def test_callable_recipe_fields_are_stored_by_name():
+    recipe = DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: h.amax(0))
+    layer = te.Linear(16, 16)
+    with te.autocast(recipe=recipe):
+        layer(randn(8, 16))
+    fresh = te.Linear(16, 16)
+    fresh.load_state_dict(_round_trip(layer.state_dict()))
+    assert fresh.fp8_meta["recipe"].amax_compute_algo == "max"  # the default; autocast brings the callable back
+    assert torch.equal(fresh.fp8_meta["scaling_fwd"].amax_history, layer.fp8_meta["scaling_fwd"].amax_history)
+
+
+def _delayed_checkpoint():
+    layer = te.Linear(16, 16)
+    with te.autocast(recipe=RECIPE):
+        layer(randn(8, 16))
+    return layer.state_dict()
+
+
+def test_loading_a_checkpoint_of_another_recipe_raises():
+    state = _delayed_checkpoint()
+    with te.quantized_model_init(recipe=Float8CurrentScaling()):
+        built_for_current = te.Linear(16, 16)
+    with pytest.raises(ValueError, match="DelayedScaling checkpoint into Linear, which uses Float8CurrentScaling"):
+        built_for_current.load_state_dict(state)
+    ran_current = te.Linear(16, 16)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        ran_current(randn(8, 16))
+    with pytest.raises(ValueError, match="same recipe"):
+        ran_current.load_state_dict(state)
+
+
+def test_foreign_or_mismatched_extra_state_raises():
+    layer = te.Linear(16, 16)
+    pickled = torch.frombuffer(bytearray(pickle.dumps({"scale_fwd": 1})), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not a TransformerEngine-FL payload.*arbitrary code"):
+        layer.set_extra_state(pickled)
+    with pytest.raises(ValueError, match="1 GEMMs but LayerNormMLP has 2"):
+        te.LayerNormMLP(16, 16).set_extra_state(_delayed_checkpoint()["_extra_state"])
+    state = {k: v for k, v in layer.state_dict().items() if k != "_extra_state"}
+    with pytest.raises(RuntimeError, match="_extra_state"):
+        te.Linear(16, 16).load_state_dict(state, strict=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only default")
+def test_default_device_is_cpu_without_cuda():
+    assert te.Linear(8, 8).weight.device.type == "cpu"
+    assert te.LayerNormMLP(8, 8).fc1_weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("recipe", [None, RECIPE, Float8CurrentScaling()], ids=["hp", "delayed", "current"])
+def test_zero_token_batches(recipe):
+    for module in (te.Linear(32, 16), te.LayerNormLinear(32, 16), te.LayerNormMLP(32, 64)):
+        x = torch.zeros(0, 32, requires_grad=True)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = module(x)
+        out.sum().backward()
+        assert out.shape[0] == 0 and x.grad.shape == (0, 32)
+        assert all(p.grad is not None and torch.all(p.grad == 0) for p in module.parameters())

@@ -1,0 +1,133 @@
+"""autocast / fp8_autocast: nesting, validation, emulation switch, calibration, recipe changes, FP8GlobalStateManager."""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager, availability, current_config
+
+
+def test_nesting_restores_the_outer_setting():
+    outer, inner = DelayedScaling(amax_history_len=2), Float8CurrentScaling()
+    assert not current_config().enabled
+    with te.autocast(recipe=outer):
+        assert current_config().recipe == outer and FP8GlobalStateManager.is_fp8_enabled()
+        with te.autocast(enabled=False, recipe=inner):
+            assert not current_config().enabled and current_config().recipe == inner
+            assert FP8GlobalStateManager.get_autocast_depth() == 2
+        assert current_config().enabled and FP8GlobalStateManager.get_fp8_recipe() == outer
+    assert not FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.get_autocast_depth() == 0
+
+
+def test_same_instance_cannot_be_entered_twice():
+    ctx = te.autocast(recipe=DelayedScaling())
+    with ctx:
+        with pytest.raises(RuntimeError, match="already active"):
+            ctx.__enter__()
+    with ctx:  # re-usable once exited
+        pass
+
+
+def test_fp8_autocast_is_a_deprecated_alias():
+    group = object()
+    with pytest.warns(DeprecationWarning, match="fp8_autocast is deprecated"):
+        ctx = te.fp8_autocast(enabled=True, calibrating=False, fp8_recipe=Float8CurrentScaling(), fp8_group=group)
+    with ctx:
+        config = current_config()
+        assert config.recipe == Float8CurrentScaling() and config.amax_reduction_group is group
+
+
+def test_default_recipe_on_cpu_is_delayed():
+    with te.autocast():
+        assert isinstance(current_config().recipe, DelayedScaling)
+
+
+@pytest.mark.parametrize("cls", [MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling])
+def test_block_recipes_construct_but_are_not_implemented_yet(cls):
+    recipe = cls()
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        with te.autocast(recipe=recipe):
+            pass
+    assert not current_config().enabled
+
+
+def test_bad_recipe_and_backward_override(monkeypatch):
+    with pytest.raises(TypeError, match="recipe must be"):
+        with te.autocast(recipe="fp8"):
+            pass
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")
+    with pytest.raises(NotImplementedError, match="backward_override"):
+        with te.autocast(recipe=Float8CurrentScaling()):
+            pass
+
+
+def _pretend_gpu(monkeypatch, capability):
+    monkeypatch.setattr(availability, "_cuda_capability", lambda: capability)
+
+
+def test_gpu_without_fp8_needs_explicit_emulation(monkeypatch):
+    _pretend_gpu(monkeypatch, (8, 6))
+    monkeypatch.delenv(availability.FP8_EMULATION_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=r"8\.9 or higher.*TE_FL_FP8_EMULATION=1"):
+        with te.autocast(recipe=DelayedScaling()):
+            pass
+    with te.autocast(enabled=False):  # high precision is always fine
+        pass
+    monkeypatch.setenv(availability.FP8_EMULATION_ENV, "1")
+    with te.autocast(recipe=DelayedScaling()):
+        assert current_config().enabled
+    _pretend_gpu(monkeypatch, (9, 0))
+    monkeypatch.delenv(availability.FP8_EMULATION_ENV)
+    with te.autocast(recipe=DelayedScaling()):
+        pass
+
+
+def test_calibration_computes_in_high_precision_and_records_amax():
+    layer = te.Linear(16, 16)
+    x = torch.randn(8, 16)
+    reference = layer(x)
+    with te.autocast(enabled=False, calibrating=True, recipe=DelayedScaling(amax_history_len=4)):
+        out = layer(x)
+    assert torch.equal(out, reference)
+    state = layer.fp8_meta["scaling_fwd"]
+    assert state.amax_history[0, 0] == x.abs().max() and state.amax_history[0, 1] == layer.weight.abs().max()
+    assert torch.all(state.scale == 1.0)  # not enabled: no update at exit
+
+
+def test_recipe_type_change_warns_and_rebuilds():
+    layer = te.Linear(16, 16)
+    x = torch.randn(8, 16)
+    with te.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        layer(x)
+    with pytest.warns(UserWarning, match="Recipe type changed from DelayedScaling to Float8CurrentScaling"):
+        with te.autocast(recipe=Float8CurrentScaling()):
+            layer(x)
+    assert not layer.fp8_meta["scaling_fwd"].has_amax_history
+
+
+def test_history_length_change_resizes_in_place():
+    layer = te.Linear(16, 16)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+            layer(x)
+    before = layer.fp8_meta["scaling_fwd"].amax_history.clone()
+    with pytest.warns(UserWarning, match="Quantizer is being updated"):
+        with te.autocast(recipe=DelayedScaling(amax_history_len=2)):
+            layer(x * 0)  # amax 0: idle slots, so the resized history is kept as is
+    assert torch.equal(layer.fp8_meta["scaling_fwd"].amax_history, before[:2])
+
+
+def test_global_state_manager_queries():
+    assert FP8GlobalStateManager.is_fp8_available() == availability.check_fp8_support()
+    assert FP8GlobalStateManager.is_mxfp8_available()[0] is False
+    assert FP8GlobalStateManager.fp8_graph_capturing() is False
+    with te.autocast(enabled=False, calibrating=True, recipe=DelayedScaling()):
+        assert FP8GlobalStateManager.is_fp8_calibration() and not FP8GlobalStateManager.is_fp8_enabled()

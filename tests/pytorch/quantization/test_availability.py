@@ -1,0 +1,59 @@
+"""Availability queries and the default recipe per compute capability."""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from transformer_engine.pytorch.quantization import availability
+
+
+def test_return_reason_forms():
+    for fn in (te.is_fp8_available, te.is_mxfp8_available, te.is_fp8_block_scaling_available, te.is_nvfp4_available,
+               te.is_bf16_available):
+        flag = fn()
+        both = fn(return_reason=True)
+        assert isinstance(flag, bool) and isinstance(both, tuple) and both[0] == flag and isinstance(both[1], str)
+    assert te.is_mxfp8_available(return_reason=True) == (False, "MXFP8BlockScaling is not implemented yet in TransformerEngine-FL's PyTorch modules")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_cpu_answers():
+    assert te.get_device_compute_capability() == (0, 0)
+    assert te.is_fp8_available(return_reason=True)[0] and "emulated" in te.is_fp8_available(return_reason=True)[1]
+    assert te.is_bf16_available()
+
+
+@pytest.mark.parametrize(
+    "capability, fp8, bf16, recipe",
+    [
+        ((7, 0), False, False, DelayedScaling),
+        ((8, 0), False, True, DelayedScaling),
+        ((9, 0), True, True, DelayedScaling),
+        ((10, 0), True, True, MXFP8BlockScaling),
+        ((12, 0), True, True, Float8CurrentScaling),
+    ],
+)
+def test_rules_per_capability(monkeypatch, capability, fp8, bf16, recipe):
+    monkeypatch.setattr(availability, "_cuda_capability", lambda: capability)
+    monkeypatch.delenv(availability.FP8_EMULATION_ENV, raising=False)
+    assert te.is_fp8_available() is fp8
+    assert te.is_bf16_available() is bf16
+    assert type(te.get_default_recipe()) is recipe
+
+
+def test_sm89_needs_cuda_12_1(monkeypatch):
+    monkeypatch.setattr(availability, "_cuda_capability", lambda: (8, 9))
+    monkeypatch.delenv(availability.FP8_EMULATION_ENV, raising=False)
+    monkeypatch.setattr(availability, "_cuda_version", lambda: (12, 0))
+    assert not te.is_fp8_available()
+    monkeypatch.setattr(availability, "_cuda_version", lambda: (12, 4))
+    assert te.is_fp8_available()
+
+
+def test_emulation_switch_parsing(monkeypatch):
+    monkeypatch.setenv(availability.FP8_EMULATION_ENV, "yes")
+    assert availability.fp8_emulation_requested()
+    monkeypatch.setenv(availability.FP8_EMULATION_ENV, "maybe")
+    with pytest.warns(UserWarning, match="TE_FL_FP8_EMULATION"):
+        assert not availability.fp8_emulation_requested()

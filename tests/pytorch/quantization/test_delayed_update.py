@@ -1,0 +1,157 @@
+"""Delayed scaling, step by step, against a hand-computed history and scale (TE's test_recipe.py ideas)."""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Format
+from transformer_engine.pytorch.quantization.delayed_update import reduce_and_update
+from transformer_engine.pytorch.quantization.recipe_state import DelayedScalingRecipeState
+from transformer_engine.pytorch.quantization.scaling import FP32_MAX
+
+
+class _Oracle:
+    """Float64 bookkeeping of TE's update: amax before the roll, scale = (fp8_max / amax) / 2^margin."""
+
+    def __init__(self, length, n, fp8_max, recipe):
+        self.h = [[0.0] * n for _ in range(length)]
+        self.s = [1.0] * n
+        self.fp8_max, self.recipe = fp8_max, recipe
+
+    def record(self, j, amax):
+        self.h[0][j] = max(self.h[0][j], amax)
+
+    def update(self):
+        for j, new in enumerate(self.h[0]):
+            if new == 0.0:  # the slot was not cast this step: untouched
+                continue
+            column = [row[j] for row in self.h]
+            amax = max(column) if self.recipe.amax_compute_algo == "max" else new
+            if math.isfinite(amax) and amax > 0:
+                s = self.fp8_max / amax / 2.0**self.recipe.margin
+                self.s[j] = FP32_MAX if s > FP32_MAX else s
+            for i in range(len(self.h) - 1):  # roll by -1, zero row 0
+                self.h[i][j] = self.h[i + 1][j]
+            self.h[-1][j], self.h[0][j] = new, 0.0
+
+    def check(self, state):
+        torch.testing.assert_close(state.amax_history, torch.tensor(self.h, dtype=torch.float32), rtol=0, atol=0)
+        torch.testing.assert_close(state.scale, torch.tensor(self.s, dtype=torch.float32), rtol=1e-6, atol=0)
+        torch.testing.assert_close(state.scale_inv, 1.0 / state.scale, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("history_len", [1, 3, 31])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_linear_module_scale_update_step_by_step(history_len, algo):
+    recipe = DelayedScaling(margin=2, amax_history_len=history_len, amax_compute_algo=algo)
+    layer = te.Linear(32, 16)
+    fwd, bwd = _Oracle(history_len, 3, 448.0, recipe), _Oracle(history_len, 2, 57344.0, recipe)
+    microbatch = [None, None, True, False, None]
+    for step, first in enumerate(microbatch):
+        x = torch.randn(16, 32) * (step + 1)
+        g = torch.randn(16, 16) * 0.1 * (step + 1)
+        with te.autocast(enabled=True, recipe=recipe):
+            y = layer(x, is_first_microbatch=first)
+        fwd.record(0, x.abs().max().item())
+        if first is not False:  # a cached weight is not cast again, so its amax is not recorded
+            fwd.record(1, layer.weight.detach().abs().max().item())
+        fwd.update()
+        fwd.check(layer.fp8_meta["scaling_fwd"])
+        (y * g).sum().backward()
+        bwd.record(0, g.abs().max().item())
+        bwd.update()
+        bwd.check(layer.fp8_meta["scaling_bwd"])
+
+
+def test_numeric_scenarios_zero_tiny_normal_inf_nan():
+    recipe = DelayedScaling(margin=1, amax_history_len=3)
+    state = DelayedScalingRecipeState(recipe, "forward", 5, "cpu")
+    state.scale.fill_(2.0)
+    state.amax_history[0] = torch.tensor([0.0, 1e-40, 3.0, math.inf, math.nan])
+    reduce_and_update([state], recipe)
+    expected_scale = torch.tensor([2.0, FP32_MAX, 448.0 / 3.0 / 2.0, 2.0, 2.0])
+    torch.testing.assert_close(state.scale, expected_scale, rtol=1e-6, atol=0)
+    assert torch.all(torch.isfinite(state.scale))
+    assert torch.all(state.amax_history[0] == 0)
+    assert state.amax_history[2, 2] == 3.0 and state.amax_history[2, 0] == 0.0  # slot 0 idle: not rolled
+
+
+def test_callable_algorithms():
+    def amax_algo(history):
+        return history.mean(dim=0)
+
+    def scale_algo(amax, scale, fp8_max, recipe):
+        return scale * 0.5 + fp8_max / amax
+
+    recipe = DelayedScaling(amax_history_len=2, amax_compute_algo=amax_algo)
+    state = DelayedScalingRecipeState(recipe, "forward", 2, "cpu")
+    state.amax_history[:] = torch.tensor([[4.0, 2.0], [2.0, 6.0]])
+    reduce_and_update([state], recipe)
+    torch.testing.assert_close(state.scale, torch.tensor([448.0 / 3.0, 448.0 / 4.0]))
+    torch.testing.assert_close(state.amax_history, torch.tensor([[0.0, 0.0], [4.0, 2.0]]))
+    recipe2 = DelayedScaling(amax_history_len=2, scaling_factor_compute_algo=scale_algo)
+    state2 = DelayedScalingRecipeState(recipe2, "forward", 1, "cpu")
+    state2.amax_history[0, 0] = 7.0
+    reduce_and_update([state2], recipe2)
+    torch.testing.assert_close(state2.scale, torch.tensor([0.5 + 448.0 / 7.0]))
+
+
+def test_forward_update_only_at_outermost_exit_with_grad():
+    recipe = DelayedScaling(amax_history_len=2)
+    a, b = te.Linear(16, 16), te.Linear(16, 16)
+    x = torch.randn(8, 16)
+    with te.autocast(recipe=recipe):
+        with te.autocast(recipe=recipe):
+            a(x)
+        assert torch.all(a.fp8_meta["scaling_fwd"].scale == 1.0)  # inner exit: no update
+        b(x)
+    for layer in (a, b):  # both updated together at the outermost exit
+        assert layer.fp8_meta["scaling_fwd"].scale[0] == 448.0 / x.abs().max()
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        a(x * 4)
+    assert a.fp8_meta["scaling_fwd"].scale[0] == 448.0 / x.abs().max()  # inference: not updated
+
+
+def test_hybrid_vs_e4m3_backward_max():
+    for fmt, fp8_max in ((Format.HYBRID, 57344.0), (Format.E4M3, 448.0)):
+        layer = te.Linear(16, 16)
+        with te.autocast(recipe=DelayedScaling(fp8_format=fmt, amax_history_len=1)):
+            y = layer(torch.randn(8, 16))
+        y.sum().backward()  # dy = 1
+        assert layer.fp8_meta["scaling_bwd"].scale[0] == fp8_max
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reduce_worker(rank, world, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        recipe = DelayedScaling(amax_history_len=2)
+        states = [DelayedScalingRecipeState(recipe, "forward", 3, "cpu") for _ in range(2)]
+        states[0].amax_history[0] = torch.tensor([1.0, 2.0, 0.0]) * (rank + 1)
+        states[1].amax_history[0] = torch.tensor([5.0, 1.0, 3.0]) / (rank + 1)
+        reduce_and_update(states, recipe, None)
+        results.put((rank, torch.cat([s.scale for s in states]).tolist()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_amax_max_reduced_across_ranks():
+    """Two gloo ranks with different amaxes end with the same scales, those of the elementwise max."""
+    context = mp.get_context("fork")
+    results = context.SimpleQueue()
+    mp.start_processes(_reduce_worker, args=(2, _free_port(), results), nprocs=2, join=True, start_method="fork")
+    expected = [448.0 / 2.0, 448.0 / 4.0, 1.0, 448.0 / 5.0, 448.0 / 1.0, 448.0 / 3.0]
+    scales = dict(results.get() for _ in range(2))
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(scales[rank]), torch.tensor(expected))

@@ -1,0 +1,105 @@
+"""The three GEMMs of a linear layer on high-precision or FP8 operands, and its shared backward.
+
+    fprop  y  = x @ W^T + b      gemm(x, W, trans_b=True)
+    dgrad  dx = dy @ W           gemm(dy, W)
+    wgrad  dW = dy^T @ x         gemm(dy, x, trans_a=True)      (accumulated into main_grad when fused)
+    bgrad  db = sum_rows(dy)
+
+An FP8 operand is a :class:`Float8Tensor`; the GEMM receives its data and scale_inv. Outputs are in
+the activation dtype (weight gradients in the parameter dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from transformer_engine.plugin import ops
+
+from ..quantization.float8_tensor import Float8Tensor
+from ._common import Operand
+
+__all__ = ["WgradTarget", "dgrad", "fprop", "gemm", "linear_backward"]
+
+
+def _parts(t: Operand):
+    return (t.data, t.scale_inv) if isinstance(t, Float8Tensor) else (t, None)
+
+
+def gemm(a: Operand, b: Operand, *, trans_a=False, trans_b=False, bias=None, out_dtype=None, out=None,
+         accumulate=False, split_accumulator=True) -> torch.Tensor:
+    """ops.gemm on operands that may be FP8: D = op(a) @ op(b) + bias."""
+    a_data, a_scale_inv = _parts(a)
+    b_data, b_scale_inv = _parts(b)
+    return ops.gemm(a_data, b_data, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate, split_accumulator)
+
+
+def fprop(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:
+    """y = x @ W^T + b, x [M, K], W [N, K]."""
+    return gemm(x, w, trans_b=True, bias=bias, out_dtype=out_dtype, split_accumulator=split_accumulator)
+
+
+def dgrad(dy: Operand, w: Operand, out_dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:
+    """dx = dy @ W, dy [M, N], W [N, K]."""
+    return gemm(dy, w, out_dtype=out_dtype, split_accumulator=split_accumulator)
+
+
+@dataclass(frozen=True)
+class WgradTarget:
+    """Where a weight gradient goes.
+
+    Attributes:
+        dtype: dtype of the returned gradient (the parameter's).
+        main_grad_params: with ``fuse_wgrad_accumulation``, the parameters whose ``main_grad`` receive
+            dW (split along dim 0 when the weight is several concatenated parameters); else empty.
+    """
+
+    dtype: torch.dtype
+    main_grad_params: Tuple[torch.nn.Parameter, ...] = ()
+
+
+def _wgrad(dy: Operand, x: Operand, target: WgradTarget, split_accumulator: bool) -> Optional[torch.Tensor]:
+    """dW = dy^T @ x, returned, or accumulated into main_grad (returning TE's placeholder or None)."""
+    params = target.main_grad_params
+    if not params:
+        return gemm(dy, x, trans_a=True, out_dtype=target.dtype, split_accumulator=split_accumulator)
+    if len(params) == 1:
+        gemm(dy, x, trans_a=True, out=params[0].main_grad, accumulate=True, split_accumulator=split_accumulator)
+    else:
+        dw = gemm(dy, x, trans_a=True, out_dtype=torch.float32, split_accumulator=split_accumulator)
+        for param, part in zip(params, dw.split([p.shape[0] for p in params])):
+            param.main_grad.add_(part)
+    return _main_grad_placeholder(params)
+
+
+def _main_grad_placeholder(params) -> Optional[torch.Tensor]:
+    """TE's convention: parameters flagged ``grad_added_to_main_grad`` get a dummy grad (zeros if ``zero_out_wgrad``)."""
+    if not all(hasattr(p, "grad_added_to_main_grad") for p in params):
+        return None
+    for p in params:
+        p.grad_added_to_main_grad = True
+    rows = sum(p.shape[0] for p in params)
+    shape = (rows,) + tuple(params[0].shape[1:])
+    make = torch.zeros if getattr(params[0], "zero_out_wgrad", False) else torch.empty
+    return make(shape, dtype=params[0].dtype, device=params[0].device)
+
+
+def linear_backward(dy_op: Operand, dy_hp: torch.Tensor, x: Operand, w: Operand, need: Tuple[bool, bool, bool],
+                    target: WgradTarget, split_accumulator: Tuple[bool, bool, bool]):
+    """(dx, dW, db) of y = x @ W^T + b; each is None when ``need`` (dx, dW, db) says so.
+
+    Args:
+        dy_op: dy as GEMM operand (FP8 or high precision), [M, N].
+        dy_hp: dy in high precision (for db), [M, N].
+        x, w: the forward operands saved for backward.
+        need: which of dx, dW, db are needed.
+        target: where dW goes.
+        split_accumulator: of the (fprop, dgrad, wgrad) GEMMs.
+    """
+    need_dx, need_dw, need_db = need
+    dx = dgrad(dy_op, w, dy_hp.dtype, split_accumulator[1]) if need_dx else None
+    dw = _wgrad(dy_op, x, target, split_accumulator[2]) if need_dw else None
+    db = dy_hp.sum(dim=0, dtype=torch.float32) if need_db else None
+    return dx, dw, db

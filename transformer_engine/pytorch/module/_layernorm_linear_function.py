@@ -1,0 +1,85 @@
+"""The autograd Function of ``LayerNormLinear``: y = norm(x) @ W^T + b, FP8 GEMMs under autocast.
+
+Forward: the norm writes its output directly as the FP8 GEMM operand (fused cast), unless the
+high-precision norm output is returned too (``return_layernorm_output``), then it is cast after.
+Saved: x (for the norm backward), gamma, the statistics, the FP8 norm output and the W operand.
+Backward: dy -> FP8 (E5M2 under HYBRID); dgrad and wgrad as in Linear; the norm backward takes the
+dgrad result (plus the gradient of the returned norm output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..quantization.quantizer import IDENTITY
+from ._common import Operand, cast, no_torch_autocast, save, saved
+from ._fp8_meta import ForwardQuantization
+from ._gemm import WgradTarget, fprop, linear_backward
+from ._norm import NormConfig, norm_backward, norm_forward
+
+__all__ = ["LayerNormLinearArgs", "LayerNormLinearFunction", "norm_then_quantize"]
+
+
+@dataclass(frozen=True)
+class LayerNormLinearArgs:
+    """Non-tensor arguments of :class:`LayerNormLinearFunction` (see ``LinearArgs``)."""
+
+    dtype: torch.dtype
+    quantization: ForwardQuantization
+    weight_operand: Operand
+    wgrad: WgradTarget
+    norm: NormConfig
+    return_layernorm_output: bool
+
+
+def norm_then_quantize(x, gamma, beta, norm: NormConfig, quantizer, dtype, return_hp: bool):
+    """(operand, norm output to return or None, stats): fused norm + cast, or norm then cast when the output is returned."""
+    if not return_hp:
+        ln_op, stats = norm_forward(x, gamma, beta, norm, quantizer, dtype)
+        return ln_op, None, stats
+    ln_out, stats = norm_forward(x, gamma, beta, norm, IDENTITY, dtype)
+    return quantizer.quantize(ln_out), ln_out, stats
+
+
+class LayerNormLinearFunction(torch.autograd.Function):
+    """y = norm(x) @ W^T + b (and norm(x) with return_layernorm_output)."""
+
+    @staticmethod
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias: Optional[torch.Tensor], args: LayerNormLinearArgs):
+        q, dtype = args.quantization, args.dtype
+        x = cast(inp.reshape(-1, inp.shape[-1]).contiguous(), dtype)
+        gamma = cast(ln_weight, dtype)
+        with no_torch_autocast(inp.device):
+            ln_op, ln_out, stats = norm_then_quantize(
+                x, gamma, cast(ln_bias, dtype), args.norm, q.gemms[0].input, dtype, args.return_layernorm_output
+            )
+            w_op = cast(args.weight_operand, dtype)
+            y = fprop(ln_op, w_op, cast(bias, dtype), dtype, q.split_accumulator[0])
+        save(ctx, x, gamma, ln_op if weight.requires_grad else None, w_op, *stats)
+        ctx.args = args
+        ctx.meta = (inp.shape, inp.dtype, ln_weight.dtype, None if ln_bias is None else ln_bias.dtype, None if bias is None else bias.dtype)
+        y = y.reshape(*inp.shape[:-1], y.shape[-1])
+        return (y, ln_out.reshape(inp.shape)) if args.return_layernorm_output else y
+
+    @staticmethod
+    def backward(ctx, dy, *d_ln_out):
+        args, (inp_shape, inp_dtype, gamma_dtype, beta_dtype, bias_dtype) = ctx.args, ctx.meta
+        q = args.quantization
+        x, gamma, ln_op, w_op, *stats = saved(ctx)
+        with no_torch_autocast(dy.device):
+            dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
+            dy_op = q.gemms[0].grad_output.quantize(dy_hp)
+            need = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[3], ctx.needs_input_grad[4])
+            d_ln, dw, db = linear_backward(dy_op, dy_hp, ln_op, w_op, need, args.wgrad, q.split_accumulator)
+            dx = dgamma = dbeta = None
+            if d_ln is not None:
+                if args.return_layernorm_output:
+                    d_ln = d_ln + cast(d_ln_out[0].reshape(d_ln.shape), args.dtype)
+                dx, dgamma, dbeta = norm_backward(d_ln, x, tuple(stats), gamma, args.norm)
+        if q.backward_update is not None:
+            q.backward_update()
+        dx = None if dx is None else dx.reshape(inp_shape).to(inp_dtype)
+        return dx, cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype), dw, cast(db, bias_dtype), None

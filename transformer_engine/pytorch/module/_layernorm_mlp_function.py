@@ -1,0 +1,85 @@
+"""The autograd Function of ``LayerNormMLP``: y = fc2(act(fc1(norm(x)))), all four GEMMs' operands FP8 under autocast.
+
+Forward: norm -> FP8 (fused cast, slot GEMM1_INPUT); h = fc1 fprop (high precision, kept for the
+activation backward); a = act(h) -> FP8 by the fused activation cast (slot GEMM2_INPUT); y = fc2 fprop.
+Saved: x, gamma, statistics, the FP8 norm output, h, the FP8 activation output and both W operands.
+Backward: dy -> FP8 (GRAD_OUTPUT2); fc2 dgrad/wgrad; dh = dact(da, h) -> FP8 (GRAD_OUTPUT1); fc1
+dgrad/wgrad; norm backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._activation import ActivationConfig
+from ._common import Operand, cast, no_torch_autocast, save, saved
+from ._fp8_meta import ForwardQuantization
+from ._gemm import WgradTarget, fprop, linear_backward
+from ._layernorm_linear_function import norm_then_quantize
+from ._norm import NormConfig, norm_backward
+
+__all__ = ["LayerNormMLPArgs", "LayerNormMLPFunction"]
+
+
+@dataclass(frozen=True)
+class LayerNormMLPArgs:
+    """Non-tensor arguments of :class:`LayerNormMLPFunction`; fc1 is GEMM 1, fc2 GEMM 2."""
+
+    dtype: torch.dtype
+    quantization: ForwardQuantization
+    fc1_operand: Operand
+    fc2_operand: Operand
+    fc1_wgrad: WgradTarget
+    fc2_wgrad: WgradTarget
+    norm: NormConfig
+    activation: ActivationConfig
+    return_layernorm_output: bool = False
+
+
+class LayerNormMLPFunction(torch.autograd.Function):
+    """y = fc2(act(fc1(norm(x)))) (and norm(x) with return_layernorm_output)."""
+
+    @staticmethod
+    def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, args: LayerNormMLPArgs):
+        q, dtype = args.quantization, args.dtype
+        g1, g2 = q.gemms
+        x = cast(inp.reshape(-1, inp.shape[-1]).contiguous(), dtype)
+        gamma = cast(ln_weight, dtype)
+        with no_torch_autocast(inp.device):
+            ln_op, ln_out, stats = norm_then_quantize(
+                x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, args.return_layernorm_output
+            )
+            w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
+            h = fprop(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0])
+            a_op, _ = g2.input.produce(args.activation.producer(h))
+            y = fprop(a_op, w2, cast(fc2_bias, dtype), dtype, q.split_accumulator[0])
+        save(ctx, x, gamma, ln_op, w1, h, a_op, w2, *stats)
+        ctx.args = args
+        ctx.dtypes = (inp.dtype, ln_weight.dtype) + tuple(None if t is None else t.dtype for t in (ln_bias, fc1_bias, fc2_bias))
+        ctx.inp_shape = inp.shape
+        y = y.reshape(*inp.shape[:-1], y.shape[-1])
+        return (y, ln_out.reshape(inp.shape)) if args.return_layernorm_output else y
+
+    @staticmethod
+    def backward(ctx, dy, *d_ln_out):
+        args, needs = ctx.args, ctx.needs_input_grad
+        q, dtype = args.quantization, args.dtype
+        g1, g2 = q.gemms
+        inp_dtype, gamma_dtype, beta_dtype, b1_dtype, b2_dtype = ctx.dtypes
+        x, gamma, ln_op, w1, h, a_op, w2, *stats = saved(ctx)
+        with no_torch_autocast(dy.device):
+            dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), dtype)
+            da, dw2, db2 = linear_backward(g2.grad_output.quantize(dy_hp), dy_hp, a_op, w2, (True, needs[5], needs[6]),
+                                           args.fc2_wgrad, q.split_accumulator)
+            dh = args.activation.backward(da, h)
+            d_ln, dw1, db1 = linear_backward(g1.grad_output.quantize(dh), dh, ln_op, w1, (True, needs[3], needs[4]),
+                                             args.fc1_wgrad, q.split_accumulator)
+            if args.return_layernorm_output:
+                d_ln = d_ln + cast(d_ln_out[0].reshape(d_ln.shape), dtype)
+            dx, dgamma, dbeta = norm_backward(d_ln, x, tuple(stats), gamma, args.norm)
+        if q.backward_update is not None:
+            q.backward_update()
+        return (dx.reshape(ctx.inp_shape).to(inp_dtype), cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype),
+                dw1, cast(db1, b1_dtype), dw2, cast(db2, b2_dtype), None)

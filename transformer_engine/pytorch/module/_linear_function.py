@@ -1,0 +1,68 @@
+"""The autograd Function of ``Linear``: y = x @ W^T + b with its three GEMMs in FP8 under autocast.
+
+Forward: x is cast by the input quantizer (FP8: E4M3), W arrives as its operand (FP8, possibly cached);
+fprop y = gemm(x, W^T) + b in the activation dtype. Saved for backward: the x operand (FP8 under
+autocast, so the high-precision x is not kept) and the W operand.
+Backward: dy is cast by the grad-output quantizer (E5M2 under HYBRID); dgrad dx = dy @ W, wgrad
+dW = dy^T @ x (into ``main_grad`` with fuse_wgrad_accumulation), db = sum_rows(dy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ._common import Operand, cast, no_torch_autocast, save, saved
+from ._fp8_meta import ForwardQuantization
+from ._gemm import WgradTarget, fprop, linear_backward
+
+__all__ = ["LinearArgs", "LinearFunction"]
+
+
+@dataclass(frozen=True)
+class LinearArgs:
+    """Non-tensor arguments of :class:`LinearFunction`.
+
+    Attributes:
+        dtype: activation dtype (of the GEMM outputs).
+        quantization: the quantizers of this call.
+        weight_operand: W as GEMM operand (FP8 or the high-precision weight).
+        wgrad: where dW goes.
+    """
+
+    dtype: torch.dtype
+    quantization: ForwardQuantization
+    weight_operand: Operand
+    wgrad: WgradTarget
+
+
+class LinearFunction(torch.autograd.Function):
+    """y = x @ W^T + b; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: LinearArgs):
+        q = args.quantization
+        x = inp.reshape(-1, inp.shape[-1]).contiguous()
+        with no_torch_autocast(inp.device):
+            x_op = q.gemms[0].input.quantize(cast(x, args.dtype))
+            w_op = cast(args.weight_operand, args.dtype)
+            y = fprop(x_op, w_op, cast(bias, args.dtype), args.dtype, q.split_accumulator[0])
+        save(ctx, x_op if weight.requires_grad else None, w_op if inp.requires_grad else None)
+        ctx.args, ctx.inp_meta, ctx.bias_dtype = args, (inp.shape, inp.dtype), None if bias is None else bias.dtype
+        return y.reshape(*inp.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        args, (inp_shape, inp_dtype) = ctx.args, ctx.inp_meta
+        q = args.quantization
+        x_op, w_op = saved(ctx)
+        with no_torch_autocast(dy.device):
+            dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
+            dy_op = q.gemms[0].grad_output.quantize(dy_hp)
+            dx, dw, db = linear_backward(dy_op, dy_hp, x_op, w_op, ctx.needs_input_grad[:3], args.wgrad, q.split_accumulator)
+        if q.backward_update is not None:
+            q.backward_update()
+        dx = None if dx is None else dx.reshape(inp_shape).to(inp_dtype)
+        return dx, dw, cast(db, ctx.bias_dtype), None

@@ -1,0 +1,144 @@
+"""Parameter layouts shared by the modules: a linear (optionally split and tensor-parallel) and a norm.
+
+Linear: weight [out, in] initialized by ``init_method`` (default normal, std 0.023, as TE), bias [out]
+zeros. ``parameters_split`` (names, equal split; or name -> size) replaces them with
+``<name>_weight`` / ``<name>_bias`` stacked along dim 0. ``parallel_mode`` "column" divides the
+output features by ``tp_size``, "row" the input features; weights get Megatron's
+``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` attributes.
+
+Norm: gamma = ones (zeros with ``zero_centered_gamma``), beta = zeros (LayerNorm only).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from ._norm import NormConfig
+
+__all__ = ["LinearLayout", "add_linear_params", "add_norm_params", "default_init_method", "parallel_features"]
+
+_PARALLEL_MODES = (None, "column", "row")
+
+
+def default_init_method(weight: torch.Tensor) -> None:
+    """TE's default init: weight ~ N(0, 0.023^2)."""
+    torch.nn.init.normal_(weight, mean=0.0, std=0.023)
+
+
+def _zeros(t: torch.Tensor) -> None:
+    t.zero_()
+
+
+def _ones(t: torch.Tensor) -> None:
+    t.fill_(1.0)
+
+
+@dataclass(frozen=True)
+class LinearLayout:
+    """Names and local sizes of a linear's parameters (weight splits stack along dim 0)."""
+
+    weight_names: Tuple[str, ...]
+    bias_names: Tuple[str, ...]
+    in_features: int
+    out_features: int
+
+    def weight(self, module: torch.nn.Module) -> torch.Tensor:
+        """The full weight [out, in] (a concatenation when split)."""
+        return _stack(module, self.weight_names)
+
+    def bias(self, module: torch.nn.Module) -> Optional[torch.Tensor]:
+        """The full bias [out], or None."""
+        return _stack(module, self.bias_names) if self.bias_names else None
+
+    def weight_params(self, module: torch.nn.Module) -> Tuple[torch.nn.Parameter, ...]:
+        """The weight parameters themselves (for ``main_grad``)."""
+        return tuple(getattr(module, n) for n in self.weight_names)
+
+
+def _stack(module, names):
+    tensors = [getattr(module, n) for n in names]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def parallel_features(in_features: int, out_features: int, parallel_mode: Optional[str], tp_size: int) -> Tuple[int, int]:
+    """Local (in, out) features: "column" divides out by tp_size, "row" divides in."""
+    if parallel_mode not in _PARALLEL_MODES:
+        raise ValueError(f"parallel_mode={parallel_mode!r} is not supported; use None, 'column' or 'row'")
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    divided = {"column": out_features, "row": in_features}.get(parallel_mode, tp_size)
+    if divided % tp_size:
+        raise ValueError(f"{parallel_mode} parallelism needs the split features ({divided}) divisible by tp_size={tp_size}")
+    if parallel_mode == "column":
+        return in_features, out_features // tp_size
+    if parallel_mode == "row":
+        return in_features // tp_size, out_features
+    return in_features, out_features
+
+
+def _split_sizes(prefix: str, out_features: int, parameters_split) -> Dict[str, int]:
+    """Parameter-name prefix -> rows of each weight split."""
+    if parameters_split is None:
+        return {prefix: out_features}
+    if isinstance(parameters_split, dict):
+        sizes = OrderedDict((f"{name.rstrip('_')}_", int(size)) for name, size in parameters_split.items())
+        if sum(sizes.values()) != out_features:
+            raise ValueError(f"parameters_split sizes {dict(parameters_split)} must sum to out_features={out_features}")
+        return sizes
+    names = tuple(parameters_split)
+    if not names or out_features % len(names):
+        raise ValueError(f"parameters_split {names} must split out_features={out_features} into equal parts")
+    return OrderedDict((f"{name.rstrip('_')}_", out_features // len(names)) for name in names)
+
+
+def add_linear_params(module, prefix: str, in_features: int, out_features: int, *, parameters_split=None,
+                      bias: bool = True, init_method: Optional[Callable] = None, dtype: torch.dtype,
+                      device: torch.device, parallel_mode: Optional[str] = None, tp_size: int = 1) -> LinearLayout:
+    """Register a linear's parameters on ``module`` (global sizes in, local sizes registered).
+
+    Names are ``<prefix>weight`` / ``<prefix>bias`` ("weight" for prefix "", "fc1_weight" for "fc1_"),
+    or ``<split>_weight`` / ``<split>_bias`` with ``parameters_split``.
+    """
+    local_in, local_out = parallel_features(in_features, out_features, parallel_mode, tp_size)
+    if parameters_split is not None and parallel_mode == "column":
+        parameters_split = _divide_split(parameters_split, tp_size)
+    sizes = _split_sizes(prefix, local_out, parameters_split)
+    tp_attrs = {} if parallel_mode is None else dict(
+        tensor_model_parallel=True, partition_dim=0 if parallel_mode == "column" else 1, partition_stride=1)
+    bias_attrs = tp_attrs if parallel_mode == "column" else {}
+    init = init_method or default_init_method
+    weights, biases = [], []
+    for name, rows in sizes.items():
+        module._register(f"{name}weight", (rows, local_in), init, dtype, device, **tp_attrs)
+        weights.append(f"{name}weight")
+        if bias:
+            module._register(f"{name}bias", (rows,), _zeros, dtype, device, **bias_attrs)
+            biases.append(f"{name}bias")
+        else:
+            module.register_parameter(f"{name}bias", None)
+    return LinearLayout(tuple(weights), tuple(biases), local_in, local_out)
+
+
+def _divide_split(parameters_split, tp_size: int):
+    if not isinstance(parameters_split, dict):
+        return parameters_split
+    for name, size in parameters_split.items():
+        if size % tp_size:
+            raise ValueError(f"parameters_split[{name!r}]={size} is not divisible by tp_size={tp_size}")
+    return {name: size // tp_size for name, size in parameters_split.items()}
+
+
+def add_norm_params(module, prefix: str, shape: Tuple[int, ...], cfg: NormConfig, *, dtype: torch.dtype,
+                    device: torch.device, sequence_parallel: bool = False) -> None:
+    """Register gamma (``<prefix>weight``) and beta (``<prefix>bias``; None for RMSNorm) of ``shape``."""
+    attrs = {"sequence_parallel": True} if sequence_parallel else {}
+    gamma_init = _zeros if cfg.zero_centered_gamma else _ones
+    module._register(f"{prefix}weight", shape, gamma_init, dtype, device, **attrs)
+    if cfg.has_bias:
+        module._register(f"{prefix}bias", shape, _zeros, dtype, device, **attrs)
+    else:
+        module.register_parameter(f"{prefix}bias", None)

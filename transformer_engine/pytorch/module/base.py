@@ -1,0 +1,305 @@
+"""``TransformerEngineBaseModule``: what every TE module shares.
+
+- parameters: created in one place with an init function each; ``device=None`` means the current
+  CUDA device if there is one, else the CPU (NVIDIA TE insists on CUDA); ``device="meta"`` defers
+  initialization until :meth:`reset_parameters`;
+- forward checks, before any work: input type and dtype (outside ``torch.autocast`` it must equal the
+  parameter dtype), feature size, and under FP8 TE's shape rule (product of the leading dims % 8 == 0,
+  last dim % 16 == 0, for the input and each weight);
+- quantization: ``fp8_meta`` / ``quantizers`` (TE's names) kept in line with the active autocast, the
+  quantizers of each forward call, and the quantized-weight cache of ``is_first_microbatch``;
+- checkpoints: ``_extra_state`` carries the delayed-scaling state without pickle (see
+  :mod:`._extra_state`).
+
+NaN / inf inputs under FP8: the amax is taken over the finite elements only, so one bad value never
+poisons the amax history and the scale stays finite; inf saturates to +-fp8_max in the cast and NaN
+stays NaN, so it propagates to the output as it would in high precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+
+from ..quantization.autocast import current_config, register_states
+from ..quantization.float8_tensor import Float8Tensor
+from ..quantization.model_init import keep_high_precision_init_val, model_init_config
+from ..quantization.quantizer import IDENTITY, Quantizer
+from ..quantization.recipe_state import RecipeState
+from . import _extra_state
+from ._common import Operand
+from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
+
+__all__ = ["ParallelConfig", "TransformerEngineBaseModule", "check_fp8_shape", "check_unsupported", "default_device", "resolve_params_dtype", "te_outputs"]
+
+
+def default_device(device=None) -> torch.device:
+    """``device`` as a torch.device; None means the current CUDA device if there is one, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_fp8_shape(what: str, shape: Sequence[int]) -> None:
+    """TE's FP8 GEMM shape rule: prod(shape[:-1]) % 8 == 0 and shape[-1] % 16 == 0; ValueError otherwise."""
+    lead, last = math.prod(shape[:-1]), shape[-1]
+    if lead % 8 or last % 16:
+        raise ValueError(
+            f"FP8 execution requires the product of all dimensions but the last to be divisible by 8 and the last "
+            f"dimension to be divisible by 16; the {what} has shape {tuple(shape)} (product {lead}, last {last}). "
+            "Pad it, or run this layer outside autocast(enabled=True)"
+        )
+
+
+def check_unsupported(**flags) -> None:
+    """NotImplementedError for each TE option given a value we cannot honour yet."""
+    for name, value in flags.items():
+        if value:
+            raise NotImplementedError(f"{name}={value!r} is not implemented yet in TransformerEngine-FL; leave it at its default")
+
+
+def resolve_params_dtype(params_dtype: Optional[torch.dtype], dtype: Optional[torch.dtype]) -> torch.dtype:
+    """``params_dtype`` or its alias ``dtype`` (not both), default ``torch.get_default_dtype()``."""
+    if params_dtype is not None and dtype is not None and params_dtype != dtype:
+        raise ValueError(f"params_dtype={params_dtype} and dtype={dtype} disagree; pass only one")
+    return params_dtype or dtype or torch.get_default_dtype()
+
+
+def te_outputs(result, bias, return_bias: bool, return_layernorm_output: bool):
+    """TE's return convention: out, then bias if asked, then ln_out if asked (a bare tensor when alone)."""
+    out, ln_out = result if return_layernorm_output else (result, None)
+    items = [out] + ([bias] if return_bias else []) + ([ln_out] if return_layernorm_output else [])
+    return items[0] if len(items) == 1 else tuple(items)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor-parallel and communication-overlap settings: stored now, used when their issue lands.
+
+    With ``tp_size`` 1 they change nothing; "column" / "row" ``parallel_mode`` already sizes the
+    parameters per rank. ``comm_overlap`` names the ``ub_*`` options that were switched on.
+    """
+
+    tp_group: Any = None
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    parallel_mode: Optional[str] = None
+    symmetric_ar_type: Optional[str] = None
+    comm_overlap: Tuple[str, ...] = ()
+    ub_name: Optional[str] = None
+
+    @staticmethod
+    def switched_on(**ub_flags) -> Tuple[str, ...]:
+        """The names of the ``ub_*`` flags that are True."""
+        return tuple(name for name, on in ub_flags.items() if on)
+
+
+class TransformerEngineBaseModule(torch.nn.Module):
+    """Base of the TE modules (see the module docstring).
+
+    Args:
+        num_gemms: GEMMs per forward (Linear 1, LayerNormMLP 2, norms 0).
+        get_rng_state_tracker: optional callable returning a tracker whose ``fork(name)`` context
+            wraps parameter initialization.
+        rng_tracker_name: name given to ``fork``.
+        name: the module's name (TE's debug name).
+    """
+
+    def __init__(self, num_gemms: int, get_rng_state_tracker=None, rng_tracker_name: Optional[str] = None,
+                 name: Optional[str] = None):
+        super().__init__()
+        self.fp8_meta = new_fp8_meta(num_gemms)
+        self.quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}
+        self.name = name
+        self._param_init: Dict[str, Callable[[torch.Tensor], None]] = {}
+        self._weight_cache: Dict[str, Float8Tensor] = {}
+        self._rng = (get_rng_state_tracker, rng_tracker_name)
+        init = model_init_config()
+        self.primary_weights_in_fp8 = init.enabled
+        self._model_init_recipe = init.recipe if init.enabled else None
+        self._keep_init_val = init.enabled and init.preserve_high_precision_init_val
+
+    # ----------------------------------------------------------------------------- parallel settings
+    parallel = ParallelConfig()
+
+    @property
+    def tp_group(self):
+        return self.parallel.tp_group
+
+    @property
+    def tp_size(self) -> int:
+        return self.parallel.tp_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallel.sequence_parallel
+
+    @property
+    def parallel_mode(self) -> Optional[str]:
+        return self.parallel.parallel_mode
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Set the tensor-parallel process group (TE's method)."""
+        self.parallel = replace(self.parallel, tp_group=tp_group)
+
+    # ----------------------------------------------------------------------------- parameters
+    def _register(self, name: str, shape: Tuple[int, ...], init_fn: Callable, dtype: torch.dtype,
+                  device: torch.device, **attributes) -> torch.nn.Parameter:
+        """Create parameter ``name`` (uninitialized) with its init function and extra attributes."""
+        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        for key, value in attributes.items():
+            setattr(param, key, value)
+        self.register_parameter(name, param)
+        self._param_init[name] = init_fn
+        return param
+
+    def _rng_context(self):
+        tracker, tracker_name = self._rng
+        if tracker is None:
+            return contextlib.nullcontext()
+        return tracker().fork() if tracker_name is None else tracker().fork(tracker_name)
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """(Re)initialize every parameter; parameters on "meta" are first materialized on :func:`default_device`."""
+        if defer_init:
+            return
+        for name, init_fn in self._param_init.items():
+            param = getattr(self, name)
+            if param.device.type == "meta":
+                param = self._materialize(name, param)
+            with torch.no_grad(), self._rng_context():
+                init_fn(param)
+            if self._keep_init_val:
+                keep_high_precision_init_val(param)
+        self._weight_cache.clear()
+
+    def _materialize(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=default_device()),
+                                 requires_grad=param.requires_grad)
+        new.__dict__.update(param.__dict__)
+        setattr(self, name, new)
+        return new
+
+    # ----------------------------------------------------------------------------- forward checks
+    def _activation_dtype(self, inp: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype: torch.autocast's dtype when it is on, else the parameters' (which ``inp`` must have)."""
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} expects a torch.Tensor input, got {type(inp).__name__}")
+        if not inp.is_floating_point():
+            raise TypeError(f"{type(self).__name__} expects a floating-point input, got dtype {inp.dtype}")
+        if torch.is_autocast_enabled(inp.device.type):
+            return torch.get_autocast_dtype(inp.device.type)
+        if inp.dtype != param_dtype:
+            raise TypeError(
+                f"{type(self).__name__}: the input dtype {inp.dtype} differs from the parameter dtype {param_dtype}; "
+                f"cast the input to {param_dtype}, convert the module with .to({inp.dtype}), or run under torch.autocast"
+            )
+        return param_dtype
+
+    def _check_features(self, inp: torch.Tensor, features: int, what: str = "in_features") -> None:
+        if inp.dim() < 1 or inp.shape[-1] != features:
+            raise ValueError(
+                f"{type(self).__name__} expects the last dimension of its input to be {what}={features}, "
+                f"got input shape {tuple(inp.shape)}"
+            )
+
+    # ----------------------------------------------------------------------------- quantization
+    def _check_recipe_match(self, recipe) -> None:
+        built = self._model_init_recipe
+        if built is not None and type(built) is not type(recipe):
+            raise RuntimeError(
+                f"Recipe mismatch for {type(self).__name__}: its weights were built under quantized_model_init with "
+                f"{type(built).__name__}, but the autocast recipe is {type(recipe).__name__}"
+            )
+
+    def _prepare_quantization(self, device: torch.device, shapes: Iterable[Tuple[str, Sequence[int]]]) -> ForwardQuantization:
+        """The quantizers of this forward call, with the checks that must pass first.
+
+        Args:
+            device: where the scaling state lives (the input's device).
+            shapes: (what, shape) of every GEMM operand that the FP8 shape rule applies to.
+        """
+        config = current_config()
+        n = self.fp8_meta["num_gemms"]
+        if not config.active:
+            return high_precision(n)
+        self._check_recipe_match(config.recipe)
+        if config.enabled:
+            for what, shape in shapes:
+                check_fp8_shape(what, shape)
+        if ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__):
+            self._weight_cache.clear()
+        fwd_state, bwd_state = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
+        if not config.enabled:  # calibration: high precision, amaxes recorded
+            observers = fwd_state.make_observers()
+            return ForwardQuantization(GemmQuantizers.from_slots(observers, [IDENTITY] * bwd_state.num_quantizers, n))
+        return ForwardQuantization(
+            gemms=GemmQuantizers.from_slots(self.quantizers["scaling_fwd"], self.quantizers["scaling_bwd"], n),
+            split_accumulator=fwd_state.split_accumulator,
+            backward_update=register_states(fwd_state, bwd_state),
+        )
+
+    def _weight_operand(self, key: str, weight: torch.Tensor, quantizer: Quantizer,
+                        is_first_microbatch: Optional[bool]) -> Operand:
+        """The weight as GEMM operand; FP8 copies are cached per TE's ``is_first_microbatch`` rule.
+
+        None: quantize, no cache. True: quantize and cache. False: reuse the cache (the weight's amax
+        is then not recorded), quantizing only if there is none yet.
+        """
+        if not quantizer.is_fp8:
+            return quantizer.quantize(weight)
+        cached = self._weight_cache.get(key)
+        if is_first_microbatch is False and cached is not None:
+            return cached
+        with torch.no_grad():
+            operand = quantizer.quantize(weight)
+        if is_first_microbatch is not None:
+            self._weight_cache[key] = operand
+        return operand
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def get_extra_state(self) -> torch.Tensor:
+        """The delayed-scaling state as a uint8 tensor (empty when there is none)."""
+        if not self.fp8_meta["fp8_checkpoint"]:
+            return _extra_state.empty()
+        return _extra_state.encode(self.fp8_meta)
+
+    def set_extra_state(self, state) -> None:
+        """Restore what :meth:`get_extra_state` saved (an empty tensor or None restores nothing).
+
+        Raises:
+            ValueError: for a payload that is not ours (e.g. pickled), another GEMM count, or a
+                recipe type that differs from the module's.
+        """
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        loaded = _extra_state.decode(state)
+        current = self._model_init_recipe or self.fp8_meta["recipe"]
+        if current is not None and type(current) is not type(loaded.recipe):
+            raise ValueError(
+                f"cannot load the _extra_state of a {type(loaded.recipe).__name__} checkpoint into "
+                f"{type(self).__name__}, which uses {type(current).__name__}; load a checkpoint saved with the same "
+                "recipe, or leave out the '_extra_state' keys (load_state_dict(..., strict=False))"
+            )
+        n = self.fp8_meta["num_gemms"]
+        if loaded.num_gemms != n:
+            raise ValueError(f"the _extra_state holds {loaded.num_gemms} GEMMs but {type(self).__name__} has {n}")
+        device = self._state_device()
+        states = [RecipeState.create(loaded.recipe, mode=m, num_gemms=n, device=device) for m in ("forward", "backward")]
+        for state, tensors in zip(states, (loaded.scaling_fwd, loaded.scaling_bwd)):
+            if tensors["amax_history"].shape[1] != state.num_quantizers:
+                raise ValueError(f"the _extra_state has {tensors['amax_history'].shape[1]} {state.mode} slots, expected {state.num_quantizers}")
+            for key, value in tensors.items():
+                setattr(state, key, value.to(device))
+        install_states(self.fp8_meta, self.quantizers, *states)
+        self._weight_cache.clear()
+
+    def _state_device(self) -> torch.device:
+        devices = [p.device for p in self.parameters() if p.device.type != "meta"]
+        return devices[0] if devices else default_device()

@@ -1,0 +1,116 @@
+"""``LayerNormLinear``: y = norm(x) W^T + b, the norm fused with the FP8 cast of the GEMM input."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from ._common import cast
+from ._gemm import WgradTarget
+from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
+from ._norm import NormConfig
+from ._params import add_linear_params, add_norm_params
+from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
+
+__all__ = ["LayerNormLinear"]
+
+
+class LayerNormLinear(TransformerEngineBaseModule):
+    """Applies y = norm(x) W^T + b with norm = LayerNorm or RMSNorm; FP8 GEMMs under ``te.autocast``.
+
+    Args (TE's, in TE's order): as :class:`~.linear.Linear`, plus
+        eps: the norm's epsilon.
+        normalization: "LayerNorm" or "RMSNorm".
+        return_layernorm_output: also return the norm output (high precision).
+        return_layernorm_output_gathered: stored (sequence parallel; no effect with tp_size 1).
+        zero_centered_gamma: gamma applied as 1 + gamma, initialized to 0.
+
+    Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (None for RMSNorm), ``weight``, ``bias``
+    (or the ``parameters_split`` names).
+
+    Forward: ``forward(inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False)`` returns
+    ``out``, then ``bias`` if ``return_bias``, then ``ln_out`` if ``return_layernorm_output``.
+
+    Example:
+        >>> import torch, transformer_engine.pytorch as te
+        >>> layer = te.LayerNormLinear(32, 16, normalization="RMSNorm")
+        >>> layer(torch.randn(4, 32)).shape
+        torch.Size([4, 16])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        parameters_split: Optional[Union[Tuple[str, ...], Dict[str, int]]] = None,
+        zero_centered_gamma: bool = False,
+        device: Optional[Union[str, torch.device]] = None,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_name: Optional[str] = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: Optional[str] = None,
+        name: Optional[str] = None,
+    ):
+        super().__init__(1, get_rng_state_tracker, None, name)
+        check_unsupported(delay_wgrad_compute=delay_wgrad_compute)
+        self.in_features, self.out_features = in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self.return_layernorm_output, self.return_layernorm_output_gathered = return_layernorm_output, return_layernorm_output_gathered
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.parallel = ParallelConfig(
+            tp_group, tp_size, sequence_parallel, parallel_mode, symmetric_ar_type, ub_name=ub_name,
+            comm_overlap=ParallelConfig.switched_on(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                                                    ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
+                                                    ub_bulk_dgrad=ub_bulk_dgrad),
+        )
+        self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
+        self.norm = NormConfig(normalization, eps, zero_centered_gamma)
+        device = default_device(device)
+        self.params_dtype = resolve_params_dtype(params_dtype, None)
+        add_norm_params(self, "layer_norm_", (in_features,), self.norm, dtype=self.params_dtype, device=device,
+                        sequence_parallel=sequence_parallel)
+        self.layout = add_linear_params(
+            self, "", in_features, out_features, parameters_split=parameters_split, bias=bias, init_method=init_method,
+            dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=tp_size,
+        )
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False):
+        """out = norm(inp) W^T + b; returns out[, bias][, ln_out] (TE's order)."""
+        weight, bias = self.layout.weight(self), self.layout.bias(self)
+        act_dtype = self._activation_dtype(inp, weight.dtype)
+        self._check_features(inp, self.in_features)
+        q = self._prepare_quantization(inp.device, [("input", inp.shape), ("weight", weight.shape)])
+        args = LayerNormLinearArgs(
+            dtype=act_dtype,
+            quantization=q,
+            weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
+            wgrad=WgradTarget(weight.dtype, self.layout.weight_params(self) if self.fuse_wgrad_accumulation else ()),
+            norm=self.norm,
+            return_layernorm_output=self.return_layernorm_output,
+        )
+        result = LayerNormLinearFunction.apply(
+            inp, self.layer_norm_weight, self.layer_norm_bias, weight, None if self.return_bias else bias, args
+        )
+        return te_outputs(result, cast(bias, act_dtype), self.return_bias, self.return_layernorm_output)
+

@@ -1,0 +1,135 @@
+"""``LayerNormMLP``: y = fc2(act(fc1(norm(x)))), TE's fused MLP block with FP8 GEMMs under ``autocast``."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+
+from ._activation import ActivationConfig
+from ._common import cast
+from ._gemm import WgradTarget
+from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
+from ._norm import NormConfig
+from ._params import add_linear_params, add_norm_params
+from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
+
+__all__ = ["LayerNormMLP"]
+
+
+class LayerNormMLP(TransformerEngineBaseModule):
+    """Applies y = fc2(act(fc1(norm(x)))); fc1 has 2F rows for the gated activations.
+
+    Args (TE's, in TE's order):
+        hidden_size, ffn_hidden_size: H and F.
+        eps, normalization, zero_centered_gamma: the norm (see :class:`~.layernorm_linear.LayerNormLinear`).
+        return_bias: return fc2's bias separately instead of adding it.
+        activation: one of gelu (tanh approximation), geglu, glu, qgelu, qgeglu, relu, reglu, srelu,
+            sreglu, silu, swiglu, clamped_swiglu.
+        activation_params: for clamped_swiglu, {limit (7.0), alpha (1.702), glu_linear_offset (1.0)}.
+        init_method, output_layer_init_method: initializers of fc1 and fc2 (default normal, std 0.023).
+        set_parallel_mode: fc1 column-parallel, fc2 row-parallel (over tp_size).
+        return_layernorm_output(_gathered), fuse_wgrad_accumulation, params_dtype, device, tp_group,
+            tp_size, sequence_parallel, get_rng_state_tracker, ub_*, name, symmetric_ar_type: as in Linear.
+        seq_length, micro_batch_size: stored.
+        delay_wgrad_compute, checkpoint: not implemented yet (must stay False).
+
+    Parameters: ``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight`` [F or 2F, H], ``fc1_bias``,
+    ``fc2_weight`` [H, F], ``fc2_bias``.
+
+    Forward: ``forward(inp, is_first_microbatch=None)`` returns out[, fc2_bias][, ln_out].
+
+    Example:
+        >>> import torch, transformer_engine.pytorch as te
+        >>> mlp = te.LayerNormMLP(32, 64, activation="swiglu")
+        >>> tuple(mlp.fc1_weight.shape), mlp(torch.randn(4, 32)).shape
+        ((128, 32), torch.Size([4, 32]))
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        return_bias: bool = False,
+        get_rng_state_tracker: Optional[Callable] = None,
+        tp_group=None,
+        tp_size: int = 1,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        activation_params: Optional[dict] = None,
+        output_layer_init_method: Optional[Callable] = None,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        seq_length: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        set_parallel_mode: bool = False,
+        zero_centered_gamma: bool = False,
+        device: Optional[Union[str, torch.device]] = None,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        name: Optional[str] = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: Optional[str] = None,
+        checkpoint: bool = False,
+    ):
+        super().__init__(2, get_rng_state_tracker, None, name)
+        check_unsupported(delay_wgrad_compute=delay_wgrad_compute, checkpoint=checkpoint)
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.activation = ActivationConfig.create(activation, activation_params)
+        self.use_bias, self.return_bias = bias, return_bias
+        self.return_layernorm_output, self.return_layernorm_output_gathered = return_layernorm_output, return_layernorm_output_gathered
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.set_parallel_mode, self.seq_length, self.micro_batch_size = set_parallel_mode, seq_length, micro_batch_size
+        self.parallel = ParallelConfig(
+            tp_group, tp_size, sequence_parallel, None, symmetric_ar_type,
+            comm_overlap=ParallelConfig.switched_on(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                                                    ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                                                    ub_bulk_wgrad=ub_bulk_wgrad),
+        )
+        self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
+        self.norm = NormConfig(normalization, eps, zero_centered_gamma)
+        device = default_device(device)
+        self.params_dtype = resolve_params_dtype(params_dtype, None)
+        common = dict(bias=bias, dtype=self.params_dtype, device=device, tp_size=tp_size)
+        add_norm_params(self, "layer_norm_", (hidden_size,), self.norm, dtype=self.params_dtype, device=device,
+                        sequence_parallel=sequence_parallel)
+        fc1_rows = ffn_hidden_size * (2 if self.activation.gated else 1)
+        self.fc1 = add_linear_params(self, "fc1_", hidden_size, fc1_rows, init_method=init_method,
+                                     parallel_mode="column" if set_parallel_mode else None, **common)
+        self.fc2 = add_linear_params(self, "fc2_", ffn_hidden_size, hidden_size, init_method=output_layer_init_method,
+                                     parallel_mode="row" if set_parallel_mode else None, **common)
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """out = fc2(act(fc1(norm(inp)))); returns out[, fc2_bias][, ln_out] (TE's order)."""
+        w1, w2 = self.fc1.weight(self), self.fc2.weight(self)
+        act_dtype = self._activation_dtype(inp, w1.dtype)
+        self._check_features(inp, self.hidden_size, "hidden_size")
+        q = self._prepare_quantization(inp.device, [("input", inp.shape), ("fc1_weight", w1.shape), ("fc2_weight", w2.shape)])
+        fuse = self.fuse_wgrad_accumulation
+        args = LayerNormMLPArgs(
+            dtype=act_dtype,
+            quantization=q,
+            fc1_operand=self._weight_operand("fc1_weight", w1, q.gemms[0].weight, is_first_microbatch),
+            fc2_operand=self._weight_operand("fc2_weight", w2, q.gemms[1].weight, is_first_microbatch),
+            fc1_wgrad=WgradTarget(w1.dtype, self.fc1.weight_params(self) if fuse else ()),
+            fc2_wgrad=WgradTarget(w2.dtype, self.fc2.weight_params(self) if fuse else ()),
+            norm=self.norm,
+            activation=self.activation,
+            return_layernorm_output=self.return_layernorm_output,
+        )
+        b2 = self.fc2.bias(self)
+        result = LayerNormMLPFunction.apply(
+            inp, self.layer_norm_weight, self.layer_norm_bias, w1, self.fc1.bias(self), w2,
+            None if self.return_bias else b2, args,
+        )
+        return te_outputs(result, cast(b2, act_dtype), self.return_bias, self.return_layernorm_output)

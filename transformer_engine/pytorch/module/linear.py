@@ -1,0 +1,115 @@
+"""``Linear``: y = x W^T + b, TE's drop-in for ``torch.nn.Linear`` with FP8 GEMMs under ``autocast``."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from ._common import cast
+from ._gemm import WgradTarget
+from ._linear_function import LinearArgs, LinearFunction
+from ._params import add_linear_params
+from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
+
+__all__ = ["Linear"]
+
+
+class Linear(TransformerEngineBaseModule):
+    """Applies y = x W^T + b; under ``te.autocast`` its fprop, dgrad and wgrad GEMMs run in FP8.
+
+    Args (TE's, in TE's order):
+        in_features, out_features: sizes of the input and output features.
+        sequence_parallel: sequence-parallel input (stored; communication comes later).
+        fuse_wgrad_accumulation: accumulate dW into ``weight.main_grad`` (fp32) instead of ``weight.grad``.
+        tp_group, tp_size: tensor-parallel group and size (stored; with tp_size 1 nothing changes).
+        get_rng_state_tracker, rng_tracker_name: RNG tracker whose ``fork`` wraps initialization.
+        init_method: callable(weight) initializing the weight; default normal with std 0.023.
+        bias: add a learnable bias.
+        return_bias: return (y, bias) with the bias not added (cast to the activation dtype).
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+        parallel_mode: None, "column" (out_features split) or "row" (in_features split).
+        parameters_split: names (equal split) or name -> size: parameters ``<name>_weight`` / ``<name>_bias``.
+        device: parameter device; None = current CUDA device if any, else CPU; "meta" defers init
+            to :meth:`reset_parameters`.
+        ub_*: communication-overlap options (accepted; no effect with tp_size 1).
+        delay_wgrad_compute, save_original_input: not implemented yet (must stay False).
+        symmetric_ar_type: stored.
+        name: debug name.
+        dtype: alias of ``params_dtype`` (``torch.nn.Linear``'s keyword, so the classes can be swapped).
+
+    Forward: ``forward(inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False)``: outputs are
+    always high precision (``fp8_output`` / ``fp8_grad`` are accepted for TE parity).
+
+    Example:
+        >>> import torch, transformer_engine.pytorch as te
+        >>> layer = te.Linear(32, 16)
+        >>> layer(torch.randn(4, 32)).shape
+        torch.Size([4, 16])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        rng_tracker_name: Optional[str] = None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        parameters_split: Optional[Union[Tuple[str, ...], Dict[str, int]]] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_name: Optional[str] = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: Optional[str] = None,
+        save_original_input: bool = False,
+        name: Optional[str] = None,
+        *,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        super().__init__(1, get_rng_state_tracker, rng_tracker_name, name)
+        check_unsupported(delay_wgrad_compute=delay_wgrad_compute, save_original_input=save_original_input)
+        self.in_features, self.out_features = in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.parallel = ParallelConfig(
+            tp_group, tp_size, sequence_parallel, parallel_mode, symmetric_ar_type, ub_name=ub_name,
+            comm_overlap=ParallelConfig.switched_on(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                                                    ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                                                    ub_bulk_wgrad=ub_bulk_wgrad),
+        )
+        device = default_device(device)
+        self.params_dtype = resolve_params_dtype(params_dtype, dtype)
+        self.layout = add_linear_params(
+            self, "", in_features, out_features, parameters_split=parameters_split, bias=bias, init_method=init_method,
+            dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=tp_size,
+        )
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False):
+        """y = inp W^T + b over the last dim; returns y, or (y, bias) with ``return_bias``."""
+        weight, bias = self.layout.weight(self), self.layout.bias(self)
+        act_dtype = self._activation_dtype(inp, weight.dtype)
+        self._check_features(inp, self.layout.in_features)
+        q = self._prepare_quantization(inp.device, [("input", inp.shape), ("weight", weight.shape)])
+        args = LinearArgs(
+            dtype=act_dtype,
+            quantization=q,
+            weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
+            wgrad=WgradTarget(weight.dtype, self.layout.weight_params(self) if self.fuse_wgrad_accumulation else ()),
+        )
+        out = LinearFunction.apply(inp, weight, None if self.return_bias else bias, args)
+        return te_outputs(out, cast(bias, act_dtype), self.return_bias, False)
+

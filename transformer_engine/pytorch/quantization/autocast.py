@@ -1,0 +1,220 @@
+"""``autocast``: the context in which TE modules quantize, and the delayed-scaling update schedule.
+
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        y = model(x)          # modules cast their GEMM operands to FP8
+    y.sum().backward()        # gradients in FP8 (E5M2 under HYBRID)
+
+Nesting saves the enclosing setting on entry and restores it on exit; one instance cannot be entered
+twice at once. ``calibrating=True`` (usually with ``enabled=False``) computes in high precision but
+records the amaxes of delayed-scaling slots.
+
+Update schedule (delayed scaling, TE's):
+
+- forward slots: when the *outermost* autocast exits with ``enabled``, grad mode on and no exception,
+  the states of every module that ran FP8 inside it are updated, grouped per (recipe,
+  amax_reduction_group), one ``all_reduce(MAX)`` per group when ``recipe.reduce_amax``;
+- backward slots: at the end of the backward of the first module that ran inside the outermost
+  autocast (the last module to run backward), grouped the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from transformer_engine.common.recipe import Recipe
+
+from .availability import check_fp8_support, get_default_recipe
+from .delayed_update import reduce_and_update
+from .recipe_state import check_recipe_implemented
+
+__all__ = ["BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "fp8_autocast", "register_states"]
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """The setting of the innermost active autocast.
+
+    Attributes:
+        enabled: quantize GEMM operands.
+        calibrating: record amaxes while computing in high precision.
+        recipe: the recipe (None outside any autocast).
+        amax_reduction_group: process group of the amax reduction (None = the default group).
+    """
+
+    enabled: bool = False
+    calibrating: bool = False
+    recipe: Optional[Recipe] = None
+    amax_reduction_group: Any = None
+
+    @property
+    def active(self) -> bool:
+        """True when modules need their scaling state (FP8 or calibration)."""
+        return self.enabled or self.calibrating
+
+
+class _UpdateGroups:
+    """Delayed-scaling states waiting for their update, grouped per (recipe, amax_reduction_group)."""
+
+    def __init__(self):
+        self._groups: Dict[Tuple[Recipe, int], Tuple[Recipe, Any, Dict[int, Any]]] = {}
+
+    def add(self, state, group) -> None:
+        entry = self._groups.setdefault((state.recipe, id(group)), (state.recipe, group, {}))
+        entry[2][id(state)] = state
+
+    def run(self) -> None:
+        groups, self._groups = self._groups, {}
+        for recipe, group, states in groups.values():
+            reduce_and_update(list(states.values()), recipe, group)
+
+
+class BackwardUpdate:
+    """The backward states of one outermost autocast; called at the end of its first module's backward."""
+
+    def __init__(self):
+        self.groups = _UpdateGroups()
+        self._claimed = False
+
+    def claim(self) -> Optional["BackwardUpdate"]:
+        """Self for the first caller (the first module to run forward), None afterwards."""
+        if self._claimed:
+            return None
+        self._claimed = True
+        return self
+
+    def __call__(self) -> None:
+        self.groups.run()
+
+
+class _GlobalState:
+    """The autocast stack: current setting, depth, and the updates pending for the outermost autocast."""
+
+    def __init__(self):
+        self.config = QuantizationConfig()
+        self.depth = 0
+        self.forward = _UpdateGroups()
+        self.backward = BackwardUpdate()
+
+    def enter(self, config: QuantizationConfig) -> QuantizationConfig:
+        if self.depth == 0:
+            self.forward = _UpdateGroups()
+            self.backward = BackwardUpdate()
+        saved, self.config = self.config, config
+        self.depth += 1
+        return saved
+
+    def exit(self, saved: QuantizationConfig, update: bool) -> None:
+        self.config = saved
+        self.depth -= 1
+        if self.depth == 0 and update:
+            self.forward.run()
+
+
+_STATE = _GlobalState()
+
+
+def current_config() -> QuantizationConfig:
+    """The setting of the innermost active autocast (disabled outside any)."""
+    return _STATE.config
+
+
+def register_states(fwd_state, bwd_state) -> Optional[BackwardUpdate]:
+    """Queue a module's delayed-scaling states for their updates (call once per FP8 forward).
+
+    Returns:
+        The backward update that this module must run at the end of its backward, if it is the first
+        module of the outermost autocast to run forward with grad enabled; else None.
+    """
+    config = _STATE.config
+    if not (config.enabled and fwd_state.has_amax_history):
+        return None
+    _STATE.forward.add(fwd_state, config.amax_reduction_group)
+    if not torch.is_grad_enabled():
+        return None
+    _STATE.backward.groups.add(bwd_state, config.amax_reduction_group)
+    return _STATE.backward.claim()
+
+
+def _check_runnable(recipe: Recipe) -> None:
+    """Raise before entering FP8 when ``recipe`` cannot run here (the reason is in the message)."""
+    if recipe.backward_override is not None:
+        raise NotImplementedError(
+            f"backward_override={recipe.backward_override!r} is not implemented yet in TransformerEngine-FL; "
+            "unset NVTE_BACKWARD_OVERRIDE"
+        )
+    if recipe.delayed() and torch.compiler.is_compiling():
+        raise RuntimeError("DelayedScaling is not supported under torch.compile; use Float8CurrentScaling")
+    available, reason = check_fp8_support()
+    if not available:
+        raise RuntimeError(reason)
+
+
+class autocast:
+    """Context manager that makes TE modules quantize their GEMMs with ``recipe``.
+
+    Args:
+        enabled: quantize (FP8) inside the context.
+        calibrating: record amax statistics while computing in high precision.
+        recipe: the recipe; None means :func:`get_default_recipe`.
+        amax_reduction_group: process group over which amaxes are MAX-reduced (None = default group).
+        _graph: internal (CUDA-graph capture): skip the forward update at exit.
+
+    Raises:
+        RuntimeError: on entry, if FP8 cannot run on this GPU (sm < 8.9 without
+            ``TE_FL_FP8_EMULATION=1``) or the recipe is DelayedScaling under torch.compile; if this
+            instance is already active.
+        NotImplementedError: for a recipe not implemented yet (MXFP8, block scaling, NVFP4, custom).
+
+    Example:
+        >>> import torch, transformer_engine.pytorch as te
+        >>> from transformer_engine.common.recipe import DelayedScaling
+        >>> layer = te.Linear(16, 16)
+        >>> with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+        ...     y = layer(torch.randn(8, 16))
+        >>> y.shape
+        torch.Size([8, 16])
+    """
+
+    __slots__ = ("enabled", "calibrating", "recipe", "amax_reduction_group", "_graph", "_saved")
+
+    def __init__(self, enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+                 amax_reduction_group=None, _graph: bool = False):
+        self.enabled = bool(enabled)
+        self.calibrating = bool(calibrating)
+        self.recipe = recipe
+        self.amax_reduction_group = amax_reduction_group
+        self._graph = _graph
+        self._saved: Optional[QuantizationConfig] = None
+
+    def __enter__(self) -> "autocast":
+        if self._saved is not None:
+            raise RuntimeError("this autocast is already active; create a new autocast(...) to nest one")
+        recipe = self.recipe if self.recipe is not None else get_default_recipe()
+        if self.enabled or self.calibrating:
+            check_recipe_implemented(recipe)
+        if self.enabled:
+            _check_runnable(recipe)
+        config = QuantizationConfig(self.enabled, self.calibrating, recipe, self.amax_reduction_group)
+        self._saved = _STATE.enter(config)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        saved, self._saved = self._saved, None
+        update = self.enabled and not self._graph and exc_type is None and torch.is_grad_enabled()
+        _STATE.exit(saved, update)
+
+
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
+                 fp8_group=None, _graph: bool = False) -> autocast:
+    """Deprecated alias of :class:`autocast` (``fp8_recipe`` -> ``recipe``, ``fp8_group`` -> ``amax_reduction_group``)."""
+    warnings.warn(
+        "fp8_autocast is deprecated; use transformer_engine.pytorch.autocast(enabled, calibrating, recipe, "
+        "amax_reduction_group)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group, _graph=_graph)

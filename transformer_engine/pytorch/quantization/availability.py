@@ -1,0 +1,148 @@
+"""What the machine can run: compute capability, FP8 / MXFP8 / block / NVFP4 / BF16 support, the default recipe.
+
+FP8 emulation switch
+--------------------
+On a CPU, FP8 always runs through the reference backend, which emulates the FP8 math exactly with
+torch's float8 dtypes (saturating casts, GEMMs on the dequantized operands in float32): slow, but
+numerically the contract. On a CUDA GPU below sm_89 (no FP8 tensor cores) ``autocast(enabled=True)``
+raises a ``RuntimeError`` unless emulation is asked for explicitly with the environment variable
+``TE_FL_FP8_EMULATION=1`` (read at each ``autocast`` entry; ``0`` or unset = off; any other value
+warns and counts as off). With it set, the FP8 ops that the GPU backends decline run on the reference
+backend.
+
+Support rules (NVIDIA TE's): FP8 needs sm >= 9.0, or sm 8.9 with CUDA >= 12.1; BF16 needs sm >= 8.0.
+The block-scaled recipes (MXFP8, Float8BlockScaling, NVFP4) are not implemented yet by the PyTorch
+modules, so their checks report False with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional, Tuple, Union
+
+import torch
+
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+
+__all__ = [
+    "FP8_EMULATION_ENV",
+    "check_fp8_block_scaling_support",
+    "check_fp8_support",
+    "check_mxfp8_support",
+    "check_nvfp4_support",
+    "fp8_emulation_requested",
+    "get_default_recipe",
+    "get_device_compute_capability",
+    "is_bf16_available",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+]
+
+FP8_EMULATION_ENV = "TE_FL_FP8_EMULATION"
+_NOT_IMPLEMENTED = "{} is not implemented yet in TransformerEngine-FL's PyTorch modules"
+
+
+def fp8_emulation_requested() -> bool:
+    """True when ``TE_FL_FP8_EMULATION=1``: FP8 may run emulated on a GPU without FP8 hardware."""
+    value = os.environ.get(FP8_EMULATION_ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value not in ("", "0", "false", "no", "off"):
+        warnings.warn(f"TE-FL: ignoring {FP8_EMULATION_ENV}={value!r}: expected 1 or 0", UserWarning, stacklevel=2)
+    return False
+
+
+def _cuda_capability() -> Optional[Tuple[int, int]]:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def get_device_compute_capability() -> Tuple[int, int]:
+    """(major, minor) compute capability of the current CUDA device; (0, 0) when there is none."""
+    return _cuda_capability() or (0, 0)
+
+
+def _cuda_version() -> Tuple[int, ...]:
+    return tuple(int(p) for p in (torch.version.cuda or "0").split(".")[:2])
+
+
+def check_fp8_support() -> Tuple[bool, str]:
+    """(available, reason) for per-tensor FP8 (delayed and current scaling)."""
+    capability = _cuda_capability()
+    if capability is None:
+        return True, "no CUDA device: FP8 runs emulated on the CPU by the reference backend"
+    if capability >= (9, 0) or (capability == (8, 9) and _cuda_version() >= (12, 1)):
+        return True, ""
+    if fp8_emulation_requested():
+        return True, f"sm_{capability[0]}{capability[1]} has no FP8 hardware: FP8 is emulated ({FP8_EMULATION_ENV}=1)"
+    return False, (
+        f"Device compute capability 8.9 or higher required for FP8 execution (this GPU is sm_{capability[0]}{capability[1]}); "
+        f"set {FP8_EMULATION_ENV}=1 to emulate FP8 through the reference backend (slow)"
+    )
+
+
+def check_mxfp8_support() -> Tuple[bool, str]:
+    """(available, reason) for MXFP8BlockScaling."""
+    return False, _NOT_IMPLEMENTED.format("MXFP8BlockScaling")
+
+
+def check_fp8_block_scaling_support() -> Tuple[bool, str]:
+    """(available, reason) for Float8BlockScaling."""
+    return False, _NOT_IMPLEMENTED.format("Float8BlockScaling")
+
+
+def check_nvfp4_support() -> Tuple[bool, str]:
+    """(available, reason) for NVFP4BlockScaling."""
+    return False, _NOT_IMPLEMENTED.format("NVFP4BlockScaling")
+
+
+def _answer(result: Tuple[bool, str], return_reason: bool) -> Union[bool, Tuple[bool, str]]:
+    return result if return_reason else result[0]
+
+
+def is_fp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether per-tensor FP8 can run here; with ``return_reason``, (bool, reason).
+
+    Example:
+        >>> import transformer_engine.pytorch as te
+        >>> isinstance(te.is_fp8_available(), bool)
+        True
+    """
+    return _answer(check_fp8_support(), return_reason)
+
+
+def is_mxfp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether MXFP8 can run here; with ``return_reason``, (bool, reason)."""
+    return _answer(check_mxfp8_support(), return_reason)
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether Float8BlockScaling can run here; with ``return_reason``, (bool, reason)."""
+    return _answer(check_fp8_block_scaling_support(), return_reason)
+
+
+def is_nvfp4_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """Whether NVFP4 can run here; with ``return_reason``, (bool, reason)."""
+    return _answer(check_nvfp4_support(), return_reason)
+
+
+def is_bf16_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """BF16: always on a CPU; sm >= 8.0 on a CUDA GPU."""
+    capability = _cuda_capability()
+    if capability is None or capability >= (8, 0):
+        return _answer((True, ""), return_reason)
+    return _answer((False, f"BF16 needs compute capability 8.0 or higher (this GPU is sm_{capability[0]}{capability[1]})"), return_reason)
+
+
+def get_default_recipe() -> Recipe:
+    """TE's default: MXFP8BlockScaling on sm 10.x-11.x, Float8CurrentScaling on sm 12.0+, else DelayedScaling."""
+    capability = _cuda_capability()
+    if capability is not None and (10, 0) <= capability < (12, 0):
+        return MXFP8BlockScaling()
+    if capability is not None and capability >= (12, 0):
+        return Float8CurrentScaling()
+    return DelayedScaling()

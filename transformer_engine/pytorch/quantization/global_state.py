@@ -1,0 +1,87 @@
+"""``FP8GlobalStateManager``: TE's read-only view of the quantization state, for clients (Megatron-LM).
+
+Only the queries clients use are provided; the state itself lives in :mod:`.autocast` and
+:mod:`.model_init`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from transformer_engine.common.recipe import Recipe
+
+from . import availability
+from .autocast import _STATE, current_config
+from .model_init import model_init_config
+
+__all__ = ["FP8GlobalStateManager"]
+
+
+class FP8GlobalStateManager:
+    """Class-level queries of the autocast / model-init state (TE's names)."""
+
+    @classmethod
+    def is_fp8_enabled(cls) -> bool:
+        """True inside ``autocast(enabled=True)``."""
+        return current_config().enabled
+
+    @classmethod
+    def is_fp8_calibration(cls) -> bool:
+        """True inside ``autocast(calibrating=True)``."""
+        return current_config().calibrating
+
+    @classmethod
+    def get_fp8_recipe(cls) -> Recipe:
+        """The active recipe, or the default recipe outside any autocast."""
+        return current_config().recipe or availability.get_default_recipe()
+
+    @classmethod
+    def get_fp8_group(cls):
+        """The active amax reduction group (None = default group)."""
+        return current_config().amax_reduction_group
+
+    @classmethod
+    def get_autocast_depth(cls) -> int:
+        """How many autocasts are active."""
+        return _STATE.depth
+
+    @classmethod
+    def with_fp8_parameters(cls) -> bool:
+        """True inside ``quantized_model_init(enabled=True)``."""
+        return model_init_config().enabled
+
+    @classmethod
+    def get_model_init_recipe(cls) -> Optional[Recipe]:
+        """The recipe of the active ``quantized_model_init``."""
+        return model_init_config().recipe
+
+    @classmethod
+    def fp8_graph_capturing(cls) -> bool:
+        """CUDA-graph capture of FP8 modules is not supported yet: always False."""
+        return False
+
+    @classmethod
+    def is_fp8_available(cls) -> Tuple[bool, str]:
+        """(available, reason) for per-tensor FP8."""
+        return availability.check_fp8_support()
+
+    @classmethod
+    def is_mxfp8_available(cls) -> Tuple[bool, str]:
+        """(available, reason) for MXFP8."""
+        return availability.check_mxfp8_support()
+
+    @classmethod
+    def is_fp8_block_scaling_available(cls) -> Tuple[bool, str]:
+        """(available, reason) for Float8BlockScaling."""
+        return availability.check_fp8_block_scaling_support()
+
+    @classmethod
+    def is_nvfp4_available(cls) -> Tuple[bool, str]:
+        """(available, reason) for NVFP4."""
+        return availability.check_nvfp4_support()
+
+    @classmethod
+    def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
+        """Run the pending forward (or backward) delayed-scaling update now."""
+        pending = _STATE.forward if forward else _STATE.backward.groups
+        pending.run()

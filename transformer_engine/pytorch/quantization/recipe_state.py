@@ -1,0 +1,164 @@
+"""Per-module scaling state of one direction (forward or backward), built from the active recipe.
+
+A module keeps two states in ``fp8_meta["scaling_fwd"]`` and ``fp8_meta["scaling_bwd"]`` (TE's names),
+with 3 slots per GEMM forward (input, weight, output) and 2 backward (grad output, grad input), see
+:mod:`.roles`. The state hands out one quantizer per slot (``module.quantizers["scaling_fwd"]``).
+
+:class:`DelayedScalingRecipeState` holds TE's tensors:
+
+    scale        float32 [N], ones at first: the scale each slot casts with this step
+    scale_inv    float32 [N], 1 / scale
+    amax_history float32 [L, N], zeros at first: row 0 collects this step's amaxes; after an update
+                 rows 1..L-1 hold the last L-1 amaxes, the newest in row L-1
+
+:class:`Float8CurrentScalingRecipeState` holds nothing: each cast computes its own scale.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Tuple
+
+import torch
+
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+from .quantizer import IDENTITY, AmaxObserver, Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
+from .roles import BWD_ROLES, FWD_ROLES, Role
+from .scaling import fp8_dtypes, fp8_max
+
+__all__ = [
+    "DelayedScalingRecipeState",
+    "Float8CurrentScalingRecipeState",
+    "RecipeState",
+    "check_recipe_implemented",
+]
+
+_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling)
+_MODES = ("forward", "backward")
+
+
+def check_recipe_implemented(recipe: Recipe) -> None:
+    """Raise NotImplementedError for a recipe the PyTorch modules cannot run yet (the block-scaled ones)."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a transformer_engine.common.recipe recipe, got {type(recipe).__name__}")
+    if not isinstance(recipe, _IMPLEMENTED):
+        raise NotImplementedError(
+            f"{type(recipe).__name__} is not implemented yet in TransformerEngine-FL's PyTorch modules; "
+            "use DelayedScaling or Float8CurrentScaling"
+        )
+
+
+class RecipeState:
+    """Base class; :meth:`create` picks the subclass that matches the recipe.
+
+    Attributes:
+        recipe: the recipe in force (same type for the state's lifetime; other fields may change).
+        mode: "forward" or "backward".
+        num_quantizers: N, 3 per GEMM forward and 2 per GEMM backward.
+    """
+
+    #: True when the state has an amax history that autocast must reduce and update.
+    has_amax_history = False
+
+    def __init__(self, recipe: Recipe, mode: str, num_quantizers: int):
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'forward' or 'backward', got {mode!r}")
+        self.recipe = recipe
+        self.mode = mode
+        self.num_quantizers = num_quantizers
+
+    @staticmethod
+    def create(recipe: Recipe, *, mode: str, num_gemms: int, device) -> "RecipeState":
+        """The state of ``num_gemms`` GEMMs for ``recipe`` in direction ``mode``."""
+        check_recipe_implemented(recipe)
+        n = num_gemms * (len(FWD_ROLES) if mode == "forward" else len(BWD_ROLES))
+        if isinstance(recipe, DelayedScaling):
+            return DelayedScalingRecipeState(recipe, mode, n, device)
+        return Float8CurrentScalingRecipeState(recipe, mode, n)
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """E4M3 forward; backward E5M2 under HYBRID, E4M3 under E4M3."""
+        forward, backward = fp8_dtypes(self.recipe.fp8_format)
+        return forward if self.mode == "forward" else backward
+
+    @property
+    def split_accumulator(self) -> Tuple[bool, bool, bool]:
+        """``use_split_accumulator`` of the (fprop, dgrad, wgrad) GEMMs."""
+        raise NotImplementedError
+
+    def make_quantizers(self) -> List[Quantizer]:
+        """One FP8 quantizer per slot."""
+        raise NotImplementedError
+
+    def make_observers(self) -> List[Quantizer]:
+        """One calibration quantizer per slot (high precision that records amaxes, where the recipe has any)."""
+        return [IDENTITY] * self.num_quantizers
+
+    def move_to(self, device) -> None:
+        """Keep the state's tensors on ``device`` (a module moved after its first FP8 step)."""
+
+
+class DelayedScalingRecipeState(RecipeState):
+    """Delayed scaling: ``scale``, ``scale_inv`` [N] and ``amax_history`` [L, N] (see the module docstring)."""
+
+    has_amax_history = True
+
+    def __init__(self, recipe: DelayedScaling, mode: str, num_quantizers: int, device):
+        super().__init__(recipe, mode, num_quantizers)
+        self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
+        self.scale_inv = torch.ones(num_quantizers, dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=device)
+
+    @property
+    def fp8_max(self) -> float:
+        """448 for E4M3, 57344 for E5M2."""
+        return fp8_max(self.fp8_dtype)
+
+    @property
+    def split_accumulator(self) -> Tuple[bool, bool, bool]:
+        return (False, True, True)
+
+    def adjust_amax_history_length(self, length: int) -> None:
+        """Resize the history in place to ``length`` rows: keep the first rows, or pad with zeros at the end."""
+        current = self.amax_history.shape[0]
+        if length == current:
+            return
+        warnings.warn(
+            f"Quantizer is being updated: amax_history_len changes from {current} to {length}", UserWarning, stacklevel=3
+        )
+        if length < current:
+            self.amax_history = self.amax_history[:length].clone()
+        else:
+            pad = self.amax_history.new_zeros(length - current, self.num_quantizers)
+            self.amax_history = torch.cat([self.amax_history, pad])
+
+    def move_to(self, device) -> None:
+        if self.scale.device != torch.device(device):
+            self.scale, self.scale_inv, self.amax_history = (t.to(device) for t in (self.scale, self.scale_inv, self.amax_history))
+
+    def make_quantizers(self) -> List[Quantizer]:
+        return [Float8Quantizer(self, i) for i in range(self.num_quantizers)]
+
+    def make_observers(self) -> List[Quantizer]:
+        return [AmaxObserver(q) for q in self.make_quantizers()]
+
+
+class Float8CurrentScalingRecipeState(RecipeState):
+    """Current scaling: no tensors; each slot's quantizer uses the recipe's QParams for its role."""
+
+    @property
+    def split_accumulator(self) -> Tuple[bool, bool, bool]:
+        r = self.recipe
+        return (r.fp8_gemm_fprop.use_split_accumulator, r.fp8_gemm_dgrad.use_split_accumulator, r.fp8_gemm_wgrad.use_split_accumulator)
+
+    def _qparams(self, index: int):
+        if self.mode == "backward":
+            return self.recipe.fp8_quant_bwd_grad
+        if FWD_ROLES[index % len(FWD_ROLES)] is Role.WEIGHT:
+            return self.recipe.fp8_quant_fwd_weight
+        return self.recipe.fp8_quant_fwd_inp
+
+    def make_quantizers(self) -> List[Quantizer]:
+        return [Float8CurrentScalingQuantizer(self.fp8_dtype, self._qparams(i)) for i in range(self.num_quantizers)]
