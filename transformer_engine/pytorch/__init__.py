@@ -1,0 +1,60 @@
+"""TransformerEngine-FL for PyTorch: TE's modules, ``autocast`` and quantization queries.
+
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling
+
+    layer = te.Linear(1024, 1024)
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        y = layer(x)
+
+FP8 runs on CUDA GPUs with FP8 hardware (sm >= 8.9) and, emulated by the reference backend, on the
+CPU; on an older GPU set ``TE_FL_FP8_EMULATION=1`` to emulate it there too. Importing this package
+changes no global PyTorch state.
+"""
+
+from transformer_engine.common import recipe
+
+from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .quantization import (
+    autocast,
+    fp8_autocast,
+    fp8_model_init,
+    get_default_recipe,
+    get_device_compute_capability,
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+    quantized_model_init,
+)
+from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
+from .distributed import CudaRNGStatesTracker, checkpoint
+from .transformer import TransformerLayer
+
+__all__ = [
+    "CudaRNGStatesTracker",
+    "DotProductAttention",
+    "InferenceParams",
+    "MultiheadAttention",
+    "RotaryPositionEmbedding",
+    "TransformerLayer",
+    "checkpoint",
+    "LayerNorm",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "Linear",
+    "RMSNorm",
+    "autocast",
+    "fp8_autocast",
+    "fp8_model_init",
+    "get_default_recipe",
+    "get_device_compute_capability",
+    "is_bf16_available",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+    "quantized_model_init",
+    "recipe",
+]

@@ -1,0 +1,452 @@
+"""DotProductAttention: TE's core attention module on the catalog's ``fused_attn_fwd`` / ``fused_attn_bwd``.
+
+For each batch entry and query head n (kv head n // (h / h_kv) under GQA / MQA):
+
+    O = dropout(softmax(softmax_scale * Q K^T + bias, masked)) V
+
+with the mask, window, bias and softmax variants of ``plugin/catalog/attention.py``. The module
+normalises TE's arguments (formats sbhd / bshd / thd, mask types, padding masks, windows, ALiBi,
+KV caching) into one ``AttentionConfig`` call (see :mod:`._masks` and :mod:`._layout`); one
+autograd Function runs the forward op on whichever backend the dispatcher picks and the backward
+op on that same backend, which owns the opaque context. The attention math stays in the inputs'
+precision (no FP8 attention yet).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+
+from transformer_engine.plugin import get_default_manager, ops
+from transformer_engine.plugin.catalog.attention import AttentionConfig
+
+from ..distributed import checkpoint
+from ..module.base import default_device
+from . import _layout, _masks
+
+__all__ = ["DotProductAttention"]
+
+_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
+_SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+@dataclass(frozen=True, eq=False)
+class _Extras:
+    """The non-differentiable tensors of one op call (see ``fused_attn_fwd``)."""
+
+    attn_mask: Optional[torch.Tensor] = None
+    alibi_slopes: Optional[torch.Tensor] = None
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_kv: Optional[torch.Tensor] = None
+
+
+class _FusedAttnFunc(torch.autograd.Function):
+    """O = fused_attn_fwd(q, k, v, ...); the backward runs fused_attn_bwd on the forward's backend."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig):
+        (out, attn_ctx), impl = ops.fused_attn_fwd.traced(
+            q, k, v, config, extras.attn_mask, attn_bias, softmax_offset,
+            extras.alibi_slopes, extras.cu_seqlens_q, extras.cu_seqlens_kv,
+        )
+        ctx.save_for_backward(q, k, v, out, attn_bias, softmax_offset)
+        ctx.extras, ctx.config, ctx.impl_id, ctx.attn_ctx = extras, config, impl.impl_id, attn_ctx
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, attn_bias, softmax_offset = ctx.saved_tensors
+        extras = ctx.extras
+        dq, dk, dv, dbias, doffset = get_default_manager().call_impl(
+            "fused_attn_bwd", ctx.impl_id, dout.contiguous(), q, k, v, out, ctx.attn_ctx, ctx.config,
+            extras.attn_mask, attn_bias, softmax_offset, extras.alibi_slopes,
+            extras.cu_seqlens_q, extras.cu_seqlens_kv,
+        )
+        needs = ctx.needs_input_grad
+        return dq, dk, dv, dbias if needs[3] else None, doffset if needs[4] else None, None, None
+
+
+def _attend(q, k, v, attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig, rng_ctx: Callable):
+    """The checkpointable core: the fused op under the dropout RNG context."""
+    with rng_ctx():
+        return _FusedAttnFunc.apply(q, k, v, attn_bias, softmax_offset, extras, config)
+
+
+@dataclass(frozen=True, eq=False)
+class _Problem:
+    """One call in the catalog's layout.
+
+    Attributes:
+        q, k, v: "bshd" or "thd" tensors for the op.
+        thd: the op runs on packed sequences.
+        s_q, s_kv: (padded) score lengths.
+        padding: real tokens (padded "bshd" batch, or the packed sequences' lengths), or None.
+        cu_seqlens_q, cu_seqlens_kv: packed offsets for "thd".
+        restore: maps the op's output back to the caller's layout with heads flattened.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    thd: bool
+    s_q: int
+    s_kv: int
+    padding: Optional[_masks.Padding]
+    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_kv: Optional[torch.Tensor]
+    restore: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class _Sequences:
+    """TE's sequence arguments of one call (``cu_seqlens_*``, ``cu_seqlens_*_padded``, ``max_seqlen_*``)."""
+
+    cu_q: Optional[torch.Tensor] = None
+    cu_kv: Optional[torch.Tensor] = None
+    cu_q_padded: Optional[torch.Tensor] = None
+    cu_kv_padded: Optional[torch.Tensor] = None
+    max_q: Optional[int] = None
+    max_kv: Optional[int] = None
+
+
+def _flatten_heads(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[:-2] + (-1,))
+
+
+def _padded_problem(q, k, v, fmt: str, padding: Optional[_masks.Padding]) -> _Problem:
+    """sbhd / bshd: a transposed view of the batch (no copy)."""
+    qb, kb, vb = (_layout.to_bshd(x, fmt) for x in (q, k, v))
+    restore = lambda out: _flatten_heads(_layout.from_bshd(out, fmt))  # noqa: E731
+    return _Problem(qb, kb, vb, False, qb.shape[1], kb.shape[1], padding, None, None, restore)
+
+
+def _compact(x, cu, cu_padded):
+    """Real rows of a thd tensor whose sequences start at cu_padded (None: already compact)."""
+    if cu_padded is None or cu_padded is cu or torch.equal(cu_padded, cu):
+        return x, None
+    rows = _layout.token_rows(cu, cu_padded[:-1])
+    return _layout.gather_rows(x, rows), rows
+
+
+def _thd_problem(q, k, v, seqs: _Sequences) -> _Problem:
+    """thd: the packed sequences, with padding between sequences (``cu_seqlens_*_padded``) removed."""
+    cu_q, cu_kv = seqs.cu_q, seqs.cu_kv
+    if cu_q is None or cu_kv is None:
+        raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (int32 [b + 1])")
+    if cu_q.shape != cu_kv.shape or cu_q.dim() != 1:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_q.shape)} and cu_seqlens_kv {tuple(cu_kv.shape)} must both be [b + 1]")
+    total_q = q.shape[0]
+    q, rows_q = _compact(q, cu_q, seqs.cu_q_padded)
+    k, _ = _compact(k, cu_kv, seqs.cu_kv_padded)
+    v, _ = _compact(v, cu_kv, seqs.cu_kv_padded)
+    s_q, s_kv = _layout.max_seqlen(cu_q, seqs.max_q), _layout.max_seqlen(cu_kv, seqs.max_kv)
+    padding = _masks.padding_from_lengths(_layout.seqlens(cu_q), _layout.seqlens(cu_kv), s_q, s_kv)
+
+    def restore(out):
+        out = out if rows_q is None else _layout.scatter_rows(out, rows_q, total_q)
+        return _flatten_heads(out)
+
+    return _Problem(q, k, v, True, s_q, s_kv, padding, cu_q, cu_kv, restore)
+
+
+def _inference_problem(q, fmt: str, step) -> _Problem:
+    """KV caching: q (the new tokens, any format) against the cached keys/values ("bshd").
+
+    ``step`` is what ``InferenceParams.step`` returned; the result is a padded "bshd" problem with
+    per-sequence lengths (new tokens for q, cached tokens for k/v).
+    """
+    k_cache, v_cache, cu_q, cu_kv = step[:4]
+    b = k_cache.shape[0]
+    cu_q, cu_kv = cu_q[: b + 1], cu_kv[: b + 1]
+    if fmt == "thd":
+        qb = _layout.unpack_to_bshd(q[: int(cu_q[-1])], cu_q, _layout.max_seqlen(cu_q, None))
+    else:
+        qb = _layout.to_bshd(q, fmt)
+
+    def restore(out):
+        if fmt != "thd":
+            return _flatten_heads(_layout.from_bshd(out, fmt))
+        packed = _layout.pack_bshd(out, cu_q)
+        rows = torch.arange(packed.shape[0], device=packed.device)
+        return _flatten_heads(_layout.scatter_rows(packed, rows, q.shape[0]))
+
+    padding = _masks.padding_from_lengths(_layout.seqlens(cu_q), _layout.seqlens(cu_kv), qb.shape[1], k_cache.shape[1])
+    return _Problem(qb, k_cache, v_cache, False, qb.shape[1], k_cache.shape[1], padding, None, None, restore)
+
+
+def _inference_mask_type(mask_type: str) -> str:
+    """Under KV caching every mask is a padding mask and causal masks align bottom-right (as TE)."""
+    if mask_type == "arbitrary":
+        raise ValueError("attn_mask_type='arbitrary' cannot be used with inference_params (KV caching)")
+    return "padding_causal_bottom_right" if "causal" in mask_type else "padding"
+
+
+def _unpack_packed(qkv_layer, kv_layer, q, k, v, dim: int):
+    """q, k, v from TE's packed ``qkv_layer`` ([.., 3, ..] at ``dim``) or ``kv_layer`` ([.., 2, ..])."""
+    if qkv_layer is not None and kv_layer is not None:
+        raise ValueError("qkv_layer and kv_layer are mutually exclusive; pass one of them")
+    if dim not in (-3, -2):
+        raise ValueError(f"qkv_interleave_dim must be -3 or -2, got {dim}")
+    if qkv_layer is not None:
+        q, k, v = (qkv_layer.select(dim, i) for i in range(3))
+    elif kv_layer is not None:
+        k, v = (kv_layer.select(dim, i) for i in range(2))
+    if q is None or k is None or v is None:
+        raise ValueError("query_layer, key_layer and value_layer are required (or qkv_layer / kv_layer)")
+    return q, k, v
+
+
+class DotProductAttention(torch.nn.Module):
+    """Scaled dot-product attention with TE's formats, masks, windows, biases and softmax variants.
+
+    O = dropout(softmax(softmax_scale Q K^T (+ bias), masked)) V, per head; keys/values may have
+    ``num_gqa_groups`` heads (GQA / MQA). Arguments, defaults and shapes follow TE 2.x
+    ``transformer_engine.pytorch.DotProductAttention``; context parallelism, ``return_max_logit``
+    and FP8 attention are not supported here (NotImplementedError).
+
+    Example:
+        >>> import torch, transformer_engine.pytorch as te
+        >>> dpa = te.DotProductAttention(4, 8, qkv_format="bshd")
+        >>> q = k = v = torch.randn(2, 5, 4, 8)
+        >>> dpa(q, k, v).shape
+        torch.Size([2, 5, 32])
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: Union[int, Tuple[int, int]],
+        num_gqa_groups: Optional[int] = None,
+        attention_dropout: float = 0.0,
+        qkv_format: str = "sbhd",
+        attn_mask_type: str = "causal",
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
+        sequence_parallel: bool = False,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        tp_group=None,
+        layer_number: Optional[int] = None,
+        attention_type: str = "self",
+        cp_group=None,
+        cp_global_ranks=None,
+        cp_stream=None,
+        cp_comm_type: str = "p2p",
+        softmax_scale: Optional[float] = None,
+        softmax_type: str = "vanilla",
+        return_max_logit: Optional[bool] = False,
+        name: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        _check_init(num_attention_heads, num_gqa_groups, tp_size, qkv_format, softmax_type, attention_type)
+        if cp_group is not None or return_max_logit:
+            raise NotImplementedError("context parallelism (cp_group) and return_max_logit are not supported yet")
+        self.qkv_format = qkv_format
+        self.attn_mask_type = _masks.canonical_mask_type(attn_mask_type)
+        self.window_size = _masks.check_set_window_size(self.attn_mask_type, window_size)
+        self.bottom_right_diagonal = bottom_right_diagonal
+        self.tp_size, self.tp_group, self.sequence_parallel = tp_size, tp_group, sequence_parallel
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.attention_type = attention_type
+        self.num_attention_heads = num_attention_heads
+        self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        self.num_gqa_groups_per_partition = self.num_gqa_groups // tp_size
+        d_qk, d_v = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = d_qk, d_v
+        self.softmax_scale = 1.0 / math.sqrt(d_qk) if softmax_scale is None else float(softmax_scale)
+        self.attention_dropout = float(attention_dropout)
+        self.softmax_type = softmax_type
+        self.cp_comm_type, self.name = cp_comm_type, name
+        self.softmax_offset = None
+        if softmax_type == "learnable":
+            heads = num_attention_heads // tp_size
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, device=default_device()))
+
+    def get_extra_state(self) -> torch.Tensor:
+        """An empty tensor: TE keeps a ``core_attention._extra_state`` key (FP8 attention metadata)."""
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        """Accept (and ignore) TE's attention ``_extra_state``: attention runs in high precision here."""
+
+    def _mask_spec(self, attn_mask_type, window_size, bottom_right_diagonal, inference: bool) -> _masks.MaskSpec:
+        mask_type = self.attn_mask_type if attn_mask_type is None else _masks.canonical_mask_type(attn_mask_type)
+        if inference:
+            mask_type = _inference_mask_type(mask_type)
+        window = _masks.check_set_window_size(mask_type, self.window_size if window_size is None else window_size)
+        brd = self.bottom_right_diagonal if bottom_right_diagonal is None else bottom_right_diagonal
+        return _masks.MaskSpec(mask_type, window, _masks.resolve_bottom_right(mask_type, brd))
+
+    def _check_heads(self, q, k, v) -> None:
+        heads_q = self.num_attention_heads // self.tp_size
+        d_qk, d_v = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
+        if q.dtype != k.dtype or q.dtype != v.dtype:
+            raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if q.shape[-2:] != (heads_q, d_qk) or k.shape[-2:] != (self.num_gqa_groups_per_partition, d_qk):
+            raise ValueError(
+                f"query {tuple(q.shape)} / key {tuple(k.shape)}: expected {heads_q} query heads and "
+                f"{self.num_gqa_groups_per_partition} key/value heads of size {d_qk} (num_attention_heads, "
+                "num_gqa_groups, kv_channels)"
+            )
+        if v.shape[-1] != d_v or k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"value {tuple(v.shape)} must match key {tuple(k.shape)} with head size {d_v}")
+
+    def _rng_ctx(self, dropout_p: float) -> Callable:
+        if dropout_p == 0.0 or self.get_rng_state_tracker is None or self.sequence_parallel:
+            return nullcontext
+        return self.get_rng_state_tracker().fork
+
+    def forward(
+        self,
+        query_layer: Optional[torch.Tensor] = None,
+        key_layer: Optional[torch.Tensor] = None,
+        value_layer: Optional[torch.Tensor] = None,
+        attention_mask=None,
+        qkv_format: Optional[str] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_kv: Optional[torch.Tensor] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+        attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
+        checkpoint_core_attention: bool = False,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        fast_zero_fill: bool = True,
+        inference_params=None,
+        pad_between_seqs: Optional[bool] = None,
+        fp8_output: Optional[bool] = False,
+        bf16_backward: Optional[bool] = False,
+        num_splits: Optional[int] = 1,
+        score_mod: Optional[Callable] = None,
+        score_mod_bprop: Optional[Callable] = None,
+        score_mod_tensors=None,
+        score_mod_bprop_tensors=None,
+        qkv_layer: Optional[torch.Tensor] = None,
+        kv_layer: Optional[torch.Tensor] = None,
+        qkv_interleave_dim: int = -3,
+    ) -> torch.Tensor:
+        """Attention output with heads flattened: [s, b, h*d_v] (sbhd), [b, s, h*d_v] (bshd), [t, h*d_v] (thd).
+
+        Arguments follow TE's ``DotProductAttention.forward``. ``attention_mask`` is used for the
+        padding types ([b, 1, 1, s] bool, or a (q, kv) pair) and "arbitrary" (bool broadcastable to
+        [b, h, s_q, s_kv]); True means masked out. Unused TE arguments (``fast_zero_fill``,
+        ``pad_between_seqs``, ``num_splits``, ``bf16_backward``) are accepted and ignored.
+
+        Raises:
+            ValueError / TypeError: inconsistent shapes, dtypes or settings (the message names them).
+            NotImplementedError: FP8 output or score_mod.
+            NoImplementationError: no backend accepts the call (each backend's reason is listed).
+        """
+        if fp8_output or score_mod is not None or score_mod_bprop is not None:
+            raise NotImplementedError("fp8_output and score_mod are not supported yet; pass fp8_output=False, score_mod=None")
+        q, k, v = _unpack_packed(qkv_layer, kv_layer, query_layer, key_layer, value_layer, qkv_interleave_dim)
+        fmt = self.qkv_format if qkv_format is None else qkv_format
+        if fmt not in _layout.FORMATS:
+            raise ValueError(f"qkv_format={fmt!r} is not one of {', '.join(_layout.FORMATS)}")
+        self._check_heads(q, k, v)
+        spec = self._mask_spec(attn_mask_type, window_size, bottom_right_diagonal, inference_params is not None)
+        seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+        problem = self._problem(q, k, v, fmt, spec, attention_mask, seqs, inference_params)
+        bias = _Bias.resolve(core_attention_bias_type, core_attention_bias, alibi_slopes, q.shape[-2], q.device)
+        user_mask = attention_mask if spec.mask_type == "arbitrary" else None
+        plan = _masks.plan_masks(spec, problem.s_q, problem.s_kv, problem.padding, user_mask, bias.slopes, problem.thd, q.device)
+        config, attn_bias, extras = self._op_call(plan, bias, problem)
+        args = (problem.q, problem.k, problem.v, attn_bias, self.softmax_offset, extras, config, self._rng_ctx(config.dropout_p))
+        if checkpoint_core_attention:
+            out = checkpoint(_attend, *args, get_rng_state_tracker=self.get_rng_state_tracker)
+        else:
+            out = _attend(*args)
+        return problem.restore(out)
+
+    def _problem(self, q, k, v, fmt: str, spec: _masks.MaskSpec, attention_mask, seqs: _Sequences, inference_params) -> _Problem:
+        """The call in the catalog's layout: KV-cached, packed (thd) or a (padded) sbhd / bshd batch."""
+        if inference_params is not None:
+            return _inference_problem(q, fmt, inference_params.step(self.layer_number, k, v, fmt))
+        if fmt == "thd":
+            return _thd_problem(q, k, v, seqs)
+        seq_dim = 1 if fmt == "bshd" else 0
+        return _padded_problem(q, k, v, fmt, _bshd_padding(spec, attention_mask, seqs, q.shape[seq_dim], k.shape[seq_dim]))
+
+    def _op_call(self, plan: _masks.MaskPlan, bias: "_Bias", problem: _Problem):
+        """(AttentionConfig, attn_bias, extras) for the op."""
+        bias_type, attn_bias, slopes = bias.bias_type, bias.tensor, bias.slopes
+        if plan.alibi_bias is not None:
+            bias_type, attn_bias, slopes = "post_scale_bias", plan.alibi_bias, None
+        config = AttentionConfig(
+            softmax_scale=self.softmax_scale,
+            mask_type=plan.mask_type,
+            window_size=plan.window_size,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            softmax_type=self.softmax_type,
+            bias_type=bias_type,
+            qkv_format="thd" if problem.thd else "bshd",
+            max_seqlen_q=problem.s_q if problem.thd else 0,
+            max_seqlen_kv=problem.s_kv if problem.thd else 0,
+        )
+        extras = _Extras(plan.attn_mask, slopes, problem.cu_seqlens_q, problem.cu_seqlens_kv)
+        return config, attn_bias, extras
+
+
+@dataclass(frozen=True, eq=False)
+class _Bias:
+    """The resolved ``core_attention_bias_type`` and its tensors."""
+
+    bias_type: str
+    tensor: Optional[torch.Tensor]
+    slopes: Optional[torch.Tensor]
+
+    @staticmethod
+    def resolve(bias_type: str, bias, alibi_slopes, num_heads: int, device) -> "_Bias":
+        """Check TE's rules: pre/post-scale need a bias tensor, alibi takes slopes (TE's defaults when None)."""
+        if bias_type not in _BIAS_TYPES:
+            raise ValueError(f"core_attention_bias_type={bias_type!r} is not one of {', '.join(_BIAS_TYPES)}")
+        if alibi_slopes is not None and bias_type != "alibi":
+            raise ValueError("alibi_slopes needs core_attention_bias_type='alibi'")
+        if bias_type == "alibi":
+            if bias is not None:
+                raise ValueError("core_attention_bias must be None when core_attention_bias_type='alibi'")
+            slopes = _masks.default_alibi_slopes(num_heads, device) if alibi_slopes is None else alibi_slopes
+            return _Bias("alibi", None, slopes)
+        if bias_type == "no_bias":
+            return _Bias("no_bias", None, None)
+        if bias is None:
+            raise ValueError(f"core_attention_bias_type={bias_type!r} needs core_attention_bias ([1 or b, h or 1, s_q, s_kv])")
+        return _Bias(bias_type, bias, None)
+
+
+def _bshd_padding(spec: _masks.MaskSpec, attention_mask, seqs: _Sequences, s_q: int, s_kv: int) -> Optional[_masks.Padding]:
+    """Real tokens of a padded sbhd / bshd batch, from the padding mask or the cu_seqlens."""
+    if not spec.padded:
+        return None
+    if attention_mask is not None:
+        return _masks.padding_from_mask(attention_mask, s_q, s_kv)
+    if seqs.cu_q is not None and seqs.cu_kv is not None:
+        return _masks.padding_from_lengths(_layout.seqlens(seqs.cu_q), _layout.seqlens(seqs.cu_kv), s_q, s_kv)
+    raise ValueError(
+        f"attn_mask_type={spec.mask_type!r} needs attention_mask ([b, 1, 1, s] bool, True = padding) "
+        "or cu_seqlens_q and cu_seqlens_kv"
+    )
+
+
+def _check_init(heads: int, groups: Optional[int], tp_size: int, qkv_format: str, softmax_type: str, attention_type: str) -> None:
+    groups = heads if groups is None else groups
+    if heads % groups or groups % tp_size or heads % tp_size:
+        raise ValueError(
+            f"num_attention_heads={heads} must be a multiple of num_gqa_groups={groups}, and both of tp_size={tp_size}"
+        )
+    if qkv_format not in _layout.FORMATS:
+        raise ValueError(f"qkv_format={qkv_format!r} is not one of {', '.join(_layout.FORMATS)}")
+    if softmax_type not in _SOFTMAX_TYPES:
+        raise ValueError(f"softmax_type={softmax_type!r} is not one of {', '.join(_SOFTMAX_TYPES)}")
+    if attention_type not in ("self", "cross"):
+        raise ValueError(f"attention_type={attention_type!r} must be 'self' or 'cross'")

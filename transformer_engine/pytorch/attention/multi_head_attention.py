@@ -1,0 +1,290 @@
+"""MultiheadAttention: QKV projection (optionally with the input norm), RoPE, q/k norm, core attention, projection.
+
+    q, k, v = split(W_qkv norm(x))         self-attention (k, v from the encoder output for cross)
+    q, k    = qk_norm(rope(q, k))           (or rope(qk_norm(q, k)) with qk_norm_before_rope)
+    out     = proj(DotProductAttention(q, k, v))
+
+Submodule and parameter names are TE's (``layernorm_qkv`` / ``qkv``, ``layernorm_query`` /
+``query_layer`` and ``key_value`` for cross-attention, ``core_attention``, ``proj``, ``q_norm`` /
+``k_norm``); the QKV GEMMs and the projection are TE ``Linear`` / ``LayerNormLinear`` modules, so they
+run in FP8 under ``te.autocast`` while the attention itself stays in high precision.
+
+Fused QKV layout (``fuse_qkv_params=True``): with ``qkv_weight_interleaved`` the output features are
+grouped per kv head, [ng, (np/ng + 2), hn] (np/ng query heads, then k, then v of that group);
+otherwise they are [Q; K; V], [(np/ng + 2), ng, hn], as ``torch.nn.MultiheadAttention.in_proj_weight``.
+With ``fuse_qkv_params=False`` the weights are ``query_weight`` / ``key_weight`` / ``value_weight``
+and the layout is [Q; K; V].
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+
+from ..module import LayerNorm, LayerNormLinear, Linear, RMSNorm
+from ..module.base import default_device, resolve_params_dtype
+from .dot_product_attention import DotProductAttention
+from .rope import apply_rotary_pos_emb
+
+__all__ = ["MultiheadAttention"]
+
+_QK_NORM_TYPES = (None, "L2Normalization", "RMSNorm", "LayerNorm")
+
+
+class _L2Normalization(torch.nn.Module):
+    """y = x / sqrt(sum_i x_i^2 + eps) over the last dim (parameter-free; TE's ``ops.L2Normalization``)."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().sum(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def _qk_norms(qk_norm_type: Optional[str], eps: float, head_dim: int, dtype, device):
+    """(q_norm, k_norm) modules for ``qk_norm_type`` (one shared, parameter-free module for L2)."""
+    if qk_norm_type not in _QK_NORM_TYPES:
+        raise ValueError(f"qk_norm_type={qk_norm_type!r} is not one of {_QK_NORM_TYPES}")
+    if qk_norm_type is None:
+        return None, None
+    if qk_norm_type == "L2Normalization":
+        norm = _L2Normalization(eps)
+        return norm, norm
+    cls = RMSNorm if qk_norm_type == "RMSNorm" else LayerNorm
+    return cls(head_dim, eps=eps, dtype=dtype, device=device), cls(head_dim, eps=eps, dtype=dtype, device=device)
+
+
+def _split_heads(mixed: torch.Tensor, groups: Tuple[int, int], sizes: Tuple[int, ...], head_dim: int, dim: int):
+    """View ``mixed`` [..., F] as [..., groups[0], groups[1], head_dim], split ``sizes`` along ``dim`` (-3 or -2)
+    and flatten each part to [..., heads, head_dim]."""
+    lead = mixed.shape[:-1]
+    parts = mixed.view(*lead, groups[0], groups[1], head_dim).split(sizes, dim=dim)
+    return tuple(p.reshape(*lead, -1, head_dim) for p in parts)
+
+
+class MultiheadAttention(torch.nn.Module):
+    """TE's multi-head attention block (self or cross), see the module docstring.
+
+    Args: TE 2.x's ``MultiheadAttention`` arguments, same order and defaults (``attention_dropout``
+    0.1, ``attn_mask_type`` "causal", ``qkv_format`` "sbhd"). Tensor-parallel and communication
+    overlap arguments are stored (tensor parallelism comes later).
+
+    Forward returns the output, then the projection bias if ``return_bias``, then the input norm's
+    output if ``input_layernorm`` and ``return_layernorm_output``.
+
+    Example:
+        >>> import torch, transformer_engine.pytorch as te
+        >>> mha = te.MultiheadAttention(32, 4, attention_dropout=0.0)
+        >>> mha(torch.randn(6, 2, 32)).shape
+        torch.Size([6, 2, 32])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        kv_channels: Optional[int] = None,
+        attention_dropout: float = 0.1,
+        layernorm_epsilon: float = 1e-5,
+        init_method: Optional[Callable] = None,
+        output_layer_init_method: Optional[Callable] = None,
+        layer_number: Optional[int] = None,
+        attn_mask_type: str = "causal",
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
+        tp_group=None,
+        tp_size: int = 1,
+        num_gqa_groups: Optional[int] = None,
+        fuse_wgrad_accumulation: bool = False,
+        get_rng_state_tracker: Optional[Callable] = None,
+        sequence_parallel: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        return_bias: bool = False,
+        return_layernorm_output: bool = False,
+        input_layernorm: bool = False,
+        attention_type: str = "self",
+        set_parallel_mode: bool = False,
+        fuse_qkv_params: bool = False,
+        zero_centered_gamma: bool = False,
+        qkv_weight_interleaved: bool = True,
+        rotary_pos_interleaved: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        device: Union[torch.device, str, None] = None,
+        qkv_format: str = "sbhd",
+        name: Optional[str] = None,
+        qk_norm_type: Optional[str] = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_before_rope: bool = False,
+        seq_length: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        softmax_type: str = "vanilla",
+    ) -> None:
+        super().__init__()
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type={attention_type!r} must be 'self' or 'cross'")
+        groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        if num_attention_heads % groups or groups % tp_size:
+            raise ValueError(
+                f"num_attention_heads={num_attention_heads} must be a multiple of num_gqa_groups={groups}, "
+                f"which must be a multiple of tp_size={tp_size}"
+            )
+        self.qkv_format, self.attn_mask_type, self.window_size = qkv_format, attn_mask_type, window_size
+        self.bottom_right_diagonal = bottom_right_diagonal
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.input_layernorm, self.attention_type = input_layernorm, attention_type
+        self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
+        self.get_rng_state_tracker, self.tp_group, self.tp_size = get_rng_state_tracker, tp_group, tp_size
+        self.sequence_parallel = tp_size > 1 and sequence_parallel
+        self.params_dtype = resolve_params_dtype(params_dtype, None)
+        self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
+        self.num_attention_heads_per_partition = num_attention_heads // tp_size
+        self.num_gqa_groups_per_partition = groups // tp_size
+        self.hidden_size_per_attention_head = kv_channels if kv_channels else hidden_size // num_attention_heads
+        self.hidden_size_q = self.hidden_size_per_attention_head * num_attention_heads
+        self.hidden_size_kv = self.hidden_size_per_attention_head * groups
+        self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
+        self.rotary_pos_interleaved, self.qk_norm_before_rope = rotary_pos_interleaved, qk_norm_before_rope
+        self.softmax_type, self.name = softmax_type, name
+        device = default_device(device)
+        gemm_kwargs = dict(
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=tp_size,
+            get_rng_state_tracker=get_rng_state_tracker, sequence_parallel=sequence_parallel,
+            params_dtype=self.params_dtype, device=device,
+        )
+        norm_kwargs = dict(eps=layernorm_epsilon, zero_centered_gamma=zero_centered_gamma, normalization=normalization,
+                           return_layernorm_output=return_layernorm_output)
+        self.q_norm, self.k_norm = _qk_norms(qk_norm_type, qk_norm_eps, self.hidden_size_per_attention_head, self.params_dtype, device)
+        self._build_projections(hidden_size, init_method, bias, fuse_qkv_params, set_parallel_mode, gemm_kwargs, norm_kwargs)
+        self.core_attention = DotProductAttention(
+            num_attention_heads, self.hidden_size_per_attention_head, num_gqa_groups=groups,
+            attention_dropout=attention_dropout, qkv_format=qkv_format, tp_size=tp_size,
+            get_rng_state_tracker=get_rng_state_tracker, sequence_parallel=sequence_parallel, tp_group=tp_group,
+            layer_number=self.layer_number, attention_type=attention_type, softmax_type=softmax_type,
+            attn_mask_type=attn_mask_type, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+        )
+        self.proj = Linear(
+            self.hidden_size_q, hidden_size, init_method=output_layer_init_method, bias=bias, return_bias=return_bias,
+            parallel_mode="row" if set_parallel_mode else None, name=None if name is None else name + ".proj", **gemm_kwargs,
+        )
+
+    def _build_projections(self, hidden_size, init_method, bias, fuse_qkv_params, set_parallel_mode, gemm_kwargs, norm_kwargs):
+        """``layernorm_qkv`` / ``qkv`` (self), or ``layernorm_query`` / ``query_layer`` and ``key_value`` (cross)."""
+        common = dict(init_method=init_method, bias=bias, return_bias=False,
+                      parallel_mode="column" if set_parallel_mode else None, **gemm_kwargs)
+        hq, hkv = self.hidden_size_q, self.hidden_size_kv
+        if self.attention_type == "self":
+            split = None if fuse_qkv_params else collections.OrderedDict([("query", hq), ("key", hkv), ("value", hkv)])
+            if self.input_layernorm:
+                self.layernorm_qkv = LayerNormLinear(hidden_size, hq + 2 * hkv, parameters_split=split, **norm_kwargs, **common)
+            else:
+                self.qkv = Linear(hidden_size, hq + 2 * hkv, parameters_split=split, **common)
+            return
+        if self.input_layernorm:
+            split = None if fuse_qkv_params else ("query",)
+            self.layernorm_query = LayerNormLinear(hidden_size, hq, parameters_split=split, **norm_kwargs, **common)
+        else:
+            self.query_layer = Linear(hidden_size, hq, **common)
+        self.key_value = Linear(hidden_size, 2 * hkv, parameters_split=None if fuse_qkv_params else ("key", "value"), **common)
+
+    def _qkv(self, hidden_states, encoder_output, is_first_microbatch):
+        """(q [.., np, hn], k [.., ng, hn], v [.., ng, hn], layernorm output or None)."""
+        ng, hn = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
+        per_group = self.num_attention_heads_per_partition // ng
+        ln_out = None
+        if self.attention_type == "self":
+            mixed = (self.layernorm_qkv if self.input_layernorm else self.qkv)(hidden_states, is_first_microbatch=is_first_microbatch)
+            if self.input_layernorm and self.return_layernorm_output:
+                mixed, ln_out = mixed
+            if self.qkv_weight_interleaved:
+                q, k, v = _split_heads(mixed, (ng, per_group + 2), (per_group, 1, 1), hn, dim=-2)
+            else:
+                q, k, v = _split_heads(mixed, (per_group + 2, ng), (per_group, 1, 1), hn, dim=-3)
+            return q, k, v, ln_out
+        if encoder_output is None:
+            raise ValueError("cross-attention (attention_type='cross') needs encoder_output")
+        mixed_kv = self.key_value(encoder_output, is_first_microbatch=is_first_microbatch)
+        if self.qkv_weight_interleaved:
+            k, v = _split_heads(mixed_kv, (ng, 2), (1, 1), hn, dim=-2)
+        else:
+            k, v = _split_heads(mixed_kv, (2, ng), (1, 1), hn, dim=-3)
+        query = (self.layernorm_query if self.input_layernorm else self.query_layer)(hidden_states, is_first_microbatch=is_first_microbatch)
+        if self.input_layernorm and self.return_layernorm_output:
+            query, ln_out = query
+        return query.reshape(*query.shape[:-1], -1, hn), k, v, ln_out
+
+    def _rope(self, q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv):
+        """q and k rotated by ``rotary_pos_emb`` (one table, or a (q, k) pair) at their positions."""
+        q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+        start = inference_params.get_seqlens_pre_step() if inference_params is not None else None
+        common = dict(tensor_format=self.qkv_format, fused=True, start_positions=start, interleaved=self.rotary_pos_interleaved)
+        return (
+            apply_rotary_pos_emb(q, q_freqs, cu_seqlens=cu_seqlens_q, **common),
+            apply_rotary_pos_emb(k, k_freqs, cu_seqlens=cu_seqlens_kv, **common),
+        )
+
+    def _qk_norm(self, q, k):
+        return (q, k) if self.q_norm is None else (self.q_norm(q), self.k_norm(k))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        encoder_output: Optional[torch.Tensor] = None,
+        attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
+        is_first_microbatch: Optional[bool] = None,
+        checkpoint_core_attention: bool = False,
+        inference_params=None,
+        rotary_pos_emb: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_kv: Optional[torch.Tensor] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+        fast_zero_fill: bool = True,
+        pad_between_seqs: Optional[bool] = None,
+    ):
+        """Attention block output [s, b, hidden] (sbhd; [b, s, hidden] bshd; [t, hidden] thd), TE's return order.
+
+        Raises:
+            ValueError / TypeError: from the projections or the core attention (named in the message).
+        """
+        if inference_params is not None and self.layer_number not in inference_params.cache_manager.cache:
+            inference_params.allocate_memory(self.layer_number)
+        q, k, v, ln_out = self._qkv(hidden_states, encoder_output, is_first_microbatch)
+        if self.qk_norm_before_rope:
+            q, k = self._qk_norm(q, k)
+        if rotary_pos_emb is not None:
+            padded = bool(pad_between_seqs)
+            q, k = self._rope(q, k, rotary_pos_emb, inference_params,
+                              cu_seqlens_q_padded if padded else cu_seqlens_q, cu_seqlens_kv_padded if padded else cu_seqlens_kv)
+        if not self.qk_norm_before_rope:
+            q, k = self._qk_norm(q, k)
+        context = self.core_attention(
+            q, k, v, attention_mask=attention_mask, qkv_format=self.qkv_format,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            attn_mask_type=attn_mask_type, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+            checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, inference_params=inference_params,
+        )
+        projected = self.proj(context, is_first_microbatch=is_first_microbatch)
+        outputs = projected if isinstance(projected, tuple) else (projected,)
+        if self.input_layernorm and self.return_layernorm_output:
+            outputs = outputs + (ln_out,)
+        return outputs if len(outputs) > 1 else outputs[0]

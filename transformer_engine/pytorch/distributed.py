@@ -1,0 +1,338 @@
+"""Activation recomputation (``checkpoint``) and named RNG streams (``CudaRNGStatesTracker``).
+
+``checkpoint(function, *args)`` runs ``function`` without keeping its activations and runs it again in
+the backward pass. The second run must compute exactly what the first did:
+
+- RNG: the CPU and CUDA generator states and the tracker's named states are captured before the
+  first run and put back for the second (so dropout draws the same masks);
+- FP8: the second run happens in backward, outside the user's ``autocast``: it re-enters the
+  autocast setting of the first run, and every module with delayed-scaling state casts with the
+  scale it used in the first run (the outermost autocast exit has moved the scale on since). The
+  state the second run leaves behind (amaxes it records, the swapped scales) is rolled back, so the
+  scaling history advances once per step, as without checkpointing. (An autocast *inside* a
+  reentrant checkpoint exits its first run under no_grad, which skips its update, as in TE: keep
+  the autocast outside, or use ``use_reentrant=False``.)
+
+Tensor parallelism arguments (``tp_group``, ``distribute_saved_activations``) are accepted for TE's
+signature; distributing saved activations is added with tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+
+from .quantization import autocast, current_config
+
+__all__ = ["CudaRNGStatesTracker", "checkpoint"]
+
+_FP8_STATE_TENSORS = ("scale", "scale_inv", "amax_history")
+
+
+def _rng_device_type() -> str:
+    """The generator the tracker manages: CUDA's when a GPU is present, else the CPU's."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _get_rng_state(device_type: str) -> torch.Tensor:
+    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device_type: str, state: torch.Tensor) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class CudaRNGStatesTracker:
+    """Named RNG streams: ``fork(name)`` runs a block on stream ``name`` and leaves the default one untouched.
+
+    Used for model-parallel dropout (each tensor-parallel rank draws different attention-dropout masks
+    from its own stream). Streams live on the CUDA generator when a GPU is present, else on the CPU
+    generator, so the same code runs on CPU.
+
+    Example:
+        >>> tracker = CudaRNGStatesTracker()
+        >>> tracker.add("model-parallel-rng", 1234)
+        >>> with tracker.fork():
+        ...     a = torch.rand(2)
+        >>> tracker.reset(); tracker.add("model-parallel-rng", 1234)
+        >>> with tracker.fork():
+        ...     torch.equal(a, torch.rand(2))
+        True
+    """
+
+    def __init__(self):
+        self.states_: Dict[str, torch.Tensor] = {}
+        self.seeds_: set = set()
+
+    def is_initialized(self) -> bool:
+        """True once a stream has been added."""
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        """Forget every stream and seed."""
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        """A copy of the name -> generator state map (to restore later with :meth:`set_states`)."""
+        return dict(self.states_)
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        """Replace the streams by ``states`` (as returned by :meth:`get_states`)."""
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        """Create stream ``name`` seeded with ``seed``.
+
+        Raises:
+            ValueError: the seed or the name is already in use.
+        """
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} is already used by another stream; pick a distinct seed")
+        if name in self.states_:
+            raise ValueError(f"RNG stream {name!r} already exists; call reset() first or pick another name")
+        self.seeds_.add(seed)
+        device_type = _rng_device_type()
+        saved = _get_rng_state(device_type)
+        try:
+            if device_type == "cuda":
+                torch.cuda.manual_seed(seed)
+            else:
+                torch.manual_seed(seed)
+            self.states_[name] = _get_rng_state(device_type)
+        finally:
+            _set_rng_state(device_type, saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        """Run the block on stream ``name``; the stream advances, the default generator does not.
+
+        Raises:
+            ValueError: stream ``name`` was never added.
+        """
+        if name not in self.states_:
+            raise ValueError(f"RNG stream {name!r} was not added; call add({name!r}, seed) first")
+        device_type = _rng_device_type()
+        saved = _get_rng_state(device_type)
+        _set_rng_state(device_type, self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = _get_rng_state(device_type)
+            _set_rng_state(device_type, saved)
+
+
+class _RngSnapshot:
+    """Generator states at one moment: the tracker's streams, and the CPU / CUDA default generators."""
+
+    def __init__(self, tracker, include_default: bool):
+        self.tracker = tracker
+        self.streams = tracker.get_states() if tracker is not None else None
+        self.cpu = torch.get_rng_state() if include_default else None
+        cuda_ready = include_default and torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = torch.cuda.get_rng_state() if cuda_ready else None
+
+    def restore(self) -> None:
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+        if self.tracker is not None:
+            self.tracker.set_states(self.streams)
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Run the block from this snapshot's states, then go back to the states found on entry."""
+        now = _RngSnapshot(self.tracker, include_default=self.cpu is not None)
+        self.restore()
+        try:
+            yield
+        finally:
+            now.restore()
+
+
+def _fwd_scaling_state(module: torch.nn.Module):
+    """The forward delayed-scaling state of a TE module (``fp8_meta["scaling_fwd"]``), or None."""
+    meta = getattr(module, "fp8_meta", None)
+    state = meta.get("scaling_fwd") if isinstance(meta, dict) else None
+    return state if state is not None and getattr(state, "scale", None) is not None else None
+
+
+def _copy_state(state) -> Dict[str, torch.Tensor]:
+    return {name: getattr(state, name).clone() for name in _FP8_STATE_TENSORS if getattr(state, name, None) is not None}
+
+
+def _load_state(state, values: Dict[str, torch.Tensor]) -> None:
+    for name, value in values.items():
+        getattr(state, name).copy_(value)
+
+
+class _Fp8Replay:
+    """The FP8 side of a checkpointed region: the autocast setting and the scales its modules cast with.
+
+    ``recording()`` wraps the first run: a global forward hook notes, for every module with
+    delayed-scaling state, the scale it used. ``replaying()`` wraps the second run: it re-enters the
+    recorded autocast setting (without its end-of-step update) and swaps each module's recorded scale
+    in just before the module runs; on exit every touched state gets back what it held before.
+    """
+
+    def __init__(self):
+        self.config = current_config()
+        self.used: Dict[int, Tuple[Any, Dict[str, torch.Tensor]]] = {}
+
+    def _note(self, module, args, output) -> None:
+        state = _fwd_scaling_state(module)
+        if state is not None and id(state) not in self.used:
+            self.used[id(state)] = (state, {k: v for k, v in _copy_state(state).items() if k != "amax_history"})
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        handle = torch.nn.modules.module.register_module_forward_hook(self._note)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        saved: List[Tuple[Any, Dict[str, torch.Tensor]]] = []
+
+        def swap_in(module, args) -> None:
+            state = _fwd_scaling_state(module)
+            entry = self.used.get(id(state)) if state is not None else None
+            if entry is not None and all(s is not state for s, _ in saved):
+                saved.append((state, _copy_state(state)))
+                _load_state(state, entry[1])
+
+        cfg = self.config
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(swap_in)
+        try:
+            with autocast(cfg.enabled, cfg.calibrating, cfg.recipe, cfg.amax_reduction_group, _graph=True):
+                yield
+        finally:
+            handle.remove()
+            for state, values in saved:
+                _load_state(state, values)
+
+
+def _detach_inputs(args: Tuple) -> Tuple:
+    out = []
+    for arg in args:
+        if torch.is_tensor(arg):
+            detached = arg.detach()
+            detached.requires_grad_(arg.requires_grad)
+            out.append(detached)
+        else:
+            out.append(arg)
+    return tuple(out)
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Reentrant recomputation: forward without saving activations, backward = replay + autograd."""
+
+    @staticmethod
+    def forward(ctx, run_function, rng: _RngSnapshot, fp8: _Fp8Replay, kwargs, *args):
+        ctx.run_function, ctx.rng, ctx.fp8, ctx.kwargs = run_function, rng, fp8, kwargs
+        tensors = [a for a in args if torch.is_tensor(a)]
+        ctx.tensor_slots = [torch.is_tensor(a) for a in args]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad(), fp8.recording():
+            return run_function(*args, **kwargs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("te.checkpoint with use_reentrant=True is not compatible with torch.autograd.grad(); "
+                               "use .backward() or use_reentrant=False")
+        saved = iter(ctx.saved_tensors)
+        args = tuple(next(saved) if is_tensor else other for is_tensor, other in zip(ctx.tensor_slots, ctx.others))
+        inputs = _detach_inputs(args)
+        with ctx.rng.replayed(), ctx.fp8.replaying(), torch.enable_grad():
+            outputs = ctx.run_function(*inputs, **ctx.kwargs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        arg_grads = tuple(a.grad if torch.is_tensor(a) else None for a in inputs)
+        return (None, None, None, None) + arg_grads
+
+
+def _parse_legacy(args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
+    """TE's deprecated positional form ``checkpoint(fn, distribute_saved_activations, tracker, tp_group, *args)``."""
+    if len(args) >= 3 and isinstance(args[0], bool):
+        warnings.warn(
+            "Passing distribute_saved_activations, get_rng_state_tracker and tp_group positionally to "
+            "te.checkpoint is deprecated; pass them as keyword arguments",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        kwargs = dict(kwargs, distribute_saved_activations=args[0], get_rng_state_tracker=args[1], tp_group=args[2])
+        args = args[3:]
+    return args, kwargs
+
+
+@contextlib.contextmanager
+def _entered(*factories: Callable) -> Iterator[None]:
+    """Enter the contexts made by ``factories``, in order, when this context is entered (not before)."""
+    with contextlib.ExitStack() as stack:
+        for factory in factories:
+            stack.enter_context(factory())
+        yield
+
+
+def _nonreentrant_contexts(rng: _RngSnapshot, fp8: _Fp8Replay, user_context_fn: Optional[Callable]):
+    """torch.utils.checkpoint ``context_fn``: FP8 recording / tracker + FP8 replay, around the user's contexts."""
+
+    def context_fn():
+        user_fwd, user_re = user_context_fn() if user_context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        forward = _entered(lambda: user_fwd, fp8.recording)
+        recompute = _entered(lambda: user_re, rng.replayed, fp8.replaying)
+        return forward, recompute
+
+    return context_fn
+
+
+def checkpoint(function: Callable, *args, **kwargs):
+    """Run ``function(*args, **kwargs)`` without keeping activations; recompute it exactly in backward.
+
+    Keyword-only extras (TE's): ``distribute_saved_activations=False``, ``get_rng_state_tracker=None``
+    (its streams are replayed too), ``tp_group=None``, ``use_reentrant=True``; ``context_fn``,
+    ``determinism_check`` and ``debug`` go to ``torch.utils.checkpoint`` (``use_reentrant=False``).
+    The other keyword arguments go to ``function`` (not differentiated with ``use_reentrant=True``).
+    See the module docstring for what "exactly" covers (RNG streams, FP8 scales).
+
+    Raises:
+        NotImplementedError: ``distribute_saved_activations=True`` over a tensor-parallel group.
+
+    Example:
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> checkpoint(layer, x).sum().backward()
+        >>> x.grad.shape
+        torch.Size([2, 4])
+    """
+    args, kwargs = _parse_legacy(args, kwargs)
+    distribute = kwargs.pop("distribute_saved_activations", False)
+    tracker_fn = kwargs.pop("get_rng_state_tracker", None)
+    tp_group = kwargs.pop("tp_group", None)
+    use_reentrant = kwargs.pop("use_reentrant", True)
+    torch_options = {key: kwargs.pop(key) for key in ("context_fn", "determinism_check", "debug") if key in kwargs}
+    if distribute and tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        raise NotImplementedError("distribute_saved_activations over a tensor-parallel group is not supported yet")
+    tracker = tracker_fn() if tracker_fn is not None else None
+    # torch.utils.checkpoint replays the default generators itself; the tracker's streams are ours
+    rng, fp8 = _RngSnapshot(tracker, include_default=use_reentrant), _Fp8Replay()
+    if use_reentrant:
+        if torch_options:
+            raise ValueError(f"{sorted(torch_options)} need use_reentrant=False")
+        return _CheckpointFunction.apply(function, rng, fp8, kwargs, *args)
+    context_fn = _nonreentrant_contexts(rng, fp8, torch_options.pop("context_fn", None))
+    return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **torch_options, **kwargs)
