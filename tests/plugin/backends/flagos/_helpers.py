@@ -1,0 +1,66 @@
+"""Helpers shared by the flagos kernel tests: tolerances, FP8 code comparison, awkward inputs.
+
+Tolerances: results are compared with the reference backend, which computes the same float32
+formulas in another order (and, for bfloat16 outputs under the CPU interpreter, Triton's
+interpreter truncates float32 -> bfloat16 where the GPU rounds to nearest): one rounding apart
+at most, so each dtype's row of ``tests.utils.DTYPE_TOLS`` (a few ulps) holds; float32 sums over
+rows get 4x that row, as in the reference backend's own tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.utils import dtype_tols, randn
+
+HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def tols(dtype: torch.dtype, reduction: bool = False) -> dict:
+    """(rtol, atol) for a result in ``dtype``; ``reduction`` loosens float32 4x (summation order)."""
+    tol = dtype_tols(dtype)
+    if reduction and dtype == torch.float32:
+        tol = {k: 4 * v for k, v in tol.items()}
+    return tol
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, reduction: bool = False) -> None:
+    """Same dtype, shape and values within the dtype's tolerance (compared in float64)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.cpu().double(), expected.cpu().double(), **tols(expected.dtype, reduction))
+
+
+def wide_range(shape, dtype, device="cpu") -> torch.Tensor:
+    """Random values from ~1e-6 to ~1e4 in magnitude: FP8 subnormals, normals and saturation."""
+    magnitude = 10.0 ** (torch.rand(shape) * 10 - 6)
+    return (randn(*shape) * magnitude).to(dtype).to(device)
+
+
+def _ordinal(q: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as signed integers ordered like their values (sign-magnitude -> two's complement)."""
+    codes = q.cpu().view(torch.uint8).long()
+    magnitude = codes & 0x7F
+    return torch.where(codes >= 0x80, -magnitude, magnitude)
+
+
+def assert_fp8_equal(q: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-identical FP8 codes, except that any NaN code matches any NaN code."""
+    assert q.dtype == expected.dtype and q.shape == expected.shape
+    both_nan = torch.isnan(q.cpu().float()) & torch.isnan(expected.cpu().float())
+    same = q.cpu().view(torch.uint8) == expected.cpu().view(torch.uint8)
+    assert bool((same | both_nan).all()), f"{int((~(same | both_nan)).sum())} of {q.numel()} FP8 codes differ"
+
+
+def assert_fp8_near(q: torch.Tensor, expected: torch.Tensor, max_fraction: float = 0.01) -> None:
+    """FP8 codes at most one step apart, and at most ``max_fraction`` of them not identical.
+
+    For fused ops whose float32 input to the cast may differ from the reference's by an ulp
+    (another summation order), which moves the rounding of a value sitting on a tie or a grid
+    boundary by one code.
+    """
+    assert q.dtype == expected.dtype and q.shape == expected.shape
+    step = (_ordinal(q) - _ordinal(expected)).abs()
+    if step.numel():
+        assert int(step.max()) <= 1, f"FP8 codes differ by up to {int(step.max())} steps"
+        assert float((step != 0).double().mean()) <= max_fraction, f"{int((step != 0).sum())} FP8 codes differ"

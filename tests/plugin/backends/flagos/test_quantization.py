@@ -1,0 +1,155 @@
+"""flagos FP8 casts vs the reference backend: bit-identical codes, scale_inv and amax.
+
+Runs on the GPU when there is one, else in Triton's CPU interpreter (conftest.py), where the
+kernels take the integer-emulated cast; the GPU takes the hardware cast (sm_89+). Both must give
+the reference's saturating round-to-nearest-even codes bit for bit.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_close, assert_fp8_equal, wide_range
+from tests.utils import randn, sqnr
+from transformer_engine.plugin.backends.flagos import quantization as fq
+from transformer_engine.plugin.backends.reference import quantization as ref
+
+
+def _scale(device):
+    return torch.exp(torch.randn(1)).float().to(device)
+
+
+def _assert_same_quantize(actual, expected):
+    q, scale_inv, amax = actual
+    q_ref, scale_inv_ref, amax_ref = expected
+    assert_fp8_equal(q, q_ref)
+    assert scale_inv.shape == amax.shape == () and scale_inv.dtype == amax.dtype == torch.float32
+    assert torch.equal(scale_inv.cpu(), scale_inv_ref.cpu()) and torch.equal(amax.cpu(), amax_ref.cpu())
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 131), (2, 5, 17)])
+def test_quantize_bit_exact(shape, dtype, fp8_dtype, device):
+    x, scale = wide_range(shape, dtype, device), _scale(device)
+    _assert_same_quantize(fq.quantize(x, scale, fp8_dtype), ref.quantize(x, scale, fp8_dtype))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_quantize_every_bfloat16_and_every_tie(fp8_dtype, device):
+    # every bfloat16 bit pattern (subnormals, inf, NaN of both signs), plus the float32 midpoints
+    # between neighbouring FP8 values, where round-half-to-even decides
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    grid = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    ties = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([every_bf16, ties, -ties]).to(device)
+    one = torch.ones(1, device=device)
+    _assert_same_quantize(fq.quantize(x, one, fp8_dtype), ref.quantize(x, one, fp8_dtype))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_quantize_saturates_and_keeps_nan(fp8_dtype, device):
+    fp8_max = torch.finfo(fp8_dtype).max
+    x = torch.tensor([math.inf, -math.inf, 1e30, -1e30, 2 * fp8_max, math.nan, 3.0, -0.0], device=device)
+    q, _, amax = fq.quantize(x, torch.ones(1, device=device), fp8_dtype)
+    values = q.float().cpu()
+    assert values[:5].tolist() == [fp8_max, -fp8_max, fp8_max, -fp8_max, fp8_max]
+    assert torch.isnan(values[5]) and values[6].item() == 3.0 and torch.signbit(values[7])
+    assert amax.item() == torch.tensor(1e30).item()
+
+
+def test_quantize_empty_and_all_non_finite(device):
+    scale = torch.tensor([4.0], device=device)
+    q, scale_inv, amax = fq.quantize(torch.empty(0, 3, device=device), scale, torch.float8_e4m3fn)
+    assert q.shape == (0, 3) and amax.item() == 0.0 and scale_inv.item() == 0.25
+    assert fq.quantize(torch.tensor([math.nan, -math.inf], device=device), scale, torch.float8_e5m2)[2].item() == 0.0
+
+
+@pytest.mark.parametrize("out_dtype", HP_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_dequantize_every_code(fp8_dtype, out_dtype, device):
+    q = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).reshape(16, 16).to(device)
+    scale_inv = _scale(device)
+    x, expected = fq.dequantize(q, scale_inv, out_dtype), ref.dequantize(q, scale_inv, out_dtype)
+    finite = torch.isfinite(expected.cpu())
+    assert torch.equal(torch.isnan(x.cpu()), torch.isnan(expected.cpu()))
+    assert torch.equal(x.cpu()[~finite & ~torch.isnan(expected.cpu())], expected.cpu()[~finite & ~torch.isnan(expected.cpu())])
+    if out_dtype == torch.float32:  # one float32 product on both sides: exact
+        assert torch.equal(x.cpu()[finite], expected.cpu()[finite])
+    else:
+        assert_close(x.cpu()[finite], expected.cpu()[finite])
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_quantize_dequantize_sqnr(fp8_dtype, device):
+    # N(0, 1) with amax mapped to fp8_max: E4M3 keeps 3 mantissa bits (~31 dB), E5M2 2 (~25 dB)
+    x = randn(33, 65, device=device)
+    scale = torch.finfo(fp8_dtype).max / x.abs().max().reshape(1)
+    q, scale_inv, _ = fq.quantize(x, scale, fp8_dtype)
+    assert sqnr(x, fq.dequantize(q, scale_inv, torch.float32)) > (25.0 if fp8_dtype == torch.float8_e4m3fn else 19.0)
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (37, 1), (65, 130)])
+def test_cast_transpose(shape, dtype, device):
+    x, scale = wide_range(shape, dtype, device), _scale(device)
+    q, q_t, scale_inv, amax = fq.cast_transpose(x, scale, torch.float8_e4m3fn)
+    q_ref, q_t_ref, scale_inv_ref, amax_ref = ref.cast_transpose(x, scale, torch.float8_e4m3fn)
+    assert q_t.is_contiguous() and q_t.shape == (shape[1], shape[0])
+    _assert_same_quantize((q, scale_inv, amax), (q_ref, scale_inv_ref, amax_ref))
+    assert_fp8_equal(q_t, q_t_ref)
+
+
+def test_cast_transpose_strided_rows(device):
+    wide = wide_range((9, 70), torch.bfloat16, device)
+    x, scale = wide[:, 3:68], _scale(device)  # row stride 70, 65 columns
+    q, q_t, _, amax = fq.cast_transpose(x, scale, torch.float8_e5m2)
+    q_ref, q_t_ref, _, amax_ref = ref.cast_transpose(x, scale, torch.float8_e5m2)
+    assert_fp8_equal(q, q_ref)
+    assert_fp8_equal(q_t, q_t_ref)
+    assert torch.equal(amax.cpu(), amax_ref.cpu())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 67), (70, 3)])
+def test_fp8_transpose(shape, device):
+    q = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn).to(device)
+    assert_fp8_equal(fq.fp8_transpose(q), ref.fp8_transpose(q))
+    assert_fp8_equal(fq.fp8_transpose(q.t()), ref.fp8_transpose(q.t()))  # strided input
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 1001)])
+def test_compute_amax(shape, dtype, device):
+    x = wide_range(shape, dtype, device)
+    if x.numel() > 2:
+        x.view(-1)[1], x.view(-1)[2] = math.nan, -math.inf
+    amax = fq.compute_amax(x)
+    assert amax.shape == () and torch.equal(amax.cpu(), ref.compute_amax(x).cpu())
+
+
+def test_errors_and_supports(device):
+    x = randn(4, 4, device=device)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        fq.quantize(x, torch.ones(1, device=device), torch.float16)
+    with pytest.raises(TypeError, match="dtype"):
+        fq.quantize(x.int(), torch.ones(1, device=device), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="2-D"):
+        fq.cast_transpose(x.reshape(2, 2, 4), torch.ones(1, device=device), torch.float8_e4m3fn)
+    verdict = fq.SUPPORTS["quantize"](x, torch.ones(1, dtype=torch.float64, device=device), torch.float8_e4m3fn)
+    assert not verdict and "float32" in verdict.reason
+    assert fq.SUPPORTS["quantize"](x, torch.ones(1, device=device), torch.float8_e4m3fn)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_large_casts_bit_exact_gpu(fp8_dtype):
+    x = wide_range((2049, 4097), torch.bfloat16, "cuda")
+    scale = _scale("cuda")
+    _assert_same_quantize(fq.quantize(x, scale, fp8_dtype), ref.quantize(x, scale, fp8_dtype))
+    q, q_t, scale_inv, amax = fq.cast_transpose(x, scale, fp8_dtype)
+    q_ref, q_t_ref, scale_inv_ref, amax_ref = ref.cast_transpose(x, scale, fp8_dtype)
+    _assert_same_quantize((q, scale_inv, amax), (q_ref, scale_inv_ref, amax_ref))
+    assert_fp8_equal(q_t, q_t_ref)
+    assert torch.equal(fq.dequantize(q, scale_inv, torch.float32), ref.dequantize(q, scale_inv, torch.float32))

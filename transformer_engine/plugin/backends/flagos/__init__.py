@@ -1,0 +1,54 @@
+"""The flagos backend: portable Triton kernels (kind DEFAULT, priority 150).
+
+Runs on CUDA GPUs; with ``TRITON_INTERPRET=1`` set when it registers (and when its kernels were
+imported) it also accepts CPU tensors, through Triton's interpreter, which is how the tests run
+the kernels without a GPU. Importing it without triton raises ImportError, which discovery
+records as "backend not loaded" (``import transformer_engine`` is never affected).
+
+Ops it declines for given arguments say why through their ``SUPPORTS`` predicates (e.g. rows
+wider than one Triton block, packed RoPE); the dispatcher then runs the next backend. Not
+implemented here (the reference or vendor backend runs them): dropout, gemm, quantize_blockwise,
+dequantize_blockwise, delayed_scaling_update and multi_tensor_sgd.
+"""
+
+import importlib.util
+import logging
+import os
+
+import triton  # noqa: F401  (ImportError here disables the backend, by design)
+
+from transformer_engine.plugin.backends._registration import impls_from_modules, register_torch_capability_probe
+from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
+
+from . import activation, misc, normalization, optimizer, quantization, rope, softmax
+
+IMPL_ID = "flagos.triton"
+
+__all__ = ["register", "IMPL_ID", "capabilities"]
+
+
+def _modules():
+    """The kernel modules to register; attention joins when its module exists."""
+    modules = [activation, misc, normalization, optimizer, quantization, rope, softmax]
+    if importlib.util.find_spec(f"{__name__}.attention") is not None:
+        try:
+            modules.append(importlib.import_module(f"{__name__}.attention"))
+        except Exception as exc:  # noqa: BLE001 - the other families stay usable; the reason is logged
+            logging.getLogger("transformer_engine.plugin").warning("TE-FL: flagos attention not loaded: %s: %s", type(exc).__name__, exc)
+    return modules
+
+
+def capabilities() -> Capabilities:
+    """{"cuda"}, plus "cpu" when TRITON_INTERPRET=1 (kernels run in Triton's interpreter)."""
+    devices = {"cuda"}
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        devices.add("cpu")
+    return Capabilities(device_types=frozenset(devices))
+
+
+def register(registry) -> None:
+    """Register every flagos op with the default device capabilities (module CAPABILITIES win)."""
+    register_torch_capability_probe()
+    registry.register_many(
+        impls_from_modules(_modules(), IMPL_ID, BackendImplKind.DEFAULT, capabilities(), description="Triton kernels")
+    )

@@ -1,0 +1,255 @@
+"""Pieces shared by the flagos kernel files: the FP8 cast, the amax reduction and launch heuristics.
+
+FP8 cast (catalog contract): q = cast_fp8(clip(y, -fp8_max, fp8_max)) with round-to-nearest-even,
+NaN stays NaN, +-inf saturates. Kernels store q as its uint8 code (the output is viewed as uint8),
+computed one of two ways, chosen per launch by the ``HW_CAST`` constexpr:
+
+- hardware: ``cvt.rn.satfinite`` through ``y.to(tl.float8e4nv / tl.float8e5)`` after the clip
+  (NVIDIA compute capability >= 8.9, where Triton lowers fp32 -> fp8 to that instruction);
+- emulated, in integer arithmetic on the float32 bit pattern: used by the interpreter (whose float
+  casts truncate) and by older GPUs. For |y| = 2^e (1 + f) in the FP8 normal range the code is
+  the RNE rounding of the bit pattern to MBITS mantissa bits, re-biased; below it the code is
+  round_half_even(|y| / 2^(1 - EBIAS - MBITS)), which also yields the smallest normal on carry.
+
+amax = max |y| over finite y: each program reduces its block, then one ``tl.atomic_max`` on the
+int32 bit pattern (for non-negative floats the int order is the float order) into a zeroed int32
+buffer that the launcher returns viewed as float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "INTERPRET",
+    "MAX_FUSED_SIZE",
+    "NO_FP8",
+    "Fp8Format",
+    "Fp8Outputs",
+    "fp8_format",
+    "fp8_outputs",
+    "device_guard",
+    "hw_fp8_cast",
+    "num_programs_hint",
+    "row_block",
+    "rows_view",
+    "warps_for",
+]
+
+#: True when this module was imported with TRITON_INTERPRET=1: every kernel then runs in Triton's
+#: CPU interpreter, so launches must take the emulated FP8 casts.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: Rows longer than this are not handled by the one-block-per-row kernels (registers would spill).
+MAX_FUSED_SIZE = 32768
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """Constexprs of one FP8 format: largest finite value, mantissa bits and exponent bias."""
+
+    fp8_max: float
+    mbits: int
+    ebias: int
+
+    def constexprs(self, hw_cast: bool) -> Dict[str, object]:
+        """Keyword constexprs of every FP8-writing kernel."""
+        return dict(FP8_MAX=self.fp8_max, MBITS=self.mbits, EBIAS=self.ebias, HW_CAST=hw_cast)
+
+
+_FORMATS = {
+    torch.float8_e4m3fn: Fp8Format(448.0, 3, 7),
+    torch.float8_e5m2: Fp8Format(57344.0, 2, 15),
+}
+
+#: Constexprs passed when a kernel writes no FP8 (the FP8 branches are compiled out).
+NO_FP8 = dict(FP8_MAX=1.0, MBITS=3, EBIAS=7, HW_CAST=False)
+
+
+def fp8_format(fp8_dtype: torch.dtype) -> Fp8Format:
+    """The :class:`Fp8Format` of ``fp8_dtype``; ValueError for anything but E4M3 / E5M2."""
+    try:
+        return _FORMATS[fp8_dtype]
+    except KeyError:
+        raise ValueError(f"fp8_dtype={fp8_dtype!r} is not an FP8 dtype; pass torch.float8_e4m3fn or torch.float8_e5m2") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def hw_fp8_cast(device: torch.device) -> bool:
+    """True when kernels on ``device`` may use the hardware fp32 -> fp8 conversion (sm_89+, compiled)."""
+    if INTERPRET or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def device_guard(t: torch.Tensor):
+    """Context that makes ``t``'s GPU current for a launch (Triton launches on the current device)."""
+    if t.device.type != "cuda" or INTERPRET or t.device.index in (None, torch.cuda.current_device()):
+        return _NO_GUARD
+    return torch.cuda.device(t.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs_hint(device: torch.device, per_sm: int = 2) -> int:
+    """How many persistent programs fill ``device``: ``per_sm`` per SM on a GPU, 4 in the interpreter."""
+    if device.type != "cuda" or INTERPRET:
+        return 4
+    return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def warps_for(elements: int) -> int:
+    """num_warps for a program holding ``elements`` values: 4 up to 2K, 8 to 8K, 16 to 32K, then 32."""
+    if elements <= 2048:
+        return 4
+    if elements <= 8192:
+        return 8
+    return 16 if elements <= 32768 else 32
+
+
+def row_block(rows: int, cols: int, target: int = 4096) -> Tuple[int, int]:
+    """(BLOCK_N, ROWS): the whole row padded to a power of two, and rows per program.
+
+    Short rows are batched so that a program handles about ``target`` elements.
+    """
+    block_n = triton.next_power_of_2(max(cols, 1))
+    rows_per_program = max(1, min(target // block_n, triton.next_power_of_2(max(rows, 1))))
+    return block_n, rows_per_program
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """t as [M, N] (N = last dim) with a unit column stride: a view when possible, else a copy."""
+    cols = t.shape[-1]
+    try:
+        rows = t.view(-1, cols)
+    except RuntimeError:
+        rows = t.reshape(-1, cols)
+    return rows if rows.stride(-1) == 1 or cols == 1 else rows.contiguous()
+
+
+@dataclass(frozen=True)
+class Fp8Outputs:
+    """The buffers of one FP8-writing launch.
+
+    Attributes:
+        q: the FP8 result (what the op returns).
+        q_bits: the same storage viewed as uint8 (what kernels store).
+        scale_inv: 0-d float32, written by the kernel (1 / scale).
+        amax_bits: 0-d int32, zeroed, reduced by ``tl.atomic_max``.
+        fmt: the constexprs of the format.
+    """
+
+    q: torch.Tensor
+    q_bits: torch.Tensor
+    scale_inv: torch.Tensor
+    amax_bits: torch.Tensor
+    fmt: Fp8Format
+
+    @property
+    def amax(self) -> torch.Tensor:
+        """amax as the 0-d float32 tensor the op returns."""
+        return self.amax_bits.view(torch.float32)
+
+
+def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device) -> Fp8Outputs:
+    """Allocate q (``shape``, ``fp8_dtype``), scale_inv and a zeroed amax for one launch."""
+    q = torch.empty(shape, dtype=fp8_dtype, device=device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=device)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=device)
+    return Fp8Outputs(q, q.view(torch.uint8), scale_inv, amax_bits, fp8_format(fp8_dtype))
+
+
+@triton.jit
+def _fp8_encode(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EBIAS: tl.constexpr, HW_CAST: tl.constexpr):
+    """uint8 code of cast_fp8(clip(y, -FP8_MAX, FP8_MAX)), round-to-nearest-even, NaN kept."""
+    y = y.to(tl.float32)
+    is_nan = y != y
+    clipped = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    if HW_CAST:
+        clipped = tl.where(is_nan, y, clipped)
+        if MBITS == 3:
+            code = clipped.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = clipped.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = clipped.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |clip(y)|, finite
+        e = a >> 23  # biased float32 exponent
+        # normal FP8: round the bit pattern to MBITS mantissa bits (ties to even), then re-bias
+        SHIFT: tl.constexpr = 23 - MBITS
+        rounded = a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)
+        normal = (rounded >> SHIFT) - ((127 - EBIAS) << MBITS)
+        # subnormal FP8: significand / 2^t rounded half to even, t = distance to the FP8 quantum
+        sig = (a & 0x7FFFFF) | 0x800000
+        t = tl.maximum(tl.minimum((151 - EBIAS - MBITS) - e, 25), 1)  # clamped: unused outside 1..25
+        quot = sig >> t
+        rem = sig - (quot << t)
+        half = 1 << (t - 1)
+        up = (rem > half) | ((rem == half) & ((quot & 1) == 1))
+        sub = quot + up.to(tl.int32)
+        code = tl.where(e >= 128 - EBIAS, normal, sub)
+        code = (tl.where(is_nan, 0x7F, code) | sign).to(tl.uint8)
+    return code
+
+
+@triton.jit
+def _fp8_decode(code, MBITS: tl.constexpr, EBIAS: tl.constexpr, HW_CAST: tl.constexpr):
+    """float32 value of a uint8 FP8 code (exact; NaN codes give NaN, E5M2 infinities inf)."""
+    if HW_CAST:
+        if MBITS == 3:
+            value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            value = code.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        b = code.to(tl.int32)
+        negative = (b & 0x80) != 0
+        e = (b >> MBITS) & ((1 << (7 - MBITS)) - 1)
+        m = b & ((1 << MBITS) - 1)
+        normal = (((e + (127 - EBIAS)) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
+        quantum = tl.full(e.shape, (128 - EBIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
+        magnitude = tl.where(e == 0, m.to(tl.float32) * quantum, normal)
+        if MBITS == 3:
+            magnitude = tl.where((e == 15) & (m == 7), float("nan"), magnitude)
+        else:
+            magnitude = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), magnitude)
+        value = tl.where(negative, -magnitude, magnitude)
+    return value
+
+
+@triton.jit
+def _finite_abs(y, mask):
+    """|y| as float32 where y is finite and mask is set, else 0 (the amax operand)."""
+    y_abs = tl.abs(y.to(tl.float32))
+    return tl.where(mask & (y_abs < float("inf")), y_abs, 0.0)
+
+
+@triton.jit
+def _amax_commit(amax_ptr, acc):
+    """amax <- max(amax, max(acc)) by one atomic on the int32 view (acc >= 0, finite)."""
+    tl.atomic_max(amax_ptr, tl.max(acc).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _scale_inv_store(scale_inv_ptr, scale):
+    """Program 0 writes scale_inv = 1 / scale (IEEE division, as torch.reciprocal)."""
+    if tl.program_id(0) == 0:
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))

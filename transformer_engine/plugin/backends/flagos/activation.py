@@ -1,0 +1,453 @@
+"""Activations and gated activations in Triton: forward, backward and the fused FP8 forward.
+
+One forward and one backward kernel serve all 24 ops; the constexpr ACT picks the elementwise
+function, GATED the structure. Math in float32, results in x's dtype (contract: plugin/catalog/activation.py):
+
+    gelu(x)  = x * sigmoid(2u), u = k (x + 0.044715 x^3), k = sqrt(2/pi)   (= 0.5 x (1 + tanh u))
+    gelu'(x) = s + 2 x s (1 - s) k (1 + 3 * 0.044715 x^2),  s = sigmoid(2u)
+    qgelu(x) = x sigmoid(1.702 x)     silu(x) = x sigmoid(x)     sigmoid (glu's gate)
+    relu(x)  = max(x, 0)              srelu(x) = relu(x)^2
+Plain ops:  y = act(x),  dx = dy * act'(x).
+Gated ops:  x = [a, b] (halves of the last dim),  y = act(a) * b,
+            dx = [dy * b * act'(a), dy * act(a)].
+clamped_swiglu: a' = min(a, limit), b' = clip(b, -limit, limit), s = sigmoid(alpha a'),
+            y = a' s (b' + 1),
+            dx = [dy (b' + 1) (s + alpha a' s (1 - s)) [a <= limit], dy a' s [|b| <= limit]].
+activation_quantize: q = cast_fp8(clip(act(x) * scale)), amax = max |act(x)| (act(x) in float32).
+
+Kernels are persistent: each program walks [BLOCK_M, BLOCK_N] tiles of the [M, N] output (plain
+ops view x as one row of numel elements).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from transformer_engine.plugin.backends.reference._fp8 import (
+    check_fp8_dtype,
+    check_high_precision,
+    scalar_f32,
+)
+from transformer_engine.plugin.core import Reject
+
+from ._common import (
+    NO_FP8,
+    _amax_commit,
+    _finite_abs,
+    _fp8_encode,
+    _scale_inv_store,
+    device_guard,
+    fp8_outputs,
+    hw_fp8_cast,
+    num_programs_hint,
+    rows_view,
+)
+
+__all__ = [
+    "gelu", "dgelu", "qgelu", "dqgelu", "relu", "drelu", "srelu", "dsrelu", "silu", "dsilu",
+    "glu", "dglu", "geglu", "dgeglu", "qgeglu", "dqgeglu", "reglu", "dreglu", "sreglu", "dsreglu",
+    "swiglu", "dswiglu", "clamped_swiglu", "clamped_dswiglu", "activation_quantize",
+]  # fmt: skip
+
+_TILE_ELEMENTS = 4096  # elements per tile (BLOCK_M * BLOCK_N)
+
+# forward op name -> (ACT constexpr, gated)
+_OPS = {
+    "gelu": ("gelu", False), "qgelu": ("qgelu", False), "relu": ("relu", False),
+    "srelu": ("srelu", False), "silu": ("silu", False),
+    "glu": ("sigmoid", True), "geglu": ("gelu", True), "qgeglu": ("qgelu", True),
+    "reglu": ("relu", True), "sreglu": ("srelu", True), "swiglu": ("silu", True),
+    "clamped_swiglu": ("clamped_silu", True),
+}  # fmt: skip
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _gelu_gate(a):
+    """sigmoid(2u), u = k (a + 0.044715 a^3), k = sqrt(2/pi): gelu(a) = a * _gelu_gate(a)."""
+    return _sigmoid(1.5957691216057308 * (a + 0.044715 * a * a * a))
+
+
+@triton.jit
+def _act_value(a, ACT: tl.constexpr, limit, alpha):
+    """act(a) in float32 for the constexpr activation ACT."""
+    if ACT == "gelu":
+        value = a * _gelu_gate(a)
+    elif ACT == "qgelu":
+        value = a * _sigmoid(1.702 * a)
+    elif ACT == "silu":
+        value = a * _sigmoid(a)
+    elif ACT == "sigmoid":
+        value = _sigmoid(a)
+    elif ACT == "relu":
+        value = tl.where(a < 0.0, 0.0, a)
+    elif ACT == "srelu":
+        relu = tl.where(a < 0.0, 0.0, a)
+        value = relu * relu
+    else:  # clamped_silu
+        a_c = tl.minimum(a, limit)
+        value = a_c * _sigmoid(alpha * a_c)
+    return value
+
+
+@triton.jit
+def _act_grad(a, ACT: tl.constexpr, limit, alpha):
+    """act'(a) in float32 (zero where clamped_silu clamps a)."""
+    if ACT == "gelu":
+        s = _gelu_gate(a)
+        grad = s + 2.0 * a * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * a * a)
+    elif ACT == "qgelu":
+        s = _sigmoid(1.702 * a)
+        grad = s + 1.702 * a * s * (1.0 - s)
+    elif ACT == "silu":
+        s = _sigmoid(a)
+        grad = s + a * s * (1.0 - s)
+    elif ACT == "sigmoid":
+        s = _sigmoid(a)
+        grad = s * (1.0 - s)
+    elif ACT == "relu":
+        grad = tl.where(a > 0.0, 1.0, 0.0)
+    elif ACT == "srelu":
+        grad = 2.0 * tl.where(a < 0.0, 0.0, a)
+    else:  # clamped_silu
+        a_c = tl.minimum(a, limit)
+        s = _sigmoid(alpha * a_c)
+        grad = tl.where(a <= limit, s + alpha * a_c * s * (1.0 - s), 0.0)
+    return grad
+
+
+@triton.jit
+def _tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows as int64, cols, mask) of output tile ``tile`` of an [M, N] grid of tiles."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    rows = ((tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = ((tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows, cols, mask
+
+
+@triton.jit
+def _act_fwd_kernel(
+    x_ptr,  # *x: [M, N] (plain) or [M, 2N] (gated, a = x[:, :N], b = x[:, N:]), row stride stride_x
+    y_ptr,  # *y [M, N] contiguous: x's dtype, or the uint8 view of q when FP8_OUT
+    scale_ptr,  # *float32, one element: FP8 scale (FP8_OUT only)
+    scale_inv_ptr,  # *float32, 0-d: receives 1 / scale (FP8_OUT only)
+    amax_ptr,  # *int32, 0-d, zeroed: bits of max |y| (FP8_OUT only)
+    M,  # rows of y
+    N,  # columns of y
+    stride_x,  # elements between rows of x
+    limit,  # clamped_silu's clamp
+    alpha,  # clamped_silu's sigmoid slope
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EBIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8_OUT:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        rows, cols, mask = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N)
+        x_offs = rows[:, None] * stride_x + cols[None, :]
+        a = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+        y = _act_value(a, ACT, limit, alpha)
+        if GATED:
+            b = tl.load(x_ptr + x_offs + N, mask=mask, other=0.0).to(tl.float32)
+            if ACT == "clamped_silu":
+                b = tl.minimum(tl.maximum(b, -limit), limit) + 1.0
+            y = y * b
+        y_offs = rows[:, None] * N + cols[None, :]
+        if FP8_OUT:
+            acc = tl.maximum(acc, _finite_abs(y, mask))
+            tl.store(y_ptr + y_offs, _fp8_encode(y * scale, FP8_MAX, MBITS, EBIAS, HW_CAST), mask=mask)
+        else:
+            tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if FP8_OUT:
+        _amax_commit(amax_ptr, acc)
+        _scale_inv_store(scale_inv_ptr, scale)
+
+
+@triton.jit
+def _act_bwd_kernel(
+    dy_ptr,  # *dy [M, N], row stride stride_dy
+    x_ptr,  # *x: [M, N] (plain) or [M, 2N] (gated), row stride stride_x
+    dx_ptr,  # *dx, contiguous, x's shape and dtype ([M, N] or [M, 2N])
+    M,  # rows of dy
+    N,  # columns of dy
+    stride_dy,  # elements between rows of dy
+    stride_x,  # elements between rows of x
+    limit,  # clamped_silu's clamp
+    alpha,  # clamped_silu's sigmoid slope
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        rows, cols, mask = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_offs = rows[:, None] * stride_x + cols[None, :]
+        a = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            b = tl.load(x_ptr + x_offs + N, mask=mask, other=0.0).to(tl.float32)
+            db_factor = _act_value(a, ACT, limit, alpha)
+            if ACT == "clamped_silu":
+                db_factor = tl.where(tl.abs(b) <= limit, db_factor, 0.0)
+                b = tl.minimum(tl.maximum(b, -limit), limit) + 1.0
+            dx_offs = rows[:, None] * (2 * N) + cols[None, :]
+            tl.store(dx_ptr + dx_offs, (dy * b * _act_grad(a, ACT, limit, alpha)).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + dx_offs + N, (dy * db_factor).to(dx_ptr.dtype.element_ty), mask=mask)
+        else:
+            dx = dy * _act_grad(a, ACT, limit, alpha)
+            tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(x: torch.Tensor, gated: bool) -> torch.Tensor:
+    """Plain: x as one contiguous row. Gated: x as [M, 2F] with a unit column stride."""
+    return rows_view(x) if gated else x.contiguous().view(1, -1)
+
+
+def _tiles(m: int, n: int):
+    """(BLOCK_M, BLOCK_N, num_tiles): tiles of ``_TILE_ELEMENTS``, as wide as the rows allow."""
+    block_n = min(triton.next_power_of_2(max(n, 1)), _TILE_ELEMENTS)
+    block_m = max(1, min(_TILE_ELEMENTS // block_n, triton.next_power_of_2(max(m, 1))))
+    return block_m, block_n, triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+
+
+def _check_x(op: str, x, gated: bool) -> None:
+    check_high_precision(x)
+    if gated and (x.dim() < 1 or x.shape[-1] % 2):
+        raise ValueError(f"{op} splits x's last dim in two halves [a, b], but x has shape {tuple(x.shape)}; it must be even")
+
+
+def _check_clamp(limit, alpha) -> None:
+    if not limit > 0:
+        raise ValueError(f"clamped_swiglu needs limit > 0, got limit={limit!r} (GPT-OSS uses 7.0)")
+    if not math.isfinite(alpha):
+        raise ValueError(f"clamped_swiglu needs a finite alpha, got alpha={alpha!r} (GPT-OSS uses 1.702)")
+
+
+def _launch_fwd(op: str, x, limit: float, alpha: float, fp8=None):
+    """y = act(x) in x's dtype, or the Fp8Outputs of quantize(act(x)) when ``fp8`` = (scale, dtype)."""
+    act, gated = _OPS[op]
+    x_rows = _as_rows(x, gated)
+    m, n = x_rows.shape[0], x_rows.shape[1] // (2 if gated else 1)
+    out_shape = (*x.shape[:-1], x.shape[-1] // 2) if gated else x.shape
+    if fp8 is not None:
+        out = fp8_outputs(out_shape, fp8[1], x.device)
+        y_arg, fp8_args, consts = out.q_bits, (fp8[0], out.scale_inv, out.amax_bits), out.fmt.constexprs(hw_fp8_cast(x.device))
+    else:
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+        y_arg, fp8_args, consts = out, (out, out, out), NO_FP8
+    block_m, block_n, tiles = _tiles(m, n)
+    grid = (max(1, min(tiles, num_programs_hint(x.device, 8))),)
+    with device_guard(x):
+        _act_fwd_kernel[grid](
+            x_rows, y_arg, *fp8_args, m, n, x_rows.stride(0), float(limit), float(alpha),
+            BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, GATED=gated, FP8_OUT=fp8 is not None,
+            num_warps=8, **consts,
+        )  # fmt: skip
+    return out
+
+
+def _forward(op: str, x, limit: float = 7.0, alpha: float = 1.702):
+    _check_x(op, x, _OPS[op][1])
+    return _launch_fwd(op, x, limit, alpha)
+
+
+def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702):
+    act, gated = _OPS[op]
+    _check_x(op, x, gated)
+    check_high_precision(dy, "dy")
+    out_shape = (*x.shape[:-1], x.shape[-1] // 2) if gated else tuple(x.shape)
+    if tuple(dy.shape) != tuple(out_shape):
+        raise ValueError(f"d{op}: dy has shape {tuple(dy.shape)} but must be {tuple(out_shape)} (the forward output's)")
+    x_rows, dy_rows = _as_rows(x, gated), _as_rows(dy, gated)
+    m, n = dy_rows.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_m, block_n, tiles = _tiles(m, n)
+    grid = (max(1, min(tiles, num_programs_hint(x.device, 8))),)
+    with device_guard(x):
+        _act_bwd_kernel[grid](
+            dy_rows, x_rows, dx, m, n, dy_rows.stride(0), x_rows.stride(0), float(limit), float(alpha),
+            BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, GATED=gated, num_warps=8,
+        )  # fmt: skip
+    return dx
+
+
+def gelu(x):
+    """y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    return _forward("gelu", x)
+
+
+def dgelu(dy, x):
+    """dx = dy * gelu_tanh'(x)."""
+    return _backward("gelu", dy, x)
+
+
+def qgelu(x):
+    """y = x * sigmoid(1.702 x)."""
+    return _forward("qgelu", x)
+
+
+def dqgelu(dy, x):
+    """dx = dy * (s + 1.702 x s (1 - s)), s = sigmoid(1.702 x)."""
+    return _backward("qgelu", dy, x)
+
+
+def relu(x):
+    """y = max(x, 0)."""
+    return _forward("relu", x)
+
+
+def drelu(dy, x):
+    """dx = dy * [x > 0]."""
+    return _backward("relu", dy, x)
+
+
+def srelu(x):
+    """y = max(x, 0)^2."""
+    return _forward("srelu", x)
+
+
+def dsrelu(dy, x):
+    """dx = dy * 2 max(x, 0)."""
+    return _backward("srelu", dy, x)
+
+
+def silu(x):
+    """y = x * sigmoid(x)."""
+    return _forward("silu", x)
+
+
+def dsilu(dy, x):
+    """dx = dy * (s + x s (1 - s)), s = sigmoid(x)."""
+    return _backward("silu", dy, x)
+
+
+def glu(x):
+    """y = sigmoid(a) * b, x = [a, b]."""
+    return _forward("glu", x)
+
+
+def dglu(dy, x):
+    """dx = [dy * b * s (1 - s), dy * s], s = sigmoid(a)."""
+    return _backward("glu", dy, x)
+
+
+def geglu(x):
+    """y = gelu_tanh(a) * b, x = [a, b]."""
+    return _forward("geglu", x)
+
+
+def dgeglu(dy, x):
+    """dx = [dy * b * gelu_tanh'(a), dy * gelu_tanh(a)]."""
+    return _backward("geglu", dy, x)
+
+
+def qgeglu(x):
+    """y = qgelu(a) * b, x = [a, b]."""
+    return _forward("qgeglu", x)
+
+
+def dqgeglu(dy, x):
+    """dx = [dy * b * qgelu'(a), dy * qgelu(a)]."""
+    return _backward("qgeglu", dy, x)
+
+
+def reglu(x):
+    """y = relu(a) * b, x = [a, b]."""
+    return _forward("reglu", x)
+
+
+def dreglu(dy, x):
+    """dx = [dy * b * [a > 0], dy * relu(a)]."""
+    return _backward("reglu", dy, x)
+
+
+def sreglu(x):
+    """y = relu(a)^2 * b, x = [a, b]."""
+    return _forward("sreglu", x)
+
+
+def dsreglu(dy, x):
+    """dx = [dy * b * 2 relu(a), dy * relu(a)^2]."""
+    return _backward("sreglu", dy, x)
+
+
+def swiglu(x):
+    """y = silu(a) * b, x = [a, b]."""
+    return _forward("swiglu", x)
+
+
+def dswiglu(dy, x):
+    """dx = [dy * b * silu'(a), dy * silu(a)]."""
+    return _backward("swiglu", dy, x)
+
+
+def clamped_swiglu(x, limit=7.0, alpha=1.702):
+    """y = a' sigmoid(alpha a') (b' + 1), a' = min(a, limit), b' = clip(b, -limit, limit).
+
+    Raises:
+        ValueError: limit <= 0, a non-finite alpha, or an odd last dim.
+    """
+    _check_clamp(limit, alpha)
+    return _forward("clamped_swiglu", x, limit, alpha)
+
+
+def clamped_dswiglu(dy, x, limit=7.0, alpha=1.702):
+    """dx = [dy (b' + 1)(s + alpha a' s (1 - s)) [a <= limit], dy a' s [|b| <= limit]], s = sigmoid(alpha a')."""
+    _check_clamp(limit, alpha)
+    return _backward("clamped_swiglu", dy, x, limit, alpha)
+
+
+def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702):
+    """(q, scale_inv, amax) = quantize(act(x), fp8_scale, fp8_dtype) in one pass, act(x) kept in float32.
+
+    Args:
+        x: float32/bfloat16/float16 input ([..., 2F] for gated activations).
+        activation: one of the twelve forward op names ("gelu", ..., "clamped_swiglu").
+        fp8_scale: one-element float32 tensor. fp8_dtype: torch.float8_e4m3fn / torch.float8_e5m2.
+        limit, alpha: clamped_swiglu's parameters.
+
+    Returns:
+        (q in ``fp8_dtype`` with act(x)'s shape, scale_inv 0-d float32, amax 0-d float32).
+
+    Raises:
+        ValueError: unknown activation, bad scale or fp8_dtype, or the activation's input errors.
+    """
+    if activation not in _OPS:
+        raise ValueError(f"activation={activation!r} is not one of the forward activation ops {tuple(_OPS)}")
+    _check_x(activation, x, _OPS[activation][1])
+    scalar_f32(fp8_scale, "fp8_scale")
+    check_fp8_dtype(fp8_dtype)
+    if activation == "clamped_swiglu":
+        _check_clamp(limit, alpha)
+    out = _launch_fwd(activation, x, limit, alpha, fp8=(fp8_scale, fp8_dtype))
+    return out.q, out.scale_inv, out.amax
+
+
+def _fp8_scale_fits(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702):
+    """Reject an FP8 scale that is not float32 on x's device."""
+    if isinstance(fp8_scale, torch.Tensor) and isinstance(x, torch.Tensor):
+        if fp8_scale.dtype != torch.float32 or fp8_scale.device != x.device:
+            return Reject(f"fp8_scale must be float32 on {x.device}, got {fp8_scale.dtype} on {fp8_scale.device}")
+    return True
+
+
+SUPPORTS = {"activation_quantize": _fp8_scale_fits}

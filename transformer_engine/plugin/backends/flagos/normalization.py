@@ -1,0 +1,377 @@
+"""LayerNorm and RMSNorm in Triton, forward (optionally writing FP8 + amax) and backward.
+
+x is viewed as [M, H]; every statistic and product is float32. gamma_eff = 1 + gamma with
+``zero_centered_gamma``, else gamma.
+
+Forward, one block of ROWS whole rows per program:
+    LayerNorm  mean = sum(x) / H,  x_c = x - mean,  rstd = rsqrt(sum(x_c^2) / H + eps)
+    RMSNorm    x_c = x,            rstd = rsqrt(sum(x^2) / H + eps)
+    y = x_c * rstd * gamma_eff (+ beta);  with FP8: q = cast_fp8(clip(y * scale)), amax = max |y|
+VJP, with x_hat = x_c * rstd and g = dy * gamma_eff:
+    c1 = sum(g) / H (LayerNorm only),  c2 = sum(g * x_hat) / H
+    dx = rstd * (g - c1 - x_hat * c2)          (RMSNorm: c1 = 0)
+    dgamma = sum_rows(dy * x_hat),  dbeta = sum_rows(dy)
+dgamma / dbeta take two launches without atomics: P persistent programs each sum their rows into
+one row of a [P, H] float32 buffer, then ``_norm_bwd_dwdb_kernel`` sums the P rows per column.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from transformer_engine.plugin.backends.reference._fp8 import (
+    check_fp8_output,
+    check_high_precision,
+    check_last_dim,
+    check_out_dtype,
+    check_tensor,
+)
+from transformer_engine.plugin.core import Reject
+
+from ._common import (
+    MAX_FUSED_SIZE,
+    NO_FP8,
+    _amax_commit,
+    _finite_abs,
+    _fp8_encode,
+    _scale_inv_store,
+    device_guard,
+    fp8_outputs,
+    hw_fp8_cast,
+    num_programs_hint,
+    row_block,
+    rows_view,
+    warps_for,
+)
+
+__all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
+
+_BWD_PROGRAMS_PER_SM = 4  # persistent backward programs per SM (more programs, more partial rows)
+_DWDB_BLOCK_P, _DWDB_BLOCK_H = 32, 128  # tile of the partial-sum reduction
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    x_ptr,  # *x [M, H], row stride stride_x
+    y_ptr,  # *y [M, H] contiguous: out_dtype, or the uint8 view of q when FP8_OUT
+    w_ptr,  # *gamma [H]
+    b_ptr,  # *beta [H] (read only when HAS_BIAS)
+    mean_ptr,  # *float32 [M] (written only for LayerNorm)
+    rstd_ptr,  # *float32 [M]
+    scale_ptr,  # *float32, one element: FP8 scale (FP8_OUT only)
+    scale_inv_ptr,  # *float32, 0-d: receives 1 / scale (FP8_OUT only)
+    amax_ptr,  # *int32, 0-d, zeroed: bits of max |y| (FP8_OUT only)
+    M,  # rows
+    H,  # hidden size (row length)
+    stride_x,  # elements between rows of x
+    eps,  # added to the variance
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    IS_RMSNORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EBIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols < H)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if IS_RMSNORM:
+        x_c = x
+    else:
+        mean = tl.sum(x, axis=1) / H
+        x_c = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+    rstd = tl.math.rsqrt(tl.sum(x_c * x_c, axis=1) / H + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    gamma = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        gamma = gamma + 1.0
+    y = x_c * rstd[:, None] * gamma[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    y_offs = rows64[:, None] * H + cols[None, :]
+    if FP8_OUT:
+        scale = tl.load(scale_ptr).to(tl.float32)
+        tl.store(y_ptr + y_offs, _fp8_encode(y * scale, FP8_MAX, MBITS, EBIAS, HW_CAST), mask=mask)
+        _amax_commit(amax_ptr, _finite_abs(y, mask))
+        _scale_inv_store(scale_inv_ptr, scale)
+    else:
+        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_dx_kernel(
+    dy_ptr,  # *dy [M, H], row stride stride_dy
+    x_ptr,  # *x [M, H], row stride stride_x
+    w_ptr,  # *gamma [H]
+    mean_ptr,  # *float32 [M] (LayerNorm only)
+    rstd_ptr,  # *float32 [M]
+    dx_ptr,  # *dx [M, H] contiguous, x's dtype
+    dw_part_ptr,  # *float32 [P, H]: this program's sum_rows(dy * x_hat) goes to row pid
+    db_part_ptr,  # *float32 [P, H]: this program's sum_rows(dy) (LayerNorm only)
+    M,  # rows
+    H,  # hidden size
+    stride_dy,  # elements between rows of dy
+    stride_x,  # elements between rows of x
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    IS_RMSNORM: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    gamma = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        gamma = gamma + 1.0
+    dw_acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    db_acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    for row0 in range(pid * ROWS, M, tl.num_programs(0) * ROWS):
+        rows = row0 + tl.arange(0, ROWS)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        if not IS_RMSNORM:
+            x = x - tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        x_hat = tl.where(mask, x * rstd[:, None], 0.0)
+        g = dy * gamma[None, :]
+        c2 = tl.sum(g * x_hat, axis=1) / H
+        if IS_RMSNORM:
+            dx = rstd[:, None] * (g - x_hat * c2[:, None])
+        else:
+            c1 = tl.sum(g, axis=1) / H
+            dx = rstd[:, None] * (g - c1[:, None] - x_hat * c2[:, None])
+            db_acc += dy
+        tl.store(dx_ptr + rows64[:, None] * H + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * x_hat
+    tl.store(dw_part_ptr + pid * H + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if not IS_RMSNORM:
+        tl.store(db_part_ptr + pid * H + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _norm_bwd_dwdb_kernel(
+    dw_part_ptr,  # *float32 [P, H] partial dgamma rows
+    db_part_ptr,  # *float32 [P, H] partial dbeta rows (HAS_DBETA only)
+    dw_ptr,  # *dgamma [H], weight's dtype
+    db_ptr,  # *dbeta [H], weight's dtype (HAS_DBETA only)
+    P,  # partial rows
+    H,  # hidden size
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_DBETA: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    dw = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    db = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        offs = parts[:, None] * H + cols[None, :]
+        mask = (parts < P)[:, None] & col_mask[None, :]
+        dw += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
+        if HAS_DBETA:
+            db += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
+    tl.store(dw_ptr + cols, tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_DBETA:
+        tl.store(db_ptr + cols, tl.sum(db, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _check_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype) -> None:
+    check_high_precision(x)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must have a non-empty last dim to normalize over, got shape {tuple(x.shape)}")
+    check_tensor(weight, "weight")
+    check_last_dim(x, weight, "weight")
+    if bias is not None:
+        check_tensor(bias, "bias")
+        check_last_dim(x, bias, "bias")
+    if not eps >= 0.0:
+        raise ValueError(f"eps={eps!r} must be a float >= 0 (e.g. 1e-5)")
+    check_fp8_output(fp8_scale, fp8_dtype)
+    if out_dtype is not None:
+        check_out_dtype(out_dtype)
+
+
+def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm):
+    """Shared forward launcher; ``fp8`` is (scale, dtype) or None. Returns (y, mean, rstd, scale_inv, amax)."""
+    x_rows = rows_view(x)
+    m, hidden = x_rows.shape
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if fp8 is not None:
+        out = fp8_outputs(x.shape, fp8[1], x.device)
+        y, y_arg, fp8_args = out.q, out.q_bits, (fp8[0], out.scale_inv, out.amax_bits)
+        consts = out.fmt.constexprs(hw_fp8_cast(x.device))
+    else:
+        y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+        y_arg, fp8_args, consts = y, (rstd, rstd, rstd), NO_FP8
+    block_h, rows = row_block(m, hidden)
+    if m:
+        with device_guard(x):
+            _norm_fwd_kernel[(triton.cdiv(m, rows),)](
+                x_rows, y_arg, weight, bias if bias is not None else weight, mean, rstd, *fp8_args,
+                m, hidden, x_rows.stride(0), float(eps),
+                BLOCK_H=block_h, ROWS=rows, IS_RMSNORM=is_rmsnorm, HAS_BIAS=bias is not None,
+                ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8 is not None,
+                num_warps=warps_for(block_h * rows), **consts,
+            )  # fmt: skip
+    if fp8 is None:
+        return y, mean, rstd, None, None
+    if not m:
+        out.scale_inv.copy_(torch.reciprocal(fp8[0].reshape(()).float()))
+    return y, mean, rstd, out.scale_inv, out.amax
+
+
+def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm):
+    """Shared backward launcher; returns (dx, dgamma, dbeta or None)."""
+    x_rows, dy_rows = rows_view(x), rows_view(dy)
+    m, hidden = x_rows.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_h, rows = row_block(m, hidden)
+    programs = max(1, min(triton.cdiv(m, rows), num_programs_hint(x.device, _BWD_PROGRAMS_PER_SM)))
+    dw_part = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
+    db_part = dw_part if is_rmsnorm else torch.empty_like(dw_part)
+    dgamma = torch.empty(hidden, dtype=weight.dtype, device=x.device)
+    dbeta = None if is_rmsnorm else torch.empty_like(dgamma)
+    rstd_flat = rstd.reshape(-1)
+    with device_guard(x):
+        _norm_bwd_dx_kernel[(programs,)](
+            dy_rows, x_rows, weight, rstd_flat if is_rmsnorm else mean.reshape(-1), rstd_flat, dx, dw_part, db_part,
+            m, hidden, dy_rows.stride(0), x_rows.stride(0),
+            BLOCK_H=block_h, ROWS=rows, IS_RMSNORM=is_rmsnorm, ZERO_CENTERED=bool(zero_centered_gamma),
+            num_warps=warps_for(block_h * rows),
+        )  # fmt: skip
+        _norm_bwd_dwdb_kernel[(triton.cdiv(hidden, _DWDB_BLOCK_H),)](
+            dw_part, db_part, dgamma, dgamma if is_rmsnorm else dbeta, programs, hidden,
+            BLOCK_P=_DWDB_BLOCK_P, BLOCK_H=_DWDB_BLOCK_H, HAS_DBETA=not is_rmsnorm,
+        )  # fmt: skip
+    return dx, dgamma, dbeta
+
+
+def _check_bwd(dy, x, stats, weight) -> None:
+    check_high_precision(x)
+    check_high_precision(dy, "dy")
+    if dy.shape != x.shape:
+        raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}; they must match")
+    check_tensor(weight, "weight")
+    check_last_dim(x, weight, "weight")
+    rows = x.numel() // max(x.shape[-1], 1)
+    for name, t in stats:
+        check_tensor(t, name)
+        if t.numel() != rows:
+            raise ValueError(f"{name} has {t.numel()} elements but x {tuple(x.shape)} has {rows} rows; pass the forward's {name}")
+
+
+def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+    """y = (x - mean) * rstd * gamma_eff + beta over the last dim, statistics in float32.
+
+    Args:
+        x: [..., H] float32/bfloat16/float16.
+        weight, bias: gamma and beta, [H] (bias may be None).
+        eps: added to the variance.
+        zero_centered_gamma: use 1 + gamma.
+        fp8_scale, fp8_dtype: quantize y with this per-tensor scale (both or neither).
+        out_dtype: dtype of an unquantized y (default x's dtype).
+
+    Returns:
+        (y, mean [M] float32, rstd [M] float32, scale_inv, amax); the last two are None unless y is FP8.
+
+    Raises:
+        TypeError / ValueError: as the reference (bad dtypes, shapes, eps or FP8 arguments).
+    """
+    _check_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype)
+    fp8 = None if fp8_scale is None else (fp8_scale, fp8_dtype)
+    return _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm=False)
+
+
+def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
+    """dx = rstd (g - mean(g) - x_hat mean(g x_hat)), g = dy gamma_eff; dgamma, dbeta summed over rows.
+
+    Returns:
+        (dx like x, dgamma [H] and dbeta [H] in weight's dtype).
+
+    Raises:
+        TypeError / ValueError: shapes or dtypes that do not fit the forward's.
+    """
+    _check_bwd(dy, x, (("mean", mean), ("rstd", rstd)), weight)
+    return _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm=False)
+
+
+def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+    """y = x * rstd * gamma_eff, rstd = 1 / sqrt(mean(x^2) + eps) over the last dim.
+
+    Returns:
+        (y, rstd [M] float32, scale_inv, amax); the last two are None unless y is FP8.
+
+    Raises:
+        TypeError / ValueError: as :func:`layernorm_fwd`.
+    """
+    _check_fwd(x, weight, None, eps, fp8_scale, fp8_dtype, out_dtype)
+    fp8 = None if fp8_scale is None else (fp8_scale, fp8_dtype)
+    y, _, rstd, scale_inv, amax = _norm_fwd(x, weight, None, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm=True)
+    return y, rstd, scale_inv, amax
+
+
+def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
+    """dx = rstd (g - x_hat mean(g x_hat)), g = dy gamma_eff, x_hat = x rstd; dgamma = sum_rows(dy x_hat).
+
+    Returns:
+        (dx like x, dgamma [H] in weight's dtype).
+
+    Raises:
+        TypeError / ValueError: shapes or dtypes that do not fit the forward's.
+    """
+    _check_bwd(dy, x, (("rstd", rstd),), weight)
+    dx, dgamma, _ = _norm_bwd(dy, x, None, rstd, weight, zero_centered_gamma, is_rmsnorm=True)
+    return dx, dgamma
+
+
+def _fits(x, weight, fp8_scale) -> object:
+    """Reject rows wider than one block, or an FP8 scale / weight the kernels would misread."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        return True  # the launcher raises the argument error
+    if x.shape[-1] > MAX_FUSED_SIZE:
+        return Reject(f"hidden size {x.shape[-1]} > {MAX_FUSED_SIZE}: one row must fit one Triton block")
+    for name, t in (("weight", weight), ("fp8_scale", fp8_scale)):
+        if isinstance(t, torch.Tensor) and t.device != x.device:
+            return Reject(f"{name} is on {t.device} but x on {x.device}")
+    if isinstance(fp8_scale, torch.Tensor) and fp8_scale.dtype != torch.float32:
+        return Reject(f"fp8_scale has dtype {fp8_scale.dtype}; the kernel reads a float32 scale")
+    return True
+
+
+def _layernorm_fwd_fits(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+    return _fits(x, weight, fp8_scale)
+
+
+def _rmsnorm_fwd_fits(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+    return _fits(x, weight, fp8_scale)
+
+
+def _layernorm_bwd_fits(dy, x, mean, rstd, weight, zero_centered_gamma=False):
+    return _fits(x, weight, None)
+
+
+def _rmsnorm_bwd_fits(dy, x, rstd, weight, zero_centered_gamma=False):
+    return _fits(x, weight, None)
+
+
+SUPPORTS = {
+    "layernorm_fwd": _layernorm_fwd_fits,
+    "rmsnorm_fwd": _rmsnorm_fwd_fits,
+    "layernorm_bwd": _layernorm_bwd_fits,
+    "rmsnorm_bwd": _rmsnorm_bwd_fits,
+}
