@@ -69,6 +69,11 @@ _LOCK = threading.Lock()
 _SPECS: Dict[str, OpSpec] = {}
 
 
+def _reinit_lock_after_fork() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
 def declare(fn: Optional[Callable] = None, *, key: Optional[str] = None, inplace: bool = False):
     """Declare an op from a stub function; usable as ``@declare`` or ``@declare(key=..., inplace=...)``.
 

@@ -124,6 +124,9 @@ def load_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
         prefer = "flagos"
     allow_text = env.get("TE_FL_ALLOW_VENDORS")
     allow = _vendor_set(allow_text) if allow_text and allow_text.strip() else None
+    if allow is not None and not allow:  # e.g. "," would otherwise silently deny every vendor
+        _warn(f"TE-FL: ignoring TE_FL_ALLOW_VENDORS={allow_text!r}: it names no vendor")
+        allow = None
     level_name = env.get("TEFL_LOG_LEVEL", "WARNING").strip().upper() or "WARNING"
     if level_name not in _LOG_LEVELS:
         _warn(f"TE-FL: ignoring TEFL_LOG_LEVEL={level_name!r}: expected one of {sorted(_LOG_LEVELS)}")

@@ -75,6 +75,13 @@ def compute_capability(device_type: Optional[str], device_index: Optional[int]) 
 
 
 def clear_probe_cache() -> None:
-    """Forget probed capabilities (used after fork)."""
+    """Forget probed capabilities."""
     with _lock:
         _probe_cache.clear()
+
+
+def _reinit_after_fork() -> None:
+    """In a forked child: a fresh lock (another thread may have held the old one) and no cached probes."""
+    global _lock
+    _lock = threading.Lock()
+    _probe_cache.clear()

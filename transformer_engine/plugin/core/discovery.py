@@ -79,11 +79,8 @@ def load_hook(registry, hook: Any, name: str, source: str) -> PluginRecord:
             raise TypeError(f"plugin {name!r} is neither callable nor has te_fl_register/register")
         staging = _StagingRegistry(registry)
         fn(staging)
-        plain = [impl for impl, override in staging.staged if not override]
-        forced = [impl for impl, override in staging.staged if override]
-        registry.register_many(plain)
-        registry.register_many(forced, override=True)
-        impls = plain + forced
+        registry._register_pairs(staging.staged)  # all of the hook's impls, or none
+        impls = [impl for impl, _override in staging.staged]
         record = PluginRecord(name, source, True, None, sorted({i.impl_id for i in impls}), len(impls))
         logger.info("TE-FL: loaded %s %s (%d impls)", source, name, len(impls))
         return record

@@ -11,8 +11,8 @@ Selection for one call of op ``o`` whose key argument has device/dtype ``k`` und
    candidate runs and a warning is issued once per (op, impl, exception type). The plan is never
    changed by a failure, so one bad call never demotes an op for later calls.
 
-The cached path costs a tuple build and a dict lookup on top of the impl call (see
-``benchmarks/bench_dispatch.py``).
+The cached path (:mod:`._dispatch`) costs a policy read, an identity check and one dict lookup on
+top of the impl call (see ``benchmarks/bench_dispatch.py`` and docs/performance.md).
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import catalog as _catalog
+from . import devices as _devices
 from . import policy as _policy
+from ._dispatch import OpCache, Plan
 from .catalog import OpSpec, get_spec, list_specs
-from .devices import arg_key, clear_probe_cache, compute_capability
+from .config import load_env
+from .devices import arg_key, compute_capability
 from .discovery import PluginRecord, load_builtin_backends, load_plugins
 from .registry import OpRegistry
 from .types import ArgKey, BackendImplKind, OpImpl
@@ -43,7 +47,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("transformer_engine.plugin")
-_MAX_PLANS_PER_OP = 512
 
 
 class NoImplementationError(RuntimeError):
@@ -84,17 +87,6 @@ class Decision:
     reason: str
 
 
-class _Plan:
-    """The ordered candidates for one (policy, registry epoch, device, dtype) and the callable that runs them."""
-
-    __slots__ = ("candidates", "strict", "run")
-
-    def __init__(self, candidates: Tuple[OpImpl, ...], strict: bool, run: Callable):
-        self.candidates = candidates
-        self.strict = strict
-        self.run = run
-
-
 class OpManager:
     """Dispatches catalog ops to registered implementations.
 
@@ -111,7 +103,7 @@ class OpManager:
         self._discover = discover
         self._init_lock = threading.RLock()
         self._initialized = False
-        self._plans: Dict[str, Dict[tuple, _Plan]] = {}
+        self._caches: Dict[str, OpCache] = {}
         self._warned: set = set()
         self.plugin_records: List[PluginRecord] = []
         _live_managers.add(self)
@@ -124,11 +116,14 @@ class OpManager:
         with self._init_lock:
             if self._initialized:
                 return
+            cfg = load_env()
+            if "TEFL_LOG_LEVEL" in os.environ:  # unset: the application's logging setup decides
+                logger.setLevel(cfg.log_level)
             records: List[PluginRecord] = []
             if self._load_builtins:
                 records += load_builtin_backends(self.registry)
             if self._discover:
-                records += load_plugins(self.registry)
+                records += load_plugins(self.registry, cfg.plugin_modules)
             self.plugin_records = records
             self._initialized = True
             self._warn_unknown_per_op_ops(_policy.get_policy())
@@ -144,8 +139,8 @@ class OpManager:
 
     def clear_cache(self) -> None:
         """Drop every cached plan (they are rebuilt on the next call)."""
-        for plans in list(self._plans.values()):
-            plans.clear()  # the dispatchers stay; their plans are rebuilt
+        for cache in list(self._caches.values()):
+            cache.clear()  # the dispatchers stay; their plans are rebuilt
         self._warned.clear()
 
     def _warn_unknown_per_op_ops(self, policy: _policy.SelectionPolicy) -> None:
@@ -176,20 +171,30 @@ class OpManager:
                 rejected.append((impl, why))
         return ordered, rejected
 
-    def _plan(self, spec: OpSpec, policy: _policy.SelectionPolicy, key: ArgKey) -> _Plan:
+    def _plan(self, spec: OpSpec, policy: _policy.SelectionPolicy, key: ArgKey) -> Plan:
         candidates, rejected = self.rank(spec.name, key, policy)
         strict = policy.strict or spec.inplace
         if not candidates:
             message = _no_impl_message(spec.name, key, rejected)
-            return _Plan((), strict, _raiser(NoImplementationError, message))
-        if candidates[0].supports is None and (strict or len(candidates) == 1):
-            return _Plan(tuple(candidates), strict, candidates[0].fn)
-        return _Plan(tuple(candidates), strict, self._make_runner(spec, tuple(candidates), strict, rejected))
+            return Plan((), strict, _raiser(NoImplementationError, message), None)
+        candidates = tuple(candidates)
+        run_from = self._make_runner(spec, candidates, strict, rejected)
+        head = candidates[0]
+        if head.supports is not None:  # the runner checks every predicate and handles fallback itself
+            return Plan(candidates, strict, lambda *args, **kwargs: run_from(args, kwargs), None)
+        if strict or len(candidates) == 1:
+            return Plan(candidates, strict, head.fn, None)
+
+        def recover(exc: Exception, args: tuple, kwargs: dict) -> Any:
+            self._note_failure(spec.name, head, exc)
+            return run_from(args, kwargs, 1, exc)
+
+        return Plan(candidates, strict, head.fn, recover)
 
     def _make_runner(self, spec: OpSpec, candidates: Tuple[OpImpl, ...], strict: bool, rejected) -> Callable:
-        first = candidates[0]
+        """``run_from(args, kwargs, start, first_error)``: try the candidates from ``start`` on, in order."""
 
-        def run_all(args, kwargs, start: int = 0, first_error: Optional[BaseException] = None):
+        def run_from(args, kwargs, start: int = 0, first_error: Optional[BaseException] = None):
             declined = []
             for impl in candidates[start:]:
                 if impl.supports is not None:
@@ -208,18 +213,7 @@ class OpManager:
                 raise first_error
             raise NoImplementationError(_no_impl_message(spec.name, None, list(rejected) + declined))
 
-        if first.supports is None:
-            fn0 = first.fn
-
-            def run(*args, **kwargs):
-                try:
-                    return fn0(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001
-                    self._note_failure(spec.name, first, exc)
-                    return run_all(args, kwargs, 1, exc)
-
-            return run
-        return lambda *args, **kwargs: run_all(args, kwargs)
+        return run_from
 
     def _note_failure(self, op_name: str, impl: OpImpl, exc: BaseException) -> None:
         key = (op_name, impl.impl_id, type(exc))
@@ -233,25 +227,36 @@ class OpManager:
         logger.warning(message)
         warnings.warn(message, FallbackWarning, stacklevel=4)
 
-    def _plan_for(self, op_name: str, args: Sequence, kwargs: Dict) -> _Plan:
-        return self.dispatcher(op_name).plan_for(args, kwargs)
+    def _plan_for(self, op_name: str, args: Sequence, kwargs: Dict) -> Plan:
+        self.dispatcher(op_name)  # creates the op's cache on first use
+        cache = self._caches[op_name]
+        spec = cache.dispatcher.spec
+        index = spec.key_index
+        return cache.lookup(args[index] if len(args) > index else kwargs.get(spec.key_param))
 
     # -- calling ------------------------------------------------------------------------------
     def dispatcher(self, op_name: str) -> Callable:
         """The fast callable for ``op_name``: ``manager.dispatcher("gemm")(a, b, ...)``."""
-        plans = self._plans.get(op_name)
-        if plans is None:
+        cache = self._caches.get(op_name)
+        if cache is None:
             with self._init_lock:
-                plans = self._plans.get(op_name)
-                if plans is None:
-                    plans = _PlanDict()
-                    plans.dispatcher = _make_dispatcher(self, get_spec(op_name), plans)
-                    self._plans[op_name] = plans
-        return plans.dispatcher
+                cache = self._caches.get(op_name)
+                if cache is None:
+                    cache = self._new_cache(get_spec(op_name))
+                    self._caches[op_name] = cache
+        return cache.dispatcher
 
-    def call(self, op_name: str, *args, **kwargs) -> Any:
+    def _new_cache(self, spec: OpSpec) -> OpCache:
+        cache = OpCache(self, spec)
+        dispatch = cache.dispatcher
+        dispatch.spec = spec
+        dispatch.traced = lambda *args, **kwargs: self.call_traced(spec.name, *args, **kwargs)
+        return cache
+
+    def call(self, op_name: str, /, *args, **kwargs) -> Any:
         """Run ``op_name`` with the implementation the policy selects (with fallback unless strict)."""
-        return self.dispatcher(op_name)(*args, **kwargs)
+        cache = self._caches.get(op_name)
+        return (cache.dispatcher if cache is not None else self.dispatcher(op_name))(*args, **kwargs)
 
     def select(self, op_name: str, *args, **kwargs) -> OpImpl:
         """The impl that would run first for these arguments (supports predicates evaluated)."""
@@ -370,54 +375,6 @@ def _no_impl_message(op_name: str, key: Optional[ArgKey], rejected) -> str:
     return "\n".join(lines)
 
 
-def _make_dispatcher(manager: OpManager, spec: OpSpec, plans: Dict[tuple, _Plan]) -> Callable:
-    """Build the per-op fast path: key = (policy fingerprint, registry epoch, device, dtype)."""
-    index, name = spec.key_index, spec.key_param
-    registry = manager.registry
-    get_override = _policy._override.get
-    policy_module = _policy
-
-    def plan_for(args, kwargs) -> _Plan:
-        x = args[index] if len(args) > index else kwargs.get(name)
-        policy = get_override() or policy_module._global or policy_module.get_policy()
-        try:
-            cache_key = (policy.fingerprint, registry.epoch, x.device, x.dtype)
-            hash(cache_key)
-        except (AttributeError, TypeError):  # not a tensor, a list of tensors, or unhashable
-            cache_key = (policy.fingerprint, registry.epoch, arg_key(x))
-        plan = plans.get(cache_key)
-        if plan is None:
-            if len(plans) >= _MAX_PLANS_PER_OP:
-                plans.clear()
-            plan = plans[cache_key] = manager._plan(spec, policy, arg_key(x))
-        return plan
-
-    def dispatch(*args, **kwargs):
-        x = args[index] if len(args) > index else kwargs.get(name)
-        policy = get_override() or policy_module._global or policy_module.get_policy()
-        try:
-            plan = plans.get((policy.fingerprint, registry.epoch, x.device, x.dtype))
-        except (AttributeError, TypeError):
-            plan = None
-        if plan is None:
-            plan = plan_for(args, kwargs)
-        return plan.run(*args, **kwargs)
-
-    dispatch.__name__ = dispatch.__qualname__ = spec.name
-    dispatch.__doc__ = spec.doc
-    dispatch.__signature__ = spec.signature
-    dispatch.plan_for = plan_for
-    dispatch.spec = spec
-    dispatch.traced = lambda *args, **kwargs: manager.call_traced(spec.name, *args, **kwargs)
-    return dispatch
-
-
-class _PlanDict(dict):
-    """The plan cache of one op; ``.dispatcher`` is that op's fast callable."""
-
-    dispatcher: Callable
-
-
 _live_managers: "weakref.WeakSet[OpManager]" = weakref.WeakSet()
 _default: Optional[OpManager] = None
 _default_lock = threading.Lock()
@@ -439,9 +396,12 @@ def reset_default_manager() -> None:
 
 
 def _after_fork_in_child() -> None:
+    # a lock some other thread held at fork time stays locked forever in the child: replace them all
     global _default_lock
     _default_lock = threading.Lock()
-    clear_probe_cache()
+    _catalog._reinit_lock_after_fork()
+    _policy._reinit_lock_after_fork()
+    _devices._reinit_after_fork()
     for manager in list(_live_managers):
         manager._after_fork_in_child()
 

@@ -145,6 +145,11 @@ def _load_global() -> SelectionPolicy:
         return _global
 
 
+def _reinit_lock_after_fork() -> None:
+    global _global_lock
+    _global_lock = threading.Lock()
+
+
 def set_global_policy(policy: SelectionPolicy) -> Optional[SelectionPolicy]:
     """Replace the global policy; returns the previous one."""
     global _global

@@ -13,7 +13,7 @@ Every change bumps :attr:`OpRegistry.epoch`, which invalidates the managers' dis
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from .catalog import CatalogError, get_spec
 from .types import OpImpl
@@ -42,19 +42,22 @@ class OpRegistry:
 
     def register_many(self, impls: Iterable[OpImpl], *, override: bool = False) -> int:
         """Register a backend's impls atomically; returns how many were new or replaced."""
-        impls = list(impls)
+        return self._register_pairs([(impl, override) for impl in impls])
+
+    def _register_pairs(self, pairs: List[Tuple[OpImpl, bool]]) -> int:
+        """Register ``(impl, override)`` pairs atomically: all of them or, on any error, none."""
         with self._lock:
-            todo = self._validate(impls, override)
+            todo = self._validate(pairs)
             for impl in todo:
                 self._impls.setdefault(impl.op_name, {})[impl.impl_id] = impl
             if todo:
                 self.epoch += 1
             return len(todo)
 
-    def _validate(self, impls: List[OpImpl], override: bool) -> List[OpImpl]:
+    def _validate(self, pairs: List[Tuple[OpImpl, bool]]) -> List[OpImpl]:
         todo: List[OpImpl] = []
         seen: Dict[tuple, OpImpl] = {}
-        for impl in impls:
+        for impl, override in pairs:
             if not isinstance(impl, OpImpl):
                 raise TypeError(f"expected an OpImpl, got {type(impl).__name__}")
             try:

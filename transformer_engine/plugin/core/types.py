@@ -155,13 +155,17 @@ class OpImpl:
             self.op_name == other.op_name
             and self.impl_id == other.impl_id
             and self.kind is other.kind
-            and _unwrap(self.fn) is _unwrap(other.fn)
+            and _same_callable(self.fn, other.fn)
             and self.vendor == other.vendor
             and self.priority == other.priority
             and self.capabilities == other.capabilities
-            and _unwrap(self.supports) is _unwrap(other.supports)
+            and _same_callable(self.supports, other.supports)
         )
 
 
-def _unwrap(fn):
-    return getattr(fn, "__func__", fn)
+def _same_callable(a, b) -> bool:
+    """Identity, except that two bound-method objects of one method on one instance are the same."""
+    if a is b:
+        return True
+    func = getattr(a, "__func__", None)
+    return func is not None and func is getattr(b, "__func__", None) and a.__self__ is getattr(b, "__self__", None)

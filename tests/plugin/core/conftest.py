@@ -1,0 +1,46 @@
+"""Isolation for the dispatch-core tests: no TE_FL_* variable leaks in, no policy or op leaks out."""
+
+import pytest
+
+from transformer_engine.plugin.core import catalog, devices, register_capability_probe, reset_global_policy
+
+_ENV_VARS = (
+    "TE_FL_PREFER",
+    "TE_FL_STRICT",
+    "TE_FL_ALLOW_VENDORS",
+    "TE_FL_DENY_VENDORS",
+    "TE_FL_PER_OP",
+    "TE_FL_PLUGIN_MODULES",
+    "TEFL_LOG_LEVEL",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_policy(monkeypatch):
+    """Each test starts from an empty TE_FL_* environment and re-reads it; the global policy is reset after."""
+    for name in _ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    reset_global_policy()
+    yield
+    reset_global_policy()
+
+
+@pytest.fixture
+def restore_catalog():
+    """Ops a test declares are removed from the process-wide catalog afterwards."""
+    catalog.list_specs()  # the built-in ops are declared before the snapshot
+    saved = dict(catalog._SPECS)
+    yield
+    with catalog._LOCK:
+        catalog._SPECS.clear()
+        catalog._SPECS.update(saved)
+
+
+@pytest.fixture
+def fake_gpu_probe():
+    """Device type ``tefltestgpu``: index 0 has compute capability 9.0, index 1 has 8.0."""
+    register_capability_probe("tefltestgpu", lambda index: {0: (9, 0), 1: (8, 0)}.get(index))
+    yield "tefltestgpu"
+    with devices._lock:
+        devices._probes.pop("tefltestgpu", None)
+        devices._probe_cache.clear()
