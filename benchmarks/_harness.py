@@ -1,0 +1,113 @@
+"""Shared benchmark plumbing: timing, peak memory, result tables and JSON.
+
+Timing follows PERF.md: warm-up first, CUDA events around each iteration, median of many
+iterations; on CPU a perf_counter median (CPU numbers say nothing about GPU speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = ["time_fn", "peak_memory", "print_table", "write_json", "base_parser", "environment", "backend_policy"]
+
+
+def time_fn(fn: Callable[[], object], warmup: int = 5, iters: int = 20, device: Optional[torch.device] = None) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` runs after ``warmup`` runs."""
+    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    for _ in range(warmup):
+        fn()
+    times: List[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_memory(fn: Callable[[], object], device: Optional[torch.device] = None) -> Optional[int]:
+    """Peak bytes allocated on the CUDA device while ``fn()`` runs once (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(device)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain fixed-width table (it goes to logs and to docs/performance.md as is)."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    print(f"\n{title}")
+    for i, row in enumerate(cells):
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def environment() -> Dict[str, object]:
+    """Date, git revision, versions and device of this run."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        rev = ""
+    env = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "revision": rev or "unknown",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def write_json(path: Optional[str], payload: Dict[str, object]) -> None:
+    """Write ``payload`` plus the environment to ``path`` (when given)."""
+    if path:
+        Path(path).write_text(json.dumps({"environment": environment(), **payload}, indent=2, default=str))
+        print(f"wrote {path}")
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """Parser with the options every benchmark shares: --json and --backend."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", default=None, help="write the results as JSON to this path")
+    parser.add_argument("--backend", choices=["default", "flagos", "vendor", "reference"], default="default",
+                        help="pin the preferred backend kind (default: the library's own policy)")
+    return parser
+
+
+def backend_policy(name: str):
+    """Context manager that pins the preferred backend kind (a no-op for "default")."""
+    import contextlib
+
+    from transformer_engine.plugin.core import with_preference
+
+    return contextlib.nullcontext() if name == "default" else with_preference(name)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything we check on the H200 in one call: GPU tests, then each benchmark (JSON + logs to $OUT),
+# then a short summary. Usage on the GPU machine: OUT=/some/dir bash scripts/gpu_check.sh [stage ...]
+# Stages: info tests kernels attention linear layer dispatch jax (default: all, in that order).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+STAGES=${*:-info tests kernels attention linear layer dispatch jax}
+summary=()
+
+run() {  # run NAME TIMEOUT CMD...: log everything, remember the exit code and the time
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    echo "=== $name: $*" | tee -a "$LOG"
+    timeout "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-10s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+    return 0
+}
+
+for stage in $STAGES; do
+    case $stage in
+        info) run info 120 python3 -m transformer_engine info ;;
+        tests) run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+        kernels) run kernels 300 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
+        attention) run attention 240 python3 benchmarks/bench_attention.py --json "$OUT/attention.json" ;;
+        linear) run linear 240 python3 benchmarks/bench_linear.py --json "$OUT/linear.json" ;;
+        layer) run layer 420 python3 benchmarks/bench_transformer_layer.py --json "$OUT/layer.json" ;;
+        dispatch) run dispatch 120 python3 benchmarks/bench_dispatch.py --json "$OUT/dispatch.json" ;;
+        jax) run jax 300 python3 benchmarks/bench_jax_transformer.py --json "$OUT/jax.json" ;;
+        *) echo "unknown stage $stage" ;;
+    esac
+done
+
+echo; echo "=== tables"; grep -E '^(\||[A-Z].*(TFLOP|GB/s|fwd\+bwd|overhead))' "$LOG" | tail -120
+echo; echo "=== test summary"; grep -E '(passed|failed|error)' "$LOG" | tail -5
+echo; echo "=== stages"; printf '%s\n' "${summary[@]}"
