@@ -148,7 +148,9 @@ def _dispatch(manager, devices: List[Dict[str, Any]], op_names: Optional[Sequenc
 
 def _op_entry(decisions) -> Dict[str, Any]:
     chosen = next((d for d in decisions if d.status == "selected"), None)
-    return {"selected": chosen.impl_id if chosen else None, "candidates": [dataclasses.asdict(d) for d in decisions]}
+    conditional = [d.impl_id for d in decisions if d.status == "conditional"]
+    return {"selected": chosen.impl_id if chosen else None, "conditional": conditional,
+            "candidates": [dataclasses.asdict(d) for d in decisions]}
 
 
 # -- rendering ---------------------------------------------------------------------------------
@@ -198,9 +200,13 @@ def _policy_rows(policy: Dict[str, Any]) -> List[Tuple[str, str]]:
 
 
 def _dispatch_row(op: str, entry: Dict[str, Any]) -> Tuple[str, str, str]:
-    others = [c for c in entry["candidates"] if c["impl_id"] != entry["selected"]]
+    runs_first = [entry["selected"]] + entry["conditional"]
+    others = [c for c in entry["candidates"] if c["impl_id"] not in runs_first]
     passed = "; ".join(f"{c['impl_id']}: {c['reason']}" for c in others) or "-"
-    return op, entry["selected"] or "nothing (no implementation)", passed
+    runs = entry["selected"] or "nothing (no implementation)"
+    if entry["conditional"]:
+        runs = ", ".join(f"{i} if its supports() accepts" for i in entry["conditional"]) + f", else {runs}"
+    return op, runs, passed
 
 
 def _render(sections: List[_Section]) -> None:

@@ -3,7 +3,7 @@
     from transformer_engine.plugin import ops
     y, mean, rstd = ops.layernorm_fwd(x, weight, bias, 1e-5, False, None, None)
 
-Each attribute is the op's dispatcher (``ops.gemm.spec`` is its declaration, ``ops.gemm.traced``
+Each attribute is the op's dispatcher, built on first access (``ops.gemm.spec`` is its declaration, ``ops.gemm.traced``
 also returns the impl that ran). Nothing is imported or registered until the first call.
 """
 
@@ -22,14 +22,12 @@ class OpNamespace:
 
     def __init__(self, manager=None):
         self._manager = manager
-        for spec in list_specs():
-            setattr(self, spec.name, self._dispatcher(spec.name))
 
     def _dispatcher(self, name: str) -> Callable:
         return (self._manager or get_default_manager()).dispatcher(name)
 
     def __getattr__(self, name: str) -> Callable:
-        # ops declared after this namespace was built (by a plugin) are found on first use
+        # built on first use and then kept as an instance attribute (no cost at import)
         if name.startswith("_"):
             raise AttributeError(name)
         try:

@@ -13,7 +13,7 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """tensor_lists = [inputs, outputs]: out = in * scale; noop_flag = 1 if any input is not finite."""
 
 
-@declare(key="tensor_lists")
+@declare(key="tensor_lists", inplace=True)  # writes noop_flag
 def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     """tensor_lists = [tensors]: total = sqrt(sum_t ||t||^2) in float32.
 

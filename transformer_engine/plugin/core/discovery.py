@@ -64,8 +64,13 @@ class _StagingRegistry:
         self.staged += [(impl, override) for impl in impls]
         return len(impls)
 
-    def __getattr__(self, name):  # read-only queries go to the real registry
-        return getattr(self._target, name)
+    _QUERIES = frozenset({"get_implementations", "get_implementation", "list_operators", "impl_ids", "epoch"})
+
+    def __getattr__(self, name):
+        # queries read the real registry; anything that mutates it would bypass the atomic commit
+        if name in self._QUERIES:
+            return getattr(self._target, name)
+        raise AttributeError(f"a plugin hook may only register impls; registry.{name} is not available during registration")
 
 
 def load_hook(registry, hook: Any, name: str, source: str) -> PluginRecord:

@@ -83,7 +83,7 @@ class Decision:
     impl_id: str
     kind: str
     priority: int
-    status: str  # "selected", "fallback", "rejected"
+    status: str  # "selected", "conditional", "fallback", "rejected"
     reason: str
 
 
@@ -328,8 +328,8 @@ class OpManager:
     def describe(self, device_type: str = "cpu", dtype: Optional[str] = None, device_index: Optional[int] = None) -> Dict[str, List[Decision]]:
         """Static dispatch table: for every declared op, the decisions for a key argument on ``device_type``.
 
-        Runtime ``supports`` predicates cannot be evaluated without arguments; such candidates are
-        reported as selected "unless supports() declines".
+        Runtime ``supports`` predicates cannot be evaluated without arguments: candidates with one
+        that come before the first unconditional candidate are reported as "conditional".
         """
         key = ArgKey(device_type, device_index, dtype)
         table: Dict[str, List[Decision]] = {}
@@ -337,9 +337,12 @@ class OpManager:
             candidates, rejected = self.rank(spec.name, key)
             rows, chosen = [], False
             for impl in candidates:
-                note = " (unless its supports() declines)" if impl.supports is not None else ""
-                status = "fallback" if chosen else "selected"
-                reason = ("used if the selected one raises or declines" if chosen else "first candidate in policy order") + note
+                if chosen:
+                    status, reason = "fallback", "used if the selected one raises"
+                elif impl.supports is not None:
+                    status, reason = "conditional", "selected when its supports() accepts the call's arguments"
+                else:
+                    status, reason = "selected", "first unconditional candidate in policy order"
                 rows.append(Decision(impl.impl_id, impl.kind.value, impl.priority, status, reason))
                 chosen = chosen or impl.supports is None
             rows += [Decision(i.impl_id, i.kind.value, i.priority, "rejected", r) for i, r in rejected]
