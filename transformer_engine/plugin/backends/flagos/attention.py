@@ -60,9 +60,11 @@ _DOT_IN_FP32 = tl.constexpr(_INTERPRET)
 # (BLOCK_M query rows, BLOCK_N key rows, num_warps, num_stages), pruned per head dim by
 # _Footprint.fits. Under the interpreter one small config exercises the multi-block paths.
 _FWD_SHAPES = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4))
-_DKDV_SHAPES = ((32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4))
+_DKDV_SHAPES = ((32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 8, 3))
 _DQ_SHAPES = ((128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4))
-_MAX_REGS_PER_THREAD = 192  # of 255: leaves room for pointers, masks and the bf16 copies of P / dS
+# of 255 per thread: room for pointers, masks and the bf16 copies of P / dS; checked against ptxas's
+# counts for sm_90 (configs above it spilled registers, those at or below it did not, or barely)
+_MAX_REGS_PER_THREAD = 160
 
 
 def _configs(shapes):
@@ -165,7 +167,7 @@ def _block_range(start, BLOCK: tl.constexpr, lo_off, hi_off, n_other, BLOCK_OTHE
     that need masks and [full_lo, full_hi) whose blocks are visible from every own row."""
     lo = tl.maximum(start + lo_off, 0)
     lo = (lo // BLOCK_OTHER) * BLOCK_OTHER
-    hi = tl.maximum(tl.minimum(start + BLOCK - 1 + hi_off, n_other), lo)
+    hi = tl.maximum(tl.minimum(start + BLOCK + hi_off, n_other), lo)
     full_lo = tl.maximum(start + BLOCK - 1 + lo_off, lo)
     full_lo = tl.minimum((full_lo + BLOCK_OTHER - 1) // BLOCK_OTHER * BLOCK_OTHER, hi)
     full_hi = tl.maximum(tl.minimum(start + hi_off + 1, n_other), 0)

@@ -1,0 +1,136 @@
+"""GEMM throughput of a linear layer's three products: the ``gemm`` op (FP8 and bf16) vs raw PyTorch.
+
+Shape M = N = K = 8192 by default (PERF.md's Linear row). For each GEMM of a linear layer with
+x [M, K], W [N, K], dy [M, N]:
+    fprop  y  = x W^T    gemm(x, W, trans_b=True)    (cuBLASLt's TN layout as is)
+    dgrad  dx = dy W     gemm(dy, W)                 (W needs a column-major copy)
+    wgrad  dW = dy^T x   gemm(dy, x, trans_a=True)   (dy and x need transposed copies)
+rows compare ``ops.gemm`` (dispatch; ``--backend`` pins its preferred kind) and the vendor backend
+alone against the raw call on operands already in the layout the library wants (torch._scaled_mm
+for FP8 E4M3 x E4M3 / E5M2 x E4M3 with per-tensor scales, torch.mm for bf16): the gap is the
+dispatch overhead plus the copies. FLOPs = 2 M N K; TFLOP/s = FLOPs / median time. Accumulation
+follows TE's defaults: fast for fprop, split (exact) for dgrad and wgrad.
+
+The module-level ``te.Linear`` rows are added by the lead.
+
+    python benchmarks/bench_linear.py --json linear.json
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from _harness import backend_policy, base_parser, print_table, time_fn, write_json
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@dataclass(frozen=True)
+class Product:
+    """One GEMM of the layer: which operands, transposes and accumulation."""
+
+    name: str
+    operands: Tuple[str, str]
+    trans_a: bool
+    trans_b: bool
+    split_accumulator: bool
+
+
+PRODUCTS = (
+    Product("fprop", ("x", "w"), False, True, False),
+    Product("dgrad", ("dy", "w"), False, False, True),
+    Product("wgrad", ("dy", "x"), True, False, True),
+)
+
+
+def _tensors(m: int, n: int, k: int, fp8: bool) -> Dict[str, Tuple[torch.Tensor, object]]:
+    """x, w (E4M3) and dy (E5M2) with their scale_inv, or bf16 ones (scale_inv None)."""
+    shapes = {"x": ((m, k), E4M3), "w": ((n, k), E4M3), "dy": ((m, n), E5M2)}
+    out = {}
+    for name, (shape, fp8_dtype) in shapes.items():
+        hp = torch.randn(shape, device="cuda")
+        if not fp8:
+            out[name] = (hp.to(torch.bfloat16), None)
+            continue
+        scale = torch.finfo(fp8_dtype).max / hp.abs().max()
+        out[name] = ((hp * scale).to(fp8_dtype), (1.0 / scale).reshape(1).float())
+    return out
+
+
+def _op_call(impl_id, product: Product, tensors, backend: str) -> Callable[[], object]:
+    """``gemm`` through the dispatcher (impl_id None) or on one backend."""
+    from transformer_engine.plugin import ops
+    from transformer_engine.plugin.core import get_default_manager
+
+    (a, a_si), (b, b_si) = (tensors[name] for name in product.operands)
+    args = (a, b, None, a_si, b_si, product.trans_a, product.trans_b, torch.bfloat16)
+    kwargs = dict(use_split_accumulator=product.split_accumulator)
+    if impl_id is not None:
+        manager = get_default_manager()
+        return lambda: manager.call_impl("gemm", impl_id, *args, **kwargs)
+
+    def call():
+        with backend_policy(backend):
+            return ops.gemm(*args, **kwargs)
+
+    return call
+
+
+def _raw_call(product: Product, tensors) -> Callable[[], object]:
+    """The raw PyTorch GEMM on operands prepared once in cuBLASLt's layout (row-major op(a),
+    column-major op(b)): the ceiling the op is measured against."""
+    (a, a_si), (b, b_si) = (tensors[name] for name in product.operands)
+    mat1 = (a.t() if product.trans_a else a).contiguous()
+    mat2 = (b.t() if product.trans_b else b).t().contiguous().t()
+    if a_si is None:
+        return lambda: torch.mm(mat1, mat2)
+    return lambda: torch._scaled_mm(mat1, mat2, scale_a=a_si, scale_b=b_si, out_dtype=torch.bfloat16,
+                                    use_fast_accum=not product.split_accumulator)
+
+
+def _rows(args, fp8: bool) -> List[dict]:
+    m, n, k = args.m, args.n, args.k
+    tensors = _tensors(m, n, k, fp8)
+    flops = 2.0 * m * n * k
+    rows = []
+    for product in PRODUCTS:
+        providers = {"raw": _raw_call(product, tensors), "ops.gemm": _op_call(None, product, tensors, args.backend),
+                     "vendor.cuda": _op_call("vendor.cuda", product, tensors, args.backend)}
+        raw_ms = None
+        for name, fn in providers.items():
+            try:
+                ms = time_fn(fn, warmup=args.warmup, iters=args.iters)
+            except Exception as exc:  # noqa: BLE001 - one failing provider must not hide the others
+                rows.append({"dtype": "fp8" if fp8 else "bf16", "gemm": product.name, "provider": name, "error": f"{type(exc).__name__}: {exc}"[:120]})
+                continue
+            raw_ms = raw_ms or ms
+            rows.append({"dtype": "fp8" if fp8 else "bf16", "gemm": product.name, "provider": name, "ms": ms,
+                         "tflops": flops / ms / 1e9, "vs_raw": raw_ms / ms})
+    return rows
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=8192)
+    parser.add_argument("--n", type=int, default=8192)
+    parser.add_argument("--k", type=int, default=8192)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_linear needs a CUDA GPU")
+    rows = _rows(args, fp8=True) + _rows(args, fp8=False)
+    print_table(
+        f"linear GEMMs M={args.m} N={args.n} K={args.k} (backend pin: {args.backend}); vs raw = raw time / this time",
+        ["dtype", "gemm", "provider", "ms", "TFLOP/s", "vs raw"],
+        [[r["dtype"], r["gemm"], r["provider"], *((f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{r['vs_raw']:.3f}") if "ms" in r else (r["error"], "-", "-"))]
+         for r in rows],
+    )
+    write_json(args.json, {"benchmark": "linear_gemm", "shape": {"m": args.m, "n": args.n, "k": args.k}, "results": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""vendor.cuda GEMM (cuBLAS / cuBLASLt through PyTorch) against the reference backend's gemm.
+
+On CPU: registration, what the SUPPORTS predicate declines and why (pure shape / dtype logic on
+"meta" tensors), and the TN-layout helpers (which operand gets a transposed copy). On a GPU: every
+dtype mix, bias, transposes, out / accumulate, against the reference gemm on the same values.
+
+Tolerances: both sides accumulate in fp32 and differ only in summation order, so the result agrees
+to the output dtype's rounding (DTYPE_TOLS: a bf16 ulp is below its rtol; fp16 gets 2 ulps, see
+_tols) plus, for fp32 outputs, ~sqrt(K) fp32 ulps of the terms (atol 2e-6 sqrt(K), as the
+reference test). Fast FP8
+accumulation (use_split_accumulator=False) keeps fewer bits: there an SQNR floor of 40 dB.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.utils import dtype_tols, randn, sqnr
+from transformer_engine.plugin.backends._registration import impls_from_modules
+from transformer_engine.plugin.backends.reference import gemm as reference
+from transformer_engine.plugin.backends.vendor import cuda
+from transformer_engine.plugin.backends.vendor.cuda import gemm as vendor_gemm
+from transformer_engine.plugin.core import BackendImplKind, Capabilities, OpManager, OpRegistry
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TRANSPOSES = list(itertools.product((False, True), repeat=2))
+
+
+def _tols(dtype, k):
+    """DTYPE_TOLS; fp32 atol grows as sqrt(K); fp16 rtol 2 ulps, as cuBLAS may round a split-K partial
+    sum to fp16 (PyTorch's allow_fp16_reduced_precision_reduction is on by default)."""
+    tols = dtype_tols(dtype)
+    if dtype == torch.float32:
+        tols["atol"] = max(tols["atol"], 2e-6 * k**0.5)
+    if dtype == torch.float16:
+        tols["rtol"] = 2e-3
+    return tols
+
+
+def _fp8_tols(dtype, expected):
+    """Tolerance for an FP8 tensor-core product against the float32 reference.
+
+    Hopper's FP8 MMA keeps only about 14 mantissa bits in its accumulator before cuBLAS promotes
+    partial sums to float32 (DeepSeek-V3 report, section 3.3.2), so each output carries an error of
+    a few 2^-12 of the output magnitude: atol = 2^-9 * max|expected|, plus the output dtype's rtol.
+    """
+    tols = dtype_tols(dtype)
+    return dict(rtol=max(tols["rtol"], 2.0**-9), atol=2.0**-9 * expected.abs().max().item())
+
+
+def _fp8(shape, fp8_dtype, device="cuda"):
+    """(q, scale_inv): x ~ N(0, 1) cast with scale = fp8_max / amax (non-trivial scale_inv)."""
+    x = randn(*shape, device=device)
+    scale = torch.finfo(fp8_dtype).max / x.abs().max()
+    q = (x * scale).clamp(-torch.finfo(fp8_dtype).max, torch.finfo(fp8_dtype).max).to(fp8_dtype)
+    return q, (1.0 / scale).reshape(1).float()
+
+
+def _shape(rows, cols, trans):
+    return (cols, rows) if trans else (rows, cols)
+
+
+# -- CPU: registration, predicate, layouts --------------------------------------------------------
+def test_register_adds_vendor_cuda_impls():
+    registry = OpRegistry()
+    cuda.register(registry)
+    impl = registry.get_implementation("gemm", "vendor.cuda")
+    assert impl.kind is BackendImplKind.VENDOR and impl.vendor == "cuda" and impl.priority == 100
+    assert impl.capabilities == Capabilities(device_types={"cuda"}) and impl.supports is not None
+    assert impl.fn is vendor_gemm.gemm
+
+
+def _meta(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+SCALES = (_meta((1,), torch.float32), _meta((1,), torch.float32))
+
+
+@pytest.mark.parametrize(
+    "x, y, scales, out_dtype, capability, words",
+    [
+        ((32, 64, E5M2), (64, 48, E5M2), SCALES, torch.bfloat16, (9, 0), "E5M2 x E5M2"),
+        ((32, 64, E4M3), (64, 48, E4M3), SCALES, torch.bfloat16, (8, 6), "compute capability >= 8.9"),
+        ((32, 24, E4M3), (24, 48, E4M3), SCALES, torch.bfloat16, (9, 0), "K=24"),
+        ((32, 64, E4M3), (64, 40, E4M3), SCALES, torch.bfloat16, (9, 0), "N=40"),
+        ((32, 64, E4M3), (64, 48, E4M3), (None, SCALES[1]), torch.bfloat16, (9, 0), "scale_inv"),
+        ((32, 64, E4M3), (64, 48, E4M3), (_meta((32,), torch.float32), SCALES[1]), torch.bfloat16, (9, 0), "one-element"),
+        ((32, 64, E4M3), (64, 48, E4M3), SCALES, E4M3, (9, 0), "out_dtype"),
+        ((32, 64, E4M3), (64, 48, E4M3), SCALES, None, (9, 0), "out_dtype"),
+        ((32, 64, E4M3), (64, 48, torch.bfloat16), SCALES, torch.bfloat16, (9, 0), "two FP8 operands"),
+    ],
+)
+def test_fp8_reason_declines(x, y, scales, out_dtype, capability, words):
+    reason = vendor_gemm._fp8_reason(_meta(x[:2], x[2]), _meta(y[:2], y[2]), None, scales, out_dtype, capability)
+    assert reason is not None and words in reason
+
+
+@pytest.mark.parametrize("pair", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)])
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
+def test_fp8_reason_accepts(pair, capability):
+    x, y = _meta((7, 32), pair[0]), _meta((32, 16), pair[1])  # M = 7: only K and N need alignment
+    assert vendor_gemm._fp8_reason(x, y, _meta((16,), torch.float32), SCALES, torch.bfloat16, capability) is None
+
+
+def test_hp_and_shape_reasons():
+    x, y = _meta((5, 7), torch.bfloat16), _meta((7, 3), torch.bfloat16)
+    assert vendor_gemm._hp_reason(x, y, None, torch.bfloat16) is None
+    assert vendor_gemm._hp_reason(x, y, _meta((3,), torch.float32), torch.float32) is None
+    assert "share one dtype" in vendor_gemm._hp_reason(x, _meta((7, 3), torch.float16), None, torch.bfloat16)
+    assert "share one dtype" in vendor_gemm._hp_reason(_meta((5, 7), torch.int8), _meta((7, 3), torch.int8), None, torch.int8)
+    assert "inner dimensions" in vendor_gemm._shape_reason(x, _meta((6, 3), torch.bfloat16), None, None, False)
+    assert "bias" in vendor_gemm._shape_reason(x, y, _meta((4,), torch.bfloat16), None, False)
+    assert "needs out" in vendor_gemm._shape_reason(x, y, None, None, True)
+    assert "out has shape" in vendor_gemm._shape_reason(x, y, None, _meta((3, 5), torch.bfloat16), False)
+
+
+def test_supports_declines_cpu_tensors():
+    verdict = vendor_gemm.SUPPORTS["gemm"](randn(4, 4), randn(4, 4))
+    assert not verdict and "CUDA" in verdict.reason
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        vendor_gemm.gemm(randn(4, 4), randn(4, 4))
+
+
+@pytest.mark.parametrize("trans_a, trans_b", TRANSPOSES)
+def test_tn_layout_copies_only_what_is_not_in_place(trans_a, trans_b):
+    """op(a) must be row-major, op(b) column-major: a copy exactly when trans_a / not trans_b."""
+    a = torch.zeros(_shape(48, 32, trans_a), dtype=torch.uint8)
+    b = torch.zeros(_shape(32, 64, trans_b), dtype=torch.uint8)
+    x, y = vendor_gemm._operands(a, b, trans_a, trans_b)
+    mat1, mat2 = vendor_gemm._as_row_major(x), vendor_gemm._as_col_major(y)
+    assert (mat1.data_ptr() == a.data_ptr()) == (not trans_a)
+    assert (mat2.data_ptr() == b.data_ptr()) == trans_b
+    assert mat1.stride(1) == 1 and mat2.stride(0) == 1 and torch.equal(mat1, x) and torch.equal(mat2, y)
+
+
+def test_tn_layout_copies_misaligned_leading_dimension():
+    a = torch.zeros(48, 40, dtype=torch.uint8)[:, :32]  # row-major but ld 40 is not a multiple of 16
+    assert vendor_gemm._as_row_major(a).stride() == (32, 1)
+    assert vendor_gemm._as_row_major(torch.zeros(48, 48, dtype=torch.uint8)[:, :32]).stride() == (48, 1)
+
+
+# -- GPU: numerics against the reference ----------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_a, trans_b", TRANSPOSES)
+@pytest.mark.parametrize("bias_dtype", [None, "same", torch.float32])
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("m, k, n", [(1, 7, 3), (17, 31, 29), (128, 96, 80)])
+def test_high_precision_matches_reference(m, k, n, dtype, bias_dtype, trans_a, trans_b):
+    a = randn(*_shape(m, k, trans_a), dtype=dtype, device="cuda")
+    b = randn(*_shape(k, n, trans_b), dtype=dtype, device="cuda")
+    bias = None if bias_dtype is None else randn(n, dtype=dtype if bias_dtype == "same" else bias_dtype, device="cuda")
+    d = vendor_gemm.gemm(a, b, bias=bias, trans_a=trans_a, trans_b=trans_b)
+    expected = reference.gemm(a, b, bias=bias, trans_a=trans_a, trans_b=trans_b)
+    assert d.dtype == dtype and d.shape == (m, n)
+    torch.testing.assert_close(d.float(), expected.float(), **_tols(dtype, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_high_precision_out_dtype(dtype, out_dtype):
+    """wgrad into fp32 (cuBLAS writes fp32 from bf16 inputs, no bf16 rounding first)."""
+    a, b, bias = randn(64, 33, dtype=dtype, device="cuda"), randn(64, 48, dtype=dtype, device="cuda"), randn(48, device="cuda")
+    d = vendor_gemm.gemm(a, b, bias=bias, trans_a=True, out_dtype=out_dtype)
+    expected = reference.gemm(a, b, bias=bias, trans_a=True, out_dtype=out_dtype)
+    assert d.dtype == out_dtype
+    torch.testing.assert_close(d, expected, **_tols(out_dtype, 64))
+
+
+FP8_PAIRS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_a, trans_b", TRANSPOSES)
+@pytest.mark.parametrize("out_dtype", HP_DTYPES)
+@pytest.mark.parametrize("pair", FP8_PAIRS)
+def test_fp8_matches_reference(pair, out_dtype, trans_a, trans_b):
+    m, k, n = 40, 64, 48
+    a, a_scale_inv = _fp8(_shape(m, k, trans_a), pair[0])
+    b, b_scale_inv = _fp8(_shape(k, n, trans_b), pair[1])
+    args = dict(a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, trans_a=trans_a, trans_b=trans_b, out_dtype=out_dtype)
+    d = vendor_gemm.gemm(a, b, **args)
+    expected = reference.gemm(a, b, **args)
+    assert d.dtype == out_dtype and d.shape == (m, n)
+    torch.testing.assert_close(d, expected, **_fp8_tols(out_dtype, expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_fp8_bias(bias_dtype, out_dtype):
+    """Epilogue bias (bias dtype == out dtype) and the fp32 tail for the rest."""
+    a, a_scale_inv = _fp8((33, 32), E4M3)
+    b, b_scale_inv = _fp8((16, 32), E4M3)
+    bias = randn(16, dtype=bias_dtype, device="cuda")
+    args = dict(bias=bias, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, trans_b=True, out_dtype=out_dtype)
+    expected = reference.gemm(a, b, **args)
+    torch.testing.assert_close(vendor_gemm.gemm(a, b, **args), expected, **_fp8_tols(out_dtype, expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_accumulate_and_out(fp8, out_dtype):
+    """wgrad-style dW += dy^T x into ``out`` (fp32 main_grad or bf16), and plain ``out=``."""
+    if fp8:
+        (dy, dy_si), (x, x_si) = _fp8((64, 48), E5M2), _fp8((64, 32), E4M3)
+    else:
+        (dy, dy_si), (x, x_si) = (randn(64, 48, dtype=torch.bfloat16, device="cuda"), None), (randn(64, 32, dtype=torch.bfloat16, device="cuda"), None)
+    args = dict(a_scale_inv=dy_si, b_scale_inv=x_si, trans_a=True, out_dtype=out_dtype)
+    start = randn(48, 32, dtype=out_dtype, device="cuda")
+    out, expected = start.clone(), start.clone()
+    result = vendor_gemm.gemm(dy, x, out=out, accumulate=True, **args)
+    reference.gemm(dy, x, out=expected, accumulate=True, **args)
+    assert result is out
+    tols = (lambda ref: _fp8_tols(out_dtype, ref)) if fp8 else (lambda ref: _tols(out_dtype, 64))
+    torch.testing.assert_close(out, expected, **tols(expected))
+    fresh = torch.empty_like(start)
+    assert vendor_gemm.gemm(dy, x, out=fresh, **args) is fresh
+    product = reference.gemm(dy, x, **args)
+    torch.testing.assert_close(fresh, product, **tols(product))
+
+
+@pytest.mark.gpu
+def test_fp8_fast_accumulation():
+    a, a_scale_inv = _fp8((256, 1024), E4M3)
+    b, b_scale_inv = _fp8((128, 1024), E4M3)
+    args = dict(a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, trans_b=True, out_dtype=torch.float32)
+    fast = vendor_gemm.gemm(a, b, use_split_accumulator=False, **args)
+    assert sqnr(reference.gemm(a, b, **args), fast) >= 40.0
+
+
+@pytest.mark.gpu
+def test_dispatch_declines_e5m2_pair_to_reference():
+    registry = OpRegistry()
+    cuda.register(registry)
+    registry.register_many(impls_from_modules([reference], "reference.torch", BackendImplKind.REFERENCE, Capabilities()))
+    manager = OpManager(registry, load_builtins=False, discover=False)
+    (a, a_si), (b, b_si) = _fp8((32, 32), E5M2), _fp8((32, 32), E5M2)
+    args = (a, b, None, a_si, b_si, False, True, torch.bfloat16)
+    assert manager.select("gemm", *args).impl_id == "reference.torch"
+    (a, a_si) = _fp8((32, 32), E4M3)
+    assert manager.select("gemm", a, b, None, a_si, b_si, False, True, torch.bfloat16).impl_id == "vendor.cuda"

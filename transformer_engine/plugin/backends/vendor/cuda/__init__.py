@@ -1,0 +1,51 @@
+"""The ``cuda`` vendor backend: what NVIDIA's libraries do best, reached through PyTorch.
+
+- ``gemm``: cuBLASLt FP8 GEMM (``torch._scaled_mm``) and cuBLAS for bf16 / fp16 / fp32;
+- ``fused_attn_fwd`` / ``fused_attn_bwd``: PyTorch SDPA (cuDNN / flash), when its module is present.
+
+Every op runs on CUDA devices only (``Capabilities(device_types={"cuda"})``); what a vendor op cannot
+do (an FP8 GEMM before compute capability 8.9, misaligned shapes, ...) its ``SUPPORTS`` predicate
+declines, so the next backend in the policy order runs the call.
+"""
+
+import dataclasses
+import importlib
+from importlib.util import find_spec
+
+from transformer_engine.plugin.backends._registration import impls_from_modules, register_torch_capability_probe
+from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
+
+IMPL_ID = "vendor.cuda"
+VENDOR = "cuda"
+PRIORITY = 100
+_FAMILIES = ("gemm", "attention")
+
+__all__ = ["register", "IMPL_ID", "VENDOR"]
+
+
+def _family_modules():
+    """The op-family modules of this package that exist in this tree (a family may be absent)."""
+    names = (f"{__name__}.{family}" for family in _FAMILIES)
+    return [importlib.import_module(name) for name in names if find_spec(name) is not None]
+
+
+def register(registry) -> None:
+    """Register the cuda vendor ops (CUDA devices only).
+
+    Raises:
+        RuntimeError: PyTorch is a ROCm build, whose "cuda" devices are not NVIDIA GPUs.
+    """
+    import torch
+
+    if torch.version.hip is not None:
+        raise RuntimeError("vendor.cuda needs a CUDA build of PyTorch; this one is a ROCm (HIP) build")
+    register_torch_capability_probe()
+    impls = impls_from_modules(
+        _family_modules(),
+        IMPL_ID,
+        BackendImplKind.VENDOR,
+        Capabilities(device_types={"cuda"}),
+        vendor=VENDOR,
+        description="cuBLASLt / cuDNN through PyTorch",
+    )
+    registry.register_many([dataclasses.replace(impl, priority=PRIORITY) for impl in impls])

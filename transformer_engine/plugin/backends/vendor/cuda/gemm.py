@@ -1,0 +1,215 @@
+"""cuBLAS / cuBLASLt GEMM through PyTorch. See plugin/catalog/gemm.py for the op's contract.
+
+Math: D = op(a) @ op(b) + bias with op(t) = t^T when its ``trans_*`` flag is set, accumulated in
+float32; FP8 operands are dequantized by their per-tensor scales,
+D = (a_scale_inv * b_scale_inv) * (a_fp8 @ b_fp8) + bias, and with ``accumulate`` D = out + D.
+(The VJP is not an op of its own: a linear layer's dgrad and wgrad are two more ``gemm`` calls.)
+
+Paths:
+- FP8 (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3) runs ``torch._scaled_mm`` (cuBLASLt, compute
+  capability >= 8.9). cuBLASLt's FP8 kernels need the "TN" layout: mat1 = op(a) [M, K] row-major,
+  mat2 = op(b) [K, N] column-major, K and N multiples of 16, leading dimensions 16-byte aligned.
+  For row-major inputs that means a is used as is unless ``trans_a`` and b is used as is only when
+  ``trans_b`` (the fprop layout, y = x W^T); any other operand gets one transposed contiguous copy.
+  ``use_fast_accum = not use_split_accumulator``.
+- bf16 / fp16 / fp32 run ``torch.mm`` / ``torch.addmm`` (cuBLAS, fp32 accumulation; the bias rides
+  the cuBLASLt epilogue, which adds it in fp32 before the cast).
+Whenever the bias dtype, ``out_dtype`` or ``accumulate`` do not fit those epilogues, the product is
+taken in float32, the bias added in float32, then the result is cast (or added into ``out``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+
+from transformer_engine.plugin.core import Reject
+
+__all__ = ["gemm"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_MIN_CAPABILITY = (8, 9)
+_ALIGN = 16  # cuBLASLt FP8: K, N, leading dimensions and base pointers in multiples of 16 (bytes = elements)
+
+
+def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
+    """D = op(a) @ op(b) + bias on cuBLAS(Lt); FP8 operands through ``torch._scaled_mm``.
+
+    Args: as in plugin/catalog/gemm.py.
+
+    Returns:
+        D [M, N] in ``out_dtype`` (``out`` itself when given).
+
+    Raises:
+        NotImplementedError: arguments this backend declines (see ``SUPPORTS``); the
+            dispatcher never sends those here.
+    """
+    verdict = _supports_gemm(a, b, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate)
+    if not verdict:
+        raise NotImplementedError(f"vendor.cuda gemm: {verdict.reason}; use the reference backend for this call")
+    x, y = _operands(a, b, trans_a, trans_b)
+    dtype = _result_dtype(a, out_dtype, out)
+    if x.dtype in FP8_DTYPES:
+        d = _mm_fp8(x, y, bias, (a_scale_inv, b_scale_inv), dtype, accumulate, use_split_accumulator)
+    else:
+        d = _mm_hp(x, y, bias, dtype, accumulate)
+    return _store(d, dtype, out, accumulate)
+
+
+# -- the two products ---------------------------------------------------------------------------
+def _mm_fp8(x, y, bias, scale_invs, dtype, accumulate, use_split_accumulator):
+    """(x * a_scale_inv) @ (y * b_scale_inv) [+ bias] in ``dtype``, or in fp32 when the bias or
+    ``accumulate`` cannot ride the epilogue."""
+    in_epilogue = bias is not None and not accumulate and bias.dtype == dtype and dtype != torch.float32
+    fp32_tail = accumulate or (bias is not None and not in_epilogue)
+    d = torch._scaled_mm(
+        _as_row_major(x),
+        _as_col_major(y),
+        scale_a=_scale(scale_invs[0]),
+        scale_b=_scale(scale_invs[1]),
+        bias=bias if in_epilogue else None,
+        out_dtype=torch.float32 if fp32_tail else dtype,
+        use_fast_accum=not use_split_accumulator,
+    )
+    if bias is not None and not in_epilogue:
+        d += bias.float()
+    return d
+
+
+def _mm_hp(x, y, bias, dtype, accumulate):
+    """x @ y [+ bias] for bf16 / fp16 / fp32 operands, in ``dtype`` or in fp32 (see module doc)."""
+    if not accumulate and dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+        return torch.mm(x, y) if bias is None else torch.addmm(bias, x, y)
+    d = torch.mm(x, y) if x.dtype == torch.float32 else torch.mm(x, y, out_dtype=torch.float32)
+    if bias is not None:
+        d += bias.float()
+    return d
+
+
+def _store(d, dtype, out, accumulate):
+    """D = out + d (``accumulate``, d in fp32), else d cast to ``dtype`` (written into ``out`` if given)."""
+    if accumulate:
+        return out.add_(d)
+    d = d.to(dtype)
+    if out is None:
+        return d
+    return out.copy_(d)
+
+
+# -- layouts ------------------------------------------------------------------------------------
+def _operands(a, b, trans_a, trans_b) -> Tuple[torch.Tensor, torch.Tensor]:
+    """op(a) [M, K] and op(b) [K, N] as views (no copy)."""
+    return (a.t() if trans_a else a), (b.t() if trans_b else b)
+
+
+def _fits_lt(t: torch.Tensor, ld: int, inner: int) -> bool:
+    """True when a leading dimension ``ld`` over ``inner`` elements and t's base pointer suit cuBLASLt FP8."""
+    return ld >= max(1, inner) and ld % _ALIGN == 0 and t.data_ptr() % _ALIGN == 0
+
+
+def _as_row_major(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] itself when row-major with an aligned leading dimension, else a contiguous copy."""
+    if x.stride(1) == 1 and _fits_lt(x, x.stride(0), x.size(1)):
+        return x
+    return x.contiguous()
+
+
+def _as_col_major(y: torch.Tensor) -> torch.Tensor:
+    """y [K, N] itself when column-major with an aligned leading dimension, else a copy laid out so."""
+    if y.stride(0) == 1 and _fits_lt(y, y.stride(1), y.size(0)):
+        return y
+    return y.t().contiguous().t()
+
+
+def _scale(scale_inv: torch.Tensor) -> torch.Tensor:
+    """A per-tensor scale_inv as the float32 scalar tensor ``torch._scaled_mm`` multiplies by."""
+    return scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
+
+
+def _result_dtype(a, out_dtype, out) -> Optional[torch.dtype]:
+    """``out_dtype``, else ``out``'s dtype, else a's dtype (None if that is FP8: an error)."""
+    if out_dtype is not None:
+        return out_dtype
+    if out is not None:
+        return out.dtype
+    return None if a.dtype in FP8_DTYPES else a.dtype
+
+
+# -- what this backend declines -----------------------------------------------------------------
+def _capability(device: torch.device) -> Tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device (cached per device index)."""
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> Tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _supports_gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
+    """True, or a Reject saying why this backend declines the call: device, shapes, then dtypes."""
+    if not (getattr(a, "is_cuda", False) and getattr(b, "is_cuda", False)):
+        return Reject("operands are not on a CUDA device")
+    if a.dim() != 2 or b.dim() != 2:
+        return Reject(f"operands must be 2-D, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    x, y = _operands(a, b, trans_a, trans_b)
+    dtype = _result_dtype(a, out_dtype, out)
+    reason = _shape_reason(x, y, bias, out, accumulate)
+    if reason is None and out is not None and out.dtype != dtype:
+        reason = f"out has dtype {out.dtype} but out_dtype is {dtype}"
+    if reason is None and (x.dtype in FP8_DTYPES or y.dtype in FP8_DTYPES):
+        reason = _fp8_reason(x, y, bias, (a_scale_inv, b_scale_inv), dtype, _capability(a.device))
+    elif reason is None:
+        reason = _hp_reason(x, y, bias, dtype)
+    return Reject(reason) if reason else True
+
+
+def _shape_reason(x, y, bias, out, accumulate) -> Optional[str]:
+    """op(a) [M, K] @ op(b) [K, N]; bias [N]; out [M, N] (required with ``accumulate``)."""
+    (m, k), (k2, n) = x.shape, y.shape
+    if k != k2:
+        return f"op(a) is [{m}, {k}] but op(b) is [{k2}, {n}]: inner dimensions differ"
+    if bias is not None and tuple(bias.shape) != (n,):
+        return f"bias has shape {tuple(bias.shape)}, expected [{n}]"
+    if accumulate and out is None:
+        return "accumulate=True needs out"
+    if out is not None and tuple(out.shape) != (m, n):
+        return f"out has shape {tuple(out.shape)}, expected [{m}, {n}]"
+    return None
+
+
+def _fp8_reason(x, y, bias, scale_invs, dtype, capability) -> Optional[str]:
+    """The FP8 path's limits: dtype pair, scales, output dtype, alignment, compute capability."""
+    if x.dtype not in FP8_DTYPES or y.dtype not in FP8_DTYPES:
+        return f"FP8 GEMM needs two FP8 operands of {FP8_DTYPES}, got {x.dtype} and {y.dtype}"
+    if x.dtype == y.dtype == torch.float8_e5m2:
+        return "cuBLASLt has no E5M2 x E5M2 GEMM"
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        return f"FP8 GEMM needs compute capability >= 8.9, device has {capability[0]}.{capability[1]}"
+    if any(s is None or s.numel() != 1 for s in scale_invs):
+        return "FP8 operands need per-tensor (one-element) a_scale_inv and b_scale_inv"
+    if dtype not in HP_DTYPES:
+        return f"out_dtype {dtype} is not one of {HP_DTYPES}"
+    if bias is not None and bias.dtype not in HP_DTYPES:
+        return f"bias dtype {bias.dtype} is not one of {HP_DTYPES}"
+    k, n = y.shape
+    if k % _ALIGN or n % _ALIGN:
+        return f"FP8 GEMM needs K and N multiples of {_ALIGN}, got K={k}, N={n}"
+    return None
+
+
+def _hp_reason(x, y, bias, dtype) -> Optional[str]:
+    """The cuBLAS path: both operands of one dtype in bf16 / fp16 / fp32, output in those too."""
+    if x.dtype != y.dtype or x.dtype not in HP_DTYPES:
+        return f"operands must share one dtype of {HP_DTYPES}, got {x.dtype} and {y.dtype}"
+    if dtype not in HP_DTYPES:
+        return f"out_dtype {dtype} is not one of {HP_DTYPES}"
+    if bias is not None and bias.dtype not in HP_DTYPES:
+        return f"bias dtype {bias.dtype} is not one of {HP_DTYPES}"
+    return None
+
+
+SUPPORTS = {"gemm": _supports_gemm}
