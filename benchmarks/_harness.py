@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -68,10 +69,12 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[obje
 
 def environment() -> Dict[str, object]:
     """Date, git revision, versions and device of this run."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        rev = ""
+    rev = os.environ.get("TE_FL_REVISION", "")  # set by scripts/gpu_check.sh callers: the GPU copy has no .git
+    if not rev:
+        try:
+            rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            rev = ""
     env = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "revision": rev or "unknown",

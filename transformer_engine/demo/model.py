@@ -77,7 +77,7 @@ class TinyGPT(nn.Module):
             )
             for _ in range(size.layers)
         )
-        self.final_norm = te.LayerNorm(size.hidden, params_dtype=dtype, device=device)
+        self.final_norm = te.LayerNorm(size.hidden, dtype=dtype, device=device)
         self.head = nn.Linear(size.hidden, padded_vocab, bias=False, device=device, dtype=dtype)
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
