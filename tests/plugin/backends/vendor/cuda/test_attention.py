@@ -1,8 +1,11 @@
-"""vendor.cuda fused attention (PyTorch SDPA kernels).
+"""vendor.cuda fused attention (PyTorch's cuDNN, flash and memory-efficient SDPA kernels).
 
-On CPU: what the SUPPORTS predicate declines and why, the mask-to-bias conversion, and the kernels'
+On CPU: what the SUPPORTS predicate declines and why, which kernel each call gets and why the faster
+ones were passed over, the cuDNN schema check, the mask-to-bias conversion, and the kernels'
 argument plumbing on "meta" tensors (PyTorch's shape functions of the SDPA ops). On a GPU: forward
-and backward against the reference backend, and the dropout identity sum(dV * V) = sum(dO * O).
+and backward of every kernel that can run a case against the reference backend (causal masks with
+s_q != s_kv in both alignments included), which kernel the plan picks there, and the dropout
+identity sum(dV * V) = sum(dO * O).
 """
 
 from __future__ import annotations
@@ -57,32 +60,89 @@ def test_kernel_bias_masks_and_dead_rows():
     mask = torch.zeros(2, 1, 3, 4, dtype=torch.bool)
     mask[1, 0, 2] = True  # a query row that sees no key
     user_bias = randn(1, 4, 3, 4)
-    bias, dead = sdpa._kernel_bias(q, k, mask, user_bias, causal_in_bias=False)
+    bias, dead = sdpa._kernel_bias(q, k, mask, user_bias, "no_mask", False)
     assert bias.shape == (2, 4, 3, 4) and bias.stride(2) % 16 == 0, "rows padded to the kernel's alignment"
     torch.testing.assert_close(bias[0].float(), user_bias[0].to(torch.bfloat16).float())
     assert torch.all(bias[1, :, 2] <= torch.finfo(torch.bfloat16).min / 4)
     assert dead.shape == (2, 1, 3, 1) and dead.sum() == 1 and dead[1, 0, 2, 0]
-    band, dead = sdpa._kernel_bias(*_qkv(s_q=4, s_kv=2)[:2], None, None, causal_in_bias=True)
+    band, dead = sdpa._kernel_bias(*_qkv(s_q=4, s_kv=2)[:2], None, None, "causal_bottom_right", True)
     assert torch.equal(band[0, 0] < 0, torch.tensor([[True, True], [True, True], [False, True], [False, False]]))
     assert dead.reshape(-1).tolist() == [True, True, False, False]
+    band, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], None, None, "causal", True)
+    assert torch.equal(band[1, 3] < 0, torch.tensor([[False, True, True], [False, False, True]])) and dead is None
+    first_key = torch.tensor([[True, False, False], [False, False, False]])  # hides query 0's only causal key
+    bias, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], first_key, None, "causal", False)
+    assert torch.equal(bias[0, 0] < 0, first_key), "the causal flag stays with the kernel"
+    assert dead.reshape(-1).tolist() == [True, False], "but its rows count for the dead rows"
 
 
-def test_plans():
-    q, k, v = _qkv()
-    assert sdpa._plan(q, k, v, CONFIG, None, None, (9, 0)).kernel == "flash"
-    assert sdpa._plan(q, k, v, CONFIG, None, None, (7, 5)).kernel == "efficient"
-    assert sdpa._plan(q, k, v, CONFIG, torch.zeros(5, 5, dtype=torch.bool), None, (9, 0)).kernel == "efficient"
-    q2, k2, v2 = _qkv(s_q=6, s_kv=4)
-    plan = sdpa._plan(q2, k2, v2, dataclasses.replace(CONFIG, mask_type="causal_bottom_right"), None, None, (9, 0))
-    assert (plan.kernel, plan.is_causal, plan.causal_in_bias) == ("efficient", False, True)
-    plan = sdpa._plan(q2, k2, v2, dataclasses.replace(CONFIG, mask_type="causal"), None, None, (9, 0))
-    assert (plan.kernel, plan.is_causal) == ("efficient", True), "flash's causal flag is bottom-right"
+H200 = sdpa._Device((9, 0), 91000)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def _call(dtype=torch.bfloat16, s_q=64, s_kv=64, d=64, d_v=None, mask_type="causal", mask=False, bias=False):
+    return sdpa._Call(dtype, s_q, s_kv, d, d if d_v is None else d_v, mask_type, mask, bias)
+
+
+def _kernels(*names):
+    return tuple(kernel for kernel in sdpa._KERNELS if kernel.name in names)
+
+
+@pytest.mark.parametrize(
+    "call,device,kernels,expected",
+    [
+        (_call(), H200, None, ("cudnn", True, False)),
+        (_call(mask_type="no_mask", mask=True), H200, None, ("cudnn", False, False)),
+        (_call(mask=True), H200, None, ("cudnn", False, True)),  # cuDNN's causal flag + a bias: wrong grads
+        (_call(s_q=96, s_kv=40), H200, None, ("cudnn", True, False)),  # cuDNN's flag is top-left
+        (_call(s_q=40, s_kv=96, mask_type="causal_bottom_right"), H200, None, ("cudnn", False, True)),
+        (_call(d=256), sdpa._Device((9, 0), 90501), None, ("cudnn", True, False)),
+        (_call(d=256), sdpa._Device((9, 0), 90400), None, ("flash", True, False)),
+        (_call(), sdpa._Device((9, 0), 0), None, ("flash", True, False)),
+        (_call(), sdpa._Device((7, 5), 91000), None, ("efficient", True, False)),
+        (_call(dtype=torch.float32), H200, None, ("efficient", True, False)),
+        (_call(bias=True), H200, None, ("efficient", True, False)),
+        (_call(s_q=40, s_kv=96, mask_type="causal_bottom_right"), H200, ("flash", "efficient"), ("flash", True, False)),
+        (_call(s_q=96, s_kv=40, mask_type="causal_bottom_right"), H200, ("flash", "efficient"), ("efficient", False, True)),
+        (_call(s_q=96, s_kv=40), H200, ("flash", "efficient"), ("efficient", True, False)),
+    ],
+)
+def test_plans(call, device, kernels, expected):
+    plan = sdpa._plan(call, device, _kernels(*kernels) if kernels else sdpa._KERNELS)
+    assert (plan.kernel, plan.is_causal, plan.causal_in_bias) == expected
+
+
+def test_plans_say_why_faster_kernels_were_passed_over():
+    plan = sdpa._plan(_call(bias=True), H200)
+    assert [name for name, _ in plan.passed_over] == ["cudnn", "flash"]
+    assert "no bias gradient" in plan.passed_over[0][1] and "attn_bias" in plan.passed_over[1][1]
+    plan = sdpa._plan(_call(s_q=96, s_kv=40), H200, _kernels("flash", "efficient"))
+    assert "'causal_bottom_right'" in plan.passed_over[0][1]
+    assert "cuDNN 0" in sdpa._plan(_call(), sdpa._Device((9, 0), 0)).passed_over[0][1]
+    with pytest.raises(ValueError, match="no SDPA kernel"):
+        sdpa._plan(_call(bias=True), H200, _kernels("cudnn", "flash"))
+
+
+def test_unknown_cudnn_schema_is_declined(monkeypatch):
+    sdpa._cudnn_schema_gap.cache_clear()
+    sdpa._plan.cache_clear()
+    monkeypatch.setitem(sdpa._CUDNN_SCHEMAS, "_scaled_dot_product_cudnn_attention", ("query", "key", "value"))
+    try:
+        plan = sdpa._plan(_call(), H200)
+        assert plan.kernel == "flash" and "schema this backend does not know" in plan.passed_over[0][1]
+    finally:
+        sdpa._cudnn_schema_gap.cache_clear()
+        sdpa._plan.cache_clear()
+
+
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 5), reason="cuDNN ops before torch 2.5 differ")
+def test_cudnn_schema_of_this_torch_is_known():
+    assert sdpa._cudnn_schema_gap() is None
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
 @pytest.mark.parametrize("h_kv", [4, 1])
 def test_plumbing_on_meta_tensors(kernel, h_kv):
-    """Both kernels' forward and backward ops accept what we pass and give gradients of the right shapes."""
+    """Each kernel's forward and backward ops accept what we pass and give gradients of the right shapes."""
     q, k, v = (t.to("meta") for t in _qkv(h_kv=h_kv))
     bias = torch.empty(1, 4, 5, 5, dtype=torch.float16, device="meta") if kernel == "efficient" else None
     config = dataclasses.replace(CONFIG, bias_type="post_scale_bias" if bias is not None else "no_bias", dropout_p=0.1)
@@ -94,32 +154,71 @@ def test_plumbing_on_meta_tensors(kernel, h_kv):
 
 
 # ------------------------------------------------------------------------------------------- GPU
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One GPU problem (b = 2, h = 4) and the kernel the plan should pick for it."""
+
+    name: str
+    dtype: torch.dtype
+    s_q: int
+    s_kv: int
+    h_kv: int
+    d: int
+    d_v: int
+    mask_type: str
+    with_mask: bool
+    with_bias: bool
+    picked: str
+
+
 CASES = [
-    # (name, dtype, s_q, s_kv, h_kv, d_v, mask_type, with_mask, with_bias)
-    ("flash", torch.bfloat16, 64, 64, 4, 64, "causal", False, False),
-    ("flash_gqa_bottom_right", torch.float16, 48, 80, 2, 64, "causal_bottom_right", False, False),
-    ("efficient_fp32", torch.float32, 33, 47, 4, 32, "no_mask", False, False),
-    ("efficient_mask", torch.bfloat16, 40, 40, 4, 64, "no_mask", True, False),
-    ("efficient_bias", torch.float16, 37, 29, 1, 64, "causal", False, True),
-    ("efficient_folded_causal", torch.bfloat16, 50, 20, 4, 64, "causal_bottom_right", False, False),
-    ("efficient_dv", torch.bfloat16, 24, 24, 4, 32, "causal", False, False),
+    Case("square_causal", torch.bfloat16, 64, 64, 4, 64, 64, "causal", False, False, "cudnn"),
+    Case("top_left_short_q_gqa", torch.float16, 48, 80, 2, 64, 64, "causal", False, False, "cudnn"),
+    Case("top_left_long_q", torch.bfloat16, 80, 48, 4, 64, 64, "causal", False, False, "cudnn"),
+    Case("bottom_right_short_q_gqa", torch.float16, 48, 80, 2, 64, 64, "causal_bottom_right", False, False, "cudnn"),
+    Case("bottom_right_dead_rows", torch.bfloat16, 50, 20, 4, 64, 64, "causal_bottom_right", False, False, "cudnn"),
+    Case("mask", torch.bfloat16, 40, 40, 4, 64, 64, "no_mask", True, False, "cudnn"),
+    Case("mask_causal", torch.float16, 40, 40, 4, 64, 64, "causal", True, False, "cudnn"),
+    Case("mask_top_left_gqa", torch.bfloat16, 37, 29, 2, 64, 64, "causal", True, False, "cudnn"),
+    Case("head_dim_128_odd_lengths", torch.bfloat16, 37, 29, 4, 128, 128, "no_mask", False, False, "cudnn"),
+    Case("d_v_smaller", torch.bfloat16, 24, 24, 4, 64, 32, "causal", False, False, "cudnn"),
+    Case("fp32", torch.float32, 33, 47, 4, 32, 32, "no_mask", False, False, "efficient"),
+    Case("bias_mqa", torch.float16, 37, 29, 1, 64, 64, "causal", False, True, "efficient"),
 ]
 
 
+def _gpu_inputs(case: Case):
+    q, k, v = _qkv(2, case.s_q, case.s_kv, 4, case.h_kv, case.d, case.d_v, case.dtype, "cuda")
+    mask = (torch.rand(2, 1, case.s_q, case.s_kv, device="cuda") < 0.2) if case.with_mask else None
+    bias = randn(1, 4, case.s_q, case.s_kv, device="cuda") if case.with_bias else None
+    config = AttentionConfig(0.1, mask_type=case.mask_type, bias_type="post_scale_bias" if case.with_bias else "no_bias")
+    return q, k, v, mask, bias, config
+
+
+def _forced_forward(kernel: str, q, k, v, config, mask, bias):
+    """fused_attn_fwd on one kernel; skips the test when that kernel cannot run the call."""
+    try:
+        plan = sdpa._plan(sdpa._Call.of(q, k, v, config, mask, bias), sdpa._Device.of(q.device), _kernels(kernel))
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    return sdpa._forward(q, k, v, config, mask, bias, plan)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_reference_on_gpu(case):
-    _, dtype, s_q, s_kv, h_kv, d_v, mask_type, with_mask, with_bias = case
-    q, k, v = _qkv(2, s_q, s_kv, 4, h_kv, 64 if dtype != torch.float32 else 32, d_v, dtype, "cuda")
-    mask = (torch.rand(2, 1, s_q, s_kv, device="cuda") < 0.2) if with_mask else None
-    bias = randn(1, 4, s_q, s_kv, device="cuda") if with_bias else None
-    config = AttentionConfig(0.1, mask_type=mask_type, bias_type="post_scale_bias" if with_bias else "no_bias")
+@pytest.mark.parametrize("kernel", ["planned", "cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_matches_reference_on_gpu(case, kernel):
+    q, k, v, mask, bias, config = _gpu_inputs(case)
     assert sdpa._supports_fwd(q, k, v, config, mask, bias)
-    out, ctx = sdpa.fused_attn_fwd(q, k, v, config, mask, bias)
+    if kernel == "planned":
+        out, ctx = sdpa.fused_attn_fwd(q, k, v, config, mask, bias)
+        assert ctx.kernel == case.picked
+    else:
+        out, ctx = _forced_forward(kernel, q, k, v, config, mask, bias)
     ref, ref_ctx = reference.fused_attn_fwd(q, k, v, config, mask, bias)
-    tols = dict(rtol=2 * dtype_tols(dtype)["rtol"], atol=2e-2 if dtype != torch.float32 else 1e-4)
+    tols = dict(rtol=2 * dtype_tols(case.dtype)["rtol"], atol=2e-2 if case.dtype != torch.float32 else 1e-4)
     torch.testing.assert_close(out.float(), ref.float(), **tols)
-    dout = randn(*out.shape, dtype=dtype, device="cuda")
+    dout = randn(*out.shape, dtype=case.dtype, device="cuda")
     grads = sdpa.fused_attn_bwd(dout, q, k, v, out, ctx, config, mask, bias)
     ref_grads = reference.fused_attn_bwd(dout, q, k, v, ref, ref_ctx, config, mask, bias)
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
@@ -129,17 +228,20 @@ def test_matches_reference_on_gpu(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_dropout_is_consistent_on_gpu(with_mask):
+def test_dropout_is_consistent_on_gpu(kernel, with_mask):
     """Same seed, same output; and the backward uses the forward's mask: sum(dV * V) == sum(dO * O)."""
     q, k, v = _qkv(2, 64, 64, 4, 2, 64, 64, torch.bfloat16, "cuda")
     mask = (torch.rand(2, 1, 64, 64, device="cuda") < 0.1) if with_mask else None
     config = AttentionConfig(0.125, dropout_p=0.3)
     torch.manual_seed(1)
-    out, ctx = sdpa.fused_attn_fwd(q, k, v, config, mask)
+    out, ctx = _forced_forward(kernel, q, k, v, config, mask, None)
     torch.manual_seed(1)
-    again, _ = sdpa.fused_attn_fwd(q, k, v, config, mask)
+    again, _ = _forced_forward(kernel, q, k, v, config, mask, None)
     torch.testing.assert_close(again, out, rtol=0, atol=0)
+    no_dropout, _ = _forced_forward(kernel, q, k, v, dataclasses.replace(config, dropout_p=0.0), mask, None)
+    assert not torch.allclose(out, no_dropout), "dropout changed nothing"
     dout = randn(*out.shape, dtype=torch.bfloat16, device="cuda")
     _, _, dv, _, _ = sdpa.fused_attn_bwd(dout, q, k, v, out, ctx, config, mask)
     lhs, rhs = (dv.float() * v.float()).sum(), (dout.float() * out.float()).sum()
