@@ -261,3 +261,15 @@ def test_many_threads_read_and_override_concurrently():
     for t in threads:
         t.join(30)
     assert errors == []
+
+
+def test_measured_per_op_puts_vendor_first_for_attention_under_the_default_preference():
+    from transformer_engine.plugin.core.policy import MEASURED_PER_OP
+
+    assert MEASURED_PER_OP["fused_attn_fwd"] == ("vendor",)
+    default = SelectionPolicy()
+    assert default.order_for("fused_attn_fwd") == (("vendor", "flagos", "reference"), False)
+    assert default.order_for("gemm") == (("flagos", "vendor", "reference"), False)
+    # a user per-op entry or another preference replaces it
+    assert SelectionPolicy(per_op_order={"fused_attn_fwd": "flagos"}).order_for("fused_attn_fwd")[0][0] == "flagos"
+    assert SelectionPolicy(prefer="reference").order_for("fused_attn_fwd")[0][0] == "reference"

@@ -7,6 +7,8 @@ implementation's exception propagates; otherwise the next candidate is tried.
 
 Order of candidates for an op: the per-op tokens (if any), then the default order of ``prefer``
 (flagos -> vendor -> reference for ``prefer="flagos"``), unless the per-op list ends with ``only``.
+Under the default preference, ops listed in :data:`MEASURED_PER_OP` (where the vendor library was
+measured faster than the flagos kernel) start with the vendor.
 Inside one token, higher priority first, then impl_id ascending.
 """
 
@@ -32,6 +34,14 @@ __all__ = [
     "with_denied_vendors",
     "DEFAULT_ORDERS",
 ]
+
+# Ops whose flagos kernel was measured slower than the vendor library on the H200 (docs/performance.md):
+# under the default preference the vendor goes first for them (then the default order). A per-op
+# entry of TE_FL_PER_OP, or TE_FL_PREFER=vendor/reference, replaces this.
+MEASURED_PER_OP: Dict[str, Tuple[str, ...]] = {
+    "fused_attn_fwd": ("vendor",),  # cuDNN 390 TFLOP/s vs flagos 297 (b4 s2048 h32 d128 causal)
+    "fused_attn_bwd": ("vendor",),
+}
 
 DEFAULT_ORDERS: Dict[str, Tuple[str, ...]] = {
     "flagos": ("flagos", "vendor", "reference"),
@@ -94,6 +104,9 @@ class SelectionPolicy:
                     return named, True
                 rest = tuple(t for t in DEFAULT_ORDERS[self.prefer] if t not in named)
                 return named + rest, False
+        if self.prefer == "flagos" and op_name in MEASURED_PER_OP:
+            named = MEASURED_PER_OP[op_name]
+            return named + tuple(t for t in DEFAULT_ORDERS[self.prefer] if t not in named), False
         return DEFAULT_ORDERS[self.prefer], False
 
     def vendor_allowed(self, vendor: Optional[str]) -> Optional[str]:
