@@ -13,8 +13,9 @@ the backward pass. The second run must compute exactly what the first did:
   reentrant checkpoint exits its first run under no_grad, which skips its update, as in TE: keep
   the autocast outside, or use ``use_reentrant=False``.)
 
-Tensor parallelism arguments (``tp_group``, ``distribute_saved_activations``) are accepted for TE's
-signature; distributing saved activations is added with tensor parallelism.
+``distribute_saved_activations=True`` (reentrant form): the region's first tensor input is kept as this
+rank's 1/P of it over ``tp_group`` (the default group if None) and all-gathered again before the
+recomputation (:mod:`.parallel.comm`), so P tensor-parallel ranks keep one copy of it between them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
+from .parallel.comm import gather_saved_activation, group_size, split_saved_activation
 from .quantization import autocast, current_config
 
 __all__ = ["CudaRNGStatesTracker", "checkpoint"]
@@ -238,11 +240,15 @@ class _CheckpointFunction(torch.autograd.Function):
     """Reentrant recomputation: forward without saving activations, backward = replay + autograd."""
 
     @staticmethod
-    def forward(ctx, run_function, rng: _RngSnapshot, fp8: _Fp8Replay, kwargs, *args):
+    def forward(ctx, run_function, rng: _RngSnapshot, fp8: _Fp8Replay, kwargs, saved_group, *args):
         ctx.run_function, ctx.rng, ctx.fp8, ctx.kwargs = run_function, rng, fp8, kwargs
         tensors = [a for a in args if torch.is_tensor(a)]
         ctx.tensor_slots = [torch.is_tensor(a) for a in args]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        ctx.saved_group = saved_group if tensors else None
+        if ctx.saved_group is not None:  # distribute_saved_activations: keep this rank's part of the first input
+            ctx.first_input = (tensors[0].shape, tensors[0].requires_grad)
+            tensors[0] = split_saved_activation(tensors[0], saved_group)
         ctx.save_for_backward(*tensors)
         with torch.no_grad(), fp8.recording():
             return run_function(*args, **kwargs)
@@ -252,7 +258,11 @@ class _CheckpointFunction(torch.autograd.Function):
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("te.checkpoint with use_reentrant=True is not compatible with torch.autograd.grad(); "
                                "use .backward() or use_reentrant=False")
-        saved = iter(ctx.saved_tensors)
+        saved = list(ctx.saved_tensors)
+        if ctx.saved_group is not None:
+            shape, requires_grad = ctx.first_input
+            saved[0] = gather_saved_activation(saved[0], shape, ctx.saved_group).requires_grad_(requires_grad)
+        saved = iter(saved)
         args = tuple(next(saved) if is_tensor else other for is_tensor, other in zip(ctx.tensor_slots, ctx.others))
         inputs = _detach_inputs(args)
         with ctx.rng.replayed(), ctx.fp8.replaying(), torch.enable_grad():
@@ -262,7 +272,7 @@ class _CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         arg_grads = tuple(a.grad if torch.is_tensor(a) else None for a in inputs)
-        return (None, None, None, None) + arg_grads
+        return (None, None, None, None, None) + arg_grads
 
 
 def _parse_legacy(args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
@@ -310,7 +320,7 @@ def checkpoint(function: Callable, *args, **kwargs):
     See the module docstring for what "exactly" covers (RNG streams, FP8 scales).
 
     Raises:
-        NotImplementedError: ``distribute_saved_activations=True`` over a tensor-parallel group.
+        ValueError: ``distribute_saved_activations=True`` over several ranks with ``use_reentrant=False``.
 
     Example:
         >>> layer = torch.nn.Linear(4, 4)
@@ -325,14 +335,17 @@ def checkpoint(function: Callable, *args, **kwargs):
     tp_group = kwargs.pop("tp_group", None)
     use_reentrant = kwargs.pop("use_reentrant", True)
     torch_options = {key: kwargs.pop(key) for key in ("context_fn", "determinism_check", "debug") if key in kwargs}
-    if distribute and tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
-        raise NotImplementedError("distribute_saved_activations over a tensor-parallel group is not supported yet")
+    group = torch.distributed.group.WORLD if tp_group is None else tp_group
+    saved_group = group if distribute and group_size(group) > 1 else None
+    if saved_group is not None and not use_reentrant:
+        raise ValueError("distribute_saved_activations=True needs use_reentrant=True (te.checkpoint's own recomputation "
+                         "splits and gathers the saved input)")
     tracker = tracker_fn() if tracker_fn is not None else None
     # torch.utils.checkpoint replays the default generators itself; the tracker's streams are ours
     rng, fp8 = _RngSnapshot(tracker, include_default=use_reentrant), _Fp8Replay()
     if use_reentrant:
         if torch_options:
             raise ValueError(f"{sorted(torch_options)} need use_reentrant=False")
-        return _CheckpointFunction.apply(function, rng, fp8, kwargs, *args)
+        return _CheckpointFunction.apply(function, rng, fp8, kwargs, saved_group, *args)
     context_fn = _nonreentrant_contexts(rng, fp8, torch_options.pop("context_fn", None))
     return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **torch_options, **kwargs)

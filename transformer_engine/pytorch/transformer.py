@@ -25,6 +25,7 @@ from ._dropout import bias_dropout_add
 from .attention import MultiheadAttention
 from .module import LayerNorm, LayerNormMLP, RMSNorm
 from .module.base import default_device, resolve_params_dtype
+from .parallel.tensor_parallel import resolve_tp_size, set_tensor_parallel_group
 
 __all__ = ["DropPath", "TransformerLayer"]
 
@@ -137,6 +138,7 @@ class TransformerLayer(torch.nn.Module):
         softmax_type: str = "vanilla",
     ) -> None:
         super().__init__()
+        tp_size = resolve_tp_size(tp_group, tp_size)  # the group's size wins (TE's rule)
         _check_layer(layer_type, parallel_attention_mlp, apply_residual_connection_post_layernorm, output_layernorm,
                      fuse_qkv_params, fuse_wgrad_accumulation)
         self.self_attn_mask_type, self.window_size = self_attn_mask_type, window_size
@@ -195,6 +197,10 @@ class TransformerLayer(torch.nn.Module):
             norm = LayerNorm if normalization == "LayerNorm" else RMSNorm
             self.layernorm = norm(hidden_size, eps=layernorm_epsilon, zero_centered_gamma=zero_centered_gamma,
                                   sequence_parallel=self.sequence_parallel, dtype=params_dtype, device=device)
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Set the tensor-parallel group of every TE module inside (TE's method)."""
+        set_tensor_parallel_group(self, tp_group)
 
     def _bda(self, out, bias, residual, drop_path=None):
         return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training, drop_path)

@@ -25,6 +25,7 @@ import torch
 
 from ..module import LayerNorm, LayerNormLinear, Linear, RMSNorm
 from ..module.base import default_device, resolve_params_dtype
+from ..parallel.tensor_parallel import resolve_tp_size, set_tensor_parallel_group, sum_grads_over_group
 from .dot_product_attention import DotProductAttention
 from .rope import apply_rotary_pos_emb
 
@@ -130,6 +131,7 @@ class MultiheadAttention(torch.nn.Module):
         softmax_type: str = "vanilla",
     ) -> None:
         super().__init__()
+        tp_size = resolve_tp_size(tp_group, tp_size)  # the group's size wins (TE's rule)
         if attention_type not in ("self", "cross"):
             raise ValueError(f"attention_type={attention_type!r} must be 'self' or 'cross'")
         groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
@@ -164,6 +166,9 @@ class MultiheadAttention(torch.nn.Module):
         norm_kwargs = dict(eps=layernorm_epsilon, zero_centered_gamma=zero_centered_gamma, normalization=normalization,
                            return_layernorm_output=return_layernorm_output)
         self.q_norm, self.k_norm = _qk_norms(qk_norm_type, qk_norm_eps, self.hidden_size_per_attention_head, self.params_dtype, device)
+        if tp_size > 1:  # each rank normalizes 1/tp_size of the heads: the norms' gradients are partial sums
+            for norm in {self.q_norm, self.k_norm} - {None}:
+                sum_grads_over_group(norm, lambda: self.tp_group)
         self._build_projections(hidden_size, init_method, bias, fuse_qkv_params, set_parallel_mode, gemm_kwargs, norm_kwargs)
         self.core_attention = DotProductAttention(
             num_attention_heads, self.hidden_size_per_attention_head, num_gqa_groups=groups,
@@ -176,6 +181,10 @@ class MultiheadAttention(torch.nn.Module):
             self.hidden_size_q, hidden_size, init_method=output_layer_init_method, bias=bias, return_bias=return_bias,
             parallel_mode="row" if set_parallel_mode else None, name=None if name is None else name + ".proj", **gemm_kwargs,
         )
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Set the tensor-parallel group of this block and of every TE module inside (TE's method)."""
+        set_tensor_parallel_group(self, tp_group)
 
     def _build_projections(self, hidden_size, init_method, bias, fuse_qkv_params, set_parallel_mode, gemm_kwargs, norm_kwargs):
         """``layernorm_qkv`` / ``qkv`` (self), or ``layernorm_query`` / ``query_layer`` and ``key_value`` (cross)."""

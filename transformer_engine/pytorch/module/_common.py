@@ -7,14 +7,15 @@ no reference cycles) and :func:`saved` rebuilds them.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
 from ..quantization.float8_tensor import Float8Tensor
 
-__all__ = ["Operand", "cast", "no_torch_autocast", "save", "saved"]
+__all__ = ["Operand", "cast", "no_torch_autocast", "save", "saved", "unflatten"]
 
 Operand = Union[torch.Tensor, Float8Tensor]
 
@@ -49,3 +50,16 @@ def saved(ctx) -> List[Optional[Operand]]:
     """The items given to :func:`save`, in order."""
     flat = iter(ctx.saved_tensors)
     return [Float8Tensor(next(flat), next(flat)) if is_fp8 else next(flat) for is_fp8 in ctx.saved_layout]
+
+
+def unflatten(y: torch.Tensor, like_shape: Sequence[int]) -> torch.Tensor:
+    """y [M, N] (rows of a flattened input of ``like_shape``) back to [d0, ..., N].
+
+    The first dim is M / prod(like_shape[1:-1]): sequence parallelism gathers or scatters the rows,
+    so it may differ from ``like_shape[0]``.
+    """
+    if len(like_shape) < 2:
+        return y.reshape(*like_shape[:-1], y.shape[-1])
+    rest = tuple(like_shape[1:-1])
+    n = math.prod(rest)
+    return y.reshape(y.shape[0] // n if n else like_shape[0], *rest, y.shape[-1])

@@ -5,6 +5,9 @@ high-precision norm output is returned too (``return_layernorm_output``), then i
 Saved: x (for the norm backward), gamma, the statistics, the FP8 norm output and the W operand.
 Backward: dy -> FP8 (E5M2 under HYBRID); dgrad and wgrad as in Linear; the norm backward takes the
 dgrad result (plus the gradient of the returned norm output).
+Tensor / sequence parallelism: ``args.comm`` is called at the marked points (``# comm``), see
+:mod:`..parallel.linear_comm`: under sequence parallelism the norm runs on this rank's rows and its
+(FP8) output is all-gathered for the GEMM.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from typing import Optional
 import torch
 
 from ..quantization.quantizer import IDENTITY
-from ._common import Operand, cast, no_torch_autocast, save, saved
+from ..parallel.linear_comm import NO_COMM, LinearComm
+from ._common import Operand, cast, no_torch_autocast, save, saved, unflatten
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 from ._norm import NormConfig, norm_backward, norm_forward
@@ -33,6 +37,7 @@ class LayerNormLinearArgs:
     wgrad: WgradTarget
     norm: NormConfig
     return_layernorm_output: bool
+    comm: LinearComm = NO_COMM
 
 
 def norm_then_quantize(x, gamma, beta, norm: NormConfig, quantizer, dtype, return_hp: bool):
@@ -49,36 +54,39 @@ class LayerNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, bias: Optional[torch.Tensor], args: LayerNormLinearArgs):
-        q, dtype = args.quantization, args.dtype
+        q, dtype, comm = args.quantization, args.dtype, args.comm
         x = cast(inp.reshape(-1, inp.shape[-1]).contiguous(), dtype)
         gamma = cast(ln_weight, dtype)
         with no_torch_autocast(inp.device):
             ln_op, ln_out, stats = norm_then_quantize(
                 x, gamma, cast(ln_bias, dtype), args.norm, q.gemms[0].input, dtype, args.return_layernorm_output
             )
-            w_op = cast(args.weight_operand, dtype)
-            y = fprop(ln_op, w_op, cast(bias, dtype), dtype, q.split_accumulator[0])
+            ln_op = comm.gather_input(ln_op)  # comm
+            w_op, b = cast(args.weight_operand, dtype), cast(bias, dtype)
+            y = comm.reduce_output(fprop(ln_op, w_op, comm.gemm_bias(b), dtype, q.split_accumulator[0]), b)  # comm
         save(ctx, x, gamma, ln_op if weight.requires_grad else None, w_op, *stats)
         ctx.args = args
         ctx.meta = (inp.shape, inp.dtype, ln_weight.dtype, None if ln_bias is None else ln_bias.dtype, None if bias is None else bias.dtype)
-        y = y.reshape(*inp.shape[:-1], y.shape[-1])
+        y = unflatten(y, inp.shape)
         return (y, ln_out.reshape(inp.shape)) if args.return_layernorm_output else y
 
     @staticmethod
     def backward(ctx, dy, *d_ln_out):
         args, (inp_shape, inp_dtype, gamma_dtype, beta_dtype, bias_dtype) = ctx.args, ctx.meta
-        q = args.quantization
+        q, comm = args.quantization, args.comm
         x, gamma, ln_op, w_op, *stats = saved(ctx)
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
-            dy_op = q.gemms[0].grad_output.quantize(dy_hp)
+            dy_op = comm.gather_grad_output(q.gemms[0].grad_output.quantize(dy_hp))  # comm
             need = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[3], ctx.needs_input_grad[4])
             d_ln, dw, db = linear_backward(dy_op, dy_hp, ln_op, w_op, need, args.wgrad, q.split_accumulator)
+            d_ln, db = comm.reduce_grad_input(d_ln), comm.reduce_bias_grad(db)  # comm
             dx = dgamma = dbeta = None
             if d_ln is not None:
                 if args.return_layernorm_output:
                     d_ln = d_ln + cast(d_ln_out[0].reshape(d_ln.shape), args.dtype)
                 dx, dgamma, dbeta = norm_backward(d_ln, x, tuple(stats), gamma, args.norm)
+                dgamma, dbeta = comm.reduce_norm_grads(dgamma, dbeta)  # comm
         if q.backward_update is not None:
             q.backward_update()
         dx = None if dx is None else dx.reshape(inp_shape).to(inp_dtype)

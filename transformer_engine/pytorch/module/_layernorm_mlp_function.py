@@ -5,6 +5,8 @@ activation backward); a = act(h) -> FP8 by the fused activation cast (slot GEMM2
 Saved: x, gamma, statistics, the FP8 norm output, h, the FP8 activation output and both W operands.
 Backward: dy -> FP8 (GRAD_OUTPUT2); fc2 dgrad/wgrad; dh = dact(da, h) -> FP8 (GRAD_OUTPUT1); fc1
 dgrad/wgrad; norm backward.
+Tensor / sequence parallelism: fc1 is column-parallel (``args.fc1_comm``), fc2 row-parallel
+(``args.fc2_comm``), called at the marked points (``# comm``), see :mod:`..parallel.linear_comm`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ._activation import ActivationConfig
-from ._common import Operand, cast, no_torch_autocast, save, saved
+from ..parallel.linear_comm import NO_COMM, LinearComm
+from ._common import Operand, cast, no_torch_autocast, save, saved, unflatten
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 from ._layernorm_linear_function import norm_then_quantize
@@ -36,6 +39,8 @@ class LayerNormMLPArgs:
     norm: NormConfig
     activation: ActivationConfig
     return_layernorm_output: bool = False
+    fc1_comm: LinearComm = NO_COMM
+    fc2_comm: LinearComm = NO_COMM
 
 
 class LayerNormMLPFunction(torch.autograd.Function):
@@ -43,7 +48,7 @@ class LayerNormMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, args: LayerNormMLPArgs):
-        q, dtype = args.quantization, args.dtype
+        q, dtype, comm1, comm2 = args.quantization, args.dtype, args.fc1_comm, args.fc2_comm
         g1, g2 = q.gemms
         x = cast(inp.reshape(-1, inp.shape[-1]).contiguous(), dtype)
         gamma = cast(ln_weight, dtype)
@@ -51,34 +56,39 @@ class LayerNormMLPFunction(torch.autograd.Function):
             ln_op, ln_out, stats = norm_then_quantize(
                 x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, args.return_layernorm_output
             )
+            ln_op = comm1.gather_input(ln_op)  # comm
             w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
             h = fprop(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0])
             a_op, _ = g2.input.produce(args.activation.producer(h))
-            y = fprop(a_op, w2, cast(fc2_bias, dtype), dtype, q.split_accumulator[0])
+            b2 = cast(fc2_bias, dtype)
+            y = comm2.reduce_output(fprop(a_op, w2, comm2.gemm_bias(b2), dtype, q.split_accumulator[0]), b2)  # comm
         save(ctx, x, gamma, ln_op, w1, h, a_op, w2, *stats)
         ctx.args = args
         ctx.dtypes = (inp.dtype, ln_weight.dtype) + tuple(None if t is None else t.dtype for t in (ln_bias, fc1_bias, fc2_bias))
         ctx.inp_shape = inp.shape
-        y = y.reshape(*inp.shape[:-1], y.shape[-1])
+        y = unflatten(y, inp.shape)
         return (y, ln_out.reshape(inp.shape)) if args.return_layernorm_output else y
 
     @staticmethod
     def backward(ctx, dy, *d_ln_out):
         args, needs = ctx.args, ctx.needs_input_grad
-        q, dtype = args.quantization, args.dtype
+        q, dtype, comm1, comm2 = args.quantization, args.dtype, args.fc1_comm, args.fc2_comm
         g1, g2 = q.gemms
         inp_dtype, gamma_dtype, beta_dtype, b1_dtype, b2_dtype = ctx.dtypes
         x, gamma, ln_op, w1, h, a_op, w2, *stats = saved(ctx)
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), dtype)
-            da, dw2, db2 = linear_backward(g2.grad_output.quantize(dy_hp), dy_hp, a_op, w2, (True, needs[5], needs[6]),
-                                           args.fc2_wgrad, q.split_accumulator)
+            dy_op = comm2.gather_grad_output(g2.grad_output.quantize(dy_hp))  # comm
+            da, dw2, db2 = linear_backward(dy_op, dy_hp, a_op, w2, (True, needs[5], needs[6]), args.fc2_wgrad, q.split_accumulator)
+            db2 = comm2.reduce_bias_grad(db2)  # comm
             dh = args.activation.backward(da, h)
             d_ln, dw1, db1 = linear_backward(g1.grad_output.quantize(dh), dh, ln_op, w1, (True, needs[3], needs[4]),
                                              args.fc1_wgrad, q.split_accumulator)
+            d_ln = comm1.reduce_grad_input(d_ln)  # comm
             if args.return_layernorm_output:
                 d_ln = d_ln + cast(d_ln_out[0].reshape(d_ln.shape), dtype)
             dx, dgamma, dbeta = norm_backward(d_ln, x, tuple(stats), gamma, args.norm)
+            dgamma, dbeta = comm1.reduce_norm_grads(dgamma, dbeta)  # comm
         if q.backward_update is not None:
             q.backward_update()
         return (dx.reshape(ctx.inp_shape).to(inp_dtype), cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype),

@@ -5,6 +5,8 @@ fprop y = gemm(x, W^T) + b in the activation dtype. Saved for backward: the x op
 autocast, so the high-precision x is not kept) and the W operand.
 Backward: dy is cast by the grad-output quantizer (E5M2 under HYBRID); dgrad dx = dy @ W, wgrad
 dW = dy^T @ x (into ``main_grad`` with fuse_wgrad_accumulation), db = sum_rows(dy).
+Tensor / sequence parallelism: ``args.comm`` is called at the marked points (``# comm``), see
+:mod:`..parallel.linear_comm`; without it each call returns its argument.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from ._common import Operand, cast, no_torch_autocast, save, saved
+from ..parallel.linear_comm import NO_COMM, LinearComm
+from ._common import Operand, cast, no_torch_autocast, save, saved, unflatten
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 
@@ -30,12 +33,14 @@ class LinearArgs:
         quantization: the quantizers of this call.
         weight_operand: W as GEMM operand (FP8 or the high-precision weight).
         wgrad: where dW goes.
+        comm: the tensor-parallel communication (none by default).
     """
 
     dtype: torch.dtype
     quantization: ForwardQuantization
     weight_operand: Operand
     wgrad: WgradTarget
+    comm: LinearComm = NO_COMM
 
 
 class LinearFunction(torch.autograd.Function):
@@ -43,25 +48,27 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: LinearArgs):
-        q = args.quantization
+        q, comm = args.quantization, args.comm
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
         with no_torch_autocast(inp.device):
-            x_op = q.gemms[0].input.quantize(cast(x, args.dtype))
+            x_op = comm.gather_input(q.gemms[0].input.quantize(cast(x, args.dtype)))  # comm
             w_op = cast(args.weight_operand, args.dtype)
-            y = fprop(x_op, w_op, cast(bias, args.dtype), args.dtype, q.split_accumulator[0])
+            b = cast(bias, args.dtype)
+            y = comm.reduce_output(fprop(x_op, w_op, comm.gemm_bias(b), args.dtype, q.split_accumulator[0]), b)  # comm
         save(ctx, x_op if weight.requires_grad else None, w_op if inp.requires_grad else None)
         ctx.args, ctx.inp_meta, ctx.bias_dtype = args, (inp.shape, inp.dtype), None if bias is None else bias.dtype
-        return y.reshape(*inp.shape[:-1], y.shape[-1])
+        return unflatten(y, inp.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         args, (inp_shape, inp_dtype) = ctx.args, ctx.inp_meta
-        q = args.quantization
+        q, comm = args.quantization, args.comm
         x_op, w_op = saved(ctx)
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
-            dy_op = q.gemms[0].grad_output.quantize(dy_hp)
+            dy_op = comm.gather_grad_output(q.gemms[0].grad_output.quantize(dy_hp))  # comm
             dx, dw, db = linear_backward(dy_op, dy_hp, x_op, w_op, ctx.needs_input_grad[:3], args.wgrad, q.split_accumulator)
+            dx, db = comm.reduce_grad_input(dx), comm.reduce_bias_grad(db)  # comm
         if q.backward_update is not None:
             q.backward_update()
         dx = None if dx is None else dx.reshape(inp_shape).to(inp_dtype)

@@ -17,11 +17,10 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..parallel.tensor_parallel import local_features, megatron_attributes
 from ._norm import NormConfig
 
-__all__ = ["LinearLayout", "add_linear_params", "add_norm_params", "default_init_method", "parallel_features"]
-
-_PARALLEL_MODES = (None, "column", "row")
+__all__ = ["LinearLayout", "add_linear_params", "add_norm_params", "default_init_method"]
 
 
 def default_init_method(weight: torch.Tensor) -> None:
@@ -64,22 +63,6 @@ def _stack(module, names):
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def parallel_features(in_features: int, out_features: int, parallel_mode: Optional[str], tp_size: int) -> Tuple[int, int]:
-    """Local (in, out) features: "column" divides out by tp_size, "row" divides in."""
-    if parallel_mode not in _PARALLEL_MODES:
-        raise ValueError(f"parallel_mode={parallel_mode!r} is not supported; use None, 'column' or 'row'")
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-    divided = {"column": out_features, "row": in_features}.get(parallel_mode, tp_size)
-    if divided % tp_size:
-        raise ValueError(f"{parallel_mode} parallelism needs the split features ({divided}) divisible by tp_size={tp_size}")
-    if parallel_mode == "column":
-        return in_features, out_features // tp_size
-    if parallel_mode == "row":
-        return in_features // tp_size, out_features
-    return in_features, out_features
-
-
 def _split_sizes(prefix: str, out_features: int, parameters_split) -> Dict[str, int]:
     """Parameter-name prefix -> rows of each weight split."""
     if parameters_split is None:
@@ -97,18 +80,19 @@ def _split_sizes(prefix: str, out_features: int, parameters_split) -> Dict[str, 
 
 def add_linear_params(module, prefix: str, in_features: int, out_features: int, *, parameters_split=None,
                       bias: bool = True, init_method: Optional[Callable] = None, dtype: torch.dtype,
-                      device: torch.device, parallel_mode: Optional[str] = None, tp_size: int = 1) -> LinearLayout:
+                      device: torch.device, parallel_mode: Optional[str] = None, tp_size: int = 1,
+                      partition_stride: int = 1) -> LinearLayout:
     """Register a linear's parameters on ``module`` (global sizes in, local sizes registered).
 
     Names are ``<prefix>weight`` / ``<prefix>bias`` ("weight" for prefix "", "fc1_weight" for "fc1_"),
-    or ``<split>_weight`` / ``<split>_bias`` with ``parameters_split``.
+    or ``<split>_weight`` / ``<split>_bias`` with ``parameters_split``. ``partition_stride`` 2 marks a
+    gated FC1 [a; b] whose column shard is [a_r; b_r] (see :mod:`..parallel.tensor_parallel`).
     """
-    local_in, local_out = parallel_features(in_features, out_features, parallel_mode, tp_size)
+    local_in, local_out = local_features(in_features, out_features, parallel_mode, tp_size, partition_stride)
     if parameters_split is not None and parallel_mode == "column":
         parameters_split = _divide_split(parameters_split, tp_size)
     sizes = _split_sizes(prefix, local_out, parameters_split)
-    tp_attrs = {} if parallel_mode is None else dict(
-        tensor_model_parallel=True, partition_dim=0 if parallel_mode == "column" else 1, partition_stride=1)
+    tp_attrs = megatron_attributes(parallel_mode, partition_stride)
     bias_attrs = tp_attrs if parallel_mode == "column" else {}
     init = init_method or default_init_method
     weights, biases = [], []

@@ -9,7 +9,9 @@
 - quantization: ``fp8_meta`` / ``quantizers`` (TE's names) kept in line with the active autocast, the
   quantizers of each forward call, and the quantized-weight cache of ``is_first_microbatch``;
 - checkpoints: ``_extra_state`` carries the delayed-scaling state without pickle (see
-  :mod:`._extra_state`).
+  :mod:`._extra_state`);
+- tensor parallelism (:mod:`..parallel`): the settings in ``self.parallel``, the communication each
+  forward hands its Function (:meth:`_comm`), sharded parameters initialized as the unsharded model's.
 
 NaN / inf inputs under FP8: the amax is taken over the finite elements only, so one bad value never
 poisons the amax history and the scale stays finite; inf saturates to +-fp8_max in the cast and NaN
@@ -20,8 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,6 +31,8 @@ from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.model_init import keep_high_precision_init_val, model_init_config
 from ..quantization.quantizer import IDENTITY, Quantizer
 from ..quantization.recipe_state import RecipeState
+from ..parallel.linear_comm import LinearComm, linear_comm
+from ..parallel.tensor_parallel import ParallelConfig, initialize
 from . import _extra_state
 from ._common import Operand
 from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
@@ -78,28 +81,6 @@ def te_outputs(result, bias, return_bias: bool, return_layernorm_output: bool):
     return items[0] if len(items) == 1 else tuple(items)
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Tensor-parallel and communication-overlap settings: stored now, used when their issue lands.
-
-    With ``tp_size`` 1 they change nothing; "column" / "row" ``parallel_mode`` already sizes the
-    parameters per rank. ``comm_overlap`` names the ``ub_*`` options that were switched on.
-    """
-
-    tp_group: Any = None
-    tp_size: int = 1
-    sequence_parallel: bool = False
-    parallel_mode: Optional[str] = None
-    symmetric_ar_type: Optional[str] = None
-    comm_overlap: Tuple[str, ...] = ()
-    ub_name: Optional[str] = None
-
-    @staticmethod
-    def switched_on(**ub_flags) -> Tuple[str, ...]:
-        """The names of the ``ub_*`` flags that are True."""
-        return tuple(name for name, on in ub_flags.items() if on)
-
-
 class TransformerEngineBaseModule(torch.nn.Module):
     """Base of the TE modules (see the module docstring).
 
@@ -145,8 +126,16 @@ class TransformerEngineBaseModule(torch.nn.Module):
         return self.parallel.parallel_mode
 
     def set_tensor_parallel_group(self, tp_group) -> None:
-        """Set the tensor-parallel process group (TE's method)."""
-        self.parallel = replace(self.parallel, tp_group=tp_group)
+        """Set the tensor-parallel process group (TE's method), for a module built before its group existed.
+
+        Raises:
+            ValueError: the group's size differs from the module's ``tp_size``.
+        """
+        self.parallel = self.parallel.with_group(tp_group)
+
+    def _comm(self, mode: Optional[str]) -> LinearComm:
+        """The communication of this module's linear split by ``mode`` (none without tensor parallelism)."""
+        return linear_comm(self.parallel, mode, type(self).__name__)
 
     # ----------------------------------------------------------------------------- parameters
     def _register(self, name: str, shape: Tuple[int, ...], init_fn: Callable, dtype: torch.dtype,
@@ -174,7 +163,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if param.device.type == "meta":
                 param = self._materialize(name, param)
             with torch.no_grad(), self._rng_context():
-                init_fn(param)
+                initialize(param, init_fn, self.parallel)  # a sharded parameter: its shard of a full-size init
             if self._keep_init_val:
                 keep_high_precision_init_val(param)
         self._weight_cache.clear()

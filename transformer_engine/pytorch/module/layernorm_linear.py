@@ -6,6 +6,8 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from ..parallel.comm import gather_from_sequence_parallel_region
+from ..parallel.linear_comm import share_scales
 from ._common import cast
 from ._gemm import WgradTarget
 from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
@@ -23,8 +25,14 @@ class LayerNormLinear(TransformerEngineBaseModule):
         eps: the norm's epsilon.
         normalization: "LayerNorm" or "RMSNorm".
         return_layernorm_output: also return the norm output (high precision).
-        return_layernorm_output_gathered: stored (sequence parallel; no effect with tp_size 1).
+        return_layernorm_output_gathered: under sequence parallelism, return the norm output of every
+            rank's rows (all-gathered) instead of this rank's.
         zero_centered_gamma: gamma applied as 1 + gamma, initialized to 0.
+
+    Tensor parallelism: "column" only (a row-parallel input holds 1/P of the features, which the
+    norm needs all of). Under sequence parallelism the norm runs on the rank's rows, its output is
+    all-gathered (in FP8 under FP8) for the GEMM, and the norm parameters' gradients are all-reduced
+    over the group (so, unlike NVIDIA TE, they are not marked ``sequence_parallel`` for Megatron to do it).
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (None for RMSNorm), ``weight``, ``bias``
     (or the ``parameters_split`` names).
@@ -86,11 +94,15 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.norm = NormConfig(normalization, eps, zero_centered_gamma)
         device = default_device(device)
         self.params_dtype = resolve_params_dtype(params_dtype, None)
-        add_norm_params(self, "layer_norm_", (in_features,), self.norm, dtype=self.params_dtype, device=device,
-                        sequence_parallel=sequence_parallel)
+        if parallel_mode == "row" and self.tp_size > 1:
+            raise ValueError(
+                f"LayerNormLinear(parallel_mode='row', tp_size={self.tp_size}): the norm needs every input feature, "
+                "a row-parallel rank has 1/tp_size of them; use parallel_mode='column', or a LayerNorm then a row-parallel Linear"
+            )
+        add_norm_params(self, "layer_norm_", (in_features,), self.norm, dtype=self.params_dtype, device=device)
         self.layout = add_linear_params(
             self, "", in_features, out_features, parameters_split=parameters_split, bias=bias, init_method=init_method,
-            dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=tp_size,
+            dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=self.tp_size,
         )
         self.reset_parameters(defer_init=device.type == "meta")
 
@@ -100,17 +112,21 @@ class LayerNormLinear(TransformerEngineBaseModule):
         weight, bias = self.layout.weight(self), self.layout.bias(self)
         act_dtype = self._activation_dtype(inp, weight.dtype)
         self._check_features(inp, self.in_features)
+        comm = self._comm(self.parallel_mode)  # tensor parallelism: what the Function communicates
         q = self._prepare_quantization(inp.device, [("input", inp.shape), ("weight", weight.shape)])
         args = LayerNormLinearArgs(
             dtype=act_dtype,
-            quantization=q,
+            quantization=share_scales(q, comm),
             weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
             wgrad=WgradTarget(weight.dtype, self.layout.weight_params(self) if self.fuse_wgrad_accumulation else ()),
             norm=self.norm,
             return_layernorm_output=self.return_layernorm_output,
+            comm=comm,
         )
         result = LayerNormLinearFunction.apply(
             inp, self.layer_norm_weight, self.layer_norm_bias, weight, None if self.return_bias else bias, args
         )
-        return te_outputs(result, cast(bias, act_dtype), self.return_bias, self.return_layernorm_output)
+        if self.return_layernorm_output and self.return_layernorm_output_gathered and comm.sequence_parallel:
+            result = (result[0], gather_from_sequence_parallel_region(result[1], comm.group))  # comm
+        return te_outputs(result, comm.deferred_bias(cast(bias, act_dtype)), self.return_bias, self.return_layernorm_output)
 

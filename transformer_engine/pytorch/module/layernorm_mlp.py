@@ -6,6 +6,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..parallel.comm import gather_from_sequence_parallel_region
+from ..parallel.linear_comm import share_scales
 from ._activation import ActivationConfig
 from ._common import cast
 from ._gemm import WgradTarget
@@ -28,7 +30,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
             sreglu, silu, swiglu, clamped_swiglu.
         activation_params: for clamped_swiglu, {limit (7.0), alpha (1.702), glu_linear_offset (1.0)}.
         init_method, output_layer_init_method: initializers of fc1 and fc2 (default normal, std 0.023).
-        set_parallel_mode: fc1 column-parallel, fc2 row-parallel (over tp_size).
+        set_parallel_mode: fc1 column-parallel, fc2 row-parallel (over tp_size); a gated fc1 [a; b] is
+            split so that each rank holds [a_r; b_r] (``partition_stride`` 2). Under sequence parallelism
+            the norm runs on the rank's rows, its (FP8) output is all-gathered for fc1, fc2's output is
+            reduce-scattered, and the gradients of the norm parameters and fc2's bias are all-reduced.
         return_layernorm_output(_gathered), fuse_wgrad_accumulation, params_dtype, device, tp_group,
             tp_size, sequence_parallel, get_rng_state_tracker, ub_*, name, symmetric_ar_type: as in Linear.
         seq_length, micro_batch_size: stored.
@@ -99,12 +104,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.norm = NormConfig(normalization, eps, zero_centered_gamma)
         device = default_device(device)
         self.params_dtype = resolve_params_dtype(params_dtype, None)
-        common = dict(bias=bias, dtype=self.params_dtype, device=device, tp_size=tp_size)
-        add_norm_params(self, "layer_norm_", (hidden_size,), self.norm, dtype=self.params_dtype, device=device,
-                        sequence_parallel=sequence_parallel)
-        fc1_rows = ffn_hidden_size * (2 if self.activation.gated else 1)
-        self.fc1 = add_linear_params(self, "fc1_", hidden_size, fc1_rows, init_method=init_method,
-                                     parallel_mode="column" if set_parallel_mode else None, **common)
+        common = dict(bias=bias, dtype=self.params_dtype, device=device, tp_size=self.tp_size)
+        add_norm_params(self, "layer_norm_", (hidden_size,), self.norm, dtype=self.params_dtype, device=device)
+        halves = 2 if self.activation.gated else 1
+        self.fc1 = add_linear_params(self, "fc1_", hidden_size, ffn_hidden_size * halves, init_method=init_method,
+                                     parallel_mode="column" if set_parallel_mode else None, partition_stride=halves, **common)
         self.fc2 = add_linear_params(self, "fc2_", ffn_hidden_size, hidden_size, init_method=output_layer_init_method,
                                      parallel_mode="row" if set_parallel_mode else None, **common)
         self.reset_parameters(defer_init=device.type == "meta")
@@ -114,11 +118,13 @@ class LayerNormMLP(TransformerEngineBaseModule):
         w1, w2 = self.fc1.weight(self), self.fc2.weight(self)
         act_dtype = self._activation_dtype(inp, w1.dtype)
         self._check_features(inp, self.hidden_size, "hidden_size")
+        split = self.set_parallel_mode  # tensor parallelism: what the Function communicates
+        fc1_comm, fc2_comm = self._comm("column" if split else None), self._comm("row" if split else None)
         q = self._prepare_quantization(inp.device, [("input", inp.shape), ("fc1_weight", w1.shape), ("fc2_weight", w2.shape)])
         fuse = self.fuse_wgrad_accumulation
         args = LayerNormMLPArgs(
             dtype=act_dtype,
-            quantization=q,
+            quantization=share_scales(q, fc1_comm, fc2_comm),
             fc1_operand=self._weight_operand("fc1_weight", w1, q.gemms[0].weight, is_first_microbatch),
             fc2_operand=self._weight_operand("fc2_weight", w2, q.gemms[1].weight, is_first_microbatch),
             fc1_wgrad=WgradTarget(w1.dtype, self.fc1.weight_params(self) if fuse else ()),
@@ -126,10 +132,14 @@ class LayerNormMLP(TransformerEngineBaseModule):
             norm=self.norm,
             activation=self.activation,
             return_layernorm_output=self.return_layernorm_output,
+            fc1_comm=fc1_comm,
+            fc2_comm=fc2_comm,
         )
         b2 = self.fc2.bias(self)
         result = LayerNormMLPFunction.apply(
             inp, self.layer_norm_weight, self.layer_norm_bias, w1, self.fc1.bias(self), w2,
             None if self.return_bias else b2, args,
         )
-        return te_outputs(result, cast(b2, act_dtype), self.return_bias, self.return_layernorm_output)
+        if self.return_layernorm_output and self.return_layernorm_output_gathered and fc1_comm.sequence_parallel:
+            result = (result[0], gather_from_sequence_parallel_region(result[1], fc1_comm.group))  # comm
+        return te_outputs(result, fc2_comm.deferred_bias(cast(b2, act_dtype)), self.return_bias, self.return_layernorm_output)

@@ -6,6 +6,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from ..parallel.linear_comm import share_scales
 from ._common import cast
 from ._gemm import WgradTarget
 from ._linear_function import LinearArgs, LinearFunction
@@ -20,15 +21,19 @@ class Linear(TransformerEngineBaseModule):
 
     Args (TE's, in TE's order):
         in_features, out_features: sizes of the input and output features.
-        sequence_parallel: sequence-parallel input (stored; communication comes later).
+        sequence_parallel: with tensor parallelism, the input (column) or output (row) is split along
+            dim 0 over the ranks; the column-parallel input is all-gathered (in FP8 under FP8), the
+            row-parallel output reduce-scattered.
         fuse_wgrad_accumulation: accumulate dW into ``weight.main_grad`` (fp32) instead of ``weight.grad``.
-        tp_group, tp_size: tensor-parallel group and size (stored; with tp_size 1 nothing changes).
+        tp_group, tp_size: tensor-parallel group and size (the group's size wins; a module built with
+            tp_size > 1 and no group runs once :meth:`set_tensor_parallel_group` gave it one).
         get_rng_state_tracker, rng_tracker_name: RNG tracker whose ``fork`` wraps initialization.
         init_method: callable(weight) initializing the weight; default normal with std 0.023.
         bias: add a learnable bias.
         return_bias: return (y, bias) with the bias not added (cast to the activation dtype).
         params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
-        parallel_mode: None, "column" (out_features split) or "row" (in_features split).
+        parallel_mode: None, "column" (out_features split; the gradient of the input is all-reduced)
+            or "row" (in_features split; the output is all-reduced, then the bias added).
         parameters_split: names (equal split) or name -> size: parameters ``<name>_weight`` / ``<name>_bias``.
         device: parameter device; None = current CUDA device if any, else CPU; "meta" defers init
             to :meth:`reset_parameters`.
@@ -93,7 +98,7 @@ class Linear(TransformerEngineBaseModule):
         self.params_dtype = resolve_params_dtype(params_dtype, dtype)
         self.layout = add_linear_params(
             self, "", in_features, out_features, parameters_split=parameters_split, bias=bias, init_method=init_method,
-            dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=tp_size,
+            dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=self.tp_size,
         )
         self.reset_parameters(defer_init=device.type == "meta")
 
@@ -103,13 +108,15 @@ class Linear(TransformerEngineBaseModule):
         weight, bias = self.layout.weight(self), self.layout.bias(self)
         act_dtype = self._activation_dtype(inp, weight.dtype)
         self._check_features(inp, self.layout.in_features)
+        comm = self._comm(self.parallel_mode)  # tensor parallelism: what the Function communicates
         q = self._prepare_quantization(inp.device, [("input", inp.shape), ("weight", weight.shape)])
         args = LinearArgs(
             dtype=act_dtype,
-            quantization=q,
+            quantization=share_scales(q, comm),
             weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
             wgrad=WgradTarget(weight.dtype, self.layout.weight_params(self) if self.fuse_wgrad_accumulation else ()),
+            comm=comm,
         )
         out = LinearFunction.apply(inp, weight, None if self.return_bias else bias, args)
-        return te_outputs(out, cast(bias, act_dtype), self.return_bias, False)
+        return te_outputs(out, comm.deferred_bias(cast(bias, act_dtype)), self.return_bias, False)
 

@@ -20,7 +20,7 @@ The recipe picks the quantizer class:
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 ProducerFn = Callable[..., Tuple]
+AmaxReduction = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Quantizer:
@@ -56,6 +57,15 @@ class Quantizer:
         """Run ``run`` in high precision, then :meth:`quantize` its output; returns (operand, extras)."""
         y, _, _, extras = run(None, None)
         return self.quantize(y), extras
+
+    def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Quantizer":
+        """A quantizer for one shard of a tensor split over ranks, casting with the scale every rank shares.
+
+        Needed where the shards are gathered in FP8 (sequence parallelism): one scale_inv must decode
+        them all. ``reduce_amax(amax)`` returns the MAX of ``amax`` over the ranks. This quantizer's scale
+        does not depend on the tensor (high precision, calibration), so it is returned as is.
+        """
+        return self
 
 
 class IdentityQuantizer(Quantizer):
@@ -106,20 +116,41 @@ class Float8Quantizer(Quantizer):
         self.record(amax)
         return Float8Tensor(q, scale_inv), extras
 
+    def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8Quantizer":
+        """Self: the scale comes from the state, the same on every rank once their amaxes are MAX-reduced.
+
+        Raises:
+            ValueError: the recipe does not reduce amaxes (``reduce_amax=False``), so the ranks' scales drift apart.
+        """
+        if not self.state.recipe.reduce_amax:
+            raise ValueError(
+                "DelayedScaling(reduce_amax=False) with sequence parallelism: the ranks gather each other's FP8 "
+                "shards, which needs one scale on every rank; use reduce_amax=True (the default)"
+            )
+        return self
+
 
 class Float8CurrentScalingQuantizer(Quantizer):
     """Current scaling: scale = fp8_max / max|x| of the tensor being cast (see :func:`amax_to_scale`)."""
 
     is_fp8 = True
 
-    def __init__(self, fp8_dtype: torch.dtype, qparams: QParams):
+    def __init__(self, fp8_dtype: torch.dtype, qparams: QParams, reduce_amax: Optional[AmaxReduction] = None):
         self.fp8_dtype = fp8_dtype
         self.qparams = qparams
+        self.reduce_amax = reduce_amax
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
-        scale = amax_to_scale(ops.compute_amax(x), fp8_max(self.fp8_dtype), self.qparams)
+        amax = ops.compute_amax(x)
+        if self.reduce_amax is not None:
+            amax = self.reduce_amax(amax)
+        scale = amax_to_scale(amax, fp8_max(self.fp8_dtype), self.qparams)
         q, scale_inv, _ = ops.quantize(x, scale, self.fp8_dtype)
         return Float8Tensor(q, scale_inv)
+
+    def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8CurrentScalingQuantizer":
+        """The same cast with scale = fp8_max / max over the ranks of each shard's amax."""
+        return Float8CurrentScalingQuantizer(self.fp8_dtype, self.qparams, reduce_amax)
 
 
 class AmaxObserver(Quantizer):

@@ -1,0 +1,157 @@
+"""Tensor parallelism: te.TransformerLayer (PERF.md's layer) at TP=P with sequence parallelism vs one GPU, same global batch.
+
+    python benchmarks/bench_tp.py --json tp.json                      # 2 ranks on 2 GPUs, NCCL
+    python benchmarks/bench_tp.py --tp 4 --json tp4.json
+    python benchmarks/bench_tp.py --small --dist-backend gloo         # CPU smoke run (numbers mean nothing)
+
+Each variant (bf16, FP8 delayed scaling, FP8 current scaling) runs forward + backward with a random dy,
+first on GPU 0 alone with the whole batch [s, b, h], then on P GPUs, each holding [s/P, b, h] and 1/P of
+the weights (``set_parallel_mode=True, sequence_parallel=True``). Times are medians over iterations; a
+TP step counts as long as its slowest rank.
+
+    scaling efficiency = t_1 / (P * t_P)        (100%: P GPUs are P times as fast as one)
+
+Communication model, per layer and step: 4 all-gathers (QKV and FC1 inputs forward; proj and FC2
+grad outputs backward; FP8 payload under FP8) and 4 reduce-scatters (proj and FC2 outputs forward; QKV
+and FC1 input gradients backward; bf16) of an [s, b, h] tensor, each moving (P - 1) / P of it per GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from _harness import backend_policy, base_parser, peak_memory, print_table, time_fn, write_json
+from bench_transformer_layer import SMALL, LayerShape
+
+
+def _variants():
+    from transformer_engine.common import recipe
+
+    return {
+        "bf16": None,
+        "FP8 delayed": lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
+        "FP8 current": recipe.Float8CurrentScaling,
+    }
+
+
+def comm_bytes_per_gpu(s: LayerShape, tp: int, fp8: bool) -> float:
+    """Bytes one GPU sends per step under the model of the module docstring."""
+    elements = s.seq * s.batch * s.hidden * (tp - 1) / tp
+    return 4 * elements * (1 if fp8 else 2) + 4 * elements * 2
+
+
+def _layer(s: LayerShape, device: torch.device, tp: int) -> torch.nn.Module:
+    import transformer_engine.pytorch as te
+
+    parallel = dict(set_parallel_mode=True, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp) if tp > 1 else {}
+    return te.TransformerLayer(s.hidden, s.ffn, s.heads, params_dtype=torch.bfloat16, device=device,
+                               self_attn_mask_type="causal", **parallel)
+
+
+def _measure(layer: torch.nn.Module, rows: int, s: LayerShape, recipe_factory: Optional[Callable], iters: int,
+             amax_group) -> Dict:
+    """Median fwd+bwd ms and peak memory of ``layer`` on [rows, b, h]; FP8 amaxes reduced over ``amax_group``."""
+    import transformer_engine.pytorch as te
+
+    device = next(layer.parameters()).device
+    x = torch.randn(rows, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        fp8 = te.autocast(recipe=recipe_factory(), amax_reduction_group=amax_group) if recipe_factory else None
+        with fp8 or contextlib.nullcontext():
+            y = layer(x)
+        y.backward(dy)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return {"ms": time_fn(step, warmup=5, iters=iters, device=device), "peak_bytes": peak_memory(step, device)}
+
+
+def _slowest(ms: float, device: torch.device) -> float:
+    t = torch.tensor([ms], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _run_variant(s: LayerShape, tp: int, device: torch.device, recipe_factory, iters: int, alone) -> Dict:
+    """One variant: the single-GPU layer on rank 0 (the others wait), then the TP layer on every rank.
+
+    ``alone`` is a group of this rank only: the single-GPU run reduces its amaxes over it, not over the
+    world (which the waiting ranks would never join).
+    """
+    result: Dict = {}
+    if dist.get_rank() == 0:
+        result["single"] = _measure(_layer(s, device, 1), s.seq, s, recipe_factory, iters, alone)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    measured = _measure(_layer(s, device, tp), s.seq // tp, s, recipe_factory, iters, dist.group.WORLD)
+    result["tp"] = dict(measured, ms=_slowest(measured["ms"], device))
+    return result
+
+
+def _rank_main(rank: int, tp: int, args, init_file: str) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+    if args.dist_backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(args.dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=tp)
+    device = torch.device("cuda", rank) if args.dist_backend == "nccl" else torch.device("cpu")
+    s = SMALL if args.small else LayerShape()
+    alone, _ = dist.new_subgroups(group_size=1)
+    results = {}
+    with backend_policy(args.backend):
+        for name, factory in _variants().items():
+            try:
+                results[name] = _run_variant(s, tp, device, factory, args.iters, alone)
+            except Exception as exc:  # a recipe this machine cannot run is reported, not fatal
+                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    if rank == 0:
+        _report(s, tp, results, args)
+    dist.destroy_process_group()
+
+
+def _report(s: LayerShape, tp: int, results: Dict, args) -> None:
+    rows = []
+    for name, r in results.items():
+        if "error" in r:
+            rows.append([name, "n/a", "n/a", "", "", "", r["error"][:80]])
+            continue
+        t1, tp_ms = r["single"]["ms"], r["tp"]["ms"]
+        r["scaling_efficiency"] = t1 / (tp * tp_ms)
+        r["tflops_per_gpu"] = {"single": s.flops() / t1 / 1e9, "tp": s.flops() / tp / tp_ms / 1e9}
+        r["comm_bytes_per_gpu"] = comm_bytes_per_gpu(s, tp, fp8=name != "bf16")
+        mem = r["tp"]["peak_bytes"]
+        rows.append([name, f"{t1:.2f}", f"{tp_ms:.2f}", f"{100 * r['scaling_efficiency']:.1f}%",
+                     f"{r['tflops_per_gpu']['tp']:.0f}", f"{r['comm_bytes_per_gpu'] / 2**20:.1f}",
+                     "n/a" if mem is None else f"{mem / 2**30:.2f}"])
+    print_table(f"TransformerLayer fwd+bwd {s}: 1 GPU vs TP={tp} + sequence parallelism ({args.dist_backend})",
+                ["variant", "1 GPU ms", f"TP={tp} ms", "efficiency", "TFLOP/s per GPU", "comm MiB per GPU",
+                 "peak GiB per GPU"], rows)
+    write_json(args.json, {"shape": s.__dict__, "tp": tp, "dist_backend": args.dist_backend, "results": results})
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks)")
+    parser.add_argument("--dist-backend", choices=["nccl", "gloo"], default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke run)")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if args.dist_backend == "nccl" and torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
+    fd, init_file = tempfile.mkstemp(prefix="bench_tp_")
+    os.close(fd)
+    os.unlink(init_file)
+    mp.spawn(_rank_main, args=(args.tp, args, init_file), nprocs=args.tp)
+
+
+if __name__ == "__main__":
+    main()

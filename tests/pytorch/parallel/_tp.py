@@ -1,0 +1,71 @@
+"""Rank-side helpers of the tensor-parallel tests: split full tensors into this rank's part, gather them back,
+and compare a sharded module with its single-process twin.
+
+The tensor-parallel group is the whole world. Layouts of an activation [s, b, h]:
+
+- "full": every rank holds all of it;
+- "seq": rank r holds rows [r s/P, (r+1) s/P) (sequence parallelism);
+- "feat": rank r holds features [r h/P, (r+1) h/P) (between a column- and a row-parallel layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional
+
+import torch
+
+import transformer_engine.pytorch as te
+from tests.utils import rel_err
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch.parallel import full_tensor
+from transformer_engine.pytorch.parallel.comm import all_gather, group_rank, group_size
+
+__all__ = ["RECIPES", "gather", "assert_close", "compare_grads", "fp8_context", "split"]
+
+RECIPES = {
+    None: None,
+    "delayed": lambda: DelayedScaling(amax_history_len=4),
+    "current": Float8CurrentScaling,
+}
+
+
+def fp8_context(recipe_name: Optional[str]):
+    """te.autocast with the named recipe (amaxes MAX-reduced over the world), or nothing."""
+    if recipe_name is None:
+        return contextlib.nullcontext()
+    return te.autocast(enabled=True, recipe=RECIPES[recipe_name]())
+
+
+def split(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """This rank's part of a full tensor in ``layout``."""
+    if layout == "full":
+        return t.detach().clone()
+    dim = 0 if layout == "seq" else -1
+    return t.detach().chunk(group_size(None), dim=dim)[group_rank(None)].contiguous()
+
+
+def gather(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The full tensor from every rank's part in ``layout``."""
+    if layout == "full":
+        return t.detach()
+    if layout == "seq":
+        return all_gather(t.detach().contiguous(), None)
+    return all_gather(t.detach().movedim(-1, 0).contiguous(), None).movedim(0, -1)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Dict, what: str) -> None:
+    """``actual`` vs ``expected``: elementwise (rtol, atol) or, with "rel_err", the norm-wise relative error."""
+    if "rel_err" in tol:
+        err = rel_err(expected, actual)
+        assert err <= tol["rel_err"], f"{what}: relative error {err:.3g} > {tol['rel_err']} (rank {group_rank(None)})"
+        return
+    torch.testing.assert_close(actual, expected, msg=lambda m: f"{what} (rank {group_rank(None)}): {m}", **tol)
+
+
+def compare_grads(tp_module: torch.nn.Module, ref_module: torch.nn.Module, tol: Dict) -> None:
+    """Every parameter gradient of ``tp_module`` (gathered when sharded) against ``ref_module``'s."""
+    ref = dict(ref_module.named_parameters())
+    for name, param in tp_module.named_parameters():
+        assert param.grad is not None, f"{name} got no gradient"
+        assert_close(full_tensor(param.grad, param, None), ref[name].grad, tol, f"grad of {name}")

@@ -1,0 +1,156 @@
+"""The communication of one tensor-parallel linear, called at the marked points of the modules' autograd Functions.
+
+A module's Function calls every method below at a fixed place; with no tensor parallelism
+(:data:`NO_COMM`) each returns its argument, so the Functions read the same in every mode:
+
+    forward                                         backward
+    x_op = comm.gather_input(quantize(x))           dy_op = comm.gather_grad_output(quantize(dy))
+    y    = fprop(x_op, W, comm.gemm_bias(b))        dx, dW, db = dgrad, wgrad, bgrad
+    y    = comm.reduce_output(y, b)                 dx = comm.reduce_grad_input(dx)
+                                                    db = comm.reduce_bias_grad(db)
+                                                    dgamma, dbeta = comm.reduce_norm_grads(...)
+
+What each point does, over the tensor-parallel group of P ranks (rows = dim 0 = the sequence):
+
+| point | column-parallel | column + sequence parallel | row-parallel | row + sequence parallel |
+|---|---|---|---|---|
+| gather_input | - | all-gather rows (FP8 payload under FP8) | - | - |
+| gemm_bias | b | b | None (added after the reduction) | None |
+| reduce_output | - | - | all-reduce, + b | reduce-scatter rows, + b |
+| gather_grad_output | - | - | - | all-gather rows (FP8 payload) |
+| reduce_grad_input | all-reduce | reduce-scatter rows | - | - |
+| reduce_bias_grad | - | - | - | all-reduce (each rank summed its rows) |
+| reduce_norm_grads | - | all-reduce (the norm ran on the rank's rows) | - | - |
+| deferred_bias (``return_bias``) | - | - | - | gradient all-reduced |
+
+Tensors gathered in FP8 are cast with a scale every rank shares (:meth:`adapt`): delayed scaling's
+scales agree once the amaxes are MAX-reduced; current scaling MAX-reduces each shard's amax first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch
+
+from .comm import all_gather, all_reduce_, all_reduce_max, copy_to_tensor_parallel_region, reduce_scatter
+from .tensor_parallel import ParallelConfig
+
+__all__ = ["LinearComm", "NO_COMM", "linear_comm", "share_scales"]
+
+
+@dataclass(frozen=True)
+class LinearComm:
+    """The collectives of one linear (see the module docstring); mode None = no communication.
+
+    Attributes:
+        group: the tensor-parallel process group.
+        mode: "column", "row" or None.
+        sequence_parallel: rows of the input (column) or output (row) are sharded over the group.
+    """
+
+    group: Any = None
+    mode: Optional[str] = None
+    sequence_parallel: bool = False
+
+    @property
+    def _column(self) -> bool:
+        return self.mode == "column"
+
+    @property
+    def _row(self) -> bool:
+        return self.mode == "row"
+
+    # --------------------------------------------------------------------------------- forward
+    def adapt(self, gemm):
+        """The GEMM's quantizers (a ``GemmQuantizers``), with a shared scale for the tensor this linear gathers in FP8."""
+        if not self.sequence_parallel:
+            return gemm
+        reduce_amax = partial(all_reduce_max, group=self.group)
+        if self._column:
+            return dataclasses.replace(gemm, input=gemm.input.for_sharded_tensor(reduce_amax))
+        return dataclasses.replace(gemm, grad_output=gemm.grad_output.for_sharded_tensor(reduce_amax))
+
+    def gather_input(self, x_op):
+        """Column + SP: the rows of every rank (the GEMM input); else ``x_op``."""
+        return all_gather(x_op, self.group) if self._column and self.sequence_parallel else x_op
+
+    def gemm_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The bias the GEMM adds: none for row-parallel (it is added once, after the reduction)."""
+        return None if self._row else bias
+
+    def reduce_output(self, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """Row-parallel: sum the partial outputs (all-reduce, or reduce-scatter rows under SP), then + bias."""
+        if not self._row:
+            return y
+        y = reduce_scatter(y, self.group) if self.sequence_parallel else all_reduce_(y.contiguous(), self.group)
+        return y if bias is None else y + bias
+
+    def deferred_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The bias returned by ``return_bias``; row + SP: its gradient is all-reduced (the caller adds it to the rank's rows)."""
+        if bias is None or not (self._row and self.sequence_parallel):
+            return bias
+        return copy_to_tensor_parallel_region(bias, self.group)
+
+    # -------------------------------------------------------------------------------- backward
+    def gather_grad_output(self, dy_op):
+        """Row + SP: the rows of every rank of dy; else ``dy_op``."""
+        return all_gather(dy_op, self.group) if self._row and self.sequence_parallel else dy_op
+
+    def reduce_grad_input(self, dx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Column-parallel: sum the partial dx (all-reduce, or reduce-scatter rows under SP)."""
+        if dx is None or not self._column:
+            return dx
+        return reduce_scatter(dx, self.group) if self.sequence_parallel else all_reduce_(dx.contiguous(), self.group)
+
+    def reduce_bias_grad(self, db: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Row + SP: the replicated bias's gradient summed over the ranks' rows."""
+        if db is None or not (self._row and self.sequence_parallel):
+            return db
+        return all_reduce_(db.contiguous(), self.group)
+
+    def reduce_norm_grads(self, *grads: Optional[torch.Tensor]):
+        """SP: the gradients of replicated norm parameters, summed over the ranks' rows (one all-reduce)."""
+        if not self.sequence_parallel:
+            return grads
+        present = [g for g in grads if g is not None]
+        if not present:
+            return grads
+        flat = all_reduce_(torch.cat([g.reshape(-1).float() for g in present]), self.group)
+        parts = iter(flat.split([g.numel() for g in present]))
+        return tuple(None if g is None else next(parts).reshape(g.shape).to(g.dtype) for g in grads)
+
+
+NO_COMM = LinearComm()
+
+
+def linear_comm(config: ParallelConfig, mode: Optional[str], owner: str) -> LinearComm:
+    """The communication of a linear split by ``mode`` under ``config`` (:data:`NO_COMM` without TP).
+
+    Raises:
+        RuntimeError: tp_size > 1 but no group yet.
+
+    Example:
+        >>> linear_comm(ParallelConfig(), "column", "Linear") is NO_COMM
+        True
+    """
+    if mode is None or config.tp_size == 1:
+        return NO_COMM
+    if config.tp_group is None:
+        sp = " with sequence_parallel=True" if config.sequence_parallel else ""
+        raise RuntimeError(
+            f"{owner} was built with tp_size={config.tp_size}{sp} but has no tensor-parallel group; "
+            "pass tp_group=... or call set_tensor_parallel_group(group) before the forward"
+        )
+    return LinearComm(config.tp_group, mode, config.sequence_parallel)
+
+
+def share_scales(quantization, *comms: LinearComm):
+    """``quantization`` (a ``ForwardQuantization``) with GEMM i's quantizers adapted by ``comms[i]``."""
+    if all(comm is NO_COMM for comm in comms):
+        return quantization
+    gemms = tuple(comm.adapt(gemm) for comm, gemm in zip(comms, quantization.gemms))
+    return dataclasses.replace(quantization, gemms=gemms)
