@@ -54,11 +54,25 @@ def gather(t: torch.Tensor, layout: str) -> torch.Tensor:
     return all_gather(t.detach().movedim(-1, 0).contiguous(), None).movedim(0, -1)
 
 
+# FP8 GEMMs on GPU tensor cores keep about 14 accumulator mantissa bits before cuBLAS promotes to
+# float32 (DeepSeek-V3 report, 3.3.2), and a sharded GEMM sums its K dimension in another order than
+# the unsharded one: relative differences of a few 2^-14 appear (measured <= 7e-5 on H200, NCCL).
+# The CPU emulation accumulates exactly in float32 (measured <= 2e-7), so it keeps the tight bound.
+FP8_GPU_REL_ERR = 2.0**-9
+
+
+def delayed_fp8_tolerance() -> Dict:
+    """Norm-wise tolerance of delayed-scaling FP8 results between sharded and unsharded runs."""
+    return {"rel_err": 1e-5, "rel_err_cuda": FP8_GPU_REL_ERR}
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Dict, what: str) -> None:
-    """``actual`` vs ``expected``: elementwise (rtol, atol) or, with "rel_err", the norm-wise relative error."""
+    """``actual`` vs ``expected``: elementwise (rtol, atol) or, with "rel_err", the norm-wise relative error
+    (``rel_err_cuda`` replaces it for tensors on a GPU)."""
     if "rel_err" in tol:
         err = rel_err(expected, actual)
-        assert err <= tol["rel_err"], f"{what}: relative error {err:.3g} > {tol['rel_err']} (rank {group_rank(None)})"
+        limit = tol.get("rel_err_cuda", tol["rel_err"]) if actual.is_cuda else tol["rel_err"]
+        assert err <= limit, f"{what}: relative error {err:.3g} > {limit} (rank {group_rank(None)})"
         return
     torch.testing.assert_close(actual, expected, msg=lambda m: f"{what} (rank {group_rank(None)}): {m}", **tol)
 

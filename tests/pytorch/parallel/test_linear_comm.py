@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from tests.pytorch.parallel._ranks import device
-from tests.pytorch.parallel._tp import assert_close, compare_grads, fp8_context, gather, split
+from tests.pytorch.parallel._tp import assert_close, compare_grads, delayed_fp8_tolerance, fp8_context, gather, split
 from transformer_engine.pytorch.parallel import shard_state_dict
 from transformer_engine.pytorch.parallel.comm import group_size
 
@@ -32,7 +32,7 @@ H, N, F, S, B = 64, 64, 64, 16, 2  # every split size divides by 4, and each ran
 
 TOLS = {
     None: dict(rtol=1e-5, atol=1e-5),
-    "delayed": {"rel_err": 1e-5},  # measured: <= 2e-7
+    "delayed": delayed_fp8_tolerance(),  # measured: CPU <= 2e-7, H200 + NCCL <= 7e-5
     "current": {"rel_err": 0.2},  # measured: <= 0.095 (layer-norm weight gradient through two E5M2 casts)
 }
 

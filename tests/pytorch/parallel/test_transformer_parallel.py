@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from tests.pytorch.parallel._ranks import device
-from tests.pytorch.parallel._tp import assert_close, compare_grads, fp8_context, gather, split
+from tests.pytorch.parallel._tp import assert_close, compare_grads, delayed_fp8_tolerance, fp8_context, gather, split
 from transformer_engine.pytorch.parallel import shard_state_dict
 from transformer_engine.pytorch.parallel.comm import group_size
 
 H, FFN, HEADS, S, B = 64, 64, 4, 16, 2
-TOLS = {None: dict(rtol=1e-5, atol=1e-5), "delayed": {"rel_err": 1e-5}}
+TOLS = {None: dict(rtol=1e-5, atol=1e-5), "delayed": delayed_fp8_tolerance()}
 
 
 def _layer(parallel: bool, sp: bool, **kwargs) -> torch.nn.Module:
