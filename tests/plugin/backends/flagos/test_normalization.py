@@ -11,8 +11,9 @@ from transformer_engine.plugin.backends.reference import normalization as ref
 
 EPS = 1e-5
 # (1, 1): one element; (3, 7), (2, 5, 31): odd rows, several rows per program;
-# (37, 300): 8 rows per program, several persistent backward programs that loop
-SHAPES = [(1, 1), (3, 7), (2, 5, 31), (37, 300)]
+# (37, 300): 8 rows per program, several persistent backward programs that loop;
+# (6, 64): a power-of-two hidden size, no padded columns (the kernels' EVEN_H path)
+SHAPES = [(1, 1), (3, 7), (2, 5, 31), (37, 300), (6, 64)]
 DTYPE_GAMMA = [(torch.float32, False), (torch.bfloat16, True), (torch.float16, False)]
 
 
@@ -77,10 +78,11 @@ def test_strided_rows(device):
         assert_close(actual, expected, reduction=True)
 
 
+@pytest.mark.parametrize("hidden", [67, 64])
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
-def test_fp8_output(kind, fp8_dtype, device):
-    x, weight, bias = _inputs((9, 67), torch.float32, device)
+def test_fp8_output(kind, fp8_dtype, hidden, device):
+    x, weight, bias = _inputs((9, hidden), torch.float32, device)
     scale = torch.tensor([3.0], device=device)
     norm_args = (x, weight, bias, EPS) if kind == "layernorm" else (x, weight, EPS)
     fused = getattr(fn, f"{kind}_fwd")(*norm_args, False, scale, fp8_dtype)

@@ -129,6 +129,19 @@ def test_compute_amax(shape, dtype, device):
     assert amax.shape == () and torch.equal(amax.cpu(), ref.compute_amax(x).cpu())
 
 
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_amax_skips_blocks_without_a_finite_element(fp8_dtype, device):
+    # kernels reduce 4096-element blocks: block 0 all inf / NaN, block 1 finite, the short last one NaN
+    x = randn(3 * 4096 + 5, device=device)
+    x[:4096] = torch.tensor([math.inf, -math.inf, math.nan, -math.nan], device=device).repeat(1024)
+    x[2 * 4096 :] = math.nan
+    scale = _scale(device)
+    _assert_same_quantize(fq.quantize(x, scale, fp8_dtype), ref.quantize(x, scale, fp8_dtype))
+    assert torch.equal(fq.compute_amax(x).cpu(), ref.compute_amax(x).cpu())
+    amax = fq.cast_transpose(x[: 64 * 192].reshape(192, 64), scale, fp8_dtype)[3]  # 64x64 tiles
+    assert torch.equal(amax.cpu(), ref.compute_amax(x[: 64 * 192]).cpu())
+
+
 def test_errors_and_supports(device):
     x = randn(4, 4, device=device)
     with pytest.raises(ValueError, match="fp8_dtype"):

@@ -4,16 +4,17 @@ FP8 cast (catalog contract): q = cast_fp8(clip(y, -fp8_max, fp8_max)) with round
 NaN stays NaN, +-inf saturates. Kernels store q as its uint8 code (the output is viewed as uint8),
 computed one of two ways, chosen per launch by the ``HW_CAST`` constexpr:
 
-- hardware: ``cvt.rn.satfinite`` through ``y.to(tl.float8e4nv / tl.float8e5)`` after the clip
-  (NVIDIA compute capability >= 8.9, where Triton lowers fp32 -> fp8 to that instruction);
+- hardware: ``cvt.rn.satfinite`` through ``y.to(tl.float8e4nv / tl.float8e5)`` (NVIDIA compute
+  capability >= 8.9, where Triton lowers fp32 -> fp8 to that instruction, F2FP.SATFINITE in SASS).
+  satfinite is the clip: +-inf and |y| > fp8_max give +-fp8_max, NaN gives NaN;
 - emulated, in integer arithmetic on the float32 bit pattern: used by the interpreter (whose float
   casts truncate) and by older GPUs. For |y| = 2^e (1 + f) in the FP8 normal range the code is
   the RNE rounding of the bit pattern to MBITS mantissa bits, re-biased; below it the code is
   round_half_even(|y| / 2^(1 - EBIAS - MBITS)), which also yields the smallest normal on carry.
 
-amax = max |y| over finite y: each program reduces its block, then one ``tl.atomic_max`` on the
-int32 bit pattern (for non-negative floats the int order is the float order) into a zeroed int32
-buffer that the launcher returns viewed as float32.
+amax = max |y| over finite y: each program reduces its block, then one relaxed ``tl.atomic_max`` on
+the int32 bit pattern (for non-negative floats the int order is the float order) into a zeroed
+int32 buffer that the launcher returns viewed as float32.
 """
 
 from __future__ import annotations
@@ -181,15 +182,16 @@ def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device) -> Fp8Outpu
 def _fp8_encode(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EBIAS: tl.constexpr, HW_CAST: tl.constexpr):
     """uint8 code of cast_fp8(clip(y, -FP8_MAX, FP8_MAX)), round-to-nearest-even, NaN kept."""
     y = y.to(tl.float32)
-    is_nan = y != y
-    clipped = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     if HW_CAST:
-        clipped = tl.where(is_nan, y, clipped)
+        # cvt.rn.satfinite already is the contract: +-inf and |y| > FP8_MAX give +-FP8_MAX, NaN stays
+        # NaN; an explicit clip would only add three instructions per element
         if MBITS == 3:
-            code = clipped.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
-            code = clipped.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
+        is_nan = y != y
+        clipped = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
         bits = y.to(tl.int32, bitcast=True)
         sign = (bits >> 24) & 0x80
         a = clipped.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |clip(y)|, finite
@@ -236,16 +238,30 @@ def _fp8_decode(code, MBITS: tl.constexpr, EBIAS: tl.constexpr, HW_CAST: tl.cons
 
 
 @triton.jit
-def _finite_abs(y, mask):
-    """|y| as float32 where y is finite and mask is set, else 0 (the amax operand)."""
-    y_abs = tl.abs(y.to(tl.float32))
-    return tl.where(mask & (y_abs < float("inf")), y_abs, 0.0)
+def _finite_abs(y):
+    """|y| in float32 where y is finite, NaN where it is not (the amax operand).
+
+    y + 0 * y is y for finite y and NaN for +-inf and NaN (0 * inf = NaN): one FFMA, the |.| being
+    free in the FMNMX that consumes it. tl.maximum / tl.max (IEEE maxNum) skip NaN operands, so the
+    non-finite elements drop out of the amax. No mask: the lanes a kernel masks off hold 0 (its
+    masked loads give 0 and its math keeps 0 there, or makes NaN, which drops out as well).
+    """
+    y = y.to(tl.float32)
+    return tl.abs(y + y * 0.0)
 
 
 @triton.jit
 def _amax_commit(amax_ptr, acc):
-    """amax <- max(amax, max(acc)) by one atomic on the int32 view (acc >= 0, finite)."""
-    tl.atomic_max(amax_ptr, tl.max(acc).to(tl.int32, bitcast=True))
+    """amax <- max(amax, max(acc)) by one relaxed atomic on the int32 view.
+
+    acc: a 1-D tensor of _finite_abs values (reduce 2-D tiles along axis 1 first: the full
+    reduction of a 2-D tile reshapes it through shared memory). Its max is NaN only when no element
+    is finite; that block then contributes 0. Relaxed order: the launcher reads amax after the
+    kernel, so no fence is needed and the atomic is a fire-and-forget RED.
+    """
+    block_max = tl.max(acc, axis=0)
+    block_max = tl.where(block_max == block_max, block_max, 0.0)
+    tl.atomic_max(amax_ptr, block_max.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit

@@ -13,6 +13,9 @@ VJP, with x_hat = x_c * rstd and g = dy * gamma_eff:
     dgamma = sum_rows(dy * x_hat),  dbeta = sum_rows(dy)
 dgamma / dbeta take two launches without atomics: P persistent programs each sum their rows into
 one row of a [P, H] float32 buffer, then ``_norm_bwd_dwdb_kernel`` sums the P rows per column.
+The persistent row loop is software-pipelined (``tl.range(num_stages=...)``: the next row blocks
+stream into shared memory by cp.async while one is reduced), so the bytes in flight do not depend
+on how few programs the registers let reside on an SM.
 """
 
 from __future__ import annotations
@@ -48,8 +51,12 @@ from ._common import (
 
 __all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
 
-_BWD_PROGRAMS_PER_SM = 4  # persistent backward programs per SM (more programs, more partial rows)
-_DWDB_BLOCK_P, _DWDB_BLOCK_H = 32, 128  # tile of the partial-sum reduction
+# persistent backward programs per SM: the dx kernel holds a row block's x, dy, gamma and two
+# accumulators (~115 registers x 256 threads at H = 4096 on sm_90, scripts/compile_check.py), so two
+# are resident per SM; more programs would only run as a second wave and add partial rows
+_BWD_PROGRAMS_PER_SM = 2
+_BWD_PREFETCH_BYTES = 64 * 1024  # shared memory a dx program may fill with prefetched row blocks
+_DWDB_BLOCK_P, _DWDB_BLOCK_H = 64, 32  # tile of the partial-sum reduction: H / 32 programs
 
 
 @triton.jit
@@ -69,6 +76,7 @@ def _norm_fwd_kernel(
     eps,  # added to the variance
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
+    EVEN_H: tl.constexpr,  # H == BLOCK_H: no padded columns
     IS_RMSNORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
@@ -88,21 +96,25 @@ def _norm_fwd_kernel(
         x_c = x
     else:
         mean = tl.sum(x, axis=1) / H
-        x_c = tl.where(mask, x - mean[:, None], 0.0)
+        x_c = x - mean[:, None]
+        if not EVEN_H:
+            x_c = tl.where(mask, x_c, 0.0)  # padded columns stay out of the variance
         tl.store(mean_ptr + rows, mean, mask=row_mask)
     rstd = tl.math.rsqrt(tl.sum(x_c * x_c, axis=1) / H + eps)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-    gamma = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    # gamma / beta loaded as [1, BLOCK_H] tiles, so that they take the layout of x and y (a 1-D load
+    # broadcast with [None, :] gets a layout of its own, converted through shared memory per program)
+    gamma = tl.load(w_ptr + cols[None, :], mask=(cols < H)[None, :], other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         gamma = gamma + 1.0
-    y = x_c * rstd[:, None] * gamma[None, :]
+    y = x_c * rstd[:, None] * gamma
     if HAS_BIAS:
-        y = y + tl.load(b_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        y = y + tl.load(b_ptr + cols[None, :], mask=(cols < H)[None, :], other=0.0).to(tl.float32)
     y_offs = rows64[:, None] * H + cols[None, :]
     if FP8_OUT:
         scale = tl.load(scale_ptr).to(tl.float32)
         tl.store(y_ptr + y_offs, _fp8_encode(y * scale, FP8_MAX, MBITS, EBIAS, HW_CAST), mask=mask)
-        _amax_commit(amax_ptr, _finite_abs(y, mask))
+        _amax_commit(amax_ptr, tl.max(_finite_abs(y), axis=1))  # masked lanes: 0 * rstd * 0 + 0
         _scale_inv_store(scale_inv_ptr, scale)
     else:
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -124,18 +136,22 @@ def _norm_bwd_dx_kernel(
     stride_x,  # elements between rows of x
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
+    EVEN_H: tl.constexpr,  # H == BLOCK_H: no padded columns
     IS_RMSNORM: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipelining depth of the row loop
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
-    gamma = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    gamma = tl.load(w_ptr + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)  # [1, BLOCK_H], as x
     if ZERO_CENTERED:
         gamma = gamma + 1.0
     dw_acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
     db_acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-    for row0 in range(pid * ROWS, M, tl.num_programs(0) * ROWS):
+    # software pipeline: the loads of the next STAGES - 1 row blocks are in flight (cp.async into
+    # shared memory) while this one is reduced; the registers alone allow only two programs per SM
+    for row0 in tl.range(pid * ROWS, M, tl.num_programs(0) * ROWS, num_stages=STAGES):
         rows = row0 + tl.arange(0, ROWS)
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
@@ -145,8 +161,10 @@ def _norm_bwd_dx_kernel(
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         if not IS_RMSNORM:
             x = x - tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        x_hat = tl.where(mask, x * rstd[:, None], 0.0)
-        g = dy * gamma[None, :]
+        x_hat = x * rstd[:, None]  # 0 in rows past M (rstd = 0 there)
+        if not EVEN_H:
+            x_hat = tl.where(mask, x_hat, 0.0)  # padded columns stay out of c2 and dgamma
+        g = dy * gamma
         c2 = tl.sum(g * x_hat, axis=1) / H
         if IS_RMSNORM:
             dx = rstd[:, None] * (g - x_hat * c2[:, None])
@@ -224,7 +242,7 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsn
             _norm_fwd_kernel[(triton.cdiv(m, rows),)](
                 x_rows, y_arg, weight, bias if bias is not None else weight, mean, rstd, *fp8_args,
                 m, hidden, x_rows.stride(0), float(eps),
-                BLOCK_H=block_h, ROWS=rows, IS_RMSNORM=is_rmsnorm, HAS_BIAS=bias is not None,
+                BLOCK_H=block_h, ROWS=rows, EVEN_H=block_h == hidden, IS_RMSNORM=is_rmsnorm, HAS_BIAS=bias is not None,
                 ZERO_CENTERED=bool(zero_centered_gamma), FP8_OUT=fp8 is not None,
                 num_warps=warps_for(block_h * rows), **consts,
             )  # fmt: skip
@@ -233,6 +251,11 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsn
     if not m:
         out.scale_inv.copy_(torch.reciprocal(fp8[0].reshape(()).float()))
     return y, mean, rstd, out.scale_inv, out.amax
+
+
+def _bwd_stages(block_bytes: int) -> int:
+    """Pipelining depth of the dx row loop: up to 2 row blocks (x and dy) prefetched, within _BWD_PREFETCH_BYTES."""
+    return max(1, min(3, 1 + _BWD_PREFETCH_BYTES // block_bytes))
 
 
 def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm):
@@ -247,12 +270,13 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm):
     dgamma = torch.empty(hidden, dtype=weight.dtype, device=x.device)
     dbeta = None if is_rmsnorm else torch.empty_like(dgamma)
     rstd_flat = rstd.reshape(-1)
+    stages = _bwd_stages(block_h * rows * (x.element_size() + dy.element_size()))
     with device_guard(x):
         _norm_bwd_dx_kernel[(programs,)](
             dy_rows, x_rows, weight, rstd_flat if is_rmsnorm else mean.reshape(-1), rstd_flat, dx, dw_part, db_part,
             m, hidden, dy_rows.stride(0), x_rows.stride(0),
-            BLOCK_H=block_h, ROWS=rows, IS_RMSNORM=is_rmsnorm, ZERO_CENTERED=bool(zero_centered_gamma),
-            num_warps=warps_for(block_h * rows),
+            BLOCK_H=block_h, ROWS=rows, EVEN_H=block_h == hidden, IS_RMSNORM=is_rmsnorm,
+            ZERO_CENTERED=bool(zero_centered_gamma), STAGES=stages, num_warps=warps_for(block_h * rows),
         )  # fmt: skip
         _norm_bwd_dwdb_kernel[(triton.cdiv(hidden, _DWDB_BLOCK_H),)](
             dw_part, db_part, dgamma, dgamma if is_rmsnorm else dbeta, programs, hidden,
