@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Everything we check on the H200 in one call: GPU tests, then each benchmark (JSON + logs to $OUT),
 # then a short summary. Usage on the GPU machine: OUT=/some/dir bash scripts/gpu_check.sh [stage ...]
-# Stages: info tests kernels attention linear layer dispatch jax (default: all, in that order).
+# Stages: info tests kernels attention linear layer dispatch jax demo (default: all, in that order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
-STAGES=${*:-info tests kernels attention linear layer dispatch jax}
+STAGES=${*:-info tests kernels attention linear layer dispatch jax demo}
 summary=()
 
 run() {  # run NAME TIMEOUT CMD...: log everything, remember the exit code and the time
@@ -29,8 +29,9 @@ for stage in $STAGES; do
         attention) run attention 240 python3 benchmarks/bench_attention.py --json "$OUT/attention.json" ;;
         linear) run linear 240 python3 benchmarks/bench_linear.py --json "$OUT/linear.json" ;;
         layer) run layer 420 python3 benchmarks/bench_transformer_layer.py --json "$OUT/layer.json" ;;
-        dispatch) run dispatch 120 python3 benchmarks/bench_dispatch.py --json "$OUT/dispatch.json" ;;
+        dispatch) run dispatch 120 python3 benchmarks/bench_dispatch.py ;;
         jax) run jax 300 python3 benchmarks/bench_jax_transformer.py --json "$OUT/jax.json" ;;
+        demo) run demo 300 python3 -m transformer_engine demo --out "$OUT/demo" ;;
         *) echo "unknown stage $stage" ;;
     esac
 done
