@@ -56,9 +56,15 @@ def gather(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 # FP8 GEMMs on GPU tensor cores keep about 14 accumulator mantissa bits before cuBLAS promotes to
 # float32 (DeepSeek-V3 report, 3.3.2), and a sharded GEMM sums its K dimension in another order than
-# the unsharded one: relative differences of a few 2^-14 appear (measured <= 7e-5 on H200, NCCL).
-# The CPU emulation accumulates exactly in float32 (measured <= 2e-7), so it keeps the tight bound.
-FP8_GPU_REL_ERR = 2.0**-9
+# the unsharded one. Through a TransformerLayer these last-bit differences reach E5M2 gradient casts
+# (2 mantissa bits), where a value near a rounding boundary flips by a whole step: measured on H200 +
+# NCCL <= 7e-5 for one module, 2.2e-3 (2 ranks) and 9.2e-3 (4 ranks) for a TransformerLayer's layer-norm
+# weight gradient. The CPU emulation accumulates exactly in float32 (measured <= 2e-7): it keeps 1e-5.
+FP8_GPU_REL_ERR = 2.0**-5
+# A gradient that is analytically zero (the key bias: adding one constant to every score of a softmax
+# row changes nothing) is pure rounding noise, so on GPUs its error is measured against this fraction
+# of the module's median gradient norm instead of against its own norm.
+ZERO_GRAD_FLOOR = 1e-2
 
 
 def delayed_fp8_tolerance() -> Dict:
@@ -66,11 +72,13 @@ def delayed_fp8_tolerance() -> Dict:
     return {"rel_err": 1e-5, "rel_err_cuda": FP8_GPU_REL_ERR}
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Dict, what: str) -> None:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Dict, what: str, gpu_norm_floor: float = 0.0) -> None:
     """``actual`` vs ``expected``: elementwise (rtol, atol) or, with "rel_err", the norm-wise relative error
-    (``rel_err_cuda`` replaces it for tensors on a GPU)."""
+    (``rel_err_cuda`` replaces it for tensors on a GPU, where the norm is taken as at least ``gpu_norm_floor``)."""
     if "rel_err" in tol:
         err = rel_err(expected, actual)
+        if actual.is_cuda and gpu_norm_floor > 0:
+            err = (actual.double() - expected.double()).norm().item() / max(expected.double().norm().item(), gpu_norm_floor)
         limit = tol.get("rel_err_cuda", tol["rel_err"]) if actual.is_cuda else tol["rel_err"]
         assert err <= limit, f"{what}: relative error {err:.3g} > {limit} (rank {group_rank(None)})"
         return
@@ -80,6 +88,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Dict, what: 
 def compare_grads(tp_module: torch.nn.Module, ref_module: torch.nn.Module, tol: Dict) -> None:
     """Every parameter gradient of ``tp_module`` (gathered when sharded) against ``ref_module``'s."""
     ref = dict(ref_module.named_parameters())
+    floor = ZERO_GRAD_FLOOR * torch.stack([p.grad.double().norm() for p in ref.values()]).median().item()
     for name, param in tp_module.named_parameters():
         assert param.grad is not None, f"{name} got no gradient"
-        assert_close(full_tensor(param.grad, param, None), ref[name].grad, tol, f"grad of {name}")
+        assert_close(full_tensor(param.grad, param, None), ref[name].grad, tol, f"grad of {name}", floor)
