@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, module_getattr
 import triton
 import triton.language as tl
 
@@ -46,11 +48,7 @@ from ._common import (
     rows_view,
 )
 
-__all__ = [
-    "gelu", "dgelu", "qgelu", "dqgelu", "relu", "drelu", "srelu", "dsrelu", "silu", "dsilu",
-    "glu", "dglu", "geglu", "dgeglu", "qgeglu", "dqgeglu", "reglu", "dreglu", "sreglu", "dsreglu",
-    "swiglu", "dswiglu", "clamped_swiglu", "clamped_dswiglu", "activation_quantize",
-]  # fmt: skip
+__all__ = [*ACTIVATION_OP_NAMES, "activation_quantize"]
 
 _TILE_ELEMENTS = 4096  # elements per tile (BLOCK_M * BLOCK_N)
 
@@ -280,130 +278,8 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702):
     return dx
 
 
-def gelu(x):
-    """y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    return _forward("gelu", x)
-
-
-def dgelu(dy, x):
-    """dx = dy * gelu_tanh'(x)."""
-    return _backward("gelu", dy, x)
-
-
-def qgelu(x):
-    """y = x * sigmoid(1.702 x)."""
-    return _forward("qgelu", x)
-
-
-def dqgelu(dy, x):
-    """dx = dy * (s + 1.702 x s (1 - s)), s = sigmoid(1.702 x)."""
-    return _backward("qgelu", dy, x)
-
-
-def relu(x):
-    """y = max(x, 0)."""
-    return _forward("relu", x)
-
-
-def drelu(dy, x):
-    """dx = dy * [x > 0]."""
-    return _backward("relu", dy, x)
-
-
-def srelu(x):
-    """y = max(x, 0)^2."""
-    return _forward("srelu", x)
-
-
-def dsrelu(dy, x):
-    """dx = dy * 2 max(x, 0)."""
-    return _backward("srelu", dy, x)
-
-
-def silu(x):
-    """y = x * sigmoid(x)."""
-    return _forward("silu", x)
-
-
-def dsilu(dy, x):
-    """dx = dy * (s + x s (1 - s)), s = sigmoid(x)."""
-    return _backward("silu", dy, x)
-
-
-def glu(x):
-    """y = sigmoid(a) * b, x = [a, b]."""
-    return _forward("glu", x)
-
-
-def dglu(dy, x):
-    """dx = [dy * b * s (1 - s), dy * s], s = sigmoid(a)."""
-    return _backward("glu", dy, x)
-
-
-def geglu(x):
-    """y = gelu_tanh(a) * b, x = [a, b]."""
-    return _forward("geglu", x)
-
-
-def dgeglu(dy, x):
-    """dx = [dy * b * gelu_tanh'(a), dy * gelu_tanh(a)]."""
-    return _backward("geglu", dy, x)
-
-
-def qgeglu(x):
-    """y = qgelu(a) * b, x = [a, b]."""
-    return _forward("qgeglu", x)
-
-
-def dqgeglu(dy, x):
-    """dx = [dy * b * qgelu'(a), dy * qgelu(a)]."""
-    return _backward("qgeglu", dy, x)
-
-
-def reglu(x):
-    """y = relu(a) * b, x = [a, b]."""
-    return _forward("reglu", x)
-
-
-def dreglu(dy, x):
-    """dx = [dy * b * [a > 0], dy * relu(a)]."""
-    return _backward("reglu", dy, x)
-
-
-def sreglu(x):
-    """y = relu(a)^2 * b, x = [a, b]."""
-    return _forward("sreglu", x)
-
-
-def dsreglu(dy, x):
-    """dx = [dy * b * 2 relu(a), dy * relu(a)^2]."""
-    return _backward("sreglu", dy, x)
-
-
-def swiglu(x):
-    """y = silu(a) * b, x = [a, b]."""
-    return _forward("swiglu", x)
-
-
-def dswiglu(dy, x):
-    """dx = [dy * b * silu'(a), dy * silu(a)]."""
-    return _backward("swiglu", dy, x)
-
-
-def clamped_swiglu(x, limit=7.0, alpha=1.702):
-    """y = a' sigmoid(alpha a') (b' + 1), a' = min(a, limit), b' = clip(b, -limit, limit).
-
-    Raises:
-        ValueError: limit <= 0, a non-finite alpha, or an odd last dim.
-    """
-    _check_clamp(limit, alpha)
-    return _forward("clamped_swiglu", x, limit, alpha)
-
-
-def clamped_dswiglu(dy, x, limit=7.0, alpha=1.702):
-    """dx = [dy (b' + 1)(s + alpha a' s (1 - s)) [a <= limit], dy a' s [|b| <= limit]], s = sigmoid(alpha a')."""
-    _check_clamp(limit, alpha)
-    return _backward("clamped_swiglu", dy, x, limit, alpha)
+# the 24 activation ops (gelu, dgelu, ..., clamped_dswiglu), served as module attributes
+__getattr__ = module_getattr(activation_ops(_forward, _backward, _check_clamp), __name__)
 
 
 def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702):
