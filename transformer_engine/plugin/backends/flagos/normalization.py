@@ -24,13 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends.reference._fp8 import (
-    check_fp8_output,
-    check_high_precision,
-    check_last_dim,
-    check_out_dtype,
-    check_tensor,
-)
+from transformer_engine.plugin.backends._checks import check_norm_bwd, check_norm_fwd
 from transformer_engine.plugin.core import Reject
 
 from ._common import (
@@ -207,22 +201,6 @@ def _norm_bwd_dwdb_kernel(
         tl.store(db_ptr + cols, tl.sum(db, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
 
 
-def _check_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype) -> None:
-    check_high_precision(x)
-    if x.dim() < 1 or x.shape[-1] < 1:
-        raise ValueError(f"x must have a non-empty last dim to normalize over, got shape {tuple(x.shape)}")
-    check_tensor(weight, "weight")
-    check_last_dim(x, weight, "weight")
-    if bias is not None:
-        check_tensor(bias, "bias")
-        check_last_dim(x, bias, "bias")
-    if not eps >= 0.0:
-        raise ValueError(f"eps={eps!r} must be a float >= 0 (e.g. 1e-5)")
-    check_fp8_output(fp8_scale, fp8_dtype)
-    if out_dtype is not None:
-        check_out_dtype(out_dtype)
-
-
 def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm):
     """Shared forward launcher; ``fp8`` is (scale, dtype) or None. Returns (y, mean, rstd, scale_inv, amax)."""
     x_rows = rows_view(x)
@@ -285,20 +263,6 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm):
     return dx, dgamma, dbeta
 
 
-def _check_bwd(dy, x, stats, weight) -> None:
-    check_high_precision(x)
-    check_high_precision(dy, "dy")
-    if dy.shape != x.shape:
-        raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}; they must match")
-    check_tensor(weight, "weight")
-    check_last_dim(x, weight, "weight")
-    rows = x.numel() // max(x.shape[-1], 1)
-    for name, t in stats:
-        check_tensor(t, name)
-        if t.numel() != rows:
-            raise ValueError(f"{name} has {t.numel()} elements but x {tuple(x.shape)} has {rows} rows; pass the forward's {name}")
-
-
 def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
     """y = (x - mean) * rstd * gamma_eff + beta over the last dim, statistics in float32.
 
@@ -316,7 +280,7 @@ def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=Non
     Raises:
         TypeError / ValueError: as the reference (bad dtypes, shapes, eps or FP8 arguments).
     """
-    _check_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype)
+    check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype)
     fp8 = None if fp8_scale is None else (fp8_scale, fp8_dtype)
     return _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm=False)
 
@@ -330,7 +294,7 @@ def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
     Raises:
         TypeError / ValueError: shapes or dtypes that do not fit the forward's.
     """
-    _check_bwd(dy, x, (("mean", mean), ("rstd", rstd)), weight)
+    check_norm_bwd(dy, x, (("mean", mean), ("rstd", rstd)), weight)
     return _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm=False)
 
 
@@ -343,7 +307,7 @@ def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_d
     Raises:
         TypeError / ValueError: as :func:`layernorm_fwd`.
     """
-    _check_fwd(x, weight, None, eps, fp8_scale, fp8_dtype, out_dtype)
+    check_norm_fwd(x, weight, None, eps, fp8_scale, fp8_dtype, out_dtype)
     fp8 = None if fp8_scale is None else (fp8_scale, fp8_dtype)
     y, _, rstd, scale_inv, amax = _norm_fwd(x, weight, None, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm=True)
     return y, rstd, scale_inv, amax
@@ -358,7 +322,7 @@ def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
     Raises:
         TypeError / ValueError: shapes or dtypes that do not fit the forward's.
     """
-    _check_bwd(dy, x, (("rstd", rstd),), weight)
+    check_norm_bwd(dy, x, (("rstd", rstd),), weight)
     dx, dgamma, _ = _norm_bwd(dy, x, None, rstd, weight, zero_centered_gamma, is_rmsnorm=True)
     return dx, dgamma
 

@@ -20,36 +20,11 @@ from typing import Tuple
 
 import torch
 
-from ._fp8 import check_fp8_output, check_high_precision, check_last_dim, check_out_dtype, check_tensor, quantize_fp32
+from transformer_engine.plugin.backends._checks import check_norm_bwd, check_norm_fwd
+
+from ._fp8 import quantize_fp32
 
 __all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
-
-
-def _check_fwd(x, weight, eps, fp8_scale, fp8_dtype, out_dtype) -> None:
-    check_high_precision(x)
-    if x.dim() < 1 or x.shape[-1] < 1:
-        raise ValueError(f"x must have a non-empty last dim to normalize over, got shape {tuple(x.shape)}")
-    check_tensor(weight, "weight")
-    check_last_dim(x, weight, "weight")
-    if not eps >= 0.0:
-        raise ValueError(f"eps={eps!r} must be a float >= 0 (e.g. 1e-5)")
-    check_fp8_output(fp8_scale, fp8_dtype)
-    if out_dtype is not None:
-        check_out_dtype(out_dtype)
-
-
-def _check_bwd(dy, x, stats, weight) -> None:
-    check_high_precision(x)
-    check_high_precision(dy, "dy")
-    if dy.shape != x.shape:
-        raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}; they must match")
-    check_tensor(weight, "weight")
-    check_last_dim(x, weight, "weight")
-    rows = x.numel() // max(x.shape[-1], 1)
-    for name, t in stats:
-        check_tensor(t, name)
-        if t.numel() != rows:
-            raise ValueError(f"{name} has {t.numel()} elements but x {tuple(x.shape)} has {rows} rows; pass the forward's {name}")
 
 
 def _gamma_eff(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
@@ -87,10 +62,7 @@ def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=Non
         TypeError: x is not a high-precision float tensor. ValueError: weight/bias not [H], eps < 0,
         fp8_dtype without fp8_scale or not an FP8 dtype.
     """
-    _check_fwd(x, weight, eps, fp8_scale, fp8_dtype, out_dtype)
-    if bias is not None:
-        check_tensor(bias, "bias")
-        check_last_dim(x, bias, "bias")
+    check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype)
     x_rows = _rows(x, x.shape[-1])
     mean = x_rows.mean(dim=-1)
     x_mu = x_rows - mean[:, None]
@@ -111,7 +83,7 @@ def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
     Raises:
         TypeError / ValueError: shapes or dtypes that do not fit the forward's.
     """
-    _check_bwd(dy, x, (("mean", mean), ("rstd", rstd)), weight)
+    check_norm_bwd(dy, x, (("mean", mean), ("rstd", rstd)), weight)
     hidden = x.shape[-1]
     dy_rows, rstd_col = _rows(dy, hidden), rstd.float().reshape(-1, 1)
     x_hat = (_rows(x, hidden) - mean.float().reshape(-1, 1)) * rstd_col
@@ -132,7 +104,7 @@ def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_d
     Raises:
         TypeError / ValueError: as :func:`layernorm_fwd`.
     """
-    _check_fwd(x, weight, eps, fp8_scale, fp8_dtype, out_dtype)
+    check_norm_fwd(x, weight, None, eps, fp8_scale, fp8_dtype, out_dtype)
     x_rows = _rows(x, x.shape[-1])
     rstd = torch.rsqrt((x_rows * x_rows).mean(dim=-1) + eps)
     y = x_rows * rstd[:, None] * _gamma_eff(weight, zero_centered_gamma)
@@ -149,7 +121,7 @@ def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
     Raises:
         TypeError / ValueError: shapes or dtypes that do not fit the forward's.
     """
-    _check_bwd(dy, x, (("rstd", rstd),), weight)
+    check_norm_bwd(dy, x, (("rstd", rstd),), weight)
     hidden = x.shape[-1]
     dy_rows, rstd_col = _rows(dy, hidden), rstd.float().reshape(-1, 1)
     x_hat = _rows(x, hidden) * rstd_col

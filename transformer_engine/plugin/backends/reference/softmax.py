@@ -17,7 +17,9 @@ from typing import Optional
 
 import torch
 
-from ._fp8 import check_high_precision, check_tensor
+from transformer_engine.plugin.backends._checks import check_softmax_mask
+
+from ._fp8 import check_high_precision
 
 __all__ = [
     "scaled_softmax_forward",
@@ -85,12 +87,7 @@ def scaled_masked_softmax_forward(x, mask, scale):
         ValueError: x not 4-D, or a mask that is not boolean [b or 1, 1, sq, sk].
     """
     _check_x(x, 4, "[b, h, sq, sk]")
-    check_tensor(mask, "mask")
-    b, _, sq, sk = x.shape
-    if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (sq, sk):
-        raise ValueError(f"mask has shape {tuple(mask.shape)}; for x {tuple(x.shape)} it must be [{b} or 1, 1, {sq}, {sk}]")
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask has dtype {mask.dtype}; pass a torch.bool tensor (True = masked out)")
+    check_softmax_mask(x, mask)
     return _softmax(x, scale, mask, _MASK_VALUE)
 
 
