@@ -10,7 +10,8 @@ Timing: ``triton.testing.do_bench`` median (it flushes L2 before every iteration
 each case rotates over enough input sets to exceed twice the L2 size. Providers: ``flagos`` and
 ``reference`` call the backends' functions directly (no dispatch), ``torch`` is the closest plain
 PyTorch formulation (eager, no TE-FL code). Before timing, flagos' first output is compared with the
-reference's (relative L2 error, FP8 outputs dequantized), so a fast wrong kernel shows.
+reference's (relative L2 error, FP8 outputs dequantized), so a fast wrong kernel shows; random ops
+(dropout) are compared with their formula evaluated with flagos' own keep mask instead.
 
     python benchmarks/bench_kernels.py --json kernels.json                  # H200, everything
     python benchmarks/bench_kernels.py --only norm,swiglu --providers flagos,torch
@@ -22,7 +23,7 @@ import argparse
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,8 @@ class Case:
         nbytes: ideal bytes moved by one call (inputs read once, outputs written once).
         make: builds one fresh input set (a tuple of arguments) on the GPU.
         fns: provider -> function taking the arguments of ``make``.
+        expected: for random ops, (arguments, flagos' result) -> the expected first output, the
+            formula with flagos' own draw (the reference would draw another mask); None: the reference.
     """
 
     name: str
@@ -55,6 +58,7 @@ class Case:
     nbytes: int
     make: Callable[[], tuple]
     fns: Dict[str, Callable]
+    expected: Optional[Callable] = None
 
 
 def _nbytes(*tensors_or_counts) -> int:
@@ -86,6 +90,10 @@ def _torch_quantize(x, scale):
 def _torch_cast_transpose(x, scale):
     q, scale_inv, amax = _torch_quantize(x, scale)
     return q, q.view(torch.uint8).t().contiguous(), scale_inv, amax
+
+
+def _torch_cast_transpose_dbias(x, scale):
+    return _torch_cast_transpose(x, scale) + (x.sum(dim=0, dtype=torch.float32),)
 
 
 def norm_cases(m: int = 16384, h: int = 4096) -> List[Case]:
@@ -177,6 +185,10 @@ def quantization_cases(m: int = 16384, n: int = 4096) -> List[Case]:
         Case("cast_transpose", shape + " bf16", _nbytes((mn, BF16), (2 * mn, E4M3)), make_x, {
             "flagos": lambda x: fq.cast_transpose(x, scale, E4M3), "reference": lambda x: ref.cast_transpose(x, scale, E4M3),
             "torch": lambda x: _torch_cast_transpose(x, scale)}),
+        Case("cast_transpose_dbias", shape + " bf16", _nbytes((mn, BF16), (2 * mn, E4M3), (n, torch.float32)), make_x, {
+            "flagos": lambda x: fq.cast_transpose_dbias(x, scale, E4M3),
+            "reference": lambda x: ref.cast_transpose_dbias(x, scale, E4M3),
+            "torch": lambda x: _torch_cast_transpose_dbias(x, scale)}),
         Case("fp8_transpose", shape + " e4m3", _nbytes((2 * mn, E4M3)), make_q, {
             "flagos": fq.fp8_transpose, "reference": ref.fp8_transpose,
             "torch": lambda q: q.view(torch.uint8).t().contiguous()}),
@@ -271,7 +283,39 @@ def optimizer_cases() -> List[Case]:
     ]  # fmt: skip
 
 
-_FAMILIES = (norm_cases, activation_cases, quantization_cases, softmax_cases, misc_cases, optimizer_cases)
+def dropout_cases(m: int = 8192, h: int = 4096, p: float = 0.1) -> List[Case]:
+    """Dropout fwd / bwd and the fused bias-dropout-add at the Transformer layer's [8192, 4096] bf16."""
+    fm, ref = _backends("misc")
+    scale = 1.0 / (1.0 - p)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=BF16)  # noqa: E731
+    make_x = lambda: (randn(m, h),)  # noqa: E731
+    make_bwd = lambda: (randn(m, h), torch.rand(m, h, device="cuda") >= p)  # noqa: E731
+    make_bda = lambda: (randn(m, h), randn(h), randn(m, h))  # noqa: E731
+
+    def dropout_formula(args, result):  # y = x * m * scale with flagos' m
+        return (args[0].float() * result[1] * scale).to(BF16)
+
+    def bda_formula(args, result):  # out = r + (x + b) * m * scale with flagos' m
+        x, bias, residual = (a.float() for a in args)
+        return (residual + (x + bias) * result[1] * scale).to(BF16)
+
+    mh, shape = m * h, f"[{m}, {h}] bf16, p={p}"
+    return [
+        Case("dropout_fwd", shape, _nbytes((2 * mh, BF16), (mh, torch.bool)), make_x, {
+            "flagos": lambda x: fm.dropout_fwd(x, p), "reference": lambda x: ref.dropout_fwd(x, p),
+            "torch": lambda x: torch.ops.aten.native_dropout(x, p, True)}, expected=dropout_formula),
+        Case("dropout_bwd", shape, _nbytes((2 * mh, BF16), (mh, torch.bool)), make_bwd, {
+            "flagos": lambda dy, keep: fm.dropout_bwd(dy, keep, p),
+            "reference": lambda dy, keep: ref.dropout_bwd(dy, keep, p),
+            "torch": lambda dy, keep: torch.ops.aten.native_dropout_backward(dy, keep, scale)}),
+        Case("bias_dropout_add_fwd", shape, _nbytes((3 * mh, BF16), (mh, torch.bool), (h, BF16)), make_bda, {
+            "flagos": lambda x, b, r: fm.bias_dropout_add_fwd(x, b, r, p),
+            "reference": lambda x, b, r: ref.bias_dropout_add_fwd(x, b, r, p),
+            "torch": lambda x, b, r: r + F.dropout(x + b, p)}, expected=bda_formula),
+    ]  # fmt: skip
+
+
+_FAMILIES = (norm_cases, activation_cases, quantization_cases, softmax_cases, misc_cases, dropout_cases, optimizer_cases)
 
 
 def copy_bandwidth(nbytes: int = 2**30) -> float:
@@ -303,11 +347,11 @@ def _first_float(result) -> torch.Tensor:
 
 
 def check_error(case: Case) -> float:
-    """Relative L2 error of flagos' first output against the reference's, on one fresh input set."""
+    """Relative L2 error of flagos' first output against the reference's (or ``case.expected``'s), on one fresh input set."""
     args = case.make()
     cloned = tuple([t.clone() for t in a] if isinstance(a, list) else a for a in args)
     actual = case.fns["flagos"](*args)
-    expected = case.fns["reference"](*cloned)
+    expected = case.fns["reference"](*cloned) if case.expected is None else case.expected(args, actual)
     if actual is None:  # in-place ops: compare the updated second list (params) / outputs
         actual, expected = args[1], cloned[1]
     a, e = _first_float(actual).double(), _first_float(expected).double()

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Everything we check on the H200 in one call: GPU tests, then each benchmark (JSON + logs to $OUT),
 # then a short summary. Usage on the GPU machine: OUT=/some/dir bash scripts/gpu_check.sh [stage ...]
-# Stages: info tests kernels attention linear layer dispatch jax demo (default: all, in that order).
+# Stages: info tests kernels sweep attention linear layer profile host dispatch jax demo (default: all, in that order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
-STAGES=${*:-info tests kernels attention linear layer dispatch jax demo}
+STAGES=${*:-info tests kernels sweep attention linear layer profile host dispatch jax demo}
 summary=()
 
 run() {  # run NAME TIMEOUT CMD...: log everything, remember the exit code and the time
@@ -26,9 +26,12 @@ for stage in $STAGES; do
         info) run info 120 python3 -m transformer_engine info ;;
         tests) run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
         kernels) run kernels 300 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
+        sweep) run sweep 300 python3 benchmarks/sweep_fp8_casts.py --json "$OUT/sweep.json" ;;
         attention) run attention 240 python3 benchmarks/bench_attention.py --json "$OUT/attention.json" ;;
         linear) run linear 240 python3 benchmarks/bench_linear.py --json "$OUT/linear.json" ;;
         layer) run layer 420 python3 benchmarks/bench_transformer_layer.py --json "$OUT/layer.json" ;;
+        profile) run profile 300 python3 benchmarks/profile_layer.py --json "$OUT/profile.json" ;;
+        host) run host 300 python3 benchmarks/bench_host_overhead.py --json "$OUT/host.json" ;;
         dispatch) run dispatch 120 python3 benchmarks/bench_dispatch.py ;;
         jax) run jax 300 python3 benchmarks/bench_jax_transformer.py --json "$OUT/jax.json" ;;
         demo) run demo 300 python3 -m transformer_engine demo --out "$OUT/demo" ;;

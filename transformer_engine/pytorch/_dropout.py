@@ -3,8 +3,10 @@
     dropout(x)               y = x * m / (1 - p),  m ~ Bernoulli(1 - p)     (dx = dy * m / (1 - p))
     bias_dropout_add(x, b, r) = r + drop_path(dropout(x + b))
 
-The keep mask m is drawn from the default generator of x's device, so ``torch.manual_seed`` and the
-RNG replay of ``te.checkpoint`` reproduce it.
+In training with p > 0 and no drop_path, bias-dropout-add is one op, ``bias_dropout_add_fwd``
+(b [H] or None, r like x, one dtype), and its VJP is dx = dropout_bwd(dout, m, p),
+db = sum over rows of dx, dr = dout. The keep mask m is drawn from the default generator of x's
+device, so ``torch.manual_seed`` and the RNG replay of ``te.checkpoint`` reproduce it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ class _DropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float):
         y, keep = ops.dropout_fwd(x, p)
-        ctx.mark_non_differentiable(keep)
         ctx.save_for_backward(keep)
         ctx.p = p
         return y
@@ -35,23 +36,72 @@ class _DropoutFunction(torch.autograd.Function):
         return ops.dropout_bwd(dy.contiguous(), keep, ctx.p), None
 
 
+def _check_p(p: float) -> None:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability p={p} must be in [0, 1]")
+
+
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Inverted dropout with probability ``p`` when ``training`` (identity otherwise or for p = 0).
 
     Raises:
         ValueError: p outside [0, 1].
     """
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout probability p={p} must be in [0, 1]")
+    _check_p(p)
     if not training or p == 0.0:
         return x
     return _DropoutFunction.apply(x, p)
 
 
+class _BiasDropoutAddFunction(torch.autograd.Function):
+    """out, m = bias_dropout_add_fwd(x, b, r, p); dx = dropout_bwd(dout, m, p), db = sum_rows dx, dr = dout."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float):
+        out, keep = ops.bias_dropout_add_fwd(x, bias, residual, p)
+        ctx.save_for_backward(keep)
+        ctx.p = p
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        (keep,) = ctx.saved_tensors
+        dout = dout.contiguous()
+        need_dx, need_dbias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = ops.dropout_bwd(dout, keep, ctx.p) if need_dx or need_dbias else None
+        dbias = None
+        if need_dbias:
+            dbias = dx.reshape(-1, dx.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx if need_dx else None, dbias, dout, None
+
+
+def _fusable(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor) -> bool:
+    """True when bias_dropout_add_fwd takes these operands: b [H] or None, r like x, one dtype."""
+    same = residual.shape == x.shape and residual.dtype == x.dtype
+    return same and (bias is None or (bias.dtype == x.dtype and x.dim() > 0 and tuple(bias.shape) == (x.shape[-1],)))
+
+
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
                      training: bool, drop_path: Optional[Callable] = None) -> torch.Tensor:
-    """residual + drop_path(dropout(x + bias)); a None or empty bias is skipped."""
-    if bias is not None and bias.numel() != 0:
+    """residual + drop_path(dropout(x + bias)); a None or empty bias is skipped.
+
+    Training with p > 0 and no ``drop_path`` runs one fused op (see the module docstring); a bias
+    that is not [H] of x's dtype is added to x first, operands of other shapes or dtypes take the
+    unfused path.
+
+    Raises:
+        ValueError: p outside [0, 1].
+    """
+    _check_p(p)
+    if bias is not None and bias.numel() == 0:
+        bias = None
+    if training and p > 0.0 and drop_path is None:
+        if bias is not None and not _fusable(x, bias, residual):
+            x, bias = x + bias, None
+        if _fusable(x, bias, residual):
+            return _BiasDropoutAddFunction.apply(x, bias, residual, p)
+    if bias is not None:
         x = x + bias
     out = dropout(x, p, training)
     if drop_path is not None:

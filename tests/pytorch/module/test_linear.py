@@ -67,13 +67,14 @@ def test_linear_fp8_sqnr(recipe, dtype):
 
 def test_fp8_saves_the_input_in_fp8():
     layer = te.Linear(32, 16)
-    x = torch.randn(16, 32, requires_grad=True)
+    x = torch.randn(48, 32, requires_grad=True)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
         with te.autocast(recipe=Float8CurrentScaling()):
             layer(x)
-    assert (torch.float8_e4m3fn, x.numel()) in saved  # x itself is kept as FP8 for wgrad
-    assert all(numel == 1 for dtype, numel in saved if dtype == torch.float32)  # only scale_inv in float32
+    fp8 = [shape for dtype, shape in saved if dtype == torch.float8_e4m3fn]
+    assert fp8 == [(32, 48), (32, 16)]  # only x^T and W^T, the layouts wgrad and dgrad read
+    assert all(shape == () for dtype, shape in saved if dtype == torch.float32)  # only scale_inv in float32
 
 
 def test_torch_autocast_interplay():

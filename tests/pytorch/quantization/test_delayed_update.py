@@ -101,6 +101,69 @@ def test_callable_algorithms():
     torch.testing.assert_close(state2.scale, torch.tensor([0.5 + 448.0 / 7.0]))
 
 
+
+def _random_states(recipe, mode, sizes):
+    """States of ``sizes`` slots with random histories, an idle slot (row 0 = 0) and random scales."""
+    states = [DelayedScalingRecipeState(recipe, mode, n, "cpu") for n in sizes]
+    for state in states:
+        state.amax_history.copy_(torch.rand_like(state.amax_history) * 10)
+        state.amax_history[0, 0] = 0.0
+        state.scale.copy_(torch.rand_like(state.scale) + 0.5)
+    return states
+
+
+def _snapshot(states):
+    return [(s.amax_history.clone(), s.scale.clone(), s.scale_inv.clone()) for s in states]
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_states_updated_together_as_one_at_a_time(algo):
+    """One call over states of both directions (their own fp8_max) equals one call per state, in place."""
+    recipe = DelayedScaling(margin=1, amax_history_len=4, amax_compute_algo=algo)
+    states = _random_states(recipe, "forward", [3, 1, 6]) + _random_states(recipe, "backward", [2, 4])
+    alone = [DelayedScalingRecipeState(recipe, s.mode, s.num_quantizers, "cpu") for s in states]
+    for single, state in zip(alone, states):
+        for mine, theirs in zip((single.amax_history, single.scale), (state.amax_history, state.scale)):
+            mine.copy_(theirs)
+        reduce_and_update([single], recipe)
+    tensors = [(s.amax_history, s.scale, s.scale_inv) for s in states]
+    reduce_and_update(states, recipe)
+    assert [(s.amax_history, s.scale, s.scale_inv) for s in states] == tensors  # the same tensor objects
+    for expected, actual in zip(_snapshot(alone), _snapshot(states)):
+        for e, a in zip(expected, actual):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    if algo == "most_recent":  # each direction's own fp8_max (E4M3 forward, E5M2 backward under HYBRID)
+        for state, fp8_max in ((states[0], 448.0), (states[3], 57344.0)):
+            torch.testing.assert_close(state.scale[1:], fp8_max / state.amax_history[-1, 1:] / 2.0, rtol=1e-6, atol=0)
+
+
+def test_fp8_max_follows_a_recipe_format_change():
+    """A state adopts a new recipe of the same type (ensure_states): the next update uses its fp8_max."""
+    state = DelayedScalingRecipeState(DelayedScaling(fp8_format=Format.E4M3, amax_history_len=1), "backward", 2, "cpu")
+    state.amax_history[0] = torch.tensor([2.0, 4.0])
+    reduce_and_update([state], state.recipe)
+    torch.testing.assert_close(state.scale, torch.tensor([224.0, 112.0]), rtol=0, atol=0)
+    state.recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1)
+    state.amax_history[0] = torch.tensor([2.0, 4.0])
+    reduce_and_update([state], state.recipe)
+    torch.testing.assert_close(state.scale, torch.tensor([28672.0, 14336.0]), rtol=0, atol=0)
+
+
+def test_scaling_factor_callable_gets_fp8_max_per_slot():
+    seen = []
+
+    def scale_algo(amax, scale, fp8_max, recipe):
+        seen.append(fp8_max)
+        return fp8_max / amax
+
+    recipe = DelayedScaling(amax_history_len=2, scaling_factor_compute_algo=scale_algo)
+    states = [DelayedScalingRecipeState(recipe, "forward", n, "cpu") for n in (2, 3)]
+    for state in states:
+        state.amax_history[0] = 7.0
+    reduce_and_update(states, recipe)
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0], torch.full((5,), 448.0))
+    torch.testing.assert_close(torch.cat([s.scale for s in states]), torch.full((5,), 64.0))
+
 def test_forward_update_only_at_outermost_exit_with_grad():
     recipe = DelayedScaling(amax_history_len=2)
     a, b = te.Linear(16, 16), te.Linear(16, 16)

@@ -74,3 +74,40 @@ def test_fused_produce_equals_separate_quantize():
     # the fused cast quantizes the float32 norm output directly, like the separate cast of a float32 y
     assert torch.equal(fused.data.view(torch.uint8), separate.view(torch.uint8))
     assert torch.isclose(state.amax_history[0, 0], y_hp.abs().max())
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("shape", [(5, 7), (16, 48)])
+def test_columnwise_quantize_writes_the_transpose_of_the_same_values(recipe, shape):
+    state = RecipeState.create(recipe, mode="forward", num_gemms=1, device="cpu")
+    if hasattr(state, "scale"):
+        state.scale[0] = 4.0
+    quantizer = state.make_quantizers()[0]
+    x = randn(*shape, scale=2.0)
+    rowwise = quantizer.quantize(x)
+    both = quantizer.quantize(x, columnwise=True)
+    assert rowwise.data_t is None
+    assert torch.equal(both.data.view(torch.uint8), rowwise.data.view(torch.uint8))
+    assert torch.equal(both.data_t.view(torch.uint8), rowwise.data.t().contiguous().view(torch.uint8))
+    assert torch.equal(both.scale_inv, rowwise.scale_inv)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling(), None], ids=["delayed", "current", "identity"])
+def test_quantize_with_dbias_is_the_columnwise_cast_plus_the_column_sums(recipe):
+    x = randn(24, 40, scale=2.0, dtype=torch.bfloat16)
+    if recipe is None:
+        quantizer, other = IDENTITY, IDENTITY
+    else:
+        state = RecipeState.create(recipe, mode="backward", num_gemms=1, device="cpu")
+        quantizer, other = state.make_quantizers()[0], RecipeState.create(recipe, mode="backward", num_gemms=1, device="cpu").make_quantizers()[0]
+    operand, dbias = quantizer.quantize_with_dbias(x)
+    expected = other.quantize(x, columnwise=True)
+    torch.testing.assert_close(dbias, x.float().sum(dim=0), rtol=1e-5, atol=1e-5)
+    assert dbias.dtype == torch.float32
+    if recipe is None:
+        assert operand is x
+        return
+    assert torch.equal(operand.data.view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(operand.data_t.view(torch.uint8), expected.data_t.view(torch.uint8))
+    if hasattr(quantizer, "state"):  # delayed scaling records the amax like quantize does
+        assert torch.equal(quantizer.state.amax_history[0], other.state.amax_history[0])

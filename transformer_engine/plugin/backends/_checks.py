@@ -6,6 +6,8 @@ call these instead of each carrying a copy; the elementary ones live in ``refere
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from transformer_engine.plugin.backends.reference._fp8 import (
@@ -16,7 +18,17 @@ from transformer_engine.plugin.backends.reference._fp8 import (
     check_tensor,
 )
 
-__all__ = ["check_norm_fwd", "check_norm_bwd", "check_softmax_mask"]
+__all__ = [
+    "check_norm_fwd",
+    "check_norm_bwd",
+    "check_softmax_mask",
+    "dropout_scale",
+    "check_dropout_mask",
+    "check_bias_dropout_add",
+    "check_delayed_scaling_update",
+]
+
+_AMAX_ALGOS = ("max", "most_recent")
 
 
 def check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype) -> None:
@@ -59,3 +71,48 @@ def check_softmax_mask(x: torch.Tensor, mask) -> None:
         raise ValueError(f"mask has shape {tuple(mask.shape)}; for x {tuple(x.shape)} it must be [{b} or 1, 1, {sq}, {sk}]")
     if mask.dtype != torch.bool:
         raise ValueError(f"mask has dtype {mask.dtype}; pass a torch.bool tensor (True = masked out)")
+
+
+def dropout_scale(p: float) -> float:
+    """1 / (1 - p), the scale of the kept elements (0 when p = 1: nothing is kept); ValueError unless 0 <= p <= 1."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability p={p} must be in [0, 1]")
+    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+
+def check_dropout_mask(dy: torch.Tensor, mask) -> None:
+    """dropout_bwd: ``mask`` is the bool keep mask of the forward, with dy's shape."""
+    check_tensor(mask, "mask")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"dropout mask has dtype {mask.dtype}; pass the bool keep mask returned by the forward")
+    if mask.shape != dy.shape:
+        raise ValueError(f"dropout mask shape {tuple(mask.shape)} must equal the gradient's {tuple(dy.shape)}")
+
+
+def check_bias_dropout_add(x: torch.Tensor, bias, residual) -> None:
+    """bias_dropout_add_fwd: bias None or [H] (H = x's last dim), residual with x's shape."""
+    check_tensor(residual, "residual")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they must match")
+    if bias is not None:
+        check_tensor(bias, "bias")
+        if x.dim() == 0:
+            raise ValueError("x is 0-d, so it has no hidden dim to add a bias along; pass bias=None")
+        check_last_dim(x, bias, "bias")
+
+
+def check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo) -> None:
+    """delayed_scaling_update: H [L >= 1, N], scale [N], fp8_max a float or 1 or N elements, finite margin."""
+    check_tensor(amax_history, "amax_history")
+    check_tensor(scale, "scale")
+    if amax_history.dim() != 2 or amax_history.shape[0] < 1:
+        raise ValueError(f"amax_history must be [L, N] with L >= 1, got shape {tuple(amax_history.shape)}")
+    n = amax_history.shape[1]
+    if tuple(scale.shape) != (n,):
+        raise ValueError(f"scale has shape {tuple(scale.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
+    if isinstance(fp8_max, torch.Tensor) and fp8_max.numel() not in (1, n):
+        raise ValueError(f"fp8_max has shape {tuple(fp8_max.shape)}; pass a float or a tensor of 1 or {n} elements")
+    if not math.isfinite(float(margin)):
+        raise ValueError(f"margin={margin!r} must be a finite float (usually 0)")
+    if amax_compute_algo not in _AMAX_ALGOS:
+        raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of {_AMAX_ALGOS}")

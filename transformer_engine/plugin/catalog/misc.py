@@ -1,4 +1,4 @@
-"""Dropout and cross entropy."""
+"""Dropout, the fused bias-dropout-add, and cross entropy."""
 
 from transformer_engine.plugin.core.catalog import declare
 
@@ -14,6 +14,17 @@ def dropout_fwd(x, p):
 @declare
 def dropout_bwd(dy, mask, p):
     """dx = dy * mask / (1 - p)."""
+
+
+@declare
+def bias_dropout_add_fwd(x, bias, residual, p):
+    """out = residual + (x + bias) * m / (1 - p), m ~ Bernoulli(1 - p) from the device's default generator.
+
+    ``bias`` is [H] (H = x's last dim, broadcast over the rows) or None; ``residual`` has x's shape.
+    Math in float32, ``out`` in x's dtype. The backward is :func:`dropout_bwd` with the same m:
+    dx = dout * m / (1 - p), dbias = sum over rows of dx, dresidual = dout.
+    Returns: (out like x, m as a bool tensor of x's shape, True = kept).
+    """
 
 
 @declare

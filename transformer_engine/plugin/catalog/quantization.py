@@ -33,6 +33,16 @@ def cast_transpose(x, scale, fp8_dtype):
 
 
 @declare
+def cast_transpose_dbias(x, scale, fp8_dtype):
+    """``cast_transpose`` of the output gradient plus the bias gradient, from one read of x.
+
+    (q, q_t, scale_inv, amax) = cast_transpose(x),  dbias[j] = sum_i x[i, j] accumulated in float32
+    Args: x: [M, N] (dy of a linear layer). Returns: (q [M, N], q_t [N, M], scale_inv, amax, dbias
+    float32 [N]). Non-finite x propagate into dbias as in a float32 sum (NaN, +-inf, inf - inf = NaN).
+    """
+
+
+@declare
 def fp8_transpose(q):
     """Contiguous transpose of a 2-D FP8 tensor (no rescaling): q_t[j, i] = q[i, j]."""
 

@@ -1,7 +1,7 @@
 """Helpers shared by the autograd Functions of the modules: autocast-free regions, saving FP8 operands.
 
 ``save_for_backward`` takes tensors only; :func:`save` flattens :class:`Float8Tensor` operands into
-their (data, scale_inv) tensors so that FP8 activations are saved the ordinary way (version checks,
+their (data, scale_inv, data_t) tensors so that FP8 activations are saved the ordinary way (version checks,
 no reference cycles) and :func:`saved` rebuilds them.
 """
 
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
 from ..quantization.float8_tensor import Float8Tensor
 
-__all__ = ["Operand", "cast", "no_torch_autocast", "save", "saved", "unflatten"]
+__all__ = [
+    "Operand", "cast", "for_backward", "grad_output_operand", "no_torch_autocast", "quantize_operand", "save", "saved",
+    "unflatten",
+]
 
 Operand = Union[torch.Tensor, Float8Tensor]
 
@@ -34,13 +37,41 @@ def cast(x: Optional[Operand], dtype: torch.dtype) -> Optional[Operand]:
     return x
 
 
+def quantize_operand(quantizer, x: torch.Tensor, gather: Callable, gathered: bool, columnwise: bool) -> Operand:
+    """The GEMM operand of x [M, K] (FP8 or high precision), all-gathered by ``gather`` (``gathered``: it does).
+
+    With ``columnwise`` an FP8 operand also carries x^T: written by the cast itself, or made after the
+    gather (the transpose of a gathered tensor is not the gather of the shards' transposes).
+    """
+    x_op = gather(quantizer.quantize(x, columnwise and not gathered))
+    return x_op.with_transpose() if columnwise and gathered and isinstance(x_op, Float8Tensor) else x_op
+
+
+def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, need_db: bool):
+    """(dy as GEMM operand, db = float32 column sums of this rank's dy or None), dy [M, N].
+
+    dy^T comes along when wgrad needs it; cast, transpose and bias gradient share one read of dy
+    (``quantize_with_dbias``) unless ``comm`` all-gathers dy first (row-parallel + SP), which leaves
+    the sum to its own pass.
+    """
+    if need_dw and need_db and not comm.gathers_grad_output:
+        return quantizer.quantize_with_dbias(dy)
+    dy_op = quantize_operand(quantizer, dy, comm.gather_grad_output, comm.gathers_grad_output, need_dw)
+    return dy_op, dy.sum(dim=0, dtype=torch.float32) if need_db else None
+
+
+def for_backward(op: Operand) -> Operand:
+    """A forward GEMM operand as the backward GEMMs read it: FP8 keeps only its transpose (wgrad reads x^T, dgrad W^T)."""
+    return op.transpose_only() if isinstance(op, Float8Tensor) else op
+
+
 def save(ctx, *items: Optional[Operand]) -> None:
-    """ctx.save_for_backward(items), with each Float8Tensor stored as its two tensors."""
+    """ctx.save_for_backward(items), with each Float8Tensor stored as its three tensors (some may be None)."""
     flat: List[Optional[torch.Tensor]] = []
     layout: List[bool] = []
     for item in items:
         is_fp8 = isinstance(item, Float8Tensor)
-        flat.extend((item.data, item.scale_inv) if is_fp8 else (item,))
+        flat.extend((item.data, item.scale_inv, item.data_t) if is_fp8 else (item,))
         layout.append(is_fp8)
     ctx.save_for_backward(*flat)
     ctx.saved_layout = layout
@@ -49,7 +80,7 @@ def save(ctx, *items: Optional[Operand]) -> None:
 def saved(ctx) -> List[Optional[Operand]]:
     """The items given to :func:`save`, in order."""
     flat = iter(ctx.saved_tensors)
-    return [Float8Tensor(next(flat), next(flat)) if is_fp8 else next(flat) for is_fp8 in ctx.saved_layout]
+    return [Float8Tensor(next(flat), next(flat), next(flat)) if is_fp8 else next(flat) for is_fp8 in ctx.saved_layout]
 
 
 def unflatten(y: torch.Tensor, like_shape: Sequence[int]) -> torch.Tensor:

@@ -7,6 +7,11 @@
 
 An FP8 operand is a :class:`Float8Tensor`; the GEMM receives its data and scale_inv. Outputs are in
 the activation dtype (weight gradients in the parameter dtype).
+
+Layout: FP8 GEMMs on Hopper read both operands along K ("TN": op(a) row-major, op(b) column-major).
+When an FP8 operand carries its transpose ``data_t``, :func:`gemm` passes whichever of ``data`` /
+``data_t`` gives that layout (op(t) is the same matrix either way), so dgrad reads W^T and wgrad reads
+dy^T and x^T as stored instead of having the backend transpose them per call.
 """
 
 from __future__ import annotations
@@ -24,15 +29,20 @@ from ._common import Operand
 __all__ = ["WgradTarget", "dgrad", "fprop", "gemm", "linear_backward"]
 
 
-def _parts(t: Operand):
-    return (t.data, t.scale_inv) if isinstance(t, Float8Tensor) else (t, None)
+def _stored(t: Operand, trans: bool, want_trans: bool):
+    """(tensor, trans flag, scale_inv) for op(t): an FP8 operand stored both ways gives the one whose flag is ``want_trans``."""
+    if not isinstance(t, Float8Tensor):
+        return t, trans, None
+    if t.data_t is not None and (trans != want_trans or t.data is None):
+        return t.data_t, not trans, t.scale_inv
+    return t.data, trans, t.scale_inv
 
 
 def gemm(a: Operand, b: Operand, *, trans_a=False, trans_b=False, bias=None, out_dtype=None, out=None,
          accumulate=False, split_accumulator=True) -> torch.Tensor:
-    """ops.gemm on operands that may be FP8: D = op(a) @ op(b) + bias."""
-    a_data, a_scale_inv = _parts(a)
-    b_data, b_scale_inv = _parts(b)
+    """ops.gemm on operands that may be FP8: D = op(a) @ op(b) + bias, in the TN layout where the operands allow."""
+    a_data, trans_a, a_scale_inv = _stored(a, trans_a, want_trans=False)
+    b_data, trans_b, b_scale_inv = _stored(b, trans_b, want_trans=True)
     return ops.gemm(a_data, b_data, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate, split_accumulator)
 
 
@@ -86,20 +96,19 @@ def _main_grad_placeholder(params) -> Optional[torch.Tensor]:
     return make(shape, dtype=params[0].dtype, device=params[0].device)
 
 
-def linear_backward(dy_op: Operand, dy_hp: torch.Tensor, x: Operand, w: Operand, need: Tuple[bool, bool, bool],
-                    target: WgradTarget, split_accumulator: Tuple[bool, bool, bool]):
-    """(dx, dW, db) of y = x @ W^T + b; each is None when ``need`` (dx, dW, db) says so.
+def linear_backward(dy_op: Operand, x: Operand, w: Operand, need: Tuple[bool, bool], target: WgradTarget,
+                    split_accumulator: Tuple[bool, bool, bool], dx_dtype: torch.dtype):
+    """(dx, dW) of y = x @ W^T + b; each is None when ``need`` (dx, dW) says so (db comes with dy's cast).
 
     Args:
         dy_op: dy as GEMM operand (FP8 or high precision), [M, N].
-        dy_hp: dy in high precision (for db), [M, N].
         x, w: the forward operands saved for backward.
-        need: which of dx, dW, db are needed.
+        need: which of dx, dW are needed.
         target: where dW goes.
         split_accumulator: of the (fprop, dgrad, wgrad) GEMMs.
+        dx_dtype: dtype of dx (the activation dtype).
     """
-    need_dx, need_dw, need_db = need
-    dx = dgrad(dy_op, w, dy_hp.dtype, split_accumulator[1]) if need_dx else None
+    need_dx, need_dw = need
+    dx = dgrad(dy_op, w, dx_dtype, split_accumulator[1]) if need_dx else None
     dw = _wgrad(dy_op, x, target, split_accumulator[2]) if need_dw else None
-    db = dy_hp.sum(dim=0, dtype=torch.float32) if need_db else None
-    return dx, dw, db
+    return dx, dw

@@ -2,8 +2,9 @@
 
 Forward: the norm writes its output directly as the FP8 GEMM operand (fused cast), unless the
 high-precision norm output is returned too (``return_layernorm_output``), then it is cast after.
-Saved: x (for the norm backward), gamma, the statistics, the FP8 norm output and the W operand.
-Backward: dy -> FP8 (E5M2 under HYBRID); dgrad and wgrad as in Linear; the norm backward takes the
+Saved: x (for the norm backward), gamma, the statistics, and the transposed FP8 norm output and W
+(what wgrad and dgrad read).
+Backward: dy -> FP8 (E5M2 under HYBRID) with dy^T; dgrad and wgrad as in Linear; the norm backward takes the
 dgrad result (plus the gradient of the returned norm output).
 Tensor / sequence parallelism: ``args.comm`` is called at the marked points (``# comm``), see
 :mod:`..parallel.linear_comm`: under sequence parallelism the norm runs on this rank's rows and its
@@ -19,7 +20,7 @@ import torch
 
 from ..quantization.quantizer import IDENTITY
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, cast, no_torch_autocast, save, saved, unflatten
+from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, save, saved, unflatten
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 from ._norm import NormConfig, norm_backward, norm_forward
@@ -64,7 +65,7 @@ class LayerNormLinearFunction(torch.autograd.Function):
             ln_op = comm.gather_input(ln_op)  # comm
             w_op, b = cast(args.weight_operand, dtype), cast(bias, dtype)
             y = comm.reduce_output(fprop(ln_op, w_op, comm.gemm_bias(b), dtype, q.split_accumulator[0]), b)  # comm
-        save(ctx, x, gamma, ln_op if weight.requires_grad else None, w_op, *stats)
+            save(ctx, x, gamma, for_backward(ln_op) if weight.requires_grad else None, for_backward(w_op), *stats)
         ctx.args = args
         ctx.meta = (inp.shape, inp.dtype, ln_weight.dtype, None if ln_bias is None else ln_bias.dtype, None if bias is None else bias.dtype)
         y = unflatten(y, inp.shape)
@@ -77,9 +78,10 @@ class LayerNormLinearFunction(torch.autograd.Function):
         x, gamma, ln_op, w_op, *stats = saved(ctx)
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
-            dy_op = comm.gather_grad_output(q.gemms[0].grad_output.quantize(dy_hp))  # comm
-            need = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[3], ctx.needs_input_grad[4])
-            d_ln, dw, db = linear_backward(dy_op, dy_hp, ln_op, w_op, need, args.wgrad, q.split_accumulator)
+            need_dw, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+            dy_op, db = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
+            need = (any(ctx.needs_input_grad[:3]), need_dw)
+            d_ln, dw = linear_backward(dy_op, ln_op, w_op, need, args.wgrad, q.split_accumulator, args.dtype)
             d_ln, db = comm.reduce_grad_input(d_ln), comm.reduce_bias_grad(db)  # comm
             dx = dgamma = dbeta = None
             if d_ln is not None:

@@ -2,9 +2,10 @@
 
 Forward: norm -> FP8 (fused cast, slot GEMM1_INPUT); h = fc1 fprop (high precision, kept for the
 activation backward); a = act(h) -> FP8 by the fused activation cast (slot GEMM2_INPUT); y = fc2 fprop.
-Saved: x, gamma, statistics, the FP8 norm output, h, the FP8 activation output and both W operands.
-Backward: dy -> FP8 (GRAD_OUTPUT2); fc2 dgrad/wgrad; dh = dact(da, h) -> FP8 (GRAD_OUTPUT1); fc1
-dgrad/wgrad; norm backward.
+Saved: x, gamma, statistics, h, and the transposed FP8 norm output, activation output and both
+weights (the layouts the wgrad and dgrad GEMMs read).
+Backward: dy -> FP8 (GRAD_OUTPUT2) with dy^T; fc2 dgrad/wgrad; dh = dact(da, h) -> FP8 (GRAD_OUTPUT1)
+with dh^T; fc1 dgrad/wgrad; norm backward.
 Tensor / sequence parallelism: fc1 is column-parallel (``args.fc1_comm``), fc2 row-parallel
 (``args.fc2_comm``), called at the marked points (``# comm``), see :mod:`..parallel.linear_comm`.
 """
@@ -17,7 +18,7 @@ import torch
 
 from ._activation import ActivationConfig
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, cast, no_torch_autocast, save, saved, unflatten
+from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, save, saved, unflatten
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 from ._layernorm_linear_function import norm_then_quantize
@@ -62,7 +63,8 @@ class LayerNormMLPFunction(torch.autograd.Function):
             a_op, _ = g2.input.produce(args.activation.producer(h))
             b2 = cast(fc2_bias, dtype)
             y = comm2.reduce_output(fprop(a_op, w2, comm2.gemm_bias(b2), dtype, q.split_accumulator[0]), b2)  # comm
-        save(ctx, x, gamma, ln_op, w1, h, a_op, w2, *stats)
+            save(ctx, x, gamma, for_backward(ln_op) if fc1_weight.requires_grad else None, for_backward(w1), h,
+                 for_backward(a_op) if fc2_weight.requires_grad else None, for_backward(w2), *stats)
         ctx.args = args
         ctx.dtypes = (inp.dtype, ln_weight.dtype) + tuple(None if t is None else t.dtype for t in (ln_bias, fc1_bias, fc2_bias))
         ctx.inp_shape = inp.shape
@@ -78,12 +80,16 @@ class LayerNormMLPFunction(torch.autograd.Function):
         x, gamma, ln_op, w1, h, a_op, w2, *stats = saved(ctx)
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), dtype)
-            dy_op = comm2.gather_grad_output(g2.grad_output.quantize(dy_hp))  # comm
-            da, dw2, db2 = linear_backward(dy_op, dy_hp, a_op, w2, (True, needs[5], needs[6]), args.fc2_wgrad, q.split_accumulator)
+            dy_op, db2 = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], needs[6])  # comm
+            da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype)
             db2 = comm2.reduce_bias_grad(db2)  # comm
+            del dy_op, dy_hp  # the [M, F]-sized temporaries go as soon as they are used (peak memory)
             dh = args.activation.backward(da, h)
-            d_ln, dw1, db1 = linear_backward(g1.grad_output.quantize(dh), dh, ln_op, w1, (True, needs[3], needs[4]),
-                                             args.fc1_wgrad, q.split_accumulator)
+            del da
+            dh_op, db1 = grad_output_operand(g1.grad_output, dh, comm1, needs[3], needs[4])
+            del dh
+            d_ln, dw1 = linear_backward(dh_op, ln_op, w1, (True, needs[3]), args.fc1_wgrad, q.split_accumulator, dtype)
+            del dh_op
             d_ln = comm1.reduce_grad_input(d_ln)  # comm
             if args.return_layernorm_output:
                 d_ln = d_ln + cast(d_ln_out[0].reshape(d_ln.shape), dtype)

@@ -1,10 +1,11 @@
 """The autograd Function of ``Linear``: y = x @ W^T + b with its three GEMMs in FP8 under autocast.
 
-Forward: x is cast by the input quantizer (FP8: E4M3), W arrives as its operand (FP8, possibly cached);
-fprop y = gemm(x, W^T) + b in the activation dtype. Saved for backward: the x operand (FP8 under
-autocast, so the high-precision x is not kept) and the W operand.
-Backward: dy is cast by the grad-output quantizer (E5M2 under HYBRID); dgrad dx = dy @ W, wgrad
-dW = dy^T @ x (into ``main_grad`` with fuse_wgrad_accumulation), db = sum_rows(dy).
+Forward: x is cast by the input quantizer (FP8: E4M3, with x^T in the same pass), W arrives as its
+operand (FP8 with W^T, possibly cached); fprop y = gemm(x, W^T) + b in the activation dtype. Saved for
+backward: x^T and W^T (FP8 under autocast: neither the high-precision x nor the row-major FP8 copies
+are kept).
+Backward: dy is cast by the grad-output quantizer (E5M2 under HYBRID) with dy^T; dgrad dx = dy @ W,
+wgrad dW = dy^T @ x (into ``main_grad`` with fuse_wgrad_accumulation), db = sum_rows(dy).
 Tensor / sequence parallelism: ``args.comm`` is called at the marked points (``# comm``), see
 :mod:`..parallel.linear_comm`; without it each call returns its argument.
 """
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, cast, no_torch_autocast, save, saved, unflatten
+from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 
@@ -50,12 +51,13 @@ class LinearFunction(torch.autograd.Function):
     def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: LinearArgs):
         q, comm = args.quantization, args.comm
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
+        need_dw = weight.requires_grad
         with no_torch_autocast(inp.device):
-            x_op = comm.gather_input(q.gemms[0].input.quantize(cast(x, args.dtype)))  # comm
+            x_op = quantize_operand(q.gemms[0].input, cast(x, args.dtype), comm.gather_input, comm.gathers_input, need_dw)  # comm
             w_op = cast(args.weight_operand, args.dtype)
             b = cast(bias, args.dtype)
             y = comm.reduce_output(fprop(x_op, w_op, comm.gemm_bias(b), args.dtype, q.split_accumulator[0]), b)  # comm
-        save(ctx, x_op if weight.requires_grad else None, w_op if inp.requires_grad else None)
+            save(ctx, for_backward(x_op) if need_dw else None, for_backward(w_op) if inp.requires_grad else None)
         ctx.args, ctx.inp_meta, ctx.bias_dtype = args, (inp.shape, inp.dtype), None if bias is None else bias.dtype
         return unflatten(y, inp.shape)
 
@@ -66,8 +68,9 @@ class LinearFunction(torch.autograd.Function):
         x_op, w_op = saved(ctx)
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
-            dy_op = comm.gather_grad_output(q.gemms[0].grad_output.quantize(dy_hp))  # comm
-            dx, dw, db = linear_backward(dy_op, dy_hp, x_op, w_op, ctx.needs_input_grad[:3], args.wgrad, q.split_accumulator)
+            need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+            dy_op, db = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
+            dx, dw = linear_backward(dy_op, x_op, w_op, (need_dx, need_dw), args.wgrad, q.split_accumulator, args.dtype)
             dx, db = comm.reduce_grad_input(dx), comm.reduce_bias_grad(db)  # comm
         if q.backward_update is not None:
             q.backward_update()

@@ -239,15 +239,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
         """The weight as GEMM operand; FP8 copies are cached per TE's ``is_first_microbatch`` rule.
 
         None: quantize, no cache. True: quantize and cache. False: reuse the cache (the weight's amax
-        is then not recorded), quantizing only if there is none yet.
+        is then not recorded), quantizing only if there is none yet. With autograd on, the FP8 copy
+        carries W^T too (written in the same pass), the layout of the dgrad GEMM.
         """
         if not quantizer.is_fp8:
             return quantizer.quantize(weight)
         cached = self._weight_cache.get(key)
         if is_first_microbatch is False and cached is not None:
             return cached
+        columnwise = torch.is_grad_enabled()
         with torch.no_grad():
-            operand = quantizer.quantize(weight)
+            operand = quantizer.quantize(weight, columnwise=columnwise)
         if is_first_microbatch is not None:
             self._weight_cache[key] = operand
         return operand

@@ -74,9 +74,14 @@ class LinearComm:
             return dataclasses.replace(gemm, input=gemm.input.for_sharded_tensor(reduce_amax))
         return dataclasses.replace(gemm, grad_output=gemm.grad_output.for_sharded_tensor(reduce_amax))
 
+    @property
+    def gathers_input(self) -> bool:
+        """True when :meth:`gather_input` all-gathers (column + SP): a transpose is made after the gather."""
+        return self._column and self.sequence_parallel
+
     def gather_input(self, x_op):
         """Column + SP: the rows of every rank (the GEMM input); else ``x_op``."""
-        return all_gather(x_op, self.group) if self._column and self.sequence_parallel else x_op
+        return all_gather(x_op, self.group) if self.gathers_input else x_op
 
     def gemm_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The bias the GEMM adds: none for row-parallel (it is added once, after the reduction)."""
@@ -96,9 +101,14 @@ class LinearComm:
         return copy_to_tensor_parallel_region(bias, self.group)
 
     # -------------------------------------------------------------------------------- backward
+    @property
+    def gathers_grad_output(self) -> bool:
+        """True when :meth:`gather_grad_output` all-gathers (row + SP)."""
+        return self._row and self.sequence_parallel
+
     def gather_grad_output(self, dy_op):
         """Row + SP: the rows of every rank of dy; else ``dy_op``."""
-        return all_gather(dy_op, self.group) if self._row and self.sequence_parallel else dy_op
+        return all_gather(dy_op, self.group) if self.gathers_grad_output else dy_op
 
     def reduce_grad_input(self, dx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Column-parallel: sum the partial dx (all-reduce, or reduce-scatter rows under SP)."""

@@ -17,7 +17,7 @@ For the states of one (recipe, amax_reduction_group) pair, with H = the historie
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 
@@ -49,21 +49,48 @@ def _reduce_amax(states: Sequence, recipe: DelayedScaling, group) -> None:
 
 
 def _update(states: Sequence, recipe: DelayedScaling) -> None:
-    history = torch.cat([s.amax_history for s in states], dim=1)
-    scale = torch.cat([s.scale for s in states])
-    fp8_max = torch.cat([torch.full((s.num_quantizers,), s.fp8_max, device=scale.device) for s in states])
-    new_history, new_scale = _step(history, scale, fp8_max, recipe)
+    """One step for ``states`` side by side: the catalog op plus 6 torch ops (one state) or 11 (any more).
+
+    H and s are concatenated (not for one state), the op runs once, the idle rule is two ``where``,
+    scale_inv one ``reciprocal``, and a single ``_foreach_copy_`` writes every state's three tensors
+    in place (quantizers and checkpoints keep referring to them).
+    """
+    sizes = [s.num_quantizers for s in states]
+    history = _side_by_side([s.amax_history for s in states], dim=1)
+    scale = _side_by_side([s.scale for s in states], dim=0)
+    new_history, new_scale = _step(history, scale, _fp8_max(states), recipe)
     idle = history[0] == 0
     new_history = torch.where(idle, history, new_history)
     new_scale = torch.where(idle, scale, new_scale)
-    sizes = [s.num_quantizers for s in states]
-    for state, h, s in zip(states, new_history.split(sizes, dim=1), new_scale.split(sizes)):
-        state.amax_history.copy_(h)
-        state.scale.copy_(s)
-        torch.reciprocal(state.scale, out=state.scale_inv)
+    new_scale_inv = torch.reciprocal(new_scale)
+    results = zip(_split(new_history, sizes, 1), _split(new_scale, sizes, 0), _split(new_scale_inv, sizes, 0))
+    targets = [t for s in states for t in (s.amax_history, s.scale, s.scale_inv)]
+    torch._foreach_copy_(targets, [t for per_state in results for t in per_state])
 
 
-def _step(history: torch.Tensor, scale: torch.Tensor, fp8_max: torch.Tensor, recipe: DelayedScaling) -> Tuple[torch.Tensor, torch.Tensor]:
+def _side_by_side(tensors: List[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(tensors, dim)``, or the one tensor itself (no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
+def _split(t: torch.Tensor, sizes: List[int], dim: int) -> Sequence[torch.Tensor]:
+    """Views of ``t`` of ``sizes`` along ``dim``, or (t,) for one size (no op)."""
+    return (t,) if len(sizes) == 1 else t.split(sizes, dim=dim)
+
+
+def _fp8_max(states: Sequence):
+    """fp8_max per slot: one float when the states share it (one recipe and direction: always under
+    autocast), else a float32 [sum N] tensor of each state's value."""
+    values = {s.fp8_max for s in states}
+    if len(values) == 1:
+        return values.pop()
+    device = states[0].scale.device
+    return torch.cat([torch.full((s.num_quantizers,), s.fp8_max, dtype=torch.float32, device=device) for s in states])
+
+
+def _step(
+    history: torch.Tensor, scale: torch.Tensor, fp8_max: Union[float, torch.Tensor], recipe: DelayedScaling
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(H_new, s_new) for the built-in algorithms through the catalog op, else with the recipe's callables."""
     algo, scale_fn, margin = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, float(recipe.margin)
     if not callable(algo) and scale_fn is None:
@@ -75,6 +102,8 @@ def _step(history: torch.Tensor, scale: torch.Tensor, fp8_max: torch.Tensor, rec
     new_history = torch.roll(history, -1, dims=0)
     new_history[0] = 0
     if scale_fn is not None:
+        if not isinstance(fp8_max, torch.Tensor):  # the callable gets fp8_max per slot, float32 [N]
+            fp8_max = torch.full_like(scale, fp8_max, dtype=torch.float32)
         new_scale = scale_fn(amax, scale, fp8_max, recipe)
     else:  # the built-in scale rule applied to the callable's amax: a one-row "history"
         _, new_scale = ops.delayed_scaling_update(amax.reshape(1, -1), scale, fp8_max, margin, "most_recent")

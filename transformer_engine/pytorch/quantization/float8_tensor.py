@@ -5,11 +5,17 @@
 It is a plain container, not a ``torch.Tensor`` subclass: modules pass it to the catalog's FP8 ops
 (``gemm`` takes ``data`` and ``scale_inv`` of each operand) and keep it for backward instead of the
 high-precision tensor, which is where FP8 saves activation memory.
+
+A 2-D tensor may also carry its transpose ``data_t = data^T`` (contiguous): Hopper's FP8 GEMMs read
+both operands along K (the "TN" layout), so dgrad and wgrad need the transposed copies of W, dy and
+x. They are made once, where the tensor is quantized (``cast_transpose``), instead of per GEMM. An
+operand kept only for wgrad drops its row-major ``data`` (``transpose_only``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
@@ -23,8 +29,9 @@ class Float8Tensor:
     """Per-tensor-scaled FP8 data.
 
     Attributes:
-        data: FP8 values with the tensor's logical shape.
+        data: FP8 values with the tensor's logical shape (None when only ``data_t`` is kept).
         scale_inv: 0-d (or one-element) float32 tensor, 1 / scale.
+        data_t: the contiguous transpose of a 2-D ``data``, or None.
 
     Example:
         >>> import torch
@@ -34,24 +41,45 @@ class Float8Tensor:
         tensor([ 1., -2.])
     """
 
-    data: torch.Tensor
+    data: Optional[torch.Tensor]
     scale_inv: torch.Tensor
+    data_t: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.data is None and self.data_t is None:
+            raise ValueError("a Float8Tensor needs data, data_t or both")
+
+    @property
+    def _stored(self) -> torch.Tensor:
+        return self.data if self.data is not None else self.data_t
 
     @property
     def fp8_dtype(self) -> torch.dtype:
-        """The FP8 dtype of ``data``."""
-        return self.data.dtype
+        """The FP8 dtype of the values."""
+        return self._stored.dtype
 
     @property
     def shape(self) -> torch.Size:
         """The logical shape."""
-        return self.data.shape
+        return self.data.shape if self.data is not None else self.data_t.t().shape
 
     @property
     def device(self) -> torch.device:
-        """The device of ``data``."""
-        return self.data.device
+        """The device of the values."""
+        return self._stored.device
+
+    def with_transpose(self) -> "Float8Tensor":
+        """This tensor with ``data_t`` (made by ``ops.fp8_transpose`` if it is missing)."""
+        if self.data_t is not None:
+            return self
+        return replace(self, data_t=ops.fp8_transpose(self.data))
+
+    def transpose_only(self) -> "Float8Tensor":
+        """The same tensor keeping only ``data_t`` (what wgrad reads), made if missing."""
+        return Float8Tensor(None, self.scale_inv, self.with_transpose().data_t)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """x = data * scale_inv, computed in float32 and cast to ``dtype``."""
+        if self.data is None:
+            return ops.dequantize(self.data_t, self.scale_inv, dtype).t()
         return ops.dequantize(self.data, self.scale_inv, dtype)

@@ -2,7 +2,10 @@
 
 All quantizers share one interface, so module code never asks which recipe is active:
 
-- ``quantize(x)`` returns the operand: a :class:`Float8Tensor`, or ``x`` itself in high precision;
+- ``quantize(x, columnwise=False)`` returns the operand: a :class:`Float8Tensor` (with its transpose
+  written in the same pass when ``columnwise``, for the backward GEMMs), or ``x`` itself in high precision;
+- ``quantize_with_dbias(x)`` casts a 2-D gradient with its transpose and also returns its float32
+  column sums (the bias gradient), fused into the cast where the quantizer casts to FP8;
 - ``produce(run)`` quantizes the output of a producer op that can fuse the cast (norm, activation).
   ``run(fp8_scale, fp8_dtype)`` calls the op and returns ``(y, scale_inv, amax, extras)``; given
   ``(None, None)`` it must return a high-precision ``y`` (and Nones). ``produce`` returns
@@ -49,9 +52,13 @@ class Quantizer:
     #: True when ``quantize`` returns FP8 operands (the FP8 shape rules apply).
     is_fp8 = False
 
-    def quantize(self, x: torch.Tensor):
-        """The GEMM operand for ``x``."""
+    def quantize(self, x: torch.Tensor, columnwise: bool = False):
+        """The GEMM operand for ``x``; FP8 operands of a 2-D ``x`` also carry ``data_t`` when ``columnwise``."""
         raise NotImplementedError
+
+    def quantize_with_dbias(self, x: torch.Tensor):
+        """(operand of a 2-D x with its transpose, float32 column sums of x): a gradient's cast and its bias gradient."""
+        return self.quantize(x, columnwise=True), x.sum(dim=0, dtype=torch.float32)
 
     def produce(self, run: ProducerFn):
         """Run ``run`` in high precision, then :meth:`quantize` its output; returns (operand, extras)."""
@@ -71,7 +78,7 @@ class Quantizer:
 class IdentityQuantizer(Quantizer):
     """High precision: the operand is the tensor itself."""
 
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> torch.Tensor:
         return x
 
 
@@ -102,13 +109,19 @@ class Float8Quantizer(Quantizer):
 
     def record(self, amax: torch.Tensor) -> None:
         """amax_history[0, i] = max(amax_history[0, i], amax)."""
-        row = self.state.amax_history[0]
-        row[self.index] = torch.maximum(row[self.index], amax.to(row.dtype))
+        slot = self.state.amax_history[0, self.index]
+        torch.maximum(slot, amax, out=slot)  # in place: one kernel
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
-        q, scale_inv, amax = ops.quantize(x, self.scale, self.fp8_dtype)
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
+        operand, amax = _cast(x, self.scale, self.fp8_dtype, columnwise)
         self.record(amax)
-        return Float8Tensor(q, scale_inv)
+        return operand
+
+    def quantize_with_dbias(self, x: torch.Tensor):
+        """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
+        q, q_t, scale_inv, amax, dbias = ops.cast_transpose_dbias(x, self.scale, self.fp8_dtype)
+        self.record(amax)
+        return Float8Tensor(q, scale_inv, q_t), dbias
 
     def produce(self, run: ProducerFn):
         """Fused cast: the producer writes FP8 with this scale and reports the amax of its output."""
@@ -140,13 +153,19 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.qparams = qparams
         self.reduce_amax = reduce_amax
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+    def _scale_of(self, x: torch.Tensor) -> torch.Tensor:
         amax = ops.compute_amax(x)
         if self.reduce_amax is not None:
             amax = self.reduce_amax(amax)
-        scale = amax_to_scale(amax, fp8_max(self.fp8_dtype), self.qparams)
-        q, scale_inv, _ = ops.quantize(x, scale, self.fp8_dtype)
-        return Float8Tensor(q, scale_inv)
+        return amax_to_scale(amax, fp8_max(self.fp8_dtype), self.qparams)
+
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
+        return _cast(x, self._scale_of(x), self.fp8_dtype, columnwise)[0]
+
+    def quantize_with_dbias(self, x: torch.Tensor):
+        """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
+        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, self._scale_of(x), self.fp8_dtype)
+        return Float8Tensor(q, scale_inv, q_t), dbias
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8CurrentScalingQuantizer":
         """The same cast with scale = fp8_max / max over the ranks of each shard's amax."""
@@ -159,6 +178,15 @@ class AmaxObserver(Quantizer):
     def __init__(self, target: Float8Quantizer):
         self.target = target
 
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> torch.Tensor:
         self.target.record(ops.compute_amax(x))
         return x
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Tuple[Float8Tensor, torch.Tensor]:
+    """(FP8 operand, amax of x): ``ops.cast_transpose`` (one pass, both layouts) when ``columnwise``, else ``ops.quantize``."""
+    if columnwise and x.dim() == 2:
+        q, q_t, scale_inv, amax = ops.cast_transpose(x, scale, fp8_dtype)
+        return Float8Tensor(q, scale_inv, q_t), amax
+    q, scale_inv, amax = ops.quantize(x, scale, fp8_dtype)
+    return Float8Tensor(q, scale_inv), amax

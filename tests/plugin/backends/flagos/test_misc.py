@@ -1,4 +1,5 @@
-"""flagos cross entropy vs the reference backend: online logsumexp, label smoothing, ignored rows."""
+"""flagos dropout / bias-dropout-add against their formulas with the returned mask (Philox keep
+statistics, seeding, edge probabilities), and cross entropy vs the reference backend."""
 
 import math
 
@@ -7,8 +8,176 @@ import torch
 
 from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_close
 from tests.utils import randn
+from transformer_engine.plugin.backends import flagos, reference
 from transformer_engine.plugin.backends.flagos import misc as fm
 from transformer_engine.plugin.backends.reference import misc as ref
+from transformer_engine.plugin.core import OpManager, OpRegistry
+
+# -- dropout and bias-dropout-add ---------------------------------------------------------------
+# Each kept value is one float32 multiply (and adds) rounded once to the output dtype, so it matches
+# the float64 formula within the dtype's row of DTYPE_TOLS; scale = 2 (p = 0.5) is exact in every
+# dtype, so there y must equal x * m * 2 bit for bit (the interpreter's bf16 truncation included).
+
+
+def _keep_bound(p: float, n: int) -> float:
+    """6 sigma of the kept fraction of n Bernoulli(1 - p) draws."""
+    return 6 * math.sqrt(p * (1 - p) / n)
+
+
+def _rng_state(device):
+    return torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device, state) -> None:
+    if device == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 1001), (5003,)])  # 5003: 3 quarters of a program, odd tail
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_matches_formula_with_its_mask(shape, dtype, p, device):
+    x = randn(*shape, dtype=dtype, device=device)
+    y, keep = fm.dropout_fwd(x, p)
+    assert keep.dtype == torch.bool and keep.shape == x.shape and y.dtype == dtype and y.shape == x.shape
+    assert not bool(y[~keep].any()), "dropped elements must be exactly 0"
+    assert_close(y, (x.double() * keep / (1 - p)).to(dtype))
+    dy = randn(*shape, dtype=dtype, device=device)
+    dx = fm.dropout_bwd(dy, keep, p)
+    assert_close(dx, (dy.double() * keep / (1 - p)).to(dtype))
+    if p == 0.5:
+        assert torch.equal(y, x * keep * 2) and torch.equal(dx, dy * keep * 2)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.83])
+def test_keep_fraction_and_distinct_quarters(p, device):
+    n = 5000
+    keep = fm.dropout_fwd(randn(n, device=device), p)[1].cpu()
+    assert abs(keep.double().mean().item() - (1 - p)) < _keep_bound(p, n)
+    for start in (0, fm._QUARTER, 2 * fm._QUARTER):  # each quarter uses another Philox output
+        part = keep[start:start + fm._QUARTER]
+        assert abs(part.double().mean().item() - (1 - p)) < _keep_bound(p, part.numel())
+    assert not torch.equal(keep[: fm._QUARTER], keep[fm._QUARTER : 2 * fm._QUARTER])
+
+
+def test_many_programs_draw_distinct_masks(monkeypatch, device):
+    monkeypatch.setattr(fm, "_QUARTER", 64)  # 4000 elements -> 16 programs of 4 quarters
+    keep = fm.dropout_fwd(randn(4000, device=device), 0.5)[1].cpu()
+    chunks = keep[: 62 * 64].view(62, 64)  # the last 32 elements make a partial chunk
+    assert len({tuple(c.tolist()) for c in chunks}) == 62, "two chunks drew the same numbers"
+    assert abs(keep.double().mean().item() - 0.5) < _keep_bound(0.5, 4000)
+
+
+def test_seeding_replay_and_fresh_masks(device):
+    x = randn(999, device=device)
+    torch.manual_seed(11)
+    first = fm.dropout_fwd(x, 0.5)[1]
+    second = fm.dropout_fwd(x, 0.5)[1]
+    assert not torch.equal(first, second), "consecutive calls must draw new masks"
+    torch.manual_seed(11)
+    assert torch.equal(fm.dropout_fwd(x, 0.5)[1], first)
+    state = _rng_state(device)  # te.checkpoint's replay: restore the state, draw the same mask
+    keep = fm.bias_dropout_add_fwd(x, None, x, 0.3)[1]
+    _set_rng_state(device, state)
+    assert torch.equal(fm.bias_dropout_add_fwd(x, None, x, 0.3)[1], keep)
+
+
+def test_edge_probabilities_and_layouts(device):
+    x = randn(37, 29, device=device)
+    x[0, 0] = float("inf")
+    y, keep = fm.dropout_fwd(x, 0.0)
+    assert bool(keep.all()) and torch.equal(y, x)
+    y, keep = fm.dropout_fwd(x, 1.0)
+    assert not bool(keep.any()) and not bool(y.any())
+    assert not bool(fm.dropout_bwd(x, keep, 1.0).any())
+    y, keep = fm.dropout_fwd(x.t(), 0.5)  # non-contiguous: copied first
+    assert y.shape == (29, 37) and torch.equal(y, x.t() * keep * 2)
+    assert torch.equal(fm.dropout_bwd(x.t(), keep, 0.5), x.t() * keep * 2)
+    y, keep = fm.dropout_fwd(randn(0, 5, device=device), 0.5)
+    assert y.shape == keep.shape == (0, 5)
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(1, 1), (3, 7), (13, 331)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_dropout_add_matches_float64_formula(rows, hidden, dtype, with_bias, device):
+    x, residual = randn(rows, hidden, dtype=dtype, device=device), randn(rows, hidden, dtype=dtype, device=device)
+    bias = randn(hidden, dtype=dtype, device=device) if with_bias else None
+    out, keep = fm.bias_dropout_add_fwd(x, bias, residual, 0.3)
+    assert keep.dtype == torch.bool and keep.shape == x.shape and out.dtype == dtype
+    h = x.double() + (0 if bias is None else bias.double())
+    assert_close(out, (residual.double() + h * keep / 0.7).to(dtype))
+
+
+def test_bias_dropout_add_mixed_dtypes_and_batched_rows(device):
+    x = randn(2, 3, 5003, dtype=torch.bfloat16, device=device)  # bias index wraps mid-quarter
+    bias, residual = randn(5003, device=device), randn(2, 3, 5003, dtype=torch.float16, device=device)
+    out, keep = fm.bias_dropout_add_fwd(x, bias, residual, 0.5)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, (residual.double() + (x.double() + bias.double()) * keep * 2).to(torch.bfloat16))
+
+
+def test_dropout_errors_and_supports(device):
+    x = randn(4, 6, device=device)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"p=.* must be in \[0, 1\]"):
+            fm.dropout_fwd(x, bad)
+        with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+            fm.dropout_bwd(x, x > 0, bad)
+        with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+            fm.bias_dropout_add_fwd(x, None, x, bad)
+    with pytest.raises(ValueError, match="mask shape"):
+        fm.dropout_bwd(x, (x > 0)[:2], 0.5)
+    with pytest.raises(TypeError, match="bool"):
+        fm.dropout_bwd(x, (x > 0).float(), 0.5)
+    with pytest.raises(ValueError, match=r"bias must be \[6\]"):
+        fm.bias_dropout_add_fwd(x, randn(5, device=device), x, 0.5)
+    with pytest.raises(ValueError, match="residual"):
+        fm.bias_dropout_add_fwd(x, None, x[:3], 0.5)
+    verdict = fm.SUPPORTS["dropout_fwd"](x.double(), 0.5)
+    assert not verdict and "float64" in verdict.reason
+    verdict = fm.SUPPORTS["bias_dropout_add_fwd"](x, None, x.double(), 0.5)
+    assert not verdict and "float64" in verdict.reason
+    assert fm.SUPPORTS["bias_dropout_add_fwd"](x, randn(6, device=device), x, 0.5)
+    if device == "cuda":
+        verdict = fm.SUPPORTS["bias_dropout_add_fwd"](x, randn(6), x, 0.5)
+        assert not verdict and "cpu" in verdict.reason
+
+
+def test_dispatch_runs_flagos(monkeypatch, device):
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
+    registry = OpRegistry()
+    flagos.register(registry)
+    reference.register(registry)
+    manager = OpManager(registry, load_builtins=False, discover=False)
+    x = randn(5, 8, device=device)
+    (out, keep), impl = manager.dispatcher("bias_dropout_add_fwd").traced(x, randn(8, device=device), x, 0.5)
+    assert impl.impl_id == flagos.IMPL_ID and keep.shape == x.shape
+    _, impl = manager.dispatcher("dropout_fwd").traced(x.double(), 0.5)  # declined: the reference runs
+    assert impl.impl_id == reference.IMPL_ID
+
+
+@pytest.mark.gpu
+def test_dropout_large_gpu():
+    x, dy = randn(8192, 4096, dtype=torch.bfloat16, device="cuda"), randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
+    y, keep = fm.dropout_fwd(x, 0.1)
+    assert abs(keep.double().mean().item() - 0.9) < _keep_bound(0.1, keep.numel())
+    assert not bool(y[~keep].any())
+    assert_close(y, (x.double() * keep / 0.9).to(torch.bfloat16))
+    assert_close(fm.dropout_bwd(dy, keep, 0.1), (dy.double() * keep / 0.9).to(torch.bfloat16))
+    y, keep = fm.dropout_fwd(x, 0.5)
+    assert torch.equal(y, x * keep * 2)
+
+
+@pytest.mark.gpu
+def test_bias_dropout_add_large_gpu():
+    x, residual = randn(8192, 4096, dtype=torch.bfloat16, device="cuda"), randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
+    bias = randn(4096, dtype=torch.bfloat16, device="cuda")
+    out, keep = fm.bias_dropout_add_fwd(x, bias, residual, 0.1)
+    assert abs(keep.double().mean().item() - 0.9) < _keep_bound(0.1, keep.numel())
+    assert_close(out, (residual.double() + (x.double() + bias.double()) * keep / 0.9).to(torch.bfloat16))
 
 
 def _targets(n, vocab, device):

@@ -112,6 +112,79 @@ def test_cast_transpose_strided_rows(device):
     assert torch.equal(amax.cpu(), amax_ref.cpu())
 
 
+# dbias: both sides sum in float32, each in its own order (flagos: 64-row tiles, then torch over the
+# tiles; reference: torch's cascade sum). A blocked / tree float32 sum of n terms errs by about
+# log2(n) * 2^-24 * sum_i |x[i, j]| at most (~1e-6 for n = 8192); 1e-5 also covers the short serial
+# runs torch accumulates first. Dropped or doubled elements are caught exactly by the integer test.
+_DBIAS_RTOL = 1e-5
+
+
+def _assert_dbias_close(dbias, expected, x):
+    """dbias within _DBIAS_RTOL * sum_i |x[i, j]| of expected, NaN and +-inf in the same places."""
+    assert dbias.dtype == torch.float32 and dbias.shape == expected.shape == (x.shape[1],)
+    dbias, expected = dbias.cpu().double(), expected.cpu().double()
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(dbias[~finite], expected[~finite], rtol=0, atol=0, equal_nan=True)
+    bound = _DBIAS_RTOL * x.cpu().double().abs().sum(0)
+    error = (dbias - expected).abs()[finite]
+    assert bool((error <= bound[finite]).all()), f"max error {error.max()}"
+
+
+def _assert_same_cast_transpose_dbias(actual, expected, x):
+    q, q_t, scale_inv, amax, dbias = actual
+    q_ref, q_t_ref, scale_inv_ref, amax_ref, dbias_ref = expected
+    assert q_t.is_contiguous() and q_t.shape == (x.shape[1], x.shape[0])
+    _assert_same_quantize((q, scale_inv, amax), (q_ref, scale_inv_ref, amax_ref))
+    assert_fp8_equal(q_t, q_t_ref)
+    _assert_dbias_close(dbias, dbias_ref, x)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (65, 130)])
+def test_cast_transpose_dbias(shape, dtype, fp8_dtype, device):
+    x, scale = wide_range(shape, dtype, device), _scale(device)
+    expected = ref.cast_transpose_dbias(x, scale, fp8_dtype)
+    _assert_same_cast_transpose_dbias(fq.cast_transpose_dbias(x, scale, fp8_dtype), expected, x)
+
+
+def test_cast_transpose_dbias_sums_integers_exactly(device):
+    # small integers sum exactly in float32 in any order: every element counted once, masked lanes
+    # 0; 130 rows = two full 64-row tiles and a ragged one, strided rows of 67 columns
+    wide = torch.randint(-8, 9, (130, 72)).to(torch.bfloat16).to(device)
+    x = wide[:, 2:69]
+    dbias = fq.cast_transpose_dbias(x, torch.ones(1, device=device), torch.float8_e4m3fn)[4]
+    assert torch.equal(dbias.cpu(), x.cpu().double().sum(0).float())
+
+
+def test_cast_transpose_dbias_non_finite_and_empty(device):
+    x = randn(70, 5)
+    x[3, 0] = math.nan
+    x[5, 1] = math.inf
+    x[6, 2], x[66, 2] = math.inf, -math.inf  # in two tiles: inf - inf = NaN
+    x[1, 3] = -math.inf
+    x = x.to(device)
+    dbias = fq.cast_transpose_dbias(x, torch.ones(1, device=device), torch.float8_e5m2)[4].cpu()
+    assert torch.isnan(dbias[0]) and dbias[1].item() == math.inf and torch.isnan(dbias[2])
+    assert dbias[3].item() == -math.inf and math.isfinite(dbias[4].item())
+    empty = torch.empty(0, 5, device=device)
+    scale = torch.tensor([4.0], device=device)
+    q, q_t, scale_inv, amax, dbias = fq.cast_transpose_dbias(empty, scale, torch.float8_e4m3fn)
+    assert q.shape == (0, 5) and q_t.shape == (5, 0) and scale_inv.item() == 0.25 and amax.item() == 0.0
+    assert dbias.dtype == torch.float32 and dbias.cpu().tolist() == [0.0] * 5
+
+
+def test_cast_transpose_dbias_errors_and_supports(device):
+    with pytest.raises(ValueError, match="2-D"):
+        fq.cast_transpose_dbias(randn(2, 2, 4, device=device), torch.ones(1, device=device), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        fq.cast_transpose_dbias(randn(4, 4, device=device), torch.ones(1, device=device), torch.bfloat16)
+    x, supports = randn(4, 4, device=device), fq.SUPPORTS["cast_transpose_dbias"]
+    verdict = supports(x, torch.ones(1, dtype=torch.float64, device=device), torch.float8_e4m3fn)
+    assert not verdict and "float32" in verdict.reason
+    assert supports(x, torch.ones(1, device=device), torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (5, 67), (70, 3)])
 def test_fp8_transpose(shape, device):
     q = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn).to(device)
@@ -166,3 +239,102 @@ def test_large_casts_bit_exact_gpu(fp8_dtype):
     _assert_same_quantize((q, scale_inv, amax), (q_ref, scale_inv_ref, amax_ref))
     assert_fp8_equal(q_t, q_t_ref)
     assert torch.equal(fq.dequantize(q, scale_inv, torch.float32), ref.dequantize(q, scale_inv, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_cast_transpose_dbias_gpu(fp8_dtype):
+    # a linear layer's dy at a training shape: 128 tile rows of partial sums per column
+    x, scale = randn(8192, 4096, dtype=torch.bfloat16, device="cuda"), _scale("cuda")
+    actual = fq.cast_transpose_dbias(x, scale, fp8_dtype)
+    _assert_same_cast_transpose_dbias(actual, ref.cast_transpose_dbias(x, scale, fp8_dtype), x)
+    _assert_dbias_close(actual[4], x.double().sum(0), x)  # and against the float64 formula
+
+
+# ---------------------------------------------------------------- delayed scaling update
+
+
+def _histories(length, n, device):
+    """H [L, N] over 40 decades (tiny amaxes overflow fp8_max / amax) with zeros, inf and NaN; s [N] > 0."""
+    history = torch.rand(length, n) * 10.0 ** (torch.rand(length, n) * 40 - 20)
+    pick = torch.rand(length, n)
+    history[pick < 0.1] = 0.0
+    history[(pick >= 0.1) & (pick < 0.15)] = math.inf
+    history[(pick >= 0.15) & (pick < 0.2)] = math.nan
+    return history.to(device), (torch.rand(n) * 4).to(device)
+
+
+def _assert_bitwise_equal(actual, expected):
+    """Same float32 bit patterns (NaN payloads and the sign of zero included)."""
+    assert actual.dtype == expected.dtype == torch.float32 and actual.shape == expected.shape
+    assert torch.equal(actual.cpu().view(torch.int32), expected.cpu().view(torch.int32))
+
+
+def _assert_same_update(history, scale, fp8_max, margin, algo):
+    actual = fq.delayed_scaling_update(history, scale, fp8_max, margin, algo)
+    expected = ref.delayed_scaling_update(history, scale, fp8_max, margin, algo)
+    for got, want in zip(actual, expected):
+        _assert_bitwise_equal(got, want)
+
+
+def _fp8_max_forms(n, device):
+    """(margin, fp8_max): a float, a float32 [N] vector and a one-element tensor; margins 0 and 2."""
+    return ((0.0, 448.0), (2.0, torch.rand(n, device=device) * 6e4), (2.0, torch.tensor([57344.0], device=device)))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("n", [1, 7, 1000])
+@pytest.mark.parametrize("length", [1, 16])
+def test_delayed_scaling_update_bit_exact(length, n, algo, device):
+    history, scale = _histories(length, n, device)
+    for margin, fp8_max in _fp8_max_forms(n, device):
+        _assert_same_update(history, scale, fp8_max, margin, algo)
+
+
+def test_delayed_scaling_update_edge_values(device):
+    # amax 0, subnormal (s overflows to float32 max), normal, inf, NaN, negative; an infinite old
+    # scale kept by an invalid amax also becomes float32 max; a non-integer margin
+    row0 = torch.tensor([0.0, 1e-40, 3.0, math.inf, math.nan, -2.0, 0.0, 5.0])
+    history = torch.stack([row0, torch.rand(8), torch.rand(8) * 10]).to(device)
+    scale = torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0, 2.0, math.inf, 0.5], device=device)
+    for algo in ("max", "most_recent"):
+        _assert_same_update(history, scale, 448.0, 0.3, algo)
+    new_history, new_scale = fq.delayed_scaling_update(history, scale, 448.0, 1.0, "most_recent")
+    fp32_max = torch.finfo(torch.float32).max
+    assert torch.equal(new_scale[[0, 1, 2, 3, 6]].cpu(), torch.tensor([2.0, fp32_max, 448.0 / 3.0 / 2.0, 2.0, fp32_max]))
+    _assert_bitwise_equal(new_history, torch.cat([torch.zeros(1, 8, device=device), history[[2, 0]]]))
+
+
+def test_delayed_scaling_update_strided_and_low_precision_inputs(device):
+    wide, scale = _histories(5, 22, device)
+    history = wide[:, ::2]  # column stride 2
+    _assert_same_update(history, scale[:11].bfloat16(), 448.0, 0.0, "max")
+    _assert_same_update(history.t().contiguous().t(), scale[:11], torch.full((11,), 57344.0, dtype=torch.float64), 2.0, "max")
+    _assert_same_update(history.bfloat16(), scale[:11], 448.0, 0.0, "most_recent")
+
+
+def test_delayed_scaling_update_empty_errors_and_supports(device):
+    new_history, new_scale = fq.delayed_scaling_update(torch.zeros(3, 0, device=device), torch.ones(0, device=device), 448.0, 0.0, "max")
+    assert new_history.shape == (3, 0) and new_scale.shape == (0,)
+    history, scale = torch.zeros(2, 3, device=device), torch.ones(3, device=device)
+    with pytest.raises(ValueError, match="most_recent"):
+        fq.delayed_scaling_update(history, scale, 448.0, 0.0, "mean")
+    with pytest.raises(ValueError, match=r"needs \[3\]"):
+        fq.delayed_scaling_update(history, scale[:2], 448.0, 0.0, "max")
+    with pytest.raises(ValueError, match="fp8_max"):
+        fq.delayed_scaling_update(history, scale, torch.ones(2), 0.0, "max")
+    with pytest.raises(ValueError, match="margin"):
+        fq.delayed_scaling_update(history, scale, 448.0, math.inf, "max")
+    supports = fq.SUPPORTS["delayed_scaling_update"]
+    verdict = supports(history, torch.ones(3, device="meta"), 448.0, 0.0, "max")
+    assert not verdict and "device" in verdict.reason
+    assert supports(history, scale, 448.0, 0.0, "max")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_update_large_gpu(algo):
+    history, scale = _histories(1024, 4096, "cuda")
+    history[0, :4] = torch.tensor([1e-40, 1e-38, 0.0, 2.0**-149])  # subnormal amaxes: no flush to zero
+    for margin, fp8_max in _fp8_max_forms(4096, "cuda"):
+        _assert_same_update(history, scale, fp8_max, margin, algo)

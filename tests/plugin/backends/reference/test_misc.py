@@ -1,4 +1,5 @@
-"""Reference dropout (statistics, mask consistency) and cross entropy vs torch.nn.functional.cross_entropy."""
+"""Reference dropout and bias-dropout-add (statistics, formula with the returned mask, seeding) and
+cross entropy vs torch.nn.functional.cross_entropy."""
 
 import math
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from tests.utils import dtype_tols, randn
 from transformer_engine.plugin import ops
 from transformer_engine.plugin.backends.reference.misc import (
+    bias_dropout_add_fwd,
     cross_entropy_bwd,
     cross_entropy_fwd,
     dropout_bwd,
@@ -43,6 +45,41 @@ def test_dropout_edge_probabilities_and_generator():
         dropout_fwd(x, 1.5)
     with pytest.raises(ValueError, match="shape"):
         dropout_bwd(x, keep[:3], 0.5)
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 1), (5, 7), (61, 127)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_dropout_add_matches_float64_formula(rows, hidden, dtype, with_bias):
+    x, residual = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype)
+    bias = randn(hidden, dtype=dtype) if with_bias else None
+    out, keep = bias_dropout_add_fwd(x, bias, residual, 0.3)
+    assert keep.dtype == torch.bool and keep.shape == x.shape and out.dtype == dtype
+    h = x.double() + (0 if bias is None else bias.double())
+    torch.testing.assert_close(out.double(), (residual.double() + h * keep / 0.7).to(dtype).double(), **dtype_tols(dtype))
+
+
+def test_bias_dropout_add_statistics_seeding_and_errors():
+    x, bias, residual = randn(50, 100), randn(100), randn(50, 100)
+    out, keep = bias_dropout_add_fwd(x, bias, residual, 0.83)
+    assert abs(keep.double().mean().item() - 0.17) < 6 * math.sqrt(0.83 * 0.17 / keep.numel())  # 6 sigma
+    torch.manual_seed(3)
+    first = ops.bias_dropout_add_fwd(x, bias, residual, 0.5)[1]
+    assert not torch.equal(first, ops.bias_dropout_add_fwd(x, bias, residual, 0.5)[1])
+    torch.manual_seed(3)
+    assert torch.equal(bias_dropout_add_fwd(x, bias, residual, 0.5)[1], first)
+    out, keep = bias_dropout_add_fwd(x, bias, residual, 1.0)
+    assert not keep.any() and torch.equal(out, residual)
+    out, keep = bias_dropout_add_fwd(x, None, residual, 0.0)
+    assert keep.all() and torch.equal(out, residual + x)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        bias_dropout_add_fwd(x, bias, residual, -0.5)
+    with pytest.raises(ValueError, match=r"bias must be \[100\]"):
+        bias_dropout_add_fwd(x, randn(50, 100), residual, 0.5)
+    with pytest.raises(ValueError, match="residual"):
+        bias_dropout_add_fwd(x, bias, residual[:, :5], 0.5)
+    with pytest.raises(TypeError, match="bool"):
+        dropout_bwd(x, keep.float(), 0.5)
 
 
 def _reference_ce(logits, target, grad_loss, eps, ignore_index):

@@ -140,6 +140,35 @@ def test_cast_transpose(shape, dtype):
     assert amax.item() == _finite_amax(x)
 
 
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (65, 130)])
+def test_cast_transpose_dbias(shape, dtype, fp8_dtype):
+    x = _wide_range(shape, dtype)
+    scale = _random_scale()
+    q, q_t, scale_inv, amax, dbias = ref.cast_transpose_dbias(x, scale, fp8_dtype)
+    codes = _fp8_codes(_product_f32(x, scale), fp8_dtype)
+    assert torch.equal(q.view(torch.uint8), codes) and q_t.is_contiguous()
+    assert torch.equal(q_t.view(torch.uint8), codes.t())
+    assert scale_inv.item() == torch.tensor(1.0 / scale.item(), dtype=torch.float64).float().item()
+    assert amax.item() == _finite_amax(x)
+    # a float32 sum of n terms in torch's cascade order errs by ~log2(n) * 2^-24 * sum |x| at most; 1e-5 bounds it
+    assert dbias.dtype == torch.float32 and dbias.shape == (shape[1],)
+    error = (dbias.double() - x.double().sum(0)).abs()
+    assert bool((error <= 1e-5 * x.double().abs().sum(0)).all())
+
+
+def test_cast_transpose_dbias_non_finite_and_empty():
+    x = randn(9, 4)
+    x[2, 0], x[3, 1], x[4, 2], x[5, 2] = math.nan, math.inf, math.inf, -math.inf
+    dbias = ref.cast_transpose_dbias(x, torch.ones(1), E4M3)[4]
+    assert torch.isnan(dbias[0]) and dbias[1].item() == math.inf and torch.isnan(dbias[2])
+    assert dbias[3].item() == pytest.approx(x[:, 3].double().sum().item(), rel=1e-6)
+    q, q_t, _, amax, dbias = ref.cast_transpose_dbias(torch.empty(0, 3, dtype=torch.bfloat16), torch.ones(1), E5M2)
+    assert q.shape == (0, 3) and q_t.shape == (3, 0) and amax.item() == 0.0
+    assert dbias.dtype == torch.float32 and dbias.tolist() == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (5, 3), (17, 64)])
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_fp8_transpose(shape, fp8_dtype):
@@ -318,6 +347,8 @@ def test_delayed_scaling_random_run_vs_list_simulation(algo, length, margin):
         (lambda: ref.dequantize(randn(4), torch.ones(1), torch.float32), TypeError, "float8"),
         (lambda: ref.dequantize(randn(4).to(E5M2), torch.ones(1), E4M3), ValueError, "not FP8"),
         (lambda: ref.cast_transpose(randn(2, 3, 4), torch.ones(1), E4M3), ValueError, "2-D"),
+        (lambda: ref.cast_transpose_dbias(randn(5), torch.ones(1), E4M3), ValueError, "2-D"),
+        (lambda: ref.cast_transpose_dbias(randn(2, 3).int(), torch.ones(1), E4M3), TypeError, "dtype"),
         (lambda: ref.quantize_blockwise(randn(4, 4), E4M3, 0, 32, True, 0.0), ValueError, "block_rows"),
         (lambda: ref.quantize_blockwise(randn(4, 4), E4M3, 1, 32, True, -1.0), ValueError, "amax_epsilon"),
         (lambda: ref.dequantize_blockwise(randn(4, 40).to(E4M3), torch.ones(4, 1), 1, 32, torch.float32), ValueError, r"\(4, 2\)"),
@@ -336,6 +367,8 @@ def test_dispatch_through_ops():
         (q, scale_inv, amax), impl = ops.quantize.traced(x, torch.ones(1), E4M3)
         history, scale = ops.delayed_scaling_update(torch.ones(2, 2), torch.ones(2), 448.0, 0.0, "max")
         q_b, _ = ops.quantize_blockwise(x, E4M3, 1, 32, True, 0.0)
-    assert impl.impl_id == IMPL_ID
+        dbias_result, dbias_impl = ops.cast_transpose_dbias.traced(x, torch.ones(1), E4M3)
+    assert impl.impl_id == dbias_impl.impl_id == IMPL_ID
+    assert torch.equal(dbias_result[4], x.sum(0))
     assert torch.equal(q.view(torch.uint8), ref.quantize(x, torch.ones(1), E4M3)[0].view(torch.uint8))
     assert scale.tolist() == [448.0, 448.0] and q_b.shape == x.shape

@@ -7,8 +7,8 @@ records as "backend not loaded" (``import transformer_engine`` is never affected
 
 Ops it declines for given arguments say why through their ``SUPPORTS`` predicates (e.g. rows
 wider than one Triton block, packed RoPE); the dispatcher then runs the next backend. Not
-implemented here (the reference or vendor backend runs them): dropout, gemm, quantize_blockwise,
-dequantize_blockwise, delayed_scaling_update and multi_tensor_sgd.
+implemented here (the reference or vendor backend runs them): gemm, quantize_blockwise,
+dequantize_blockwise and multi_tensor_sgd.
 """
 
 import importlib.util

@@ -1,6 +1,20 @@
-"""Cross entropy in Triton, forward and backward (dropout is left to the reference backend).
+"""Dropout, the fused bias-dropout-add and cross entropy in Triton, forward and backward.
 
-For one row z [V] of logits and target t, with label smoothing eps, in float32:
+Dropout with keep mask m ~ Bernoulli(1 - p), scale = 1 / (1 - p) (0 for p = 1), in float32:
+
+    forward   y = x * m * scale;  bias-dropout-add: out = r + (x + b) * m * scale, b [H] over the rows
+    backward  dx = dy * m * scale  (both ops; db = sum over rows of dx and dr = dy are the caller's)
+
+One kernel per call: the forward reads x (and b, r) once and writes y and m (bool, stored as bytes).
+m_i = [u_i >= p] with u_i uniform in [0, 1) from Philox (``tl.rand4x``): one Philox call gives four
+uniforms, so program k draws counters c = k * QUARTER + [0, QUARTER) once and uses the j-th output
+for its j-th quarter of elements [k * 4 QUARTER + j QUARTER, ... + QUARTER). The Philox key is an
+int64 drawn on x's device from torch's default generator (``torch.randint``) and read by the kernel
+through a pointer: no host sync, ``torch.manual_seed`` reproduces m, and restoring the RNG state
+(``te.checkpoint``'s replay) draws the same key and so the same m. Offsets are int64 (any numel).
+Dropped elements are exactly 0, also where x is not finite.
+
+Cross entropy, for one row z [V] of logits and target t, with label smoothing eps, in float32:
 
     forward   lse = log sum_j exp(z_j), computed online over blocks of V:
                   m' = max(m, max_block z),  s' = s exp(m - m') + sum_block exp(z - m'),  lse = m + log s
@@ -18,13 +32,177 @@ import torch
 import triton
 import triton.language as tl
 
+from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_mask, dropout_scale
 from transformer_engine.plugin.core import Reject
 
 from ._common import device_guard
 
-__all__ = ["cross_entropy_fwd", "cross_entropy_bwd"]
+__all__ = ["dropout_fwd", "dropout_bwd", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
 
 _BLOCK_V = 4096  # logits per step of the loop over the vocabulary
+_QUARTER = 2048  # elements per Philox output of a dropout-forward program (a program covers 4 x this)
+_BLOCK_BWD = 4096  # elements per dropout-backward program
+_SEED_HIGH = 2**63 - 1  # Philox keys are drawn uniformly from [0, _SEED_HIGH)
+_MAX_COLS = 2**30  # bias length bound: column indices are int32 within a program
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _drop_quarter(
+    x_ptr,  # *x, contiguous, flat [numel]
+    bias_ptr,  # *b [H] (read only with HAS_BIAS)
+    residual_ptr,  # *r, contiguous, flat [numel] (read only with HAS_RESIDUAL)
+    y_ptr,  # *y, contiguous, flat [numel], x's dtype
+    keep_ptr,  # *uint8 view of the bool mask m, flat [numel]
+    start,  # int64 index of the quarter's first element
+    u,  # [QUARTER] float32 uniforms of this quarter
+    numel,  # elements of x
+    n_cols,  # H, the bias length (1 without bias)
+    p,  # drop probability
+    scale,  # 1 / (1 - p), 0 when p = 1
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    QUARTER: tl.constexpr,
+):
+    """y = [r +] where(m, (x [+ b]) * scale, 0), m = u >= p, on elements [start, start + QUARTER)."""
+    idx = start + tl.arange(0, QUARTER)
+    inside = idx < numel
+    h = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        col = ((start % n_cols).to(tl.int32) + tl.arange(0, QUARTER)) % n_cols  # < H + QUARTER < 2^31
+        h += tl.load(bias_ptr + col, mask=inside, other=0.0).to(tl.float32)
+    keep = u >= p
+    y = tl.where(keep, h * scale, 0.0)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+    tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=inside)
+    tl.store(keep_ptr + idx, keep.to(tl.uint8), mask=inside)
+
+
+@triton.jit
+def _dropout_fwd_kernel(
+    x_ptr,  # *x, contiguous, flat [numel]
+    bias_ptr,  # *b [H] (read only with HAS_BIAS)
+    residual_ptr,  # *r, contiguous, flat [numel] (read only with HAS_RESIDUAL)
+    y_ptr,  # *y, contiguous, flat [numel], x's dtype
+    keep_ptr,  # *uint8 view of the bool mask m, flat [numel]
+    seed_ptr,  # *int64 [1], the Philox key
+    numel,  # elements of x
+    n_cols,  # H, the bias length (1 without bias)
+    p,  # drop probability
+    scale,  # 1 / (1 - p), 0 when p = 1
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    QUARTER: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    counter = pid * QUARTER + tl.arange(0, QUARTER)  # Philox counters, one per four elements
+    u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr), counter)
+    start = pid * (4 * QUARTER)
+    _drop_quarter(x_ptr, bias_ptr, residual_ptr, y_ptr, keep_ptr, start, u0, numel, n_cols, p, scale,
+                  HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
+    _drop_quarter(x_ptr, bias_ptr, residual_ptr, y_ptr, keep_ptr, start + QUARTER, u1, numel, n_cols, p, scale,
+                  HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
+    _drop_quarter(x_ptr, bias_ptr, residual_ptr, y_ptr, keep_ptr, start + 2 * QUARTER, u2, numel, n_cols, p, scale,
+                  HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
+    _drop_quarter(x_ptr, bias_ptr, residual_ptr, y_ptr, keep_ptr, start + 3 * QUARTER, u3, numel, n_cols, p, scale,
+                  HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
+
+
+@triton.jit
+def _dropout_bwd_kernel(
+    dy_ptr,  # *dy, contiguous, flat [numel]
+    keep_ptr,  # *uint8 view of the bool mask m, flat [numel]
+    dx_ptr,  # *dx, contiguous, flat [numel], dy's dtype
+    numel,  # elements of dy
+    scale,  # 1 / (1 - p), 0 when p = 1
+    BLOCK: tl.constexpr,
+):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = idx < numel
+    dy = tl.load(dy_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+    keep = tl.load(keep_ptr + idx, mask=inside, other=0) != 0
+    tl.store(dx_ptr + idx, tl.where(keep, dy * scale, 0.0).to(dx_ptr.dtype.element_ty), mask=inside)
+
+
+def _draw_seed(device: torch.device) -> torch.Tensor:
+    """The Philox key of one launch: an int64 [1] drawn on ``device`` from its default generator."""
+    return torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64, device=device)
+
+
+def _drop_launch(x: torch.Tensor, bias, residual, p: float, scale: float):
+    """(y, m) of y = [r +] (x [+ b]) * m * scale in one kernel; the caller checked p, scale and the shapes."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    seed = _draw_seed(x.device)
+    numel = x.numel()
+    if numel:
+        with device_guard(x):
+            _dropout_fwd_kernel[(triton.cdiv(numel, 4 * _QUARTER),)](
+                x, x if bias is None else bias.contiguous(), x if residual is None else residual.contiguous(), y,
+                keep.view(torch.uint8), seed, numel, 1 if bias is None else bias.numel(), float(p), scale,
+                HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, QUARTER=_QUARTER, num_warps=8,
+            )  # fmt: skip
+    return y, keep
+
+
+def dropout_fwd(x, p):
+    """Inverted dropout: y = x * m / (1 - p), m ~ Bernoulli(1 - p) by Philox keyed from x's device generator.
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor (a non-contiguous one is copied first).
+        p: drop probability in [0, 1].
+
+    Returns:
+        (y with x's shape and dtype, keep mask m as a bool tensor, True = kept).
+
+    Raises:
+        ValueError: p outside [0, 1].
+    """
+    return _drop_launch(x, None, None, p, dropout_scale(p))
+
+
+def dropout_bwd(dy, mask, p):
+    """dx = dy * m / (1 - p) with the keep mask ``mask`` of the forward.
+
+    Raises:
+        ValueError: p outside [0, 1], or mask's shape differs from dy's.
+        TypeError: mask is not a bool tensor.
+    """
+    scale = dropout_scale(p)
+    check_dropout_mask(dy, mask)
+    dy = dy.contiguous()
+    dx = torch.empty_like(dy)
+    numel = dy.numel()
+    if numel:
+        with device_guard(dy):
+            _dropout_bwd_kernel[(triton.cdiv(numel, _BLOCK_BWD),)](
+                dy, mask.contiguous().view(torch.uint8), dx, numel, scale, BLOCK=_BLOCK_BWD, num_warps=8
+            )
+    return dx
+
+
+def bias_dropout_add_fwd(x, bias, residual, p):
+    """out = residual + (x + bias) * m / (1 - p), m ~ Bernoulli(1 - p), in one kernel (float32 math).
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor [..., H].
+        bias: [H], broadcast over the rows, or None.
+        residual: tensor of x's shape.
+        p: drop probability in [0, 1].
+
+    Returns:
+        (out with x's shape and dtype, keep mask m as a bool tensor, True = kept); the backward is
+        :func:`dropout_bwd` with m.
+
+    Raises:
+        ValueError: p outside [0, 1], bias not [H], or residual's shape differs from x's.
+        TypeError: bias or residual is not a tensor.
+    """
+    scale = dropout_scale(p)
+    check_bias_dropout_add(x, bias, residual)
+    return _drop_launch(x, bias, residual, p, scale)
 
 
 @triton.jit
@@ -167,11 +345,12 @@ def cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing=0.0, ignor
     return dz
 
 
-def _same_device(logits, *others) -> object:
-    if isinstance(logits, torch.Tensor):
+def _same_device(key, *others) -> object:
+    """True when every tensor of ``others`` is on the key tensor's device, else a Reject naming both."""
+    if isinstance(key, torch.Tensor):
         for other in others:
-            if isinstance(other, torch.Tensor) and other.device != logits.device:
-                return Reject(f"an operand is on {other.device} but logits on {logits.device}")
+            if isinstance(other, torch.Tensor) and other.device != key.device:
+                return Reject(f"an operand is on {other.device} but the first one on {key.device}")
     return True
 
 
@@ -183,4 +362,32 @@ def _bwd_fits(grad_loss, logits, target, lse, label_smoothing=0.0, ignore_index=
     return _same_device(logits, grad_loss, target, lse)
 
 
-SUPPORTS = {"cross_entropy_fwd": _fwd_fits, "cross_entropy_bwd": _bwd_fits}
+def _floats_on_one_device(floats, *others) -> object:
+    """True when the ``floats`` tensors are float32 / bfloat16 / float16 and all are on one device, else why not."""
+    for t in floats:
+        if isinstance(t, torch.Tensor) and t.dtype not in _DTYPES:
+            return Reject(f"flagos dropout reads float32 / bfloat16 / float16 operands, got {t.dtype}")
+    return _same_device(*floats, *others)
+
+
+def _dropout_fwd_fits(x, p):
+    return _floats_on_one_device((x,))
+
+
+def _dropout_bwd_fits(dy, mask, p):
+    return _floats_on_one_device((dy,), mask)
+
+
+def _bias_dropout_add_fits(x, bias, residual, p):
+    if isinstance(bias, torch.Tensor) and bias.numel() >= _MAX_COLS:
+        return Reject(f"bias has {bias.numel()} elements; the kernel indexes columns in int32 (< 2^30)")
+    return _floats_on_one_device((x, bias, residual))
+
+
+SUPPORTS = {
+    "dropout_fwd": _dropout_fwd_fits,
+    "dropout_bwd": _dropout_bwd_fits,
+    "bias_dropout_add_fwd": _bias_dropout_add_fits,
+    "cross_entropy_fwd": _fwd_fits,
+    "cross_entropy_bwd": _bwd_fits,
+}

@@ -1,4 +1,5 @@
-"""Per-tensor FP8 casts in Triton: quantize, dequantize, cast_transpose, fp8_transpose, compute_amax.
+"""Per-tensor FP8 in Triton: quantize, dequantize, cast_transpose(_dbias), fp8_transpose, compute_amax,
+delayed_scaling_update.
 
 Math (plugin/catalog/quantization.py), float32 throughout:
 
@@ -6,8 +7,18 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     amax = max |x| over the finite elements of x
     dequantize      x = q * scale_inv, cast to out_dtype
     cast_transpose  q as quantize and q_t = q^T, both written from one read of each x tile
+    cast_transpose_dbias
+                    cast_transpose plus dbias[j] = sum_i x[i, j] in float32: each tile writes its
+                    column sums to partials [cdiv(M, BLOCK_M), N], which torch sums over dim 0
+                    (no atomics: the result is deterministic)
     fp8_transpose   q_t[j, i] = q[i, j]
     compute_amax    amax = max |x| over the finite elements of x
+    delayed_scaling_update
+                    amax = max_l H[l] ("max") or H[0] ("most_recent"), read before the roll;
+                    s_new = (fp8_max / amax) / 2^margin where amax is finite and > 0, else the old s;
+                    +-inf -> float32 max; H_new = roll(H, -1, dim 0) with row 0 zeroed. One launch:
+                    a program owns a block of columns and walks down the L rows (IEEE divisions,
+                    so s_new is bit-identical to the reference's)
 
 There is no VJP: these are casts (the module layer treats them as straight-through). The cast is
 ``_fp8_encode`` (bit-identical to torch's saturating round-to-nearest-even cast, see _common.py).
@@ -22,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from transformer_engine.plugin.backends._checks import check_delayed_scaling_update
 from transformer_engine.plugin.backends.reference._fp8 import (
     check_fp8_dtype,
     check_high_precision,
@@ -45,10 +57,15 @@ from ._common import (
     hw_fp8_cast,
 )
 
-__all__ = ["quantize", "dequantize", "cast_transpose", "fp8_transpose", "compute_amax"]
+__all__ = [
+    "quantize", "dequantize", "cast_transpose", "cast_transpose_dbias", "fp8_transpose", "compute_amax",
+    "delayed_scaling_update",
+]
 
-_BLOCK = 4096  # elements per program of the 1-D kernels (16 per thread at 8 warps: two 16-byte loads)
+_BLOCK = 8192  # elements per program of the 1-D kernels (32 per thread at 8 warps; measured best, benchmarks/sweep_fp8_casts.py)
 _TILE = 64  # square tile of the transposing kernels
+_UPDATE_COLS = 32  # columns per program of the delayed-scaling update (one 128-byte row segment)
+_UPDATE_TILE = 4096  # history elements per loop step of that update (L = 1024 takes 8 steps)
 
 
 @triton.jit
@@ -102,11 +119,13 @@ def _cast_transpose_kernel(
     scale_ptr,  # *float32, one element
     scale_inv_ptr,  # *float32, 0-d: receives 1 / scale
     amax_ptr,  # *int32, 0-d, zeroed: receives the bits of max |x| (finite)
+    partials_ptr,  # *float32 [cdiv(M, BLOCK_M), N], contiguous: column sums of each tile row (None without DBIAS)
     M,  # rows of x
     N,  # columns of x
     stride_xm,  # elements between rows of x
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DBIAS: tl.constexpr,  # also write this tile's column sums of x (the bias gradient's partials)
     FP8_MAX: tl.constexpr,
     MBITS: tl.constexpr,
     EBIAS: tl.constexpr,
@@ -122,6 +141,9 @@ def _cast_transpose_kernel(
     code = _fp8_encode(x * scale, FP8_MAX, MBITS, EBIAS, HW_CAST)
     tl.store(q_ptr + rows[:, None] * N + cols[None, :], code, mask=mask)
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
+    if DBIAS:  # column sums of the tile: masked lanes hold 0, NaN and inf propagate as in torch's sum
+        tile_m = (pid // tiles_n).to(tl.int64)
+        tl.store(partials_ptr + tile_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
     _amax_commit(amax_ptr, tl.max(_finite_abs(x), axis=1))  # masked lanes hold 0
     _scale_inv_store(scale_inv_ptr, scale)
 
@@ -143,6 +165,51 @@ def _transpose_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     tile = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :], mask=mask, other=0)
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+@triton.jit
+def _delayed_scaling_update_kernel(
+    history_ptr,  # *H [L, N], strides (stride_hl, stride_hn), any float dtype
+    scale_ptr,  # *s [N], stride stride_s, any float dtype
+    fp8_max,  # float32 scalar; with FP8_MAX_IS_PTR a *float32 read at cols * fp8_max_stride
+    history_new_ptr,  # *float32 [L, N], contiguous: receives H_new
+    scale_new_ptr,  # *float32 [N]: receives s_new
+    margin_scale,  # float32 scalar: 2^margin
+    L,  # rows of H (>= 1)
+    N,  # columns of H
+    stride_hl,  # elements between rows of H
+    stride_hn,  # elements between columns of H
+    stride_s,  # elements between entries of s
+    fp8_max_stride,  # elements between entries of fp8_max: 0 (one value for all) or its stride
+    BLOCK_L: tl.constexpr,  # rows per loop step
+    BLOCK_N: tl.constexpr,  # columns per program
+    AMAX_MAX: tl.constexpr,  # True: amax = max over the L rows ("max"); False: amax = H[0] ("most_recent")
+    FP8_MAX_IS_PTR: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    amax = tl.load(history_ptr + cols * stride_hn, mask=col_mask, other=0.0).to(tl.float32)  # H[0]
+    nan_seen = amax != amax  # torch's max propagates NaN; tl.max may drop it
+    for start in range(0, L, BLOCK_L):
+        rows = start + tl.arange(0, BLOCK_L)
+        mask = (rows < L)[:, None] & col_mask[None, :]
+        h = tl.load(history_ptr + rows[:, None] * stride_hl + cols[None, :] * stride_hn, mask=mask, other=0.0)
+        h = h.to(tl.float32)
+        if AMAX_MAX:
+            amax = tl.maximum(amax, tl.max(tl.where(mask, h, float("-inf")), axis=0))
+            nan_seen = nan_seen | (tl.max((h != h).to(tl.int32), axis=0) > 0)
+        dest = tl.where(rows == 0, L - 1, rows - 1)  # roll by -1: H_new[l - 1] = H[l], H_new[L - 1] = H[0]
+        tl.store(history_new_ptr + dest[:, None] * N + cols[None, :], tl.where(dest[:, None] == 0, 0.0, h), mask=mask)
+    if FP8_MAX_IS_PTR:
+        fp8_max_v = tl.load(fp8_max + cols * fp8_max_stride, mask=col_mask, other=1.0)
+    else:
+        fp8_max_v = fp8_max
+    s_old = tl.load(scale_ptr + cols * stride_s, mask=col_mask, other=1.0).to(tl.float32)
+    s_new = tl.fdiv(tl.fdiv(fp8_max_v, amax, ieee_rounding=True), margin_scale, ieee_rounding=True)
+    valid = (amax > 0.0) & (amax < float("inf")) & ~nan_seen
+    s_new = tl.where(valid, s_new, s_old)
+    s_new = tl.where(tl.abs(s_new) == float("inf"), 3.4028234663852886e38, s_new)  # float32 max
+    tl.store(scale_new_ptr + cols, s_new, mask=col_mask)
 
 
 def _check_scale_args(x, scale, fp8_dtype) -> None:
@@ -227,6 +294,30 @@ def _check_2d(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
 
 
+def _launch_cast_transpose(x, scale, fp8_dtype, dbias: bool):
+    """Validate, then run ``_cast_transpose_kernel`` on x [M, N].
+
+    Returns:
+        (Fp8Outputs, q_t [N, M], partials): partials is float32 [cdiv(M, _TILE), N], row t holding
+        the column sums of tile row t, with ``dbias``; None without.
+    """
+    _check_scale_args(x, scale, fp8_dtype)
+    _check_2d(x, "x")
+    x = _rows_contiguous(x)
+    m, n = x.shape
+    out = fp8_outputs((m, n), fp8_dtype, x.device)
+    q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
+    partials = torch.empty((triton.cdiv(m, _TILE), n), dtype=torch.float32, device=x.device) if dbias else None
+    write_partials = partials is not None and partials.numel() > 0  # an empty x: partials.sum(0) is already 0
+    with device_guard(x):  # one program even for an empty x: it writes scale_inv
+        _cast_transpose_kernel[(max(1, triton.cdiv(m, _TILE) * triton.cdiv(n, _TILE)),)](
+            x, out.q_bits, q_t.view(torch.uint8), scale, out.scale_inv, out.amax_bits, partials, m, n, x.stride(0),
+            BLOCK_M=_TILE, BLOCK_N=_TILE, DBIAS=write_partials, num_warps=4,
+            **out.fmt.constexprs(hw_fp8_cast(x.device)),
+        )  # fmt: skip
+    return out, q_t, partials
+
+
 def cast_transpose(x, scale, fp8_dtype):
     """q = quantize(x) and its contiguous transpose q_t, from one read of x.
 
@@ -240,18 +331,28 @@ def cast_transpose(x, scale, fp8_dtype):
     Raises:
         TypeError / ValueError: as :func:`quantize`, or x not 2-D.
     """
-    _check_scale_args(x, scale, fp8_dtype)
-    _check_2d(x, "x")
-    x = _rows_contiguous(x)
-    m, n = x.shape
-    out = fp8_outputs((m, n), fp8_dtype, x.device)
-    q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
-    with device_guard(x):  # one program even for an empty x: it writes scale_inv
-        _cast_transpose_kernel[(max(1, triton.cdiv(m, _TILE) * triton.cdiv(n, _TILE)),)](
-            x, out.q_bits, q_t.view(torch.uint8), scale, out.scale_inv, out.amax_bits, m, n, x.stride(0),
-            BLOCK_M=_TILE, BLOCK_N=_TILE, num_warps=4, **out.fmt.constexprs(hw_fp8_cast(x.device)),
-        )  # fmt: skip
+    out, q_t, _ = _launch_cast_transpose(x, scale, fp8_dtype, dbias=False)
     return out.q, q_t, out.scale_inv, out.amax
+
+
+def cast_transpose_dbias(x, scale, fp8_dtype):
+    """:func:`cast_transpose` plus the bias gradient dbias[j] = sum_i x[i, j] in float32, from one read of x.
+
+    The kernel writes each 64-row tile's column sums; one deterministic torch sum over the
+    cdiv(M, 64) partial rows finishes dbias (no atomics).
+
+    Args:
+        x: [M, N] float32/bfloat16/float16, dy of a linear layer (rows may be strided).
+        scale, fp8_dtype: as :func:`quantize`.
+
+    Returns:
+        (q [M, N], q_t [N, M], scale_inv, amax, dbias float32 [N]); NaN / inf propagate into dbias.
+
+    Raises:
+        TypeError / ValueError: as :func:`cast_transpose`.
+    """
+    out, q_t, partials = _launch_cast_transpose(x, scale, fp8_dtype, dbias=True)
+    return out.q, q_t, out.scale_inv, out.amax, partials.sum(dim=0)
 
 
 def fp8_transpose(q):
@@ -274,6 +375,53 @@ def fp8_transpose(q):
     return q_t
 
 
+def _fp8_max_arg(fp8_max, device: torch.device, n: int):
+    """(kernel argument, stride) for fp8_max: a float as is, a tensor as float32 [1 or n] on ``device``."""
+    if not isinstance(fp8_max, torch.Tensor):
+        return float(fp8_max), 0
+    vector = fp8_max.to(device=device, dtype=torch.float32).reshape(-1)
+    return vector, (vector.stride(0) if vector.numel() == n else 0)
+
+
+def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo):
+    """One delayed-scaling step for N tensors in one launch: s_new = (fp8_max / amax) / 2^margin, then roll H.
+
+    amax = max over the L rows of H ("max") or H[0] ("most_recent"), read before the roll; s_new keeps
+    the old s where amax is not finite or <= 0; +-inf becomes float32 max; H_new = roll(H, -1, dim 0)
+    with row 0 zeroed. Bit-identical to the reference backend.
+
+    Args:
+        amax_history: H [L, N] (any strides); row 0 holds this step's amaxes.
+        scale: s [N] on H's device.
+        fp8_max: float, or float32 tensor of 1 or N elements.
+        margin: float.
+        amax_compute_algo: "max" or "most_recent".
+
+    Returns:
+        (H_new [L, N], s_new [N]), new float32 tensors.
+
+    Raises:
+        ValueError: shapes that do not match, a non-finite margin or an unknown amax_compute_algo.
+    """
+    check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo)
+    length, n = amax_history.shape
+    history_new = torch.empty((length, n), dtype=torch.float32, device=amax_history.device)
+    scale_new = torch.empty(n, dtype=torch.float32, device=amax_history.device)
+    if n == 0:
+        return history_new, scale_new
+    fp8_max_arg, fp8_max_stride = _fp8_max_arg(fp8_max, amax_history.device, n)
+    block_n = min(_UPDATE_COLS, triton.next_power_of_2(n))
+    block_l = min(triton.next_power_of_2(length), _UPDATE_TILE // block_n)
+    with device_guard(amax_history):
+        _delayed_scaling_update_kernel[(triton.cdiv(n, block_n),)](
+            amax_history, scale, fp8_max_arg, history_new, scale_new, 2.0 ** float(margin), length, n,
+            amax_history.stride(0), amax_history.stride(1), scale.stride(0), fp8_max_stride,
+            BLOCK_L=block_l, BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
+            FP8_MAX_IS_PTR=isinstance(fp8_max_arg, torch.Tensor),
+        )  # fmt: skip
+    return history_new, scale_new
+
+
 def _scale_on_device(x, scale, fp8_dtype):
     """Reject a scale the kernels would misread: not float32, or on another device than x."""
     if isinstance(scale, torch.Tensor) and isinstance(x, torch.Tensor):
@@ -290,4 +438,17 @@ def _scale_inv_on_device(q, scale_inv, out_dtype):
     return True
 
 
-SUPPORTS = {"quantize": _scale_on_device, "cast_transpose": _scale_on_device, "dequantize": _scale_inv_on_device}
+def _scale_with_history(amax_history, scale, fp8_max, margin, amax_compute_algo):
+    """Reject a scale on another device than the history (the kernel reads both)."""
+    if isinstance(scale, torch.Tensor) and isinstance(amax_history, torch.Tensor) and scale.device != amax_history.device:
+        return Reject(f"scale must be on the history's device {amax_history.device}, got {scale.device}")
+    return True
+
+
+SUPPORTS = {
+    "quantize": _scale_on_device,
+    "cast_transpose": _scale_on_device,
+    "cast_transpose_dbias": _scale_on_device,
+    "dequantize": _scale_inv_on_device,
+    "delayed_scaling_update": _scale_with_history,
+}

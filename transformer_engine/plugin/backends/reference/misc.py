@@ -3,7 +3,9 @@
 Dropout, with keep mask m ~ Bernoulli(1 - p) drawn from the default generator of x's device:
     forward   y = x * m / (1 - p)
     backward  dx = dy * m / (1 - p)
-(p = 1 keeps nothing and gives zeros.)
+(p = 1 keeps nothing and gives zeros.) Bias-dropout-add, bias b [H] broadcast over the rows:
+    forward   out = r + (x + b) * m / (1 - p)
+    backward  dx = dout * m / (1 - p) (dropout_bwd), db = sum over rows of dx, dr = dout
 
 Cross entropy of one row z [V] against target t with label smoothing eps:
     lse = log sum_j exp(z_j)
@@ -14,14 +16,14 @@ Rows whose target is ``ignore_index`` have loss 0 and gradient 0. Math in float3
 
 import torch
 
-__all__ = ["dropout_fwd", "dropout_bwd", "cross_entropy_fwd", "cross_entropy_bwd"]
+from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_mask, dropout_scale
+
+__all__ = ["dropout_fwd", "dropout_bwd", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
 
 
-def _keep_scale(p: float) -> float:
-    """1 / (1 - p), the scale of the kept elements (0 when p = 1: nothing is kept)."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout probability p={p} must be in [0, 1]")
-    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+def _keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """m ~ Bernoulli(1 - p) of x's shape, from the default generator of x's device (True = kept)."""
+    return torch.rand(x.shape, device=x.device) >= p
 
 
 def dropout_fwd(x, p):
@@ -37,8 +39,8 @@ def dropout_fwd(x, p):
     Raises:
         ValueError: p outside [0, 1].
     """
-    scale = _keep_scale(p)
-    keep = torch.rand(x.shape, device=x.device) >= p
+    scale = dropout_scale(p)
+    keep = _keep_mask(x, p)
     return (x.float() * keep * scale).to(x.dtype), keep
 
 
@@ -47,11 +49,34 @@ def dropout_bwd(dy, mask, p):
 
     Raises:
         ValueError: p outside [0, 1], or mask's shape differs from dy's.
+        TypeError: mask is not a bool tensor.
     """
-    scale = _keep_scale(p)
-    if mask.shape != dy.shape:
-        raise ValueError(f"dropout mask shape {tuple(mask.shape)} must equal the gradient's {tuple(dy.shape)}")
+    scale = dropout_scale(p)
+    check_dropout_mask(dy, mask)
     return (dy.float() * mask * scale).to(dy.dtype)
+
+
+def bias_dropout_add_fwd(x, bias, residual, p):
+    """out = residual + (x + bias) * m / (1 - p), m ~ Bernoulli(1 - p); the backward is :func:`dropout_bwd`.
+
+    Args:
+        x: input tensor [..., H], any float dtype.
+        bias: [H], broadcast over the rows, or None.
+        residual: tensor of x's shape.
+        p: drop probability in [0, 1].
+
+    Returns:
+        (out with x's shape and dtype, computed in float32; keep mask m as a bool tensor, True = kept).
+
+    Raises:
+        ValueError: p outside [0, 1], bias not [H], or residual's shape differs from x's.
+        TypeError: bias or residual is not a tensor.
+    """
+    scale = dropout_scale(p)
+    check_bias_dropout_add(x, bias, residual)
+    keep = _keep_mask(x, p)
+    h = x.float() if bias is None else x.float() + bias.float()
+    return (residual.float() + h * keep * scale).to(x.dtype), keep
 
 
 def _check_cross_entropy(logits, target, label_smoothing: float) -> None:

@@ -2,6 +2,7 @@
 
 Per tensor:   q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)),  scale_inv = 1 / scale,
               amax = max |x| over finite x;  dequantize: x = q * scale_inv (float32, then cast).
+              cast_transpose_dbias adds dbias[j] = sum_i x[i, j] in float32.
 Per block:    a = max(max |T|, eps) per tile T, scale = fp8_max / a (1 when a is 0 or not finite,
               float32 max when it overflows), optionally rounded down to 2^floor(log2(scale)).
 Delayed scaling (one step): amax from the history before the roll, s = (fp8_max / amax) / 2^margin
@@ -10,10 +11,11 @@ Delayed scaling (one step): amax from the history before the roll, s = (fp8_max 
 
 from __future__ import annotations
 
-import math
 from typing import Tuple
 
 import torch
+
+from transformer_engine.plugin.backends._checks import check_delayed_scaling_update
 
 from ._fp8 import (
     amax_finite,
@@ -32,14 +34,13 @@ __all__ = [
     "quantize",
     "dequantize",
     "cast_transpose",
+    "cast_transpose_dbias",
     "fp8_transpose",
     "compute_amax",
     "quantize_blockwise",
     "dequantize_blockwise",
     "delayed_scaling_update",
 ]
-
-_AMAX_ALGOS = ("max", "most_recent")
 
 
 def _check_fp8_tensor(q, name: str) -> None:
@@ -96,6 +97,19 @@ def cast_transpose(x, scale, fp8_dtype):
     _check_2d(x, "x")
     q, scale_inv, amax = quantize(x, scale, fp8_dtype)
     return q, q.t().contiguous(), scale_inv, amax
+
+
+def cast_transpose_dbias(x, scale, fp8_dtype):
+    """:func:`cast_transpose` plus the bias gradient dbias[j] = sum_i x[i, j], accumulated in float32.
+
+    Returns:
+        (q [M, N], q_t [N, M], scale_inv, amax, dbias float32 [N]); NaN / inf in x propagate into dbias.
+
+    Raises:
+        TypeError / ValueError: as :func:`cast_transpose`.
+    """
+    q, q_t, scale_inv, amax = cast_transpose(x, scale, fp8_dtype)
+    return q, q_t, scale_inv, amax, x.sum(dim=0, dtype=torch.float32)
 
 
 def fp8_transpose(q):
@@ -187,21 +201,6 @@ def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
     return (q.float() * full).to(out_dtype)
 
 
-def _check_delayed_args(amax_history, scale, fp8_max_value, margin, amax_compute_algo) -> None:
-    check_tensor(amax_history, "amax_history")
-    check_tensor(scale, "scale")
-    if amax_history.dim() != 2 or amax_history.shape[0] < 1:
-        raise ValueError(f"amax_history must be [L, N] with L >= 1, got shape {tuple(amax_history.shape)}")
-    n = amax_history.shape[1]
-    if tuple(scale.shape) != (n,):
-        raise ValueError(f"scale has shape {tuple(scale.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
-    if isinstance(fp8_max_value, torch.Tensor) and fp8_max_value.numel() not in (1, n):
-        raise ValueError(f"fp8_max has shape {tuple(fp8_max_value.shape)}; pass a float or a tensor of 1 or {n} elements")
-    if not math.isfinite(float(margin)):
-        raise ValueError(f"margin={margin!r} must be a finite float (usually 0)")
-    if amax_compute_algo not in _AMAX_ALGOS:
-        raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of {_AMAX_ALGOS}")
-
 
 def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo) -> Tuple[torch.Tensor, torch.Tensor]:
     """One delayed-scaling step for N tensors: s_new = (fp8_max / amax) / 2^margin, then roll the history.
@@ -223,7 +222,7 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     Raises:
         ValueError: shapes that do not match, a non-finite margin or an unknown amax_compute_algo.
     """
-    _check_delayed_args(amax_history, scale, fp8_max, margin, amax_compute_algo)
+    check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo)
     history = amax_history.detach().float()
     scale_old = scale.detach().float()
     amax = history.amax(dim=0) if amax_compute_algo == "max" else history[0]

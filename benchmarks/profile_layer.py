@@ -1,0 +1,234 @@
+"""Where the time and memory of one headline-layer step go: kernels by GPU time, and saved activations.
+
+For each variant (plain PyTorch, ``te.TransformerLayer`` bf16 and FP8) this runs a few fwd+bwd steps
+under ``torch.profiler`` and prints
+
+- wall time per step, the GPU busy time per step (sum of kernel durations) and the host time per
+  step (enqueueing one step on an idle GPU): when the host time reaches the wall time and the GPU is
+  busy far less, the step is bound by the host;
+- the operations that synchronize the host with the GPU (``torch.cuda.set_sync_debug_mode``), by
+  source line;
+- the kernels with the largest total GPU time, with their call counts per step;
+- the tensors autograd saves for backward (by storage, so views are counted once; parameters
+  left out), grouped by shape and dtype: what the activation memory consists of.
+
+    python benchmarks/profile_layer.py --variants plain,bf16,fp8_delayed --json profile.json
+    python benchmarks/profile_layer.py --small                          # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections import Counter, defaultdict
+from typing import Callable, Dict, Tuple
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from _harness import backend_policy, base_parser, print_table, time_fn, write_json
+from bench_transformer_layer import SMALL, LayerShape, PlainLayer, _te_layer
+
+STEPS = 3
+
+
+def build(variant: str, s: LayerShape, device: str) -> Tuple[torch.nn.Module, Callable]:
+    """(layer, context factory) of a variant name."""
+    if variant == "plain":
+        return PlainLayer(s, device=device), contextlib.nullcontext
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+
+    recipes = {
+        "bf16": None,
+        "fp8_delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
+        "fp8_current": recipe.Float8CurrentScaling(),
+    }
+    if variant not in recipes:
+        raise SystemExit(f"unknown variant {variant!r}; choose from plain, {', '.join(recipes)}")
+    rec = recipes[variant]
+    ctx = contextlib.nullcontext if rec is None else (lambda: te.autocast(recipe=rec))
+    return _te_layer(te, s, device), ctx
+
+
+def saved_tensors(layer, x, ctx) -> Counter:
+    """bytes saved for backward per (shape, dtype), each storage counted once, parameters left out."""
+    seen, sizes = {p.untyped_storage().data_ptr() for p in layer.parameters()}, Counter()
+
+    def pack(t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            sizes[(tuple(t.shape), str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx():
+        layer(x)
+    return sizes
+
+
+def kernel_table(layer, x, dy, ctx, device) -> Tuple[Dict[str, Tuple[float, int]], float]:
+    """{kernel name: (GPU us per step, calls per step)} and the GPU busy us per step."""
+
+    def step():
+        with ctx():
+            y = layer(x)
+        y.backward(dy)
+        layer.zero_grad(set_to_none=True)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(STEPS):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    kernels: Dict[str, list] = defaultdict(lambda: [0.0, 0])
+    busy = 0.0
+    for event in prof.events():
+        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+        if (device == "cuda") != on_gpu or (not on_gpu and event.cpu_parent is not None):
+            continue
+        duration = event.device_time if on_gpu else event.cpu_time_total
+        kernels[event.name][0] += duration / STEPS
+        kernels[event.name][1] += 1
+        busy += duration / STEPS
+    return {k: (v[0], v[1] // STEPS) for k, v in kernels.items()}, busy
+
+
+def host_ms(step: Callable, device: str, repeats: int = 5) -> float:
+    """Median time the host takes to enqueue one step, starting each from an idle GPU."""
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def sync_points(step: Callable, device: str) -> Counter:
+    """Source lines of the operations that synchronize the host with the GPU during one step."""
+    if device != "cuda":
+        return Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return Counter(f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message))
+
+
+def host_profile(forward: Callable, device: str, top: int) -> str:
+    """cProfile of the host side of 5 forward passes (with autograd recording): the ``top`` functions by
+    own time and by cumulative time. Only the forward: on a GPU the backward runs on autograd's device
+    thread, which cProfile does not see."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        forward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def op_sources(step: Callable, op: str, device: str) -> Counter:
+    """(input shapes, innermost frames of our code) of every call of the aten ``op`` during one step."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
+        step()
+    found = Counter()
+    for event in prof.events():
+        if event.name == op:
+            found[f"{event.input_shapes} <- {' <- '.join(_our_callers(event))}"] += 1
+    return found
+
+
+def _our_callers(event, depth: int = 3):
+    """The innermost ``depth`` Python frames of transformer_engine that (indirectly) called a profiler event."""
+    frames, parent = [], event.cpu_parent
+    while parent is not None and len(frames) < depth:
+        if "transformer_engine/" in parent.name:
+            frames.append(parent.name.split("transformer_engine/", 1)[1])
+        parent = parent.cpu_parent
+    return frames
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke test)")
+    parser.add_argument("--variants", default="plain,bf16,fp8_delayed")
+    parser.add_argument("--top", type=int, default=25, help="kernels listed per variant")
+    parser.add_argument("--host-top", type=int, default=0, help="print the N functions with the most host time in the forward (cProfile)")
+    parser.add_argument("--sources", default="", help="aten ops (comma separated) whose callers are listed, e.g. aten::copy_")
+    args = parser.parse_args()
+    s = SMALL if args.small else LayerShape()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = {}
+    with backend_policy(args.backend):
+        for variant in args.variants.split(","):
+            torch.manual_seed(0)
+            layer, ctx = build(variant, s, device)
+            x = torch.randn(s.seq, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn_like(x)
+
+            def step():
+                with ctx():
+                    y = layer(x)
+                y.backward(dy)
+                layer.zero_grad(set_to_none=True)
+
+            ms = time_fn(step, warmup=3, iters=10, device=torch.device(device))
+            host = host_ms(step, device)
+            syncs = sync_points(step, device)
+            kernels, busy_us = kernel_table(layer, x, dy, ctx, device)
+            saved = saved_tensors(layer, x, ctx)
+            if args.host_top:
+                def forward():
+                    with ctx():
+                        layer(x)
+                print(host_profile(forward, device, args.host_top))
+            for op in filter(None, args.sources.split(",")):
+                for where, count in op_sources(step, op, device).most_common():
+                    print(f"{variant}: {op} x{count}: {where}")
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.top]
+            print_table(
+                f"{variant}: {ms:.2f} ms per step, GPU busy {busy_us / 1e3:.2f} ms, host {host:.2f} ms, "
+                f"{sum(c for _, c in kernels.values())} kernels per step",
+                ["kernel", "us/step", "calls/step", "share"],
+                [[name[:90], f"{us:.0f}", calls, f"{us / busy_us:.1%}"] for name, (us, calls) in top],
+            )
+            print(f"{variant}: {sum(syncs.values())} host-GPU synchronizations per step", dict(syncs) or "")
+            print_table(
+                f"{variant}: saved for backward {sum(saved.values()) / 2**20:.0f} MiB",
+                ["shape", "dtype", "MiB"],
+                [[str(shape), dtype, f"{b / 2**20:.1f}"] for (shape, dtype), b in saved.most_common()],
+            )
+            report[variant] = {
+                "ms": ms,
+                "gpu_busy_ms": busy_us / 1e3,
+                "host_ms": host,
+                "sync_points": dict(syncs),
+                "kernels": {k: {"us_per_step": us, "calls_per_step": c} for k, (us, c) in kernels.items()},
+                "saved_bytes": {f"{shape} {dtype}": b for (shape, dtype), b in saved.items()},
+            }
+            layer = None
+    write_json(args.json, {"shape": s.__dict__, "device": device, "variants": report})
+
+
+if __name__ == "__main__":
+    main()
