@@ -203,10 +203,16 @@ def _delayed_scaling_update_kernel(
     if FP8_MAX_IS_PTR:
         fp8_max_v = tl.load(fp8_max + cols * fp8_max_stride, mask=col_mask, other=1.0)
     else:
-        fp8_max_v = fp8_max
+        fp8_max_v = tl.zeros_like(amax) + fp8_max
     s_old = tl.load(scale_ptr + cols * stride_s, mask=col_mask, other=1.0).to(tl.float32)
-    s_new = tl.fdiv(tl.fdiv(fp8_max_v, amax, ieee_rounding=True), margin_scale, ieee_rounding=True)
-    valid = (amax > 0.0) & (amax < float("inf")) & ~nan_seen
+    # each float32 quotient is taken in float64 and rounded once: the correctly rounded float32 division
+    # (53 >= 2 * 24 + 2 bits makes the double rounding innocuous), bit-identical to torch's on every
+    # device, where Triton's float32 division was seen to differ by one ulp on the H200
+    s_new = (fp8_max_v.to(tl.float64) / amax.to(tl.float64)).to(tl.float32)
+    s_new = (s_new.to(tl.float64) / (tl.zeros_like(amax) + margin_scale).to(tl.float64)).to(tl.float32)
+    # 0 < amax < inf on the bit pattern: a float compare may flush a subnormal amax to zero on the GPU
+    amax_bits = amax.to(tl.int32, bitcast=True)
+    valid = (amax_bits > 0) & (amax_bits < 0x7F800000) & ~nan_seen
     s_new = tl.where(valid, s_new, s_old)
     s_new = tl.where(tl.abs(s_new) == float("inf"), 3.4028234663852886e38, s_new)  # float32 max
     tl.store(scale_new_ptr + cols, s_new, mask=col_mask)
