@@ -11,7 +11,10 @@ for FP8 E4M3 x E4M3 / E5M2 x E4M3 with per-tensor scales, torch.mm for bf16): th
 dispatch overhead plus the copies. FLOPs = 2 M N K; TFLOP/s = FLOPs / median time. Accumulation
 follows TE's defaults: fast for fprop, split (exact) for dgrad and wgrad.
 
-The module-level ``te.Linear`` rows are added by the lead.
+The module rows time ``te.Linear(K, N)`` (bias on) fwd+bwd on x [M, K] in bf16 and under FP8 delayed
+scaling (HYBRID, history 16): everything the layer does (casts with their transposes, amax records,
+the scale update, bias gradient) against the sum of the three raw GEMMs of its dtype (PERF.md:
+>= 0.95x of the raw rate).
 
     python benchmarks/bench_linear.py --json linear.json
 """
@@ -112,6 +115,34 @@ def _rows(args, fp8: bool) -> List[dict]:
     return rows
 
 
+def _module_rows(args, rows: List[dict]) -> List[dict]:
+    """te.Linear fwd+bwd in bf16 and FP8 against the sum of the raw fprop + dgrad + wgrad times of its dtype."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+
+    m, n, k = args.m, args.n, args.k
+    fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    out = []
+    for dtype, ctx in (("bf16", lambda: torch.autocast("cuda", enabled=False)), ("fp8", lambda: te.autocast(recipe=fp8))):
+        layer = te.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            with ctx():
+                y = layer(x)
+            y.backward(dy)
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+
+        with backend_policy(args.backend):
+            ms = time_fn(step, warmup=args.warmup, iters=args.iters)
+        raw_ms = sum(r["ms"] for r in rows if r["dtype"] == dtype and r["provider"] == "raw" and "ms" in r)
+        out.append({"dtype": dtype, "gemm": "te.Linear fwd+bwd", "provider": "module", "ms": ms,
+                    "tflops": 3 * 2.0 * m * n * k / ms / 1e9, "vs_raw": raw_ms / ms})
+    return out
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=8192)
@@ -123,6 +154,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear needs a CUDA GPU")
     rows = _rows(args, fp8=True) + _rows(args, fp8=False)
+    rows += _module_rows(args, rows)
     print_table(
         f"linear GEMMs M={args.m} N={args.n} K={args.k} (backend pin: {args.backend}); vs raw = raw time / this time",
         ["dtype", "gemm", "provider", "ms", "TFLOP/s", "vs raw"],
