@@ -43,7 +43,8 @@ def sweep_cast_transpose(x, scale, q, q_t, scale_inv, amax):
         def run(bm=bm, bn=bn, warps=warps):
             grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
             fq._cast_transpose_kernel[grid](x, q, q_t, scale, scale_inv, amax, None, m, n, x.stride(0),
-                                            BLOCK_M=bm, BLOCK_N=bn, DBIAS=False, num_warps=warps, **_fmt())
+                                            BLOCK_M=bm, BLOCK_N=bn, DBIAS=False, WRITE_QT=True,
+                                            num_warps=warps, **_fmt())
         yield f"tile={bm}x{bn} warps={warps}", run
 
 

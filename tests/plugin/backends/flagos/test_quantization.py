@@ -242,6 +242,18 @@ def test_large_casts_bit_exact_gpu(fp8_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(16, 16), (64, 64), (100, 70), (8192, 4096)])
+def test_cast_transpose_writes_the_transpose_gpu(dtype, shape):
+    # full tiles of float32 once gave a wrong q_t on the H200 (Triton transposing 8-bit tiles of 32-bit loads)
+    x, scale = randn(*shape, dtype=dtype, device="cuda"), _scale("cuda")
+    for fn in (fq.cast_transpose, fq.cast_transpose_dbias):
+        q, q_t = fn(x, scale, torch.float8_e5m2)[:2]
+        assert_fp8_equal(q_t, q.t().contiguous())
+        assert_fp8_equal(q, ref.quantize(x, scale, torch.float8_e5m2)[0])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_cast_transpose_dbias_gpu(fp8_dtype):
     # a linear layer's dy at a training shape: 128 tile rows of partial sums per column

@@ -45,6 +45,7 @@ from transformer_engine.plugin.backends.reference._fp8 import (
 from transformer_engine.plugin.core import Reject
 
 from ._common import (
+    INTERPRET,
     NO_FP8,
     _amax_commit,
     _finite_abs,
@@ -126,6 +127,7 @@ def _cast_transpose_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DBIAS: tl.constexpr,  # also write this tile's column sums of x (the bias gradient's partials)
+    WRITE_QT: tl.constexpr,  # False: q_t is left to the caller (see _launch_cast_transpose)
     FP8_MAX: tl.constexpr,
     MBITS: tl.constexpr,
     EBIAS: tl.constexpr,
@@ -140,7 +142,8 @@ def _cast_transpose_kernel(
     scale = tl.load(scale_ptr).to(tl.float32)
     code = _fp8_encode(x * scale, FP8_MAX, MBITS, EBIAS, HW_CAST)
     tl.store(q_ptr + rows[:, None] * N + cols[None, :], code, mask=mask)
-    tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
+    if WRITE_QT:
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
     if DBIAS:  # column sums of the tile: masked lanes hold 0, NaN and inf propagate as in torch's sum
         tile_m = (pid // tiles_n).to(tl.int64)
         tl.store(partials_ptr + tile_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
@@ -312,6 +315,9 @@ def _launch_cast_transpose(x, scale, fp8_dtype, dbias: bool):
     x = _rows_contiguous(x)
     m, n = x.shape
     out = fp8_outputs((m, n), fp8_dtype, x.device)
+    # float32 x on the GPU: Triton 3.6 wrote a wrong q_t on sm_90 when transposing the 8-bit tile of
+    # 32-bit loads (full tiles; found on the H200, see the gpu test), so q_t is made from q afterwards
+    transpose_after = x.dtype == torch.float32 and x.is_cuda and not INTERPRET
     q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     partials = torch.empty((triton.cdiv(m, _TILE), n), dtype=torch.float32, device=x.device) if dbias else None
     write_partials = partials is not None and partials.numel() > 0  # an empty x: partials.sum(0) is already 0
@@ -319,8 +325,11 @@ def _launch_cast_transpose(x, scale, fp8_dtype, dbias: bool):
         _cast_transpose_kernel[(max(1, triton.cdiv(m, _TILE) * triton.cdiv(n, _TILE)),)](
             x, out.q_bits, q_t.view(torch.uint8), scale, out.scale_inv, out.amax_bits, partials, m, n, x.stride(0),
             BLOCK_M=_TILE, BLOCK_N=_TILE, DBIAS=write_partials, num_warps=4,
+            WRITE_QT=not transpose_after,
             **out.fmt.constexprs(hw_fp8_cast(x.device)),
         )  # fmt: skip
+    if transpose_after:
+        q_t = fp8_transpose(out.q)
     return out, q_t, partials
 
 
