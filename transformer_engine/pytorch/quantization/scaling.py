@@ -62,10 +62,10 @@ def amax_to_scale(amax: torch.Tensor, fp8_max_value: float, qparams: QParams) ->
         A 0-d float32 tensor on amax's device.
     """
     amax = amax.float()
-    usable = torch.isfinite(amax) & (amax > 0)
-    safe = torch.where(usable, torch.clamp(amax, min=qparams.amax_epsilon), torch.ones_like(amax))
-    scale = torch.where(usable, fp8_max_value / safe, torch.ones_like(amax))
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+    usable = (amax > 0) & (amax < float("inf"))  # NaN compares False
+    safe = torch.clamp(amax, min=qparams.amax_epsilon) if qparams.amax_epsilon > 0 else amax
+    # a small-tensor path: every op here is a kernel launch, paid once per cast
+    scale = torch.where(usable, fp8_max_value / safe, 1.0).clamp_(max=FP32_MAX)
     if qparams.power_2_scale:  # scale = m 2^e with m in [0.5, 1), so 2^floor(log2(scale)) = 2^(e - 1), exactly
         _, exponent = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
