@@ -173,8 +173,8 @@ class Fp8Outputs:
 def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device) -> Fp8Outputs:
     """Allocate q (``shape``, ``fp8_dtype``), scale_inv and a zeroed amax for one launch."""
     q = torch.empty(shape, dtype=fp8_dtype, device=device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=device)
-    amax_bits = torch.zeros((), dtype=torch.int32, device=device)
+    scalars = torch.zeros(2, dtype=torch.int32, device=device)  # one allocation: each costs host time per cast
+    scale_inv, amax_bits = scalars[0].view(torch.float32), scalars[1]
     return Fp8Outputs(q, q.view(torch.uint8), scale_inv, amax_bits, fp8_format(fp8_dtype))
 
 
