@@ -124,21 +124,25 @@ def sync_points(step: Callable, device: str) -> Counter:
     return Counter(f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message))
 
 
-def host_profile(forward: Callable, device: str, top: int) -> str:
-    """cProfile of the host side of 5 forward passes (with autograd recording): the ``top`` functions by
-    own time and by cumulative time. Only the forward: on a GPU the backward runs on autograd's device
-    thread, which cProfile does not see."""
+def host_profile(step: Callable, device: str, top: int) -> str:
+    """cProfile of the host side of 5 steps: the ``top`` functions by own time and by cumulative time.
+
+    Autograd runs the backward on the calling thread meanwhile (``set_multithreading_enabled(False)``),
+    so cProfile sees it too (on a GPU it normally runs on a device thread).
+    """
     import cProfile
     import io
     import pstats
 
     profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(5):
-        forward()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    profiler.disable()
+    with torch.autograd.set_multithreading_enabled(False):
+        step()  # warm the calling thread's caches (cuDNN keeps its graphs per thread)
+        profiler.enable()
+        for _ in range(5):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        profiler.disable()
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(top)
@@ -173,7 +177,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke test)")
     parser.add_argument("--variants", default="plain,bf16,fp8_delayed")
     parser.add_argument("--top", type=int, default=25, help="kernels listed per variant")
-    parser.add_argument("--host-top", type=int, default=0, help="print the N functions with the most host time in the forward (cProfile)")
+    parser.add_argument("--host-top", type=int, default=0, help="print the N functions with the most host time in a step (cProfile)")
     parser.add_argument("--sources", default="", help="aten ops (comma separated) whose callers are listed, e.g. aten::copy_")
     args = parser.parse_args()
     s = SMALL if args.small else LayerShape()
@@ -198,10 +202,7 @@ def main() -> None:
             kernels, busy_us = kernel_table(layer, x, dy, ctx, device)
             saved = saved_tensors(layer, x, ctx)
             if args.host_top:
-                def forward():
-                    with ctx():
-                        layer(x)
-                print(host_profile(forward, device, args.host_top))
+                print(host_profile(step, device, args.host_top))
             for op in filter(None, args.sources.split(",")):
                 for where, count in op_sources(step, op, device).most_common():
                     print(f"{variant}: {op} x{count}: {where}")
