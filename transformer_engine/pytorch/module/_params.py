@@ -60,7 +60,42 @@ class LinearLayout:
 
 def _stack(module, names):
     tensors = [getattr(module, n) for n in names]
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    if len(tensors) == 1:
+        return tensors[0]
+    return _ConcatView.apply(*tensors) if _back_to_back(tensors) else torch.cat(tensors)
+
+
+class _ConcatView(torch.autograd.Function):
+    """torch.cat(tensors) for tensors that already lie back to back in one storage: a view, no copy.
+
+    The splits of a parameter are allocated that way (:func:`add_linear_params`), so the full weight
+    costs neither a copy per forward nor the memory of one; the gradient is split back.
+    """
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        first = tensors[0]
+        ctx.rows = [t.shape[0] for t in tensors]
+        shape = (sum(ctx.rows),) + tuple(first.shape[1:])
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, first.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.split(ctx.rows)
+
+
+def _back_to_back(tensors) -> bool:
+    """True when ``tensors`` (plain, contiguous, same dtype and trailing shape) follow each other in one storage."""
+    first = tensors[0]
+    if first.device.type == "meta" or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return False
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        same = t.dtype == first.dtype and t.shape[1:] == first.shape[1:] and t.is_contiguous()
+        if not same or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+            return False
+        offset += t.numel()
+    return True
 
 
 def _split_sizes(prefix: str, out_features: int, parameters_split) -> Dict[str, int]:
@@ -96,11 +131,14 @@ def add_linear_params(module, prefix: str, in_features: int, out_features: int, 
     bias_attrs = tp_attrs if parallel_mode == "column" else {}
     init = init_method or default_init_method
     weights, biases = [], []
-    for name, rows in sizes.items():
-        module._register(f"{name}weight", (rows, local_in), init, dtype, device, **tp_attrs)
+    # the splits are slices of one weight (and one bias) buffer: the full tensors are views (_stack)
+    weight_rows = torch.empty((local_out, local_in), dtype=dtype, device=device).split(list(sizes.values()))
+    bias_rows = torch.empty(local_out, dtype=dtype, device=device).split(list(sizes.values())) if bias else ()
+    for i, (name, rows) in enumerate(sizes.items()):
+        module._register(f"{name}weight", (rows, local_in), init, dtype, device, data=weight_rows[i], **tp_attrs)
         weights.append(f"{name}weight")
         if bias:
-            module._register(f"{name}bias", (rows,), _zeros, dtype, device, **bias_attrs)
+            module._register(f"{name}bias", (rows,), _zeros, dtype, device, data=bias_rows[i], **bias_attrs)
             biases.append(f"{name}bias")
         else:
             module.register_parameter(f"{name}bias", None)

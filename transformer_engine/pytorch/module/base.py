@@ -139,9 +139,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     # ----------------------------------------------------------------------------- parameters
     def _register(self, name: str, shape: Tuple[int, ...], init_fn: Callable, dtype: torch.dtype,
-                  device: torch.device, **attributes) -> torch.nn.Parameter:
-        """Create parameter ``name`` (uninitialized) with its init function and extra attributes."""
-        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+                  device: torch.device, data: Optional[torch.Tensor] = None, **attributes) -> torch.nn.Parameter:
+        """Create parameter ``name`` (uninitialized, or on ``data``: e.g. a slice of a buffer it shares with
+        other parameters) with its init function and extra attributes."""
+        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device) if data is None else data)
         for key, value in attributes.items():
             setattr(param, key, value)
         self.register_parameter(name, param)
