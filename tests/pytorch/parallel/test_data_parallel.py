@@ -30,7 +30,9 @@ LR = 0.5
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(te.LayerNormMLP(H, FFN, device=device()), te.Linear(H, OUT, device=device())).to(device())
+    # the split Linear's two parameters are slices of one buffer: the wrappers must cope with shared storage
+    head = te.Linear(H, OUT, parameters_split=("first", "second"), device=device())
+    return torch.nn.Sequential(te.LayerNormMLP(H, FFN, device=device()), head).to(device())
 
 
 def _batches():
