@@ -1,7 +1,7 @@
 """Argument checks of op contracts that every backend enforces the same way (before any work).
 
 The checks belong to the op, not to one implementation, so the reference and the flagos backend
-call these instead of each carrying a copy; the elementary ones live in ``reference/_fp8.py``.
+call these instead of each carrying a copy; the elementary ones live in ``backends/_fp8.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from transformer_engine.plugin.backends.reference._fp8 import (
+from transformer_engine.plugin.backends._fp8 import (
     check_fp8_output,
     check_high_precision,
     check_last_dim,

@@ -29,7 +29,7 @@ from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAM
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends.reference._fp8 import (
+from transformer_engine.plugin.backends._fp8 import (
     check_fp8_dtype,
     check_high_precision,
     scalar_f32,

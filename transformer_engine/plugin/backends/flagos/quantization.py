@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.plugin.backends._checks import check_delayed_scaling_update
-from transformer_engine.plugin.backends.reference._fp8 import (
+from transformer_engine.plugin.backends._fp8 import (
     check_fp8_dtype,
     check_high_precision,
     check_out_dtype,

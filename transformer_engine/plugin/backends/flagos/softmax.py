@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.plugin.backends._checks import check_softmax_mask
-from transformer_engine.plugin.backends.reference._fp8 import check_high_precision
+from transformer_engine.plugin.backends._fp8 import check_high_precision
 from transformer_engine.plugin.core import Reject
 
 from ._common import MAX_FUSED_SIZE, device_guard, row_block, rows_view, warps_for

@@ -23,7 +23,7 @@ import torch
 
 from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, module_getattr
 
-from ._fp8 import check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
+from .._fp8 import check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
 
 __all__ = [*ACTIVATION_OP_NAMES, "activation_quantize"]
 

@@ -15,7 +15,7 @@ from typing import Tuple
 
 import torch
 
-from ._fp8 import check_out_dtype, check_tensor, is_fp8, scalar_f32
+from .._fp8 import check_out_dtype, check_tensor, is_fp8, scalar_f32
 
 __all__ = ["gemm"]
 

@@ -22,7 +22,7 @@ import torch
 
 from transformer_engine.plugin.backends._checks import check_norm_bwd, check_norm_fwd
 
-from ._fp8 import quantize_fp32
+from .._fp8 import quantize_fp32
 
 __all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
 

@@ -17,7 +17,7 @@ import torch
 
 from transformer_engine.plugin.backends._checks import check_delayed_scaling_update
 
-from ._fp8 import (
+from .._fp8 import (
     amax_finite,
     check_fp8_dtype,
     check_high_precision,

@@ -19,7 +19,7 @@ import torch
 
 from transformer_engine.plugin.backends._checks import check_softmax_mask
 
-from ._fp8 import check_high_precision
+from .._fp8 import check_high_precision
 
 __all__ = [
     "scaled_softmax_forward",

@@ -1,4 +1,4 @@
-"""Private helpers shared by the reference ops: input checks and the FP8 cast pipeline.
+"""Private helpers shared by the backends: input checks and the reference FP8 cast pipeline.
 
 The per-tensor FP8 pipeline (catalog conventions, reference/te_pytorch_api.md sections 2-3):
 
