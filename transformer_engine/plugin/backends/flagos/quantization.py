@@ -318,17 +318,18 @@ def _launch_cast_transpose(x, scale, fp8_dtype, dbias: bool):
     # float32 x on the GPU: Triton 3.6 wrote a wrong q_t on sm_90 when transposing the 8-bit tile of
     # 32-bit loads (full tiles; found on the H200, see the gpu test), so q_t is made from q afterwards
     transpose_after = x.dtype == torch.float32 and x.is_cuda and not INTERPRET
-    q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
+    q_t = None if transpose_after else torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     partials = torch.empty((triton.cdiv(m, _TILE), n), dtype=torch.float32, device=x.device) if dbias else None
     write_partials = partials is not None and partials.numel() > 0  # an empty x: partials.sum(0) is already 0
     with device_guard(x):  # one program even for an empty x: it writes scale_inv
         _cast_transpose_kernel[(max(1, triton.cdiv(m, _TILE) * triton.cdiv(n, _TILE)),)](
-            x, out.q_bits, q_t.view(torch.uint8), scale, out.scale_inv, out.amax_bits, partials, m, n, x.stride(0),
+            x, out.q_bits, out.q_bits if q_t is None else q_t.view(torch.uint8),  # unused without WRITE_QT
+            scale, out.scale_inv, out.amax_bits, partials, m, n, x.stride(0),
             BLOCK_M=_TILE, BLOCK_N=_TILE, DBIAS=write_partials, num_warps=4,
             WRITE_QT=not transpose_after,
             **out.fmt.constexprs(hw_fp8_cast(x.device)),
         )  # fmt: skip
-    if transpose_after:
+    if q_t is None:
         q_t = fp8_transpose(out.q)
     return out, q_t, partials
 
