@@ -63,8 +63,8 @@ def test_fused_produce_equals_separate_quantize():
     state.scale[0] = 4.0
     quantizer = state.make_quantizers()[0]
 
-    def run(scale, fp8_dtype):
-        y, mean, rstd, scale_inv, amax = ops.layernorm_fwd(x, gamma, beta, 1e-5, False, scale, fp8_dtype, torch.float32)
+    def run(scale, fp8_dtype, amax_out):
+        y, mean, rstd, scale_inv, amax = ops.layernorm_fwd(x, gamma, beta, 1e-5, False, scale, fp8_dtype, torch.float32, amax_out)
         return y, scale_inv, amax, (mean, rstd)
 
     fused, stats = quantizer.produce(run)

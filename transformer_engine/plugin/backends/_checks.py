@@ -31,7 +31,7 @@ __all__ = [
 _AMAX_ALGOS = ("max", "most_recent")
 
 
-def check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype) -> None:
+def check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype, amax_out=None) -> None:
     """layernorm_fwd / rmsnorm_fwd: float x with a non-empty last dim H, weight (and bias) [H], eps >= 0."""
     check_high_precision(x)
     if x.dim() < 1 or x.shape[-1] < 1:
@@ -43,7 +43,7 @@ def check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype) -> Non
         check_last_dim(x, bias, "bias")
     if not eps >= 0.0:
         raise ValueError(f"eps={eps!r} must be a float >= 0 (e.g. 1e-5)")
-    check_fp8_output(fp8_scale, fp8_dtype)
+    check_fp8_output(fp8_scale, fp8_dtype, x, amax_out)
     if out_dtype is not None:
         check_out_dtype(out_dtype)
 

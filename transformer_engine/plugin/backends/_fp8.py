@@ -20,11 +20,13 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 __all__ = [
     "FP8_DTYPES",
     "amax_finite",
+    "check_amax_out",
     "check_fp8_dtype",
     "check_fp8_output",
     "check_high_precision",
     "check_last_dim",
     "check_out_dtype",
+    "check_scalar",
     "check_tensor",
     "fp8_max_of",
     "is_fp8",
@@ -70,11 +72,16 @@ def check_last_dim(x: torch.Tensor, t: Optional[torch.Tensor], name: str) -> Non
         raise ValueError(f"{name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}; {name} must be [{x.shape[-1]}]")
 
 
-def scalar_f32(t, name: str) -> torch.Tensor:
-    """A one-element tensor as a 0-d float32 tensor; ValueError if it has another element count."""
+def check_scalar(t, name: str) -> None:
+    """Raise unless ``t`` is a one-element tensor (TypeError: not a tensor, ValueError: another count)."""
     check_tensor(t, name)
     if t.numel() != 1:
         raise ValueError(f"{name} must hold exactly one element (per-tensor scaling), got shape {tuple(t.shape)}")
+
+
+def scalar_f32(t, name: str) -> torch.Tensor:
+    """A one-element tensor as a 0-d float32 tensor (after :func:`check_scalar`)."""
+    check_scalar(t, name)
     return t.detach().reshape(()).to(torch.float32)
 
 
@@ -97,24 +104,45 @@ def saturating_cast(x_f32: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor
     return x_f32.clamp(-bound, bound).to(fp8_dtype)
 
 
-def quantize_fp32(x_f32: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_fp32(x_f32: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                  amax_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor FP8 cast of an already-float32 tensor (callers validate the arguments).
 
-    q = cast_fp8(clip(x * scale)), scale_inv = 1 / scale, amax = max |x| (finite x).
+    q = cast_fp8(clip(x * scale)), scale_inv = 1 / scale, amax = max |x| (finite x);
+    with ``amax_out``: amax_out = max(amax_out, amax) in place, returned as amax.
 
     Returns:
         (q in ``fp8_dtype`` with x's shape, scale_inv 0-d float32, amax 0-d float32).
     """
     scale_f32 = scale.detach().reshape(()).to(torch.float32)
     q = saturating_cast(x_f32 * scale_f32, fp8_dtype)
-    return q, torch.reciprocal(scale_f32), amax_finite(x_f32)
+    amax = amax_finite(x_f32)
+    if amax_out is not None:
+        torch.maximum(amax_out, amax.reshape(amax_out.shape), out=amax_out)
+        amax = amax_out.view(())
+    return q, torch.reciprocal(scale_f32), amax
 
 
-def check_fp8_output(fp8_scale, fp8_dtype) -> None:
-    """Validate the optional FP8 output of a fused op: both or neither of scale and dtype."""
-    if fp8_scale is None:
-        if fp8_dtype is not None:
-            raise ValueError(f"fp8_dtype={fp8_dtype!r} was given without fp8_scale; pass both to get an FP8 output, or neither")
+def check_amax_out(amax_out, x: torch.Tensor) -> None:
+    """Raise unless ``amax_out`` is None or a one-element float32 tensor on x's device (the catalog's contract)."""
+    if amax_out is None:
         return
-    scalar_f32(fp8_scale, "fp8_scale")
+    check_scalar(amax_out, "amax_out")
+    if amax_out.dtype != torch.float32 or amax_out.device != x.device:
+        raise ValueError(
+            f"amax_out must be a float32 tensor on {x.device} (an amax history slot), "
+            f"got {amax_out.dtype} on {amax_out.device}"
+        )
+
+
+def check_fp8_output(fp8_scale, fp8_dtype, x: torch.Tensor, amax_out=None) -> None:
+    """Validate the optional FP8 output of a fused op on x: both or neither of scale and dtype, and
+    ``amax_out`` only with them (see :func:`check_amax_out`)."""
+    if fp8_scale is None:
+        if fp8_dtype is not None or amax_out is not None:
+            given = "fp8_dtype" if fp8_dtype is not None else "amax_out"
+            raise ValueError(f"{given} was given without fp8_scale; pass fp8_scale and fp8_dtype to get an FP8 output, or neither")
+        return
+    check_amax_out(amax_out, x)
+    check_scalar(fp8_scale, "fp8_scale")
     check_fp8_dtype(fp8_dtype)

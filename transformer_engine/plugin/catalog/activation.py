@@ -136,9 +136,9 @@ def clamped_dswiglu(dy, x, limit=7.0, alpha=1.702):
 
 
 @declare
-def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702):
+def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
     """y = act(x) for ``activation`` (one of the twelve forward op names above), quantized per tensor.
 
-    Returns: (q, scale_inv, amax) as ``quantize(act(x), fp8_scale, fp8_dtype)``; ``limit`` and
-    ``alpha`` are used by clamped_swiglu only.
+    Returns: (q, scale_inv, amax) as ``quantize(act(x), fp8_scale, fp8_dtype, amax_out)``; ``limit``
+    and ``alpha`` are used by clamped_swiglu only.
     """

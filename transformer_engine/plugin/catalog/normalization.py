@@ -2,15 +2,16 @@
 
 gamma_eff = (1 + gamma) when ``zero_centered_gamma`` else gamma. Statistics are float32, one per
 row of x viewed as [M, H] (H = last dim). With ``fp8_scale`` given, y is returned quantized
-(saturating cast with that scale) together with its scale_inv and the amax of the unquantized y;
-otherwise y is in ``out_dtype`` (default x's dtype) and scale_inv, amax are None.
+(saturating cast with that scale) together with its scale_inv and the amax of the unquantized y
+(accumulated into ``amax_out`` when given, as in ``quantize``); otherwise y is in ``out_dtype``
+(default x's dtype), scale_inv and amax are None and ``amax_out`` must be None.
 """
 
 from transformer_engine.plugin.core.catalog import declare
 
 
 @declare
-def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
     """mean = E[x], rstd = 1 / sqrt(Var[x] + eps), y = (x - mean) * rstd * gamma_eff + beta.
 
     Returns: (y, mean [M], rstd [M], scale_inv, amax).
@@ -28,7 +29,7 @@ def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
 
 
 @declare
-def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
     """rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * gamma_eff.
 
     Returns: (y, rstd [M], scale_inv, amax).

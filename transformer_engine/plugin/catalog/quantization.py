@@ -4,12 +4,14 @@ from transformer_engine.plugin.core.catalog import declare
 
 
 @declare
-def quantize(x, scale, fp8_dtype):
+def quantize(x, scale, fp8_dtype, amax_out=None):
     """Per-tensor saturating cast to FP8.
 
     q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)),  scale_inv = 1 / scale,  amax = max|x| (finite x)
 
-    Args: x: any shape, float32/bfloat16/float16; scale: float32, one element; fp8_dtype: the FP8 dtype.
+    Args: x: any shape, float32/bfloat16/float16; scale: float32, one element; fp8_dtype: the FP8 dtype;
+    amax_out: None, or a one-element float32 tensor on x's device holding a value >= 0 (an amax history
+    slot): the op then also sets amax_out = max(amax_out, amax) in place and returns amax_out as amax.
     Returns: (q, scale_inv, amax): q has x's shape in ``fp8_dtype``; scale_inv and amax are 0-d float32.
     NaN in x stays NaN in q; +-inf saturates to +-fp8_max.
     """
@@ -24,20 +26,20 @@ def dequantize(q, scale_inv, out_dtype):
 
 
 @declare
-def cast_transpose(x, scale, fp8_dtype):
+def cast_transpose(x, scale, fp8_dtype, amax_out=None):
     """Quantize a 2-D tensor and also write its transpose (the layout the wgrad/dgrad GEMMs need).
 
     q = quantize(x),  q_t = q^T (contiguous)
-    Args: x: [M, N]. Returns: (q [M, N], q_t [N, M], scale_inv, amax) as in ``quantize``.
+    Args: x: [M, N]; scale, fp8_dtype, amax_out: as in ``quantize``. Returns: (q [M, N], q_t [N, M], scale_inv, amax) as in ``quantize``.
     """
 
 
 @declare
-def cast_transpose_dbias(x, scale, fp8_dtype):
+def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
     """``cast_transpose`` of the output gradient plus the bias gradient, from one read of x.
 
     (q, q_t, scale_inv, amax) = cast_transpose(x),  dbias[j] = sum_i x[i, j] accumulated in float32
-    Args: x: [M, N] (dy of a linear layer). Returns: (q [M, N], q_t [N, M], scale_inv, amax, dbias
+    Args: x: [M, N] (dy of a linear layer); scale, fp8_dtype, amax_out: as in ``quantize``. Returns: (q [M, N], q_t [N, M], scale_inv, amax, dbias
     float32 [N]). Non-finite x propagate into dbias as in a float32 sum (NaN, +-inf, inf - inf = NaN).
     """
 

@@ -58,12 +58,12 @@ class ActivationConfig:
         return {"limit": self.limit, "alpha": self.alpha} if self.name == _CLAMPED else {}
 
     def producer(self, h: torch.Tensor):
-        """A ``run(fp8_scale, fp8_dtype)`` for ``Quantizer.produce``: act(h), quantized by the fused op when asked."""
+        """A ``run(fp8_scale, fp8_dtype, amax_out)`` for ``Quantizer.produce``: act(h), quantized by the fused op when asked."""
 
-        def run(fp8_scale, fp8_dtype):
+        def run(fp8_scale, fp8_dtype, amax_out):
             if fp8_scale is None:
                 return getattr(ops, self.name)(h, **self._kwargs()), None, None, None
-            q, scale_inv, amax = ops.activation_quantize(h, self.name, fp8_scale, fp8_dtype, self.limit, self.alpha)
+            q, scale_inv, amax = ops.activation_quantize(h, self.name, fp8_scale, fp8_dtype, self.limit, self.alpha, amax_out)
             return q, scale_inv, amax, None
 
         return run

@@ -55,13 +55,15 @@ def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tens
         (y, stats): y as GEMM operand (FP8 or ``out_dtype``); stats = (mean, rstd) or (rstd,), float32 [M].
     """
 
-    def run(fp8_scale, fp8_dtype):
+    def run(fp8_scale, fp8_dtype, amax_out):
         if cfg.kind == "LayerNorm":
             y, mean, rstd, scale_inv, amax = ops.layernorm_fwd(
-                x, gamma, beta, cfg.eps, cfg.zero_centered_gamma, fp8_scale, fp8_dtype, out_dtype
+                x, gamma, beta, cfg.eps, cfg.zero_centered_gamma, fp8_scale, fp8_dtype, out_dtype, amax_out
             )
             return y, scale_inv, amax, (mean, rstd)
-        y, rstd, scale_inv, amax = ops.rmsnorm_fwd(x, gamma, cfg.eps, cfg.zero_centered_gamma, fp8_scale, fp8_dtype, out_dtype)
+        y, rstd, scale_inv, amax = ops.rmsnorm_fwd(
+            x, gamma, cfg.eps, cfg.zero_centered_gamma, fp8_scale, fp8_dtype, out_dtype, amax_out
+        )
         return y, scale_inv, amax, (rstd,)
 
     return quantizer.produce(run)

@@ -7,9 +7,12 @@ All quantizers share one interface, so module code never asks which recipe is ac
 - ``quantize_with_dbias(x)`` casts a 2-D gradient with its transpose and also returns its float32
   column sums (the bias gradient), fused into the cast where the quantizer casts to FP8;
 - ``produce(run)`` quantizes the output of a producer op that can fuse the cast (norm, activation).
-  ``run(fp8_scale, fp8_dtype)`` calls the op and returns ``(y, scale_inv, amax, extras)``; given
-  ``(None, None)`` it must return a high-precision ``y`` (and Nones). ``produce`` returns
-  ``(operand, extras)``.
+  ``run(fp8_scale, fp8_dtype, amax_out)`` calls the op (passing ``amax_out`` on, see the catalog's
+  ``quantize``) and returns ``(y, scale_inv, amax, extras)``; given ``(None, None, None)`` it must
+  return a high-precision ``y`` (and Nones). ``produce`` returns ``(operand, extras)``.
+
+Delayed scaling records each cast's amax into its history slot inside the cast kernel itself
+(the ops' ``amax_out``): no separate max kernel, no amax buffer to zero.
 
 The recipe picks the quantizer class:
 
@@ -62,7 +65,7 @@ class Quantizer:
 
     def produce(self, run: ProducerFn):
         """Run ``run`` in high precision, then :meth:`quantize` its output; returns (operand, extras)."""
-        y, _, _, extras = run(None, None)
+        y, _, _, extras = run(None, None, None)
         return self.quantize(y), extras
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Quantizer":
@@ -89,7 +92,8 @@ class Float8Quantizer(Quantizer):
     """Delayed scaling: cast with the current ``scale[index]`` of a state and record max|x| into its history.
 
     q = cast_fp8(clip(x * scale[i])); amax_history[0, i] = max(amax_history[0, i], max|x|)
-    (a module called twice in one step keeps the larger amax).
+    (a module called twice in one step keeps the larger amax). The cast ops do the max in place
+    (``amax_out``), so a cast is one launch.
     """
 
     is_fp8 = True
@@ -97,36 +101,52 @@ class Float8Quantizer(Quantizer):
     def __init__(self, state, index: int):
         self.state = state
         self.index = index
+        self._viewed: Tuple = ()  # (state.scale, state.amax_history) the cached views below were taken of
+        self._scale = self._slot = None
+
+    def __getstate__(self):  # copies and pickles take the state, not views of the original's tensors
+        return {"state": self.state, "index": self.index}
+
+    def __setstate__(self, saved) -> None:
+        self.__init__(saved["state"], saved["index"])
 
     @property
     def fp8_dtype(self) -> torch.dtype:
         return self.state.fp8_dtype
 
+    def _views(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale[i], amax_history[0, i]) as 0-d views, taken again only when the state replaced a tensor
+        (history length change, ``.to(device)``): the update writes both in place."""
+        state = self.state
+        if not self._viewed or self._viewed[0] is not state.scale or self._viewed[1] is not state.amax_history:
+            self._viewed = (state.scale, state.amax_history)
+            self._scale, self._slot = state.scale[self.index], state.amax_history[0, self.index]
+        return self._scale, self._slot
+
     @property
     def scale(self) -> torch.Tensor:
         """The 0-d scale this quantizer casts with."""
-        return self.state.scale[self.index]
+        return self._views()[0]
 
     def record(self, amax: torch.Tensor) -> None:
         """amax_history[0, i] = max(amax_history[0, i], amax)."""
-        slot = self.state.amax_history[0, self.index]
+        slot = self._views()[1]
         torch.maximum(slot, amax, out=slot)  # in place: one kernel
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
-        operand, amax = _cast(x, self.scale, self.fp8_dtype, columnwise)
-        self.record(amax)
-        return operand
+        scale, slot = self._views()
+        return _cast(x, scale, self.fp8_dtype, columnwise, slot)[0]
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
-        q, q_t, scale_inv, amax, dbias = ops.cast_transpose_dbias(x, self.scale, self.fp8_dtype)
-        self.record(amax)
+        scale, slot = self._views()
+        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, slot)
         return Float8Tensor(q, scale_inv, q_t), dbias
 
     def produce(self, run: ProducerFn):
-        """Fused cast: the producer writes FP8 with this scale and reports the amax of its output."""
-        q, scale_inv, amax, extras = run(self.scale, self.fp8_dtype)
-        self.record(amax)
+        """Fused cast: the producer writes FP8 with this scale and records the amax of its output."""
+        scale, slot = self._views()
+        q, scale_inv, _, extras = run(scale, self.fp8_dtype, slot)
         return Float8Tensor(q, scale_inv), extras
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8Quantizer":
@@ -183,10 +203,12 @@ class AmaxObserver(Quantizer):
         return x
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> Tuple[Float8Tensor, torch.Tensor]:
-    """(FP8 operand, amax of x): ``ops.cast_transpose`` (one pass, both layouts) when ``columnwise``, else ``ops.quantize``."""
+def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
+          amax_out: Optional[torch.Tensor] = None) -> Tuple[Float8Tensor, torch.Tensor]:
+    """(FP8 operand, amax of x): ``ops.cast_transpose`` (one pass, both layouts) when ``columnwise``, else
+    ``ops.quantize``; the amax also max-accumulates into ``amax_out`` when given."""
     if columnwise and x.dim() == 2:
-        q, q_t, scale_inv, amax = ops.cast_transpose(x, scale, fp8_dtype)
+        q, q_t, scale_inv, amax = ops.cast_transpose(x, scale, fp8_dtype, amax_out)
         return Float8Tensor(q, scale_inv, q_t), amax
-    q, scale_inv, amax = ops.quantize(x, scale, fp8_dtype)
+    q, scale_inv, amax = ops.quantize(x, scale, fp8_dtype, amax_out)
     return Float8Tensor(q, scale_inv), amax

@@ -12,7 +12,11 @@ import torch
 
 from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_close, assert_fp8_equal, wide_range
 from tests.utils import randn, sqnr
+from transformer_engine.plugin.backends.flagos import activation as fa
+from transformer_engine.plugin.backends.flagos import normalization as fn
 from transformer_engine.plugin.backends.flagos import quantization as fq
+from transformer_engine.plugin.backends.reference import activation as ra
+from transformer_engine.plugin.backends.reference import normalization as rn
 from transformer_engine.plugin.backends.reference import quantization as ref
 
 
@@ -350,3 +354,44 @@ def test_delayed_scaling_update_large_gpu(algo):
     history[0, :4] = torch.tensor([1e-40, 1e-38, 0.0, 2.0**-149])  # subnormal amaxes: no flush to zero
     for margin, fp8_max in _fp8_max_forms(4096, "cuda"):
         _assert_same_update(history, scale, fp8_max, margin, algo)
+
+
+# ---------------------------------------------------------------- amax_out: the cast's amax lands in a history slot
+
+_AMAX_AT = {"quantize": 2, "cast_transpose": 3, "cast_transpose_dbias": 3, "layernorm_fwd": 4, "rmsnorm_fwd": 3,
+            "activation_quantize": 2}
+
+
+def _cast_op(op, backend, x, scale, amax_out):
+    """(result tuple, amax) of one FP8-writing op of ``backend`` ((quantization, normalization, activation) modules)."""
+    q_mod, norm_mod, act_mod = backend
+    ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    e4m3 = torch.float8_e4m3fn
+    calls = {
+        "quantize": lambda: q_mod.quantize(x, scale, e4m3, amax_out),
+        "cast_transpose": lambda: q_mod.cast_transpose(x, scale, e4m3, amax_out),
+        "cast_transpose_dbias": lambda: q_mod.cast_transpose_dbias(x, scale, e4m3, amax_out),
+        "layernorm_fwd": lambda: norm_mod.layernorm_fwd(x, ones, ones, 1e-5, False, scale, e4m3, None, amax_out),
+        "rmsnorm_fwd": lambda: norm_mod.rmsnorm_fwd(x, ones, 1e-5, False, scale, e4m3, None, amax_out),
+        "activation_quantize": lambda: act_mod.activation_quantize(x, "gelu", scale, e4m3, 7.0, 1.702, amax_out),
+    }
+    result = calls[op]()
+    return result, result[_AMAX_AT[op]]
+
+
+@pytest.mark.parametrize("op", list(_AMAX_AT))
+@pytest.mark.parametrize("start", ["below", "above"])
+def test_amax_out_accumulates_into_the_slot(op, start, device):
+    x, scale = randn(37, 24).to(device), _scale(device)
+    for backend in ((fq, fn, fa), (ref, rn, ra)):
+        plain, amax = _cast_op(op, backend, x, scale, None)
+        history = torch.full((3, 4), 0.25, device=device)
+        history[0, 2] = 0.0 if start == "below" else 2 * amax.item()
+        before = history.clone()
+        slot = history[0, 2]
+        result, returned = _cast_op(op, backend, x, scale, slot)
+        expected = before.clone()
+        expected[0, 2] = torch.maximum(before[0, 2], amax)
+        assert torch.equal(history, expected)  # only the slot moved, to max(slot, amax)
+        assert returned.data_ptr() == slot.data_ptr() and returned.shape == ()
+        assert_fp8_equal(result[0], plain[0])

@@ -354,6 +354,9 @@ def test_delayed_scaling_random_run_vs_list_simulation(algo, length, margin):
         (lambda: ref.dequantize_blockwise(randn(4, 40).to(E4M3), torch.ones(4, 1), 1, 32, torch.float32), ValueError, r"\(4, 2\)"),
         (lambda: ref.delayed_scaling_update(torch.zeros(2, 3), torch.ones(3), 448.0, 0.0, "mean"), ValueError, "most_recent"),
         (lambda: ref.delayed_scaling_update(torch.zeros(2, 3), torch.ones(2), 448.0, 0.0, "max"), ValueError, r"needs \[3\]"),
+        (lambda: ref.quantize(randn(4), torch.ones(1), E4M3, torch.zeros(2)), ValueError, "amax_out must hold exactly one"),
+        (lambda: ref.cast_transpose(randn(4, 4), torch.ones(1), E4M3, torch.zeros(()).half()), ValueError, "amax_out must be a float32"),
+        (lambda: ref.cast_transpose_dbias(randn(4, 4), torch.ones(1), E4M3, [0.0]), TypeError, "amax_out must be a torch.Tensor"),
     ],
 )
 def test_errors(call, error, match):

@@ -23,7 +23,7 @@ import contextlib
 import functools
 import os
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -31,6 +31,8 @@ import triton.language as tl
 
 __all__ = [
     "INTERPRET",
+    "cdiv",
+    "next_power_of_2",
     "MAX_FUSED_SIZE",
     "NO_FP8",
     "Fp8Format",
@@ -48,6 +50,17 @@ __all__ = [
 #: True when this module was imported with TRITON_INTERPRET=1: every kernel then runs in Triton's
 #: CPU interpreter, so launches must take the emulated FP8 casts.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints. Host code uses this, not ``triton.cdiv``: Triton 3.x made that a
+    ``constexpr_function`` whose host call costs several microseconds (argument unwrapping)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1); the host-side twin of ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
 
 #: Rows longer than this are not handled by the one-block-per-row kernels (registers would spill).
 MAX_FUSED_SIZE = 32768
@@ -131,8 +144,8 @@ def row_block(rows: int, cols: int, target: int = 4096) -> Tuple[int, int]:
 
     Short rows are batched so that a program handles about ``target`` elements.
     """
-    block_n = triton.next_power_of_2(max(cols, 1))
-    rows_per_program = max(1, min(target // block_n, triton.next_power_of_2(max(rows, 1))))
+    block_n = next_power_of_2(max(cols, 1))
+    rows_per_program = max(1, min(target // block_n, next_power_of_2(max(rows, 1))))
     return block_n, rows_per_program
 
 
@@ -146,36 +159,37 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 or cols == 1 else rows.contiguous()
 
 
-@dataclass(frozen=True)
 class Fp8Outputs:
-    """The buffers of one FP8-writing launch.
+    """The buffers of one FP8-writing launch (a plain slotted class: built once per cast, on the hot path).
 
     Attributes:
         q: the FP8 result (what the op returns).
         q_bits: the same storage viewed as uint8 (what kernels store).
         scale_inv: 0-d float32, written by the kernel (1 / scale).
-        amax_bits: 0-d int32, zeroed, reduced by ``tl.atomic_max``.
+        amax_bits: 0-d int32 that ``tl.atomic_max`` reduces into: a zeroed new buffer, or the caller's
+            ``amax_out`` slot (then max(amax_out, amax) lands in the slot).
+        amax: amax_bits as the float32 tensor the op returns.
         fmt: the constexprs of the format.
     """
 
-    q: torch.Tensor
-    q_bits: torch.Tensor
-    scale_inv: torch.Tensor
-    amax_bits: torch.Tensor
-    fmt: Fp8Format
+    __slots__ = ("q", "q_bits", "scale_inv", "amax_bits", "amax", "fmt")
 
-    @property
-    def amax(self) -> torch.Tensor:
-        """amax as the 0-d float32 tensor the op returns."""
-        return self.amax_bits.view(torch.float32)
+    def __init__(self, q, scale_inv, amax_bits, amax, fmt: Fp8Format):
+        self.q, self.q_bits, self.scale_inv = q, q.view(torch.uint8), scale_inv
+        self.amax_bits, self.amax, self.fmt = amax_bits, amax, fmt
 
 
-def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device) -> Fp8Outputs:
-    """Allocate q (``shape``, ``fp8_dtype``), scale_inv and a zeroed amax for one launch."""
+def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device, amax_out: Optional[torch.Tensor] = None) -> Fp8Outputs:
+    """Allocate q (``shape``, ``fp8_dtype``) and scale_inv for one launch, and a zeroed amax unless the
+    kernel accumulates into ``amax_out`` (a float32 slot holding a value >= 0, validated by the caller)."""
     q = torch.empty(shape, dtype=fp8_dtype, device=device)
-    scalars = torch.zeros(2, dtype=torch.int32, device=device)  # one allocation: each costs host time per cast
-    scale_inv, amax_bits = scalars[0].view(torch.float32), scalars[1]
-    return Fp8Outputs(q, q.view(torch.uint8), scale_inv, amax_bits, fp8_format(fp8_dtype))
+    fmt = fp8_format(fp8_dtype)
+    if amax_out is not None:  # no zero fill, no record afterwards: two fewer launches per cast
+        scale_inv = torch.empty((), dtype=torch.float32, device=device)
+        return Fp8Outputs(q, scale_inv, amax_out.view(torch.int32), amax_out, fmt)
+    scalars = torch.zeros(2, dtype=torch.int32, device=device)  # one allocation for both
+    amax_bits = scalars[1]
+    return Fp8Outputs(q, scalars[0].view(torch.float32), amax_bits, amax_bits.view(torch.float32), fmt)
 
 
 @triton.jit

@@ -30,9 +30,10 @@ import triton
 import triton.language as tl
 
 from transformer_engine.plugin.backends._fp8 import (
+    check_amax_out,
     check_fp8_dtype,
     check_high_precision,
-    scalar_f32,
+    check_scalar,
 )
 from transformer_engine.plugin.core import Reject
 
@@ -42,9 +43,11 @@ from ._common import (
     _finite_abs,
     _fp8_encode,
     _scale_inv_store,
+    cdiv,
     device_guard,
     fp8_outputs,
     hw_fp8_cast,
+    next_power_of_2,
     rows_view,
 )
 
@@ -214,9 +217,9 @@ def _as_rows(x: torch.Tensor, gated: bool) -> torch.Tensor:
 
 def _tiles(m: int, n: int):
     """(BLOCK_M, BLOCK_N, num_tiles): tiles of ``_TILE_ELEMENTS``, as wide as the rows allow."""
-    block_n = min(triton.next_power_of_2(max(n, 1)), _TILE_ELEMENTS)
-    block_m = max(1, min(_TILE_ELEMENTS // block_n, triton.next_power_of_2(max(m, 1))))
-    return block_m, block_n, triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    block_n = min(next_power_of_2(max(n, 1)), _TILE_ELEMENTS)
+    block_m = max(1, min(_TILE_ELEMENTS // block_n, next_power_of_2(max(m, 1))))
+    return block_m, block_n, cdiv(m, block_m) * cdiv(n, block_n)
 
 
 def _check_x(op: str, x, gated: bool) -> None:
@@ -233,13 +236,13 @@ def _check_clamp(limit, alpha) -> None:
 
 
 def _launch_fwd(op: str, x, limit: float, alpha: float, fp8=None):
-    """y = act(x) in x's dtype, or the Fp8Outputs of quantize(act(x)) when ``fp8`` = (scale, dtype)."""
+    """y = act(x) in x's dtype, or the Fp8Outputs of quantize(act(x)) when ``fp8`` = (scale, dtype, amax_out)."""
     act, gated = _OPS[op]
     x_rows = _as_rows(x, gated)
     m, n = x_rows.shape[0], x_rows.shape[1] // (2 if gated else 1)
     out_shape = (*x.shape[:-1], x.shape[-1] // 2) if gated else x.shape
     if fp8 is not None:
-        out = fp8_outputs(out_shape, fp8[1], x.device)
+        out = fp8_outputs(out_shape, fp8[1], x.device, fp8[2])
         y_arg, fp8_args, consts = out.q_bits, (fp8[0], out.scale_inv, out.amax_bits), out.fmt.constexprs(hw_fp8_cast(x.device))
     else:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
@@ -282,14 +285,15 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702):
 __getattr__ = module_getattr(activation_ops(_forward, _backward, _check_clamp), __name__)
 
 
-def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702):
-    """(q, scale_inv, amax) = quantize(act(x), fp8_scale, fp8_dtype) in one pass, act(x) kept in float32.
+def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
+    """(q, scale_inv, amax) = quantize(act(x), fp8_scale, fp8_dtype, amax_out) in one pass, act(x) kept in float32.
 
     Args:
         x: float32/bfloat16/float16 input ([..., 2F] for gated activations).
         activation: one of the twelve forward op names ("gelu", ..., "clamped_swiglu").
         fp8_scale: one-element float32 tensor. fp8_dtype: torch.float8_e4m3fn / torch.float8_e5m2.
         limit, alpha: clamped_swiglu's parameters.
+        amax_out: None, or a float32 slot the amax is max-accumulated into (see ``quantize``).
 
     Returns:
         (q in ``fp8_dtype`` with act(x)'s shape, scale_inv 0-d float32, amax 0-d float32).
@@ -300,15 +304,16 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     if activation not in _OPS:
         raise ValueError(f"activation={activation!r} is not one of the forward activation ops {tuple(_OPS)}")
     _check_x(activation, x, _OPS[activation][1])
-    scalar_f32(fp8_scale, "fp8_scale")
+    check_scalar(fp8_scale, "fp8_scale")
     check_fp8_dtype(fp8_dtype)
+    check_amax_out(amax_out, x)
     if activation == "clamped_swiglu":
         _check_clamp(limit, alpha)
-    out = _launch_fwd(activation, x, limit, alpha, fp8=(fp8_scale, fp8_dtype))
+    out = _launch_fwd(activation, x, limit, alpha, fp8=(fp8_scale, fp8_dtype, amax_out))
     return out.q, out.scale_inv, out.amax
 
 
-def _fp8_scale_fits(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702):
+def _fp8_scale_fits(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
     """Reject an FP8 scale that is not float32 on x's device."""
     if isinstance(fp8_scale, torch.Tensor) and isinstance(x, torch.Tensor):
         if fp8_scale.dtype != torch.float32 or fp8_scale.device != x.device:

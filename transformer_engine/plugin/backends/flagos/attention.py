@@ -41,6 +41,8 @@ import triton.language as tl
 
 from transformer_engine.plugin.core import Reject
 
+from ._common import cdiv
+
 __all__ = ["fused_attn_fwd", "fused_attn_bwd"]
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -599,7 +601,7 @@ def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offs
     lse2 = _new_stats(q, geom)
 
     def grid(meta):
-        return triton.cdiv(geom.seqlen_q, meta["BLOCK_M"]), geom.batch * geom.heads
+        return cdiv(geom.seqlen_q, meta["BLOCK_M"]), geom.batch * geom.heads
 
     _attn_fwd_kernel[grid](
         q, k, v, out, lse2, cu_seqlens_q, cu_seqlens_kv,
@@ -636,10 +638,10 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
     kwargs = dict(HEAD_DIM=geom.head_dim, IS_VARLEN=geom.varlen, **_Band.of(config).kernel_kwargs())
 
     def dkdv_grid(meta):
-        return triton.cdiv(geom.seqlen_kv, meta["BLOCK_N"]), geom.batch * geom.kv_heads
+        return cdiv(geom.seqlen_kv, meta["BLOCK_N"]), geom.batch * geom.kv_heads
 
     def dq_grid(meta):
-        return triton.cdiv(geom.seqlen_q, meta["BLOCK_M"]), geom.batch * geom.heads
+        return cdiv(geom.seqlen_q, meta["BLOCK_M"]), geom.batch * geom.heads
 
     _attn_bwd_dkdv_kernel[dkdv_grid](
         q, k, v, dout, dk, dv, ctx.lse2, delta, cu_seqlens_q, cu_seqlens_kv,
@@ -656,7 +658,7 @@ def _bwd_preprocess(out, dout, cu_seqlens_q, geom: _Geometry, lse2: torch.Tensor
     """D = rowsum(dO * O) in fp32, laid out like lse2."""
     delta = torch.empty_like(lse2)
     block_m = 16 if _INTERPRET else 64
-    grid = (triton.cdiv(geom.seqlen_q, block_m), geom.batch * geom.heads)
+    grid = (cdiv(geom.seqlen_q, block_m), geom.batch * geom.heads)
     _attn_bwd_preprocess_kernel[grid](
         out, dout, delta, cu_seqlens_q, *_strides(out, geom), *_strides(dout, geom), *_stat_strides(delta, geom),
         geom.seqlen_q, geom.heads, HEAD_DIM=geom.head_dim, IS_VARLEN=geom.varlen, BLOCK_M=block_m,

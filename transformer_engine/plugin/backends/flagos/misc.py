@@ -35,7 +35,7 @@ import triton.language as tl
 from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_mask, dropout_scale
 from transformer_engine.plugin.core import Reject
 
-from ._common import device_guard
+from ._common import cdiv, device_guard, next_power_of_2
 
 __all__ = ["dropout_fwd", "dropout_bwd", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
 
@@ -139,7 +139,7 @@ def _drop_launch(x: torch.Tensor, bias, residual, p: float, scale: float):
     numel = x.numel()
     if numel:
         with device_guard(x):
-            _dropout_fwd_kernel[(triton.cdiv(numel, 4 * _QUARTER),)](
+            _dropout_fwd_kernel[(cdiv(numel, 4 * _QUARTER),)](
                 x, x if bias is None else bias.contiguous(), x if residual is None else residual.contiguous(), y,
                 keep.view(torch.uint8), seed, numel, 1 if bias is None else bias.numel(), float(p), scale,
                 HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, QUARTER=_QUARTER, num_warps=8,
@@ -177,7 +177,7 @@ def dropout_bwd(dy, mask, p):
     numel = dy.numel()
     if numel:
         with device_guard(dy):
-            _dropout_bwd_kernel[(triton.cdiv(numel, _BLOCK_BWD),)](
+            _dropout_bwd_kernel[(cdiv(numel, _BLOCK_BWD),)](
                 dy, mask.contiguous().view(torch.uint8), dx, numel, scale, BLOCK=_BLOCK_BWD, num_warps=8
             )
     return dx
@@ -309,7 +309,7 @@ def cross_entropy_fwd(logits, target, label_smoothing=0.0, ignore_index=-100):
         with device_guard(logits):
             _cross_entropy_fwd_kernel[(n,)](
                 logits, target.contiguous(), loss, lse, vocab, logits.stride(0), float(label_smoothing),
-                int(ignore_index), BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)), num_warps=8,
+                int(ignore_index), BLOCK_V=min(_BLOCK_V, next_power_of_2(vocab)), num_warps=8,
             )  # fmt: skip
     return loss, lse
 
@@ -340,7 +340,7 @@ def cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing=0.0, ignor
             _cross_entropy_bwd_kernel[(n,)](
                 grad_loss, logits, target.contiguous(), lse.contiguous(), dz, vocab, grad_loss.stride(0),
                 logits.stride(0), float(label_smoothing), int(ignore_index),
-                BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)), num_warps=8,
+                BLOCK_V=min(_BLOCK_V, next_power_of_2(vocab)), num_warps=8,
             )  # fmt: skip
     return dz
 

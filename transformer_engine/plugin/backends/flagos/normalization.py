@@ -34,6 +34,7 @@ from ._common import (
     _finite_abs,
     _fp8_encode,
     _scale_inv_store,
+    cdiv,
     device_guard,
     fp8_outputs,
     hw_fp8_cast,
@@ -202,13 +203,13 @@ def _norm_bwd_dwdb_kernel(
 
 
 def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm):
-    """Shared forward launcher; ``fp8`` is (scale, dtype) or None. Returns (y, mean, rstd, scale_inv, amax)."""
+    """Shared forward launcher; ``fp8`` is (scale, dtype, amax_out) or None. Returns (y, mean, rstd, scale_inv, amax)."""
     x_rows = rows_view(x)
     m, hidden = x_rows.shape
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if fp8 is not None:
-        out = fp8_outputs(x.shape, fp8[1], x.device)
+        out = fp8_outputs(x.shape, fp8[1], x.device, fp8[2])
         y, y_arg, fp8_args = out.q, out.q_bits, (fp8[0], out.scale_inv, out.amax_bits)
         consts = out.fmt.constexprs(hw_fp8_cast(x.device))
     else:
@@ -217,7 +218,7 @@ def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsn
     block_h, rows = row_block(m, hidden)
     if m:
         with device_guard(x):
-            _norm_fwd_kernel[(triton.cdiv(m, rows),)](
+            _norm_fwd_kernel[(cdiv(m, rows),)](
                 x_rows, y_arg, weight, bias if bias is not None else weight, mean, rstd, *fp8_args,
                 m, hidden, x_rows.stride(0), float(eps),
                 BLOCK_H=block_h, ROWS=rows, EVEN_H=block_h == hidden, IS_RMSNORM=is_rmsnorm, HAS_BIAS=bias is not None,
@@ -242,7 +243,7 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm):
     m, hidden = x_rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_h, rows = row_block(m, hidden)
-    programs = max(1, min(triton.cdiv(m, rows), num_programs_hint(x.device, _BWD_PROGRAMS_PER_SM)))
+    programs = max(1, min(cdiv(m, rows), num_programs_hint(x.device, _BWD_PROGRAMS_PER_SM)))
     dw_part = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
     db_part = dw_part if is_rmsnorm else torch.empty_like(dw_part)
     dgamma = torch.empty(hidden, dtype=weight.dtype, device=x.device)
@@ -256,14 +257,14 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm):
             BLOCK_H=block_h, ROWS=rows, EVEN_H=block_h == hidden, IS_RMSNORM=is_rmsnorm,
             ZERO_CENTERED=bool(zero_centered_gamma), STAGES=stages, num_warps=warps_for(block_h * rows),
         )  # fmt: skip
-        _norm_bwd_dwdb_kernel[(triton.cdiv(hidden, _DWDB_BLOCK_H),)](
+        _norm_bwd_dwdb_kernel[(cdiv(hidden, _DWDB_BLOCK_H),)](
             dw_part, db_part, dgamma, dgamma if is_rmsnorm else dbeta, programs, hidden,
             BLOCK_P=_DWDB_BLOCK_P, BLOCK_H=_DWDB_BLOCK_H, HAS_DBETA=not is_rmsnorm,
         )  # fmt: skip
     return dx, dgamma, dbeta
 
 
-def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
     """y = (x - mean) * rstd * gamma_eff + beta over the last dim, statistics in float32.
 
     Args:
@@ -273,6 +274,7 @@ def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=Non
         zero_centered_gamma: use 1 + gamma.
         fp8_scale, fp8_dtype: quantize y with this per-tensor scale (both or neither).
         out_dtype: dtype of an unquantized y (default x's dtype).
+        amax_out: with fp8_scale, a float32 slot the amax of y is max-accumulated into (catalog).
 
     Returns:
         (y, mean [M] float32, rstd [M] float32, scale_inv, amax); the last two are None unless y is FP8.
@@ -280,8 +282,8 @@ def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=Non
     Raises:
         TypeError / ValueError: as the reference (bad dtypes, shapes, eps or FP8 arguments).
     """
-    check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype)
-    fp8 = None if fp8_scale is None else (fp8_scale, fp8_dtype)
+    check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype, amax_out)
+    fp8 = None if fp8_scale is None else (fp8_scale, fp8_dtype, amax_out)
     return _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm=False)
 
 
@@ -298,7 +300,7 @@ def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
     return _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm=False)
 
 
-def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
     """y = x * rstd * gamma_eff, rstd = 1 / sqrt(mean(x^2) + eps) over the last dim.
 
     Returns:
@@ -307,8 +309,8 @@ def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_d
     Raises:
         TypeError / ValueError: as :func:`layernorm_fwd`.
     """
-    check_norm_fwd(x, weight, None, eps, fp8_scale, fp8_dtype, out_dtype)
-    fp8 = None if fp8_scale is None else (fp8_scale, fp8_dtype)
+    check_norm_fwd(x, weight, None, eps, fp8_scale, fp8_dtype, out_dtype, amax_out)
+    fp8 = None if fp8_scale is None else (fp8_scale, fp8_dtype, amax_out)
     y, _, rstd, scale_inv, amax = _norm_fwd(x, weight, None, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm=True)
     return y, rstd, scale_inv, amax
 
@@ -341,11 +343,11 @@ def _fits(x, weight, fp8_scale) -> object:
     return True
 
 
-def _layernorm_fwd_fits(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+def _layernorm_fwd_fits(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
     return _fits(x, weight, fp8_scale)
 
 
-def _rmsnorm_fwd_fits(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+def _rmsnorm_fwd_fits(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
     return _fits(x, weight, fp8_scale)
 
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from transformer_engine.plugin.core import Reject
 
-from ._common import device_guard
+from ._common import cdiv, device_guard
 
 __all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_adam"]
 
@@ -256,7 +256,7 @@ def _check_lists(op: str, tensor_lists, names) -> None:
 def _chunk(chunk_size) -> int:
     """Elements per program: chunk_size rounded up to a multiple of the loop block."""
     size = int(chunk_size) if chunk_size and chunk_size > 0 else _DEFAULT_CHUNK
-    return triton.cdiv(size, _BLOCK) * _BLOCK
+    return cdiv(size, _BLOCK) * _BLOCK
 
 
 def _contiguous_lists(tensor_lists):
@@ -343,7 +343,7 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     _contiguous_lists(tensor_lists)
     tensors, device, chunk = tensor_lists[0], noop_flag.device, _chunk(chunk_size)
     groups = _groups(tensor_lists)
-    partial = torch.empty(max(1, sum(triton.cdiv(t.numel(), chunk) for t in tensors)), dtype=torch.float32, device=device)
+    partial = torch.empty(max(1, sum(cdiv(t.numel(), chunk) for t in tensors)), dtype=torch.float32, device=device)
     bounds = [(0, 0)] * len(tensors)  # partial slots [lo, hi) of each tensor; empty tensors own none
     base = 0
     for (_, aligned), indices in groups.items():
@@ -354,7 +354,7 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
                 CHUNK=chunk, BLOCK=_BLOCK, ALIGNED=aligned,
             )  # fmt: skip
         for i in indices:  # the table lists a group's chunks tensor by tensor
-            bounds[i] = (base, base + triton.cdiv(tensors[i].numel(), chunk))
+            bounds[i] = (base, base + cdiv(tensors[i].numel(), chunk))
             base = bounds[i][1]
     bounds.append((0, base))  # the total sums every slot
     total, per = _finalize_norms(partial, bounds, noop_flag)

@@ -35,12 +35,13 @@ import triton.language as tl
 
 from transformer_engine.plugin.backends._checks import check_delayed_scaling_update
 from transformer_engine.plugin.backends._fp8 import (
+    check_amax_out,
     check_fp8_dtype,
     check_high_precision,
     check_out_dtype,
+    check_scalar,
     check_tensor,
     is_fp8,
-    scalar_f32,
 )
 from transformer_engine.plugin.core import Reject
 
@@ -52,10 +53,12 @@ from ._common import (
     _fp8_decode,
     _fp8_encode,
     _scale_inv_store,
+    cdiv,
     device_guard,
     fp8_format,
     fp8_outputs,
     hw_fp8_cast,
+    next_power_of_2,
 )
 
 __all__ = [
@@ -221,10 +224,11 @@ def _delayed_scaling_update_kernel(
     tl.store(scale_new_ptr + cols, s_new, mask=col_mask)
 
 
-def _check_scale_args(x, scale, fp8_dtype) -> None:
+def _check_scale_args(x, scale, fp8_dtype, amax_out) -> None:
     check_high_precision(x)
-    scalar_f32(scale, "scale")
+    check_scalar(scale, "scale")
     check_fp8_dtype(fp8_dtype)
+    check_amax_out(amax_out, x)
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -232,27 +236,29 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[-1] else t.contiguous()
 
 
-def _launch_quantize(x: torch.Tensor, scale, fp8_dtype, write_q: bool):
+def _launch_quantize(x: torch.Tensor, scale, fp8_dtype, write_q: bool, amax_out=None):
     """Run ``_quantize_kernel`` on x (any shape); returns the Fp8Outputs (q unused without write_q)."""
     x_flat = x.contiguous().view(-1)
-    out = fp8_outputs(x.shape if write_q else (0,), fp8_dtype, x.device)
+    out = fp8_outputs(x.shape if write_q else (0,), fp8_dtype, x.device, amax_out)
     fmt = out.fmt.constexprs(hw_fp8_cast(x.device)) if write_q else NO_FP8
     scale_arg = scale if write_q else out.scale_inv
     with device_guard(x):  # one program even for an empty x: it writes scale_inv
-        _quantize_kernel[(max(1, triton.cdiv(x_flat.numel(), _BLOCK)),)](
+        _quantize_kernel[(max(1, cdiv(x_flat.numel(), _BLOCK)),)](
             x_flat, out.q_bits, scale_arg, out.scale_inv, out.amax_bits, x_flat.numel(),
             BLOCK=_BLOCK, WRITE_Q=write_q, num_warps=8, **fmt,
         )  # fmt: skip
     return out
 
 
-def quantize(x, scale, fp8_dtype):
+def quantize(x, scale, fp8_dtype, amax_out=None):
     """q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)), scale_inv = 1 / scale, amax = max |x| (finite).
 
     Args:
         x: float32/bfloat16/float16 tensor of any shape.
         scale: one-element float32 tensor on x's device.
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        amax_out: None, or a float32 slot on x's device holding a value >= 0: the kernel's atomic
+            max lands there (amax_out = max(amax_out, amax)) and it is returned as amax.
 
     Returns:
         (q with x's shape in ``fp8_dtype``, scale_inv 0-d float32, amax 0-d float32).
@@ -260,8 +266,8 @@ def quantize(x, scale, fp8_dtype):
     Raises:
         TypeError: x is not a high-precision float tensor. ValueError: bad scale or fp8_dtype.
     """
-    _check_scale_args(x, scale, fp8_dtype)
-    out = _launch_quantize(x, scale, fp8_dtype, write_q=True)
+    _check_scale_args(x, scale, fp8_dtype, amax_out)
+    out = _launch_quantize(x, scale, fp8_dtype, write_q=True, amax_out=amax_out)
     return out.q, out.scale_inv, out.amax
 
 
@@ -284,14 +290,14 @@ def dequantize(q, scale_inv, out_dtype):
     check_tensor(q, "q")
     if not is_fp8(q):
         raise TypeError(f"q has dtype {q.dtype}; it must be torch.float8_e4m3fn or torch.float8_e5m2")
-    scalar_f32(scale_inv, "scale_inv")
+    check_scalar(scale_inv, "scale_inv")
     check_out_dtype(out_dtype)
     codes = q.contiguous().view(torch.uint8).view(-1)
     x = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     fmt = fp8_format(q.dtype)
     if codes.numel():
         with device_guard(q):
-            _dequantize_kernel[(triton.cdiv(codes.numel(), _BLOCK),)](
+            _dequantize_kernel[(cdiv(codes.numel(), _BLOCK),)](
                 codes, x.view(-1), scale_inv, codes.numel(), BLOCK=_BLOCK,
                 MBITS=fmt.mbits, EBIAS=fmt.ebias, HW_CAST=hw_fp8_cast(q.device), num_warps=8,
             )  # fmt: skip
@@ -303,26 +309,26 @@ def _check_2d(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
 
 
-def _launch_cast_transpose(x, scale, fp8_dtype, dbias: bool):
+def _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias: bool):
     """Validate, then run ``_cast_transpose_kernel`` on x [M, N].
 
     Returns:
         (Fp8Outputs, q_t [N, M], partials): partials is float32 [cdiv(M, _TILE), N], row t holding
         the column sums of tile row t, with ``dbias``; None without.
     """
-    _check_scale_args(x, scale, fp8_dtype)
+    _check_scale_args(x, scale, fp8_dtype, amax_out)
     _check_2d(x, "x")
     x = _rows_contiguous(x)
     m, n = x.shape
-    out = fp8_outputs((m, n), fp8_dtype, x.device)
+    out = fp8_outputs((m, n), fp8_dtype, x.device, amax_out)
     # float32 x on the GPU: Triton 3.6 wrote a wrong q_t on sm_90 when transposing the 8-bit tile of
     # 32-bit loads (full tiles; found on the H200, see the gpu test), so q_t is made from q afterwards
     transpose_after = x.dtype == torch.float32 and x.is_cuda and not INTERPRET
     q_t = None if transpose_after else torch.empty((n, m), dtype=fp8_dtype, device=x.device)
-    partials = torch.empty((triton.cdiv(m, _TILE), n), dtype=torch.float32, device=x.device) if dbias else None
+    partials = torch.empty((cdiv(m, _TILE), n), dtype=torch.float32, device=x.device) if dbias else None
     write_partials = partials is not None and partials.numel() > 0  # an empty x: partials.sum(0) is already 0
     with device_guard(x):  # one program even for an empty x: it writes scale_inv
-        _cast_transpose_kernel[(max(1, triton.cdiv(m, _TILE) * triton.cdiv(n, _TILE)),)](
+        _cast_transpose_kernel[(max(1, cdiv(m, _TILE) * cdiv(n, _TILE)),)](
             x, out.q_bits, out.q_bits if q_t is None else q_t.view(torch.uint8),  # unused without WRITE_QT
             scale, out.scale_inv, out.amax_bits, partials, m, n, x.stride(0),
             BLOCK_M=_TILE, BLOCK_N=_TILE, DBIAS=write_partials, num_warps=4,
@@ -334,12 +340,12 @@ def _launch_cast_transpose(x, scale, fp8_dtype, dbias: bool):
     return out, q_t, partials
 
 
-def cast_transpose(x, scale, fp8_dtype):
+def cast_transpose(x, scale, fp8_dtype, amax_out=None):
     """q = quantize(x) and its contiguous transpose q_t, from one read of x.
 
     Args:
         x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride).
-        scale, fp8_dtype: as :func:`quantize`.
+        scale, fp8_dtype, amax_out: as :func:`quantize`.
 
     Returns:
         (q [M, N], q_t [N, M], scale_inv, amax) as in :func:`quantize`.
@@ -347,11 +353,11 @@ def cast_transpose(x, scale, fp8_dtype):
     Raises:
         TypeError / ValueError: as :func:`quantize`, or x not 2-D.
     """
-    out, q_t, _ = _launch_cast_transpose(x, scale, fp8_dtype, dbias=False)
+    out, q_t, _ = _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias=False)
     return out.q, q_t, out.scale_inv, out.amax
 
 
-def cast_transpose_dbias(x, scale, fp8_dtype):
+def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
     """:func:`cast_transpose` plus the bias gradient dbias[j] = sum_i x[i, j] in float32, from one read of x.
 
     The kernel writes each 64-row tile's column sums; one deterministic torch sum over the
@@ -359,7 +365,7 @@ def cast_transpose_dbias(x, scale, fp8_dtype):
 
     Args:
         x: [M, N] float32/bfloat16/float16, dy of a linear layer (rows may be strided).
-        scale, fp8_dtype: as :func:`quantize`.
+        scale, fp8_dtype, amax_out: as :func:`quantize`.
 
     Returns:
         (q [M, N], q_t [N, M], scale_inv, amax, dbias float32 [N]); NaN / inf propagate into dbias.
@@ -367,7 +373,7 @@ def cast_transpose_dbias(x, scale, fp8_dtype):
     Raises:
         TypeError / ValueError: as :func:`cast_transpose`.
     """
-    out, q_t, partials = _launch_cast_transpose(x, scale, fp8_dtype, dbias=True)
+    out, q_t, partials = _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias=True)
     return out.q, q_t, out.scale_inv, out.amax, partials.sum(dim=0)
 
 
@@ -386,7 +392,7 @@ def fp8_transpose(q):
     q_t = torch.empty((n, m), dtype=q.dtype, device=q.device)
     if q.numel():
         with device_guard(q):
-            grid = (triton.cdiv(m, _TILE) * triton.cdiv(n, _TILE),)
+            grid = (cdiv(m, _TILE) * cdiv(n, _TILE),)
             _transpose_kernel[grid](codes, q_t.view(torch.uint8), m, n, codes.stride(0), BLOCK_M=_TILE, BLOCK_N=_TILE)
     return q_t
 
@@ -426,10 +432,10 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     if n == 0:
         return history_new, scale_new
     fp8_max_arg, fp8_max_stride = _fp8_max_arg(fp8_max, amax_history.device, n)
-    block_n = min(_UPDATE_COLS, triton.next_power_of_2(n))
-    block_l = min(triton.next_power_of_2(length), _UPDATE_TILE // block_n)
+    block_n = min(_UPDATE_COLS, next_power_of_2(n))
+    block_l = min(next_power_of_2(length), _UPDATE_TILE // block_n)
     with device_guard(amax_history):
-        _delayed_scaling_update_kernel[(triton.cdiv(n, block_n),)](
+        _delayed_scaling_update_kernel[(cdiv(n, block_n),)](
             amax_history, scale, fp8_max_arg, history_new, scale_new, 2.0 ** float(margin), length, n,
             amax_history.stride(0), amax_history.stride(1), scale.stride(0), fp8_max_stride,
             BLOCK_L=block_l, BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
@@ -438,7 +444,7 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     return history_new, scale_new
 
 
-def _scale_on_device(x, scale, fp8_dtype):
+def _scale_on_device(x, scale, fp8_dtype, amax_out=None):
     """Reject a scale the kernels would misread: not float32, or on another device than x."""
     if isinstance(scale, torch.Tensor) and isinstance(x, torch.Tensor):
         if scale.dtype != torch.float32 or scale.device != x.device:

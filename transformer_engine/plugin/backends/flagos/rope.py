@@ -23,7 +23,7 @@ import triton.language as tl
 
 from transformer_engine.plugin.core import Reject
 
-from ._common import device_guard
+from ._common import device_guard, next_power_of_2
 
 __all__ = ["fused_rope_forward", "fused_rope_backward"]
 
@@ -117,8 +117,8 @@ def _rope(t, freqs, tensor_format, interleaved, start_positions, backward: bool)
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1])
     table = table if table.dtype == torch.float32 and table.stride(-1) == 1 else table.float().contiguous()
-    block_d = triton.next_power_of_2(d)
-    block_h = max(1, min(triton.next_power_of_2(h), _HEAD_BLOCK_ELEMENTS // block_d))
+    block_d = next_power_of_2(d)
+    block_h = max(1, min(next_power_of_2(h), _HEAD_BLOCK_ELEMENTS // block_d))
     if out.numel():
         with device_guard(t):
             _rope_kernel[(s * b,)](

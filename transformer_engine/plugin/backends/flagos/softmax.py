@@ -21,7 +21,7 @@ from transformer_engine.plugin.backends._checks import check_softmax_mask
 from transformer_engine.plugin.backends._fp8 import check_high_precision
 from transformer_engine.plugin.core import Reject
 
-from ._common import MAX_FUSED_SIZE, device_guard, row_block, rows_view, warps_for
+from ._common import MAX_FUSED_SIZE, cdiv, device_guard, row_block, rows_view, warps_for
 
 __all__ = [
     "scaled_softmax_forward",
@@ -121,7 +121,7 @@ def _forward(x, scale, mask_kind: str, mask=None, causal_offset: int = 0):
     block_n, rows = row_block(r, sk)
     if r and sk:
         with device_guard(x):
-            _softmax_fwd_kernel[(triton.cdiv(r, rows),)](
+            _softmax_fwd_kernel[(cdiv(r, rows),)](
                 x_rows, y, mask_arg, r, sk, sq, x_rows.stride(0), heads * sq, mask_batch_stride, causal_offset,
                 float(scale), BLOCK_N=block_n, ROWS=rows, MASK=mask_kind, num_warps=warps_for(block_n * rows),
             )  # fmt: skip
@@ -140,7 +140,7 @@ def _backward(dy, y, scale):
     block_n, rows = row_block(r, sk)
     if r and sk:
         with device_guard(dy):
-            _softmax_bwd_kernel[(triton.cdiv(r, rows),)](
+            _softmax_bwd_kernel[(cdiv(r, rows),)](
                 dy_rows, y_rows, dx, r, sk, dy_rows.stride(0), y_rows.stride(0), float(scale),
                 BLOCK_N=block_n, ROWS=rows, num_warps=warps_for(block_n * rows),
             )  # fmt: skip

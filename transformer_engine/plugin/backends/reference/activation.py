@@ -23,7 +23,7 @@ import torch
 
 from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, module_getattr
 
-from .._fp8 import check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
+from .._fp8 import check_amax_out, check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
 
 __all__ = [*ACTIVATION_OP_NAMES, "activation_quantize"]
 
@@ -155,8 +155,8 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702) -> torch
 __getattr__ = module_getattr(activation_ops(_forward, _backward, _check_clamp), __name__)
 
 
-def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702):
-    """(q, scale_inv, amax) = quantize(act(x), fp8_scale, fp8_dtype), act one of the twelve forward ops.
+def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
+    """(q, scale_inv, amax) = quantize(act(x), fp8_scale, fp8_dtype, amax_out), act one of the twelve forward ops.
 
     act(x) is evaluated in float32 and quantized directly, without rounding to x's dtype first (as
     TE's fused kernels); for float32 x this is exactly quantize(<activation>(x)).
@@ -169,6 +169,7 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     check_high_precision(x)
     scale_f32 = scalar_f32(fp8_scale, "fp8_scale")
     check_fp8_dtype(fp8_dtype)
+    check_amax_out(amax_out, x)
     if activation == "clamped_swiglu":
         _check_clamp(limit, alpha)
-    return quantize_fp32(_forward_f32(activation, x.float(), limit, alpha), scale_f32, fp8_dtype)
+    return quantize_fp32(_forward_f32(activation, x.float(), limit, alpha), scale_f32, fp8_dtype, amax_out)

@@ -32,10 +32,10 @@ def _gamma_eff(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
     return gamma + 1.0 if zero_centered_gamma else gamma
 
 
-def _finish_fwd(y_f32: torch.Tensor, x: torch.Tensor, fp8_scale, fp8_dtype, out_dtype) -> Tuple:
+def _finish_fwd(y_f32: torch.Tensor, x: torch.Tensor, fp8_scale, fp8_dtype, out_dtype, amax_out) -> Tuple:
     """(y, scale_inv, amax): y quantized when ``fp8_scale`` is given, else in out_dtype (default x's)."""
     if fp8_scale is not None:
-        return quantize_fp32(y_f32, fp8_scale, fp8_dtype)
+        return quantize_fp32(y_f32, fp8_scale, fp8_dtype, amax_out)
     return y_f32.to(out_dtype or x.dtype), None, None
 
 
@@ -43,7 +43,7 @@ def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
     return t.float().reshape(-1, hidden)
 
 
-def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
     """y = (x - mean) * rstd * gamma_eff + beta over the last dim; statistics in float32.
 
     Args:
@@ -53,6 +53,7 @@ def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=Non
         zero_centered_gamma: use 1 + gamma.
         fp8_scale, fp8_dtype: quantize y with this per-tensor scale (both or neither).
         out_dtype: dtype of an unquantized y (default x's dtype; ignored with fp8_scale).
+        amax_out: with fp8_scale, a float32 slot that also receives max(amax_out, amax) (catalog).
 
     Returns:
         (y like x, mean [M] float32, rstd [M] float32, scale_inv, amax); the last two are None
@@ -62,7 +63,7 @@ def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=Non
         TypeError: x is not a high-precision float tensor. ValueError: weight/bias not [H], eps < 0,
         fp8_dtype without fp8_scale or not an FP8 dtype.
     """
-    check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype)
+    check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype, amax_out)
     x_rows = _rows(x, x.shape[-1])
     mean = x_rows.mean(dim=-1)
     x_mu = x_rows - mean[:, None]
@@ -70,7 +71,7 @@ def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=Non
     y = x_mu * rstd[:, None] * _gamma_eff(weight, zero_centered_gamma)
     if bias is not None:
         y = y + bias.float()
-    y, scale_inv, amax = _finish_fwd(y.reshape(x.shape), x, fp8_scale, fp8_dtype, out_dtype)
+    y, scale_inv, amax = _finish_fwd(y.reshape(x.shape), x, fp8_scale, fp8_dtype, out_dtype, amax_out)
     return y, mean, rstd, scale_inv, amax
 
 
@@ -93,7 +94,7 @@ def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
     return dx.reshape(x.shape).to(x.dtype), dgamma.to(weight.dtype), dy_rows.sum(dim=0).to(weight.dtype)
 
 
-def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None):
+def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
     """y = x * rstd * gamma_eff, rstd = 1 / sqrt(mean(x^2) + eps) over the last dim, in float32.
 
     Args: as :func:`layernorm_fwd`, without bias.
@@ -104,11 +105,11 @@ def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_d
     Raises:
         TypeError / ValueError: as :func:`layernorm_fwd`.
     """
-    check_norm_fwd(x, weight, None, eps, fp8_scale, fp8_dtype, out_dtype)
+    check_norm_fwd(x, weight, None, eps, fp8_scale, fp8_dtype, out_dtype, amax_out)
     x_rows = _rows(x, x.shape[-1])
     rstd = torch.rsqrt((x_rows * x_rows).mean(dim=-1) + eps)
     y = x_rows * rstd[:, None] * _gamma_eff(weight, zero_centered_gamma)
-    y, scale_inv, amax = _finish_fwd(y.reshape(x.shape), x, fp8_scale, fp8_dtype, out_dtype)
+    y, scale_inv, amax = _finish_fwd(y.reshape(x.shape), x, fp8_scale, fp8_dtype, out_dtype, amax_out)
     return y, rstd, scale_inv, amax
 
 

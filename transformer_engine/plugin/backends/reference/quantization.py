@@ -19,6 +19,7 @@ from transformer_engine.plugin.backends._checks import check_delayed_scaling_upd
 
 from .._fp8 import (
     amax_finite,
+    check_amax_out,
     check_fp8_dtype,
     check_high_precision,
     check_out_dtype,
@@ -54,25 +55,28 @@ def _check_2d(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
 
 
-def quantize(x, scale, fp8_dtype):
+def quantize(x, scale, fp8_dtype, amax_out=None):
     """Per-tensor saturating cast to FP8: q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)).
 
     Args:
         x: float32/bfloat16/float16 tensor of any shape.
         scale: one-element float32 tensor.
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        amax_out: None, or a one-element float32 tensor on x's device: set to max(amax_out, amax)
+            in place and returned as amax.
 
     Returns:
         (q, scale_inv, amax): q has x's shape in ``fp8_dtype``; scale_inv = 1 / scale and
         amax = max |x| over finite x are 0-d float32.
 
     Raises:
-        TypeError: x is not a high-precision float tensor. ValueError: bad scale or fp8_dtype.
+        TypeError: x is not a high-precision float tensor. ValueError: bad scale, fp8_dtype or amax_out.
     """
     check_high_precision(x)
     scale_f32 = scalar_f32(scale, "scale")
     check_fp8_dtype(fp8_dtype)
-    return quantize_fp32(x.float(), scale_f32, fp8_dtype)
+    check_amax_out(amax_out, x)
+    return quantize_fp32(x.float(), scale_f32, fp8_dtype, amax_out)
 
 
 def dequantize(q, scale_inv, out_dtype):
@@ -87,7 +91,7 @@ def dequantize(q, scale_inv, out_dtype):
     return (q.float() * scale_inv_f32).to(out_dtype)
 
 
-def cast_transpose(x, scale, fp8_dtype):
+def cast_transpose(x, scale, fp8_dtype, amax_out=None):
     """Quantize a 2-D tensor and also return its contiguous transpose: q = quantize(x), q_t = q^T.
 
     Returns:
@@ -95,11 +99,11 @@ def cast_transpose(x, scale, fp8_dtype):
     """
     check_high_precision(x)
     _check_2d(x, "x")
-    q, scale_inv, amax = quantize(x, scale, fp8_dtype)
+    q, scale_inv, amax = quantize(x, scale, fp8_dtype, amax_out)
     return q, q.t().contiguous(), scale_inv, amax
 
 
-def cast_transpose_dbias(x, scale, fp8_dtype):
+def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
     """:func:`cast_transpose` plus the bias gradient dbias[j] = sum_i x[i, j], accumulated in float32.
 
     Returns:
@@ -108,7 +112,7 @@ def cast_transpose_dbias(x, scale, fp8_dtype):
     Raises:
         TypeError / ValueError: as :func:`cast_transpose`.
     """
-    q, q_t, scale_inv, amax = cast_transpose(x, scale, fp8_dtype)
+    q, q_t, scale_inv, amax = cast_transpose(x, scale, fp8_dtype, amax_out)
     return q, q_t, scale_inv, amax, x.sum(dim=0, dtype=torch.float32)
 
 
