@@ -180,3 +180,11 @@ def test_cross_attention_needs_encoder_output():
     mha = te.MultiheadAttention(HIDDEN, HEADS, attention_type="cross")
     with pytest.raises(ValueError, match="encoder_output"):
         mha(randn(S, B, HIDDEN))
+
+
+def test_fused_non_interleaved_qkv_under_tensor_parallelism_is_refused():
+    # a rank's heads are not one block of [Q; K; V]: computing with a contiguous shard would be silently wrong
+    with pytest.raises(ValueError, match="qkv_weight_interleaved=False is not supported at tp_size=2"):
+        te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=False, set_parallel_mode=True, tp_size=2)
+    te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=True, set_parallel_mode=True, tp_size=2)
+    te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=False, tp_size=2)  # no split: fine

@@ -140,6 +140,12 @@ class MultiheadAttention(torch.nn.Module):
                 f"num_attention_heads={num_attention_heads} must be a multiple of num_gqa_groups={groups}, "
                 f"which must be a multiple of tp_size={tp_size}"
             )
+        if fuse_qkv_params and not qkv_weight_interleaved and set_parallel_mode and tp_size > 1:
+            raise ValueError(
+                f"fuse_qkv_params=True with qkv_weight_interleaved=False is not supported at tp_size={tp_size}: "
+                "a rank's heads are not one block of the fused [Q; K; V] weight; use qkv_weight_interleaved=True "
+                "(TE's default) or fuse_qkv_params=False"
+            )
         self.qkv_format, self.attn_mask_type, self.window_size = qkv_format, attn_mask_type, window_size
         self.bottom_right_diagonal = bottom_right_diagonal
         self.layer_number = 1 if layer_number is None else layer_number
