@@ -239,6 +239,34 @@ def test_strict_mode_with_a_supports_predicate_still_skips_declined_impls():
         manager.call("relu", X)
 
 
+def test_a_head_with_a_predicate_that_accepts_then_raises_falls_back_unless_strict():
+    calls = []
+
+    def accepts(x):
+        calls.append("supports")
+        return True
+
+    manager = make_manager(
+        make_impl("flagos.triton", relu_impl("flagos.triton", fail_on_bad=True, calls=calls), supports=accepts),
+        make_impl("vendor.acme", supports=lambda x: Reject("never")),
+        make_impl("reference.torch", relu_impl("reference.torch", calls=calls)),
+    )
+    assert manager.call("relu", X) == "flagos.triton"
+    with pytest.warns(FallbackWarning, match="flagos.triton failed"):
+        assert manager.call("relu", FakeTensor(bad=True)) == "reference.torch"
+    with with_strict_mode(), pytest.raises(RuntimeError, match="flagos.triton cannot do this"):
+        manager.call("relu", FakeTensor(bad=True))
+    assert calls == ["supports", "flagos.triton"] + ["supports", "flagos.triton", "reference.torch"] + ["supports", "flagos.triton"]
+
+
+def test_a_lone_head_with_a_predicate_raises_its_own_error_or_its_reason():
+    manager = make_manager(make_impl("flagos.triton", relu_impl("flagos.triton", fail_on_bad=True), supports=lambda x: x.dtype == "float32" or Reject("float32 only")))
+    with pytest.warns(FallbackWarning), pytest.raises(RuntimeError, match="flagos.triton cannot do this"):
+        manager.call("relu", FakeTensor(bad=True))
+    with pytest.raises(NoImplementationError, match="flagos.triton: float32 only"):
+        manager.call("relu", FakeTensor(dtype="float16"))
+
+
 def test_when_every_candidate_fails_the_first_error_is_raised():
     manager = make_manager(
         make_impl("flagos.triton", relu_impl("first", always_fail=True)),

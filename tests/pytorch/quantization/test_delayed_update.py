@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
+from transformer_engine.pytorch.quantization import delayed_update
 from transformer_engine.pytorch.quantization.delayed_update import reduce_and_update
 from transformer_engine.pytorch.quantization.recipe_state import DelayedScalingRecipeState
 from transformer_engine.pytorch.quantization.scaling import FP32_MAX
@@ -135,6 +136,58 @@ def test_states_updated_together_as_one_at_a_time(algo):
     if algo == "most_recent":  # each direction's own fp8_max (E4M3 forward, E5M2 backward under HYBRID)
         for state, fp8_max in ((states[0], 448.0), (states[3], 57344.0)):
             torch.testing.assert_close(state.scale[1:], fp8_max / state.amax_history[-1, 1:] / 2.0, rtol=1e-6, atol=0)
+
+
+def _oracle_of(state, recipe):
+    """An _Oracle that starts from ``state``'s current history and scale."""
+    oracle = _Oracle(*state.amax_history.shape, state.fp8_max, recipe)
+    oracle.h, oracle.s = state.amax_history.tolist(), state.scale.tolist()
+    return oracle
+
+
+def _step_and_check(states, recipe):
+    """New random amaxes in row 0 (slot 0 idle), one update of ``states`` together, each checked by an oracle."""
+    for state in states:
+        state.amax_history[0] = torch.rand(state.num_quantizers) * 10
+        state.amax_history[0, 0] = 0.0
+    oracles = [_oracle_of(s, recipe) for s in states]
+    reduce_and_update(states, recipe)
+    for oracle, state in zip(oracles, states):
+        oracle.update()
+        oracle.check(state)
+
+
+def test_update_follows_replaced_state_tensors():
+    """Steps with one cached plan, then tensors replaced by a history resize and by a checkpoint load."""
+    recipe = DelayedScaling(margin=1, amax_history_len=3)
+    states = _random_states(recipe, "forward", [3, 2, 5])
+    for _ in range(3):
+        _step_and_check(states, recipe)
+    for state in states:
+        with pytest.warns(UserWarning, match="amax_history_len"):
+            state.adjust_amax_history_length(5)
+    _step_and_check(states, recipe)
+    _step_and_check(states[1:], recipe)  # another list of the same states
+    for name in ("scale", "scale_inv", "amax_history"):  # what set_extra_state does
+        setattr(states[1], name, getattr(states[1], name).clone() * 2)
+    _step_and_check(states, recipe)
+    _step_and_check(states[1:2], recipe)
+
+
+def test_states_of_different_history_lengths_raise():
+    recipe = DelayedScaling(amax_history_len=2)
+    states = _random_states(recipe, "forward", [3, 3])
+    with pytest.warns(UserWarning):
+        states[1].adjust_amax_history_length(4)
+    with pytest.raises(ValueError, match=r"lengths \[2, 4\]"):
+        reduce_and_update(states, recipe)
+
+
+def test_plan_cache_is_bounded():
+    recipe = DelayedScaling(amax_history_len=2)
+    for _ in range(delayed_update._MAX_PLANS + 3):
+        _step_and_check(_random_states(recipe, "backward", [2]), recipe)
+    assert len(delayed_update._PLANS) <= delayed_update._MAX_PLANS
 
 
 def test_fp8_max_follows_a_recipe_format_change():

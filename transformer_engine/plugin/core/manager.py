@@ -178,29 +178,56 @@ class OpManager:
             message = _no_impl_message(spec.name, key, rejected)
             return Plan((), strict, _raiser(NoImplementationError, message), None)
         candidates = tuple(candidates)
-        run_from = self._make_runner(spec, candidates, strict, rejected)
+        run_rest = self._make_runner(spec, candidates, strict, rejected)
         head = candidates[0]
-        if head.supports is not None:  # the runner checks every predicate and handles fallback itself
-            return Plan(candidates, strict, lambda *args, **kwargs: run_from(args, kwargs), None)
+        if head.supports is not None:  # the head call checks the predicate and handles fallback itself
+            return Plan(candidates, strict, self._make_head_call(spec, head, strict, run_rest), None)
         if strict or len(candidates) == 1:
             return Plan(candidates, strict, head.fn, None)
 
         def recover(exc: Exception, args: tuple, kwargs: dict) -> Any:
             self._note_failure(spec.name, head, exc)
-            return run_from(args, kwargs, 1, exc)
+            return run_rest(args, kwargs, exc, [])
 
         return Plan(candidates, strict, head.fn, recover)
 
-    def _make_runner(self, spec: OpSpec, candidates: Tuple[OpImpl, ...], strict: bool, rejected) -> Callable:
-        """``run_from(args, kwargs, start, first_error)``: try the candidates from ``start`` on, in order."""
+    def _make_head_call(self, spec: OpSpec, head: OpImpl, strict: bool, run_rest: Callable) -> Callable:
+        """The plan's ``first`` for a head with a predicate: the head when it accepts, else ``run_rest``.
 
-        def run_from(args, kwargs, start: int = 0, first_error: Optional[BaseException] = None):
-            declined = []
-            for impl in candidates[start:]:
+        ``run_rest`` also takes over when the head raises and ``strict`` is off (a warning, as for any
+        failed candidate).
+        """
+        supports, fn, name = head.supports, head.fn, spec.name
+
+        def call(*args, **kwargs):
+            verdict = supports(*args, **kwargs)
+            if not verdict:
+                return run_rest(args, kwargs, None, [(head, _decline_reason(verdict))])
+            if strict:
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - fallback is the documented behaviour
+                self._note_failure(name, head, exc)
+                return run_rest(args, kwargs, exc, [])
+
+        return call
+
+    def _make_runner(self, spec: OpSpec, candidates: Tuple[OpImpl, ...], strict: bool, rejected) -> Callable:
+        """``run_rest(args, kwargs, first_error, declined)``: try the candidates after the head, in order.
+
+        ``first_error`` (the head's exception or None) is raised if no later candidate returns;
+        ``declined`` (a new list of (impl, reason)) collects the predicates' refusals for the
+        :class:`NoImplementationError` raised when none accepts.
+        """
+        rest = candidates[1:]
+
+        def run_rest(args, kwargs, first_error: Optional[BaseException], declined: List[Tuple[OpImpl, str]]):
+            for impl in rest:
                 if impl.supports is not None:
                     verdict = impl.supports(*args, **kwargs)
                     if not verdict:
-                        declined.append((impl, getattr(verdict, "reason", "supports() declined these arguments")))
+                        declined.append((impl, _decline_reason(verdict)))
                         continue
                 if strict:
                     return impl.fn(*args, **kwargs)
@@ -213,7 +240,7 @@ class OpManager:
                 raise first_error
             raise NoImplementationError(_no_impl_message(spec.name, None, list(rejected) + declined))
 
-        return run_from
+        return run_rest
 
     def _note_failure(self, op_name: str, impl: OpImpl, exc: BaseException) -> None:
         key = (op_name, impl.impl_id, type(exc))
@@ -310,8 +337,7 @@ class OpManager:
         for impl in candidates:
             verdict = True if impl.supports is None else impl.supports(*args, **kwargs)
             if not verdict:
-                reason = getattr(verdict, "reason", "supports() declined these arguments")
-                decisions.append(Decision(impl.impl_id, impl.kind.value, impl.priority, "rejected", reason))
+                decisions.append(Decision(impl.impl_id, impl.kind.value, impl.priority, "rejected", _decline_reason(verdict)))
             elif not chosen:
                 chosen = True
                 decisions.append(Decision(impl.impl_id, impl.kind.value, impl.priority, "selected", "first accepting candidate"))
@@ -362,6 +388,11 @@ def _matches(token: str, impl: OpImpl) -> bool:
     if token.startswith("impl:"):
         return impl.impl_id == token[5:]
     return impl.kind.value == token
+
+
+def _decline_reason(verdict) -> str:
+    """Why a ``supports`` predicate declined: a :class:`Reject`'s reason, or a generic phrase."""
+    return getattr(verdict, "reason", "supports() declined these arguments")
 
 
 def _raiser(exc_type, message: str) -> Callable:

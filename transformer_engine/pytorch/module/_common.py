@@ -7,9 +7,9 @@ no reference cycles) and :func:`saved` rebuilds them.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional, Sequence, Union
+from typing import Callable, ContextManager, List, Optional, Sequence, Union
 
 import torch
 
@@ -23,11 +23,18 @@ __all__ = [
 Operand = Union[torch.Tensor, Float8Tensor]
 
 
-@contextmanager
-def no_torch_autocast(device: torch.device) -> Iterator[None]:
-    """Disable torch.autocast: the catalog ops get exactly the dtypes the module chose."""
-    with torch.autocast(device.type, enabled=False):
-        yield
+_NOTHING_TO_DISABLE = contextlib.nullcontext()
+
+
+def no_torch_autocast(device: torch.device) -> ContextManager[None]:
+    """A context without torch.autocast on ``device``'s type: the catalog ops get the dtypes the module chose.
+
+    ``torch.autocast(device.type, enabled=False)`` when autocast is on for that device type, else a
+    shared no-op context (the common case, nearly free: it runs around every GEMM).
+    """
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return _NOTHING_TO_DISABLE
 
 
 def cast(x: Optional[Operand], dtype: torch.dtype) -> Optional[Operand]:

@@ -13,10 +13,16 @@ For the states of one (recipe, amax_reduction_group) pair, with H = the historie
    ``is_first_microbatch=False`` or an unused output slot) keeps its history and scale, as TE's
    fused update kernel does;
 4. scale_inv = 1 / scale.
+
+The host work that does not change from step to step (the side-by-side buffers and their per-state
+views, fp8_max per slot, the grouping by device) is a :class:`_Group` plan, cached per list of states
+by the identity of their tensors, so a replaced tensor (``adjust_amax_history_length``, ``move_to``,
+a checkpoint load) or another fp8 dtype (a recipe format change) gets a new plan.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
@@ -26,56 +32,126 @@ from transformer_engine.plugin import ops
 
 __all__ = ["reduce_and_update"]
 
+#: Plans kept (oldest dropped first): one per (autocast, direction) of a training loop is the usual need.
+_MAX_PLANS = 16
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The update plan of the states of one device.
+
+    One state is updated in place in its own tensors. Several states are updated in side-by-side
+    buffers: :meth:`gather` fills ``history`` / ``scale`` from ``state_histories`` / ``state_scales``,
+    :meth:`write_back` copies ``history_views`` into ``state_histories``, then ``scale_views`` into
+    ``scale_targets`` (the states' scale and scale_inv: contiguous 1-D pairs, which CUDA copies in one
+    fused launch). The plan holds every state tensor of its cache key.
+
+    Attributes:
+        history: H [L, sum N] float32; ``amax`` is its row 0.
+        scale, scale_inv: s and 1 / s, float32 [sum N].
+        fp8_max: one float, or float32 [sum N] when the states' fp8 dtypes differ.
+        state_histories, state_scales: the states' H and s (empty for one state).
+        history_views, scale_targets, scale_views: the write-back pairs (empty for one state).
+    """
+
+    history: torch.Tensor
+    amax: torch.Tensor
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+    fp8_max: Union[float, torch.Tensor]
+    state_histories: Tuple[torch.Tensor, ...] = ()
+    state_scales: Tuple[torch.Tensor, ...] = ()
+    history_views: Tuple[torch.Tensor, ...] = ()
+    scale_targets: Tuple[torch.Tensor, ...] = ()
+    scale_views: Tuple[torch.Tensor, ...] = ()
+
+    def gather(self) -> None:
+        """H and s from the states (two ``cat``; nothing to do for one state)."""
+        if self.state_histories:
+            torch.cat(self.state_histories, dim=1, out=self.history)
+            torch.cat(self.state_scales, out=self.scale)
+
+    def write_back(self) -> None:
+        """The states' H, s and scale_inv from the buffers (two ``_foreach_copy_``; nothing for one state)."""
+        if self.state_histories:
+            torch._foreach_copy_(self.state_histories, self.history_views)
+            torch._foreach_copy_(self.scale_targets, self.scale_views)
+
+
+_PLANS: Dict[tuple, Tuple[_Group, ...]] = {}
+
 
 def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> None:
-    """Reduce the amaxes of ``states`` over ``group`` and advance their scales and histories one step."""
-    by_device: Dict[torch.device, List] = {}
-    for state in states:
-        by_device.setdefault(state.amax_history.device, []).append(state)
-    for same_device in by_device.values():
-        _reduce_amax(same_device, recipe, group)
-        _update(same_device, recipe)
+    """Reduce the amaxes of ``states`` over ``group`` and advance their scales and histories one step.
 
-
-def _reduce_amax(states: Sequence, recipe: DelayedScaling, group) -> None:
-    if not (recipe.reduce_amax and torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    if torch.distributed.get_world_size(group) <= 1:
-        return
-    amaxes = torch.cat([s.amax_history[0] for s in states])
-    torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
-    for state, part in zip(states, amaxes.split([s.num_quantizers for s in states])):
-        state.amax_history[0].copy_(part)
-
-
-def _update(states: Sequence, recipe: DelayedScaling) -> None:
-    """One step for ``states`` side by side: the catalog op plus 6 torch ops (one state) or 11 (any more).
-
-    H and s are concatenated (not for one state), the op runs once, the idle rule is two ``where``,
-    scale_inv one ``reciprocal``, and a single ``_foreach_copy_`` writes every state's three tensors
-    in place (quantizers and checkpoints keep referring to them).
+    Per device: ``cat`` of H and s (several states), the optional all-reduce, the catalog op, the idle
+    rule as two ``where`` into H and s in place, ``reciprocal`` into scale_inv, and two
+    ``_foreach_copy_`` back into the states' tensors (several states), which stay the same objects.
     """
+    reduce = _reduces(recipe, group)
+    for part in _plan(states):
+        part.gather()
+        if reduce:
+            torch.distributed.all_reduce(part.amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        _update(part, recipe)
+        part.write_back()
+
+
+def _reduces(recipe: DelayedScaling, group) -> bool:
+    """True when the amaxes must be MAX-reduced: ``recipe.reduce_amax`` over a group of more than one rank."""
+    if not (recipe.reduce_amax and torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return torch.distributed.get_world_size(group) > 1
+
+
+def _update(part: _Group, recipe: DelayedScaling) -> None:
+    """One step in place on the plan's H, s and scale_inv: the op, the idle rule, scale_inv = 1 / s."""
+    new_history, new_scale = _step(part.history, part.scale, part.fp8_max, recipe)
+    active = part.amax.bool()  # new amax != 0 (NaN included): the slot was cast this step
+    torch.where(active, new_history, part.history, out=part.history)
+    torch.where(active, new_scale, part.scale, out=part.scale)
+    torch.reciprocal(part.scale, out=part.scale_inv)
+
+
+def _plan(states: Sequence) -> Tuple[_Group, ...]:
+    """The cached plan of ``states``, keyed by their tensors' ids and fp8 dtypes (a plan holds the
+    tensors of its key, so no live tensor can take one of its ids)."""
+    key = tuple([(id(s.amax_history), id(s.scale), id(s.scale_inv), s.fp8_dtype) for s in states])
+    plan = _PLANS.get(key)
+    if plan is None:
+        by_device: Dict[torch.device, List] = {}
+        for state in states:
+            by_device.setdefault(state.amax_history.device, []).append(state)
+        plan = tuple(_make_group(same_device) for same_device in by_device.values())
+        if len(_PLANS) >= _MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = plan
+    return plan
+
+
+def _make_group(states: List) -> _Group:
+    """The plan of states on one device; several states need histories of one length L."""
+    lengths = {s.amax_history.shape[0] for s in states}
+    if len(lengths) > 1:
+        raise ValueError(
+            f"the states updated together have amax histories of lengths {sorted(lengths)}; they must share "
+            "one length: give their modules the same recipe amax_history_len"
+        )
+    fp8_max = _fp8_max(states)
+    if len(states) == 1:
+        (s,) = states
+        return _Group(s.amax_history, s.amax_history[0], s.scale, s.scale_inv, fp8_max)
     sizes = [s.num_quantizers for s in states]
-    history = _side_by_side([s.amax_history for s in states], dim=1)
-    scale = _side_by_side([s.scale for s in states], dim=0)
-    new_history, new_scale = _step(history, scale, _fp8_max(states), recipe)
-    idle = history[0] == 0
-    new_history = torch.where(idle, history, new_history)
-    new_scale = torch.where(idle, scale, new_scale)
-    new_scale_inv = torch.reciprocal(new_scale)
-    results = zip(_split(new_history, sizes, 1), _split(new_scale, sizes, 0), _split(new_scale_inv, sizes, 0))
-    targets = [t for s in states for t in (s.amax_history, s.scale, s.scale_inv)]
-    torch._foreach_copy_(targets, [t for per_state in results for t in per_state])
-
-
-def _side_by_side(tensors: List[torch.Tensor], dim: int) -> torch.Tensor:
-    """``torch.cat(tensors, dim)``, or the one tensor itself (no copy)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
-
-
-def _split(t: torch.Tensor, sizes: List[int], dim: int) -> Sequence[torch.Tensor]:
-    """Views of ``t`` of ``sizes`` along ``dim``, or (t,) for one size (no op)."""
-    return (t,) if len(sizes) == 1 else t.split(sizes, dim=dim)
+    history = torch.empty(lengths.pop(), sum(sizes), dtype=torch.float32, device=states[0].amax_history.device)
+    scale, scale_inv = torch.empty_like(history[0]), torch.empty_like(history[0])
+    return _Group(
+        history, history[0], scale, scale_inv, fp8_max,
+        state_histories=tuple(s.amax_history for s in states),
+        state_scales=tuple(s.scale for s in states),
+        history_views=history.split(sizes, dim=1),
+        scale_targets=tuple([s.scale for s in states] + [s.scale_inv for s in states]),
+        scale_views=scale.split(sizes) + scale_inv.split(sizes),
+    )  # fmt: skip
 
 
 def _fp8_max(states: Sequence):

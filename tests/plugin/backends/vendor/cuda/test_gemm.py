@@ -96,27 +96,81 @@ SCALES = (_meta((1,), torch.float32), _meta((1,), torch.float32))
     ],
 )
 def test_fp8_reason_declines(x, y, scales, out_dtype, capability, words):
-    reason = vendor_gemm._fp8_reason(_meta(x[:2], x[2]), _meta(y[:2], y[2]), None, scales, out_dtype, capability)
+    reason = vendor_gemm._fp8_reason((x[2], y[2]), y[:2], None, scales, out_dtype, capability)
     assert reason is not None and words in reason
 
 
 @pytest.mark.parametrize("pair", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)])
 @pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
 def test_fp8_reason_accepts(pair, capability):
-    x, y = _meta((7, 32), pair[0]), _meta((32, 16), pair[1])  # M = 7: only K and N need alignment
-    assert vendor_gemm._fp8_reason(x, y, _meta((16,), torch.float32), SCALES, torch.bfloat16, capability) is None
+    # op(a) [7, 32] @ op(b) [32, 16]: M = 7, only K and N need alignment
+    assert vendor_gemm._fp8_reason(pair, (32, 16), _meta((16,), torch.float32), SCALES, torch.bfloat16, capability) is None
 
 
 def test_hp_and_shape_reasons():
-    x, y = _meta((5, 7), torch.bfloat16), _meta((7, 3), torch.bfloat16)
-    assert vendor_gemm._hp_reason(x, y, None, torch.bfloat16) is None
-    assert vendor_gemm._hp_reason(x, y, _meta((3,), torch.float32), torch.float32) is None
-    assert "share one dtype" in vendor_gemm._hp_reason(x, _meta((7, 3), torch.float16), None, torch.bfloat16)
-    assert "share one dtype" in vendor_gemm._hp_reason(_meta((5, 7), torch.int8), _meta((7, 3), torch.int8), None, torch.int8)
-    assert "inner dimensions" in vendor_gemm._shape_reason(x, _meta((6, 3), torch.bfloat16), None, None, False)
+    bf16, x, y = (torch.bfloat16, torch.bfloat16), (5, 7), (7, 3)
+    assert vendor_gemm._hp_reason(bf16, None, torch.bfloat16) is None
+    assert vendor_gemm._hp_reason(bf16, _meta((3,), torch.float32), torch.float32) is None
+    assert "share one dtype" in vendor_gemm._hp_reason((torch.bfloat16, torch.float16), None, torch.bfloat16)
+    assert "share one dtype" in vendor_gemm._hp_reason((torch.int8, torch.int8), None, torch.int8)
+    assert "inner dimensions" in vendor_gemm._shape_reason(x, (6, 3), None, None, False)
     assert "bias" in vendor_gemm._shape_reason(x, y, _meta((4,), torch.bfloat16), None, False)
     assert "needs out" in vendor_gemm._shape_reason(x, y, None, None, True)
     assert "out has shape" in vendor_gemm._shape_reason(x, y, None, _meta((3, 5), torch.bfloat16), False)
+
+
+class _CudaLooking(torch.Tensor):
+    """A meta tensor whose ``is_cuda`` says True: the whole predicate runs on CPU (no data is read)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    is_cuda = property(lambda self: True)
+
+
+def _cuda_meta(shape, dtype):
+    return torch.Tensor._make_subclass(_CudaLooking, _meta(shape, dtype))
+
+
+def _verdict(a, b, **kwargs):
+    """The predicate on ``_cuda_meta`` operands ((shape, dtype) each), FP8 scales when a is FP8, CC 9.0."""
+    (a_shape, a_dtype), (b_shape, b_dtype) = a, b
+    if a_dtype in (E4M3, E5M2):
+        kwargs.update(a_scale_inv=SCALES[0], b_scale_inv=SCALES[1])
+    return vendor_gemm._supports_gemm(_cuda_meta(a_shape, a_dtype), _cuda_meta(b_shape, b_dtype), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "a, b, trans_a, trans_b, words",
+    [
+        ((32, 64), (48, 64), False, True, None),  # fprop: x [M, K], W [N, K]
+        ((64, 32), (64, 48), True, False, None),  # wgrad: dy [T, M], x [T, N]
+        ((64, 32), (48, 64), True, True, None),
+        ((32, 64), (48, 64), False, False, "inner dimensions"),
+        ((32, 64), (64, 48), True, False, "inner dimensions"),
+        ((32, 64), (40, 64), False, True, "N=40"),  # N = b's rows under trans_b
+        ((40, 24), (48, 40), True, True, "K=40"),  # op(a) [24, 40], op(b) [40, 48]
+    ],
+)
+def test_supports_reads_the_shapes_of_op_a_and_op_b(a, b, trans_a, trans_b, words, monkeypatch):
+    monkeypatch.setattr(vendor_gemm, "_capability_of", lambda index: (9, 0))
+    verdict = _verdict((a, E4M3), (b, E4M3), trans_a=trans_a, trans_b=trans_b, out_dtype=torch.bfloat16)
+    assert verdict is True if words is None else (not verdict and words in verdict.reason)
+
+
+def test_supports_checks_bias_out_dims_dtypes_and_capability(monkeypatch):
+    monkeypatch.setattr(vendor_gemm, "_capability_of", lambda index: (9, 0))
+    x, w = ((32, 64), E4M3), ((48, 64), E4M3)
+    fprop = dict(trans_b=True, out_dtype=torch.bfloat16)
+    assert _verdict(x, w, bias=_meta((48,), torch.bfloat16), **fprop) is True
+    assert "bias has shape (32,), expected [48]" in _verdict(x, w, bias=_meta((32,), torch.bfloat16), **fprop).reason
+    assert "out has dtype" in _verdict(x, w, out=_meta((32, 48), torch.float32), **fprop).reason
+    assert "out has shape (48, 32), expected [32, 48]" in _verdict(x, w, out=_meta((48, 32), torch.bfloat16), **fprop).reason
+    wgrad = dict(trans_a=True, out=_meta((32, 48), torch.float32), accumulate=True, out_dtype=torch.float32)
+    assert _verdict(((64, 32), E5M2), ((64, 48), E4M3), **wgrad) is True
+    assert "2-D" in _verdict(((2, 32, 64), torch.bfloat16), ((64, 48), torch.bfloat16)).reason
+    assert "share one dtype" in _verdict(((32, 64), torch.bfloat16), ((64, 48), torch.float16)).reason
+    monkeypatch.setattr(vendor_gemm, "_capability_of", lambda index: (8, 0))
+    assert "compute capability" in _verdict(x, w, **fprop).reason
+    assert _verdict(((32, 64), torch.bfloat16), ((48, 64), torch.bfloat16), trans_b=True) is True
 
 
 def test_supports_declines_cpu_tensors():

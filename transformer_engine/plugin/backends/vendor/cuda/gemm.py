@@ -44,8 +44,8 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
         D [M, N] in ``out_dtype`` (``out`` itself when given).
 
     Raises:
-        NotImplementedError: arguments this backend declines (see ``SUPPORTS``); the
-            dispatcher never sends those here.
+        NotImplementedError: arguments this backend declines (``SUPPORTS``, checked again here for a
+            direct call; the dispatcher never sends those here).
     """
     verdict = _supports_gemm(a, b, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate)
     if not verdict:
@@ -139,37 +139,45 @@ def _result_dtype(a, out_dtype, out) -> Optional[torch.dtype]:
 
 
 # -- what this backend declines -----------------------------------------------------------------
-def _capability(device: torch.device) -> Tuple[int, int]:
-    """(major, minor) compute capability of a CUDA device (cached per device index)."""
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.lru_cache(maxsize=None)
 def _capability_of(index: int) -> Tuple[int, int]:
+    """(major, minor) compute capability of CUDA device ``index`` (cached per index)."""
     return tuple(torch.cuda.get_device_capability(index))
 
 
+def _op_shape(shape: torch.Size, trans: bool) -> Tuple[int, int]:
+    """The shape of op(t) from t's [rows, cols]: swapped when ``trans`` (no view is made)."""
+    rows, cols = shape
+    return (cols, rows) if trans else (rows, cols)
+
+
 def _supports_gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
-    """True, or a Reject saying why this backend declines the call: device, shapes, then dtypes."""
+    """True, or a Reject saying why this backend declines the call: device, shapes, then dtypes.
+
+    The dispatcher runs it before every call, and :func:`gemm` again: it reads shapes and dtypes
+    only (no transposed views, no device objects).
+    """
     if not (getattr(a, "is_cuda", False) and getattr(b, "is_cuda", False)):
         return Reject("operands are not on a CUDA device")
-    if a.dim() != 2 or b.dim() != 2:
-        return Reject(f"operands must be 2-D, got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    x, y = _operands(a, b, trans_a, trans_b)
+    a_shape, b_shape = a.shape, b.shape
+    if len(a_shape) != 2 or len(b_shape) != 2:
+        return Reject(f"operands must be 2-D, got a {tuple(a_shape)} and b {tuple(b_shape)}")
+    y_shape = _op_shape(b_shape, trans_b)
     dtype = _result_dtype(a, out_dtype, out)
-    reason = _shape_reason(x, y, bias, out, accumulate)
+    reason = _shape_reason(_op_shape(a_shape, trans_a), y_shape, bias, out, accumulate)
     if reason is None and out is not None and out.dtype != dtype:
         reason = f"out has dtype {out.dtype} but out_dtype is {dtype}"
-    if reason is None and (x.dtype in FP8_DTYPES or y.dtype in FP8_DTYPES):
-        reason = _fp8_reason(x, y, bias, (a_scale_inv, b_scale_inv), dtype, _capability(a.device))
+    dtypes = (a.dtype, b.dtype)
+    if reason is None and (dtypes[0] in FP8_DTYPES or dtypes[1] in FP8_DTYPES):
+        reason = _fp8_reason(dtypes, y_shape, bias, (a_scale_inv, b_scale_inv), dtype, _capability_of(a.get_device()))
     elif reason is None:
-        reason = _hp_reason(x, y, bias, dtype)
+        reason = _hp_reason(dtypes, bias, dtype)
     return Reject(reason) if reason else True
 
 
-def _shape_reason(x, y, bias, out, accumulate) -> Optional[str]:
+def _shape_reason(x_shape, y_shape, bias, out, accumulate) -> Optional[str]:
     """op(a) [M, K] @ op(b) [K, N]; bias [N]; out [M, N] (required with ``accumulate``)."""
-    (m, k), (k2, n) = x.shape, y.shape
+    (m, k), (k2, n) = x_shape, y_shape
     if k != k2:
         return f"op(a) is [{m}, {k}] but op(b) is [{k2}, {n}]: inner dimensions differ"
     if bias is not None and tuple(bias.shape) != (n,):
@@ -181,30 +189,31 @@ def _shape_reason(x, y, bias, out, accumulate) -> Optional[str]:
     return None
 
 
-def _fp8_reason(x, y, bias, scale_invs, dtype, capability) -> Optional[str]:
-    """The FP8 path's limits: dtype pair, scales, output dtype, alignment, compute capability."""
-    if x.dtype not in FP8_DTYPES or y.dtype not in FP8_DTYPES:
-        return f"FP8 GEMM needs two FP8 operands of {FP8_DTYPES}, got {x.dtype} and {y.dtype}"
-    if x.dtype == y.dtype == torch.float8_e5m2:
+def _fp8_reason(dtypes, y_shape, bias, scale_invs, dtype, capability) -> Optional[str]:
+    """The FP8 path's limits: (a, b) dtype pair, scales, output dtype, op(b) [K, N] alignment, compute capability."""
+    if dtypes[0] not in FP8_DTYPES or dtypes[1] not in FP8_DTYPES:
+        return f"FP8 GEMM needs two FP8 operands of {FP8_DTYPES}, got {dtypes[0]} and {dtypes[1]}"
+    if dtypes[0] == dtypes[1] == torch.float8_e5m2:
         return "cuBLASLt has no E5M2 x E5M2 GEMM"
-    if tuple(capability) < FP8_MIN_CAPABILITY:
+    if capability < FP8_MIN_CAPABILITY:
         return f"FP8 GEMM needs compute capability >= 8.9, device has {capability[0]}.{capability[1]}"
-    if any(s is None or s.numel() != 1 for s in scale_invs):
-        return "FP8 operands need per-tensor (one-element) a_scale_inv and b_scale_inv"
+    for scale_inv in scale_invs:
+        if scale_inv is None or scale_inv.numel() != 1:
+            return "FP8 operands need per-tensor (one-element) a_scale_inv and b_scale_inv"
     if dtype not in HP_DTYPES:
         return f"out_dtype {dtype} is not one of {HP_DTYPES}"
     if bias is not None and bias.dtype not in HP_DTYPES:
         return f"bias dtype {bias.dtype} is not one of {HP_DTYPES}"
-    k, n = y.shape
+    k, n = y_shape
     if k % _ALIGN or n % _ALIGN:
         return f"FP8 GEMM needs K and N multiples of {_ALIGN}, got K={k}, N={n}"
     return None
 
 
-def _hp_reason(x, y, bias, dtype) -> Optional[str]:
-    """The cuBLAS path: both operands of one dtype in bf16 / fp16 / fp32, output in those too."""
-    if x.dtype != y.dtype or x.dtype not in HP_DTYPES:
-        return f"operands must share one dtype of {HP_DTYPES}, got {x.dtype} and {y.dtype}"
+def _hp_reason(dtypes, bias, dtype) -> Optional[str]:
+    """The cuBLAS path: both operands (dtypes of a, b) of one dtype in bf16 / fp16 / fp32, output in those too."""
+    if dtypes[0] != dtypes[1] or dtypes[0] not in HP_DTYPES:
+        return f"operands must share one dtype of {HP_DTYPES}, got {dtypes[0]} and {dtypes[1]}"
     if dtype not in HP_DTYPES:
         return f"out_dtype {dtype} is not one of {HP_DTYPES}"
     if bias is not None and bias.dtype not in HP_DTYPES:
