@@ -22,9 +22,8 @@ Skipped, because it is a no-op in that state: ``compute_cache_key`` and its seco
 passing the hook chains to the launcher, which calls them. The normal path is taken instead whenever
 something the skipped code would act on is present: a launch enter/exit hook or a stages-inspection
 hook with callbacks, a pre-run hook on the kernel, a miss (first call, new specialization or options,
-a reset ``device_caches``), a changed global the kernel uses (Triton then raises its error). That
-last check is Triton's own loop, kept: the flagos kernels use no globals, so it costs one truthiness
-test. Launch errors are never caught: the launcher raises them on either path.
+a reset ``device_caches``), a changed global the kernel uses (Triton then raises its error). Launch
+errors are never caught: the launcher raises them on either path.
 
 Decided once, at decoration: ``fast_launch`` returns its argument itself (the normal path, no wrapper)
 when it is not a plain ``JITFunction`` (an ``InterpretedFunction`` under ``TRITON_INTERPRET=1``, an
@@ -244,7 +243,6 @@ class _FastKernel:
         self._kernels: Dict[int, Tuple[tuple, Dict[tuple, Any]]] = {}
 
     def __getitem__(self, grid: Any):
-        """The launcher for ``grid`` (a tuple of 1-3 ints, or a callable of the bound arguments)."""
         return functools.partial(self._launch, grid)
 
     def __getattr__(self, name: str) -> Any:
@@ -282,23 +280,25 @@ class _FastKernel:
         self._add_run_options(kwargs)  # run sets them again to the same values on the normal path
         active = driver.active
         device = active.get_current_device()
-        caches = jit_fn.device_caches[device]  # as run: the first launch on a device builds its binder
+        caches = jit_fn.device_caches.get(device)
+        if caches is None:  # first launch on this device: Triton builds the binder
+            return jit_fn[grid](*args, **kwargs)
         bound_args, specialization, options = caches[4](*args, **kwargs)
         key = (tuple(specialization), str(options))
         entry = self._kernels.get(device)
         kernel = entry[1].get(key) if entry is not None and entry[0] is caches else None
         if kernel is None or (jit_fn.used_global_vals and _globals_changed(jit_fn)):
-            return self._launch_and_remember(grid, args, kwargs, device, caches, key)
+            return self._launch_and_remember(grid, args, kwargs, (device, caches, key))
         grid_0, grid_1, grid_2 = _grid_dims(grid, bound_args)
         stream = active.get_current_stream(device)
         kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *bound_args.values())  # fmt: skip
         return kernel
 
-    def _launch_and_remember(self, grid: Any, args: tuple, kwargs: dict, device: int, caches: tuple, key: tuple) -> Any:
-        """Triton's normal launch (compiles on a miss, raises its own errors); its kernel is kept
-        under ``key`` for ``device``, as long as ``caches`` is that device's entry."""
+    def _launch_and_remember(self, grid: Any, args: tuple, kwargs: Dict[str, Any], where: tuple) -> Any:
+        """Triton's normal launch (compiles on a miss, raises its own errors); its kernel is kept."""
         kernel = self._jit_fn[grid](*args, **kwargs)
+        device, caches, key = where
         if isinstance(kernel, CompiledKernel):
             entry = self._kernels.get(device)
             if entry is None or entry[0] is not caches:

@@ -36,7 +36,6 @@ from transformer_engine.plugin.backends._checks import check_bias_dropout_add, c
 from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv, device_guard, next_power_of_2
-from ._launch import fast_launch
 
 __all__ = ["dropout_fwd", "dropout_bwd", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
 
@@ -80,7 +79,6 @@ def _drop_quarter(
     tl.store(keep_ptr + idx, keep.to(tl.uint8), mask=inside)
 
 
-@fast_launch
 @triton.jit
 def _dropout_fwd_kernel(
     x_ptr,  # *x, contiguous, flat [numel]
@@ -111,7 +109,6 @@ def _dropout_fwd_kernel(
                   HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
 
 
-@fast_launch
 @triton.jit
 def _dropout_bwd_kernel(
     dy_ptr,  # *dy, contiguous, flat [numel]
@@ -208,7 +205,6 @@ def bias_dropout_add_fwd(x, bias, residual, p):
     return _drop_launch(x, bias, residual, p, scale)
 
 
-@fast_launch
 @triton.jit
 def _cross_entropy_fwd_kernel(
     logits_ptr,  # *z [N, V], row stride stride_z
@@ -245,7 +241,6 @@ def _cross_entropy_fwd_kernel(
     tl.store(lse_ptr + row, lse)
 
 
-@fast_launch
 @triton.jit
 def _cross_entropy_bwd_kernel(
     grad_ptr,  # *grad_loss [N], stride stride_g

@@ -30,7 +30,6 @@ import triton.language as tl
 from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv, device_guard
-from ._launch import fast_launch
 
 __all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_adam"]
 
@@ -60,7 +59,6 @@ def _tensor_ptr(ptrs_ptr, tensor, K: tl.constexpr, LIST: tl.constexpr, proto_ptr
     return ptr
 
 
-@fast_launch
 @triton.jit
 def _adam_kernel(
     ptrs_ptr,  # *int64 [n, 4]: addresses of grad, param, exp_avg, exp_avg_sq of each tensor
@@ -111,7 +109,6 @@ def _adam_kernel(
         tl.store(p_ptr + offs, p.to(p_proto.dtype.element_ty), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _scale_kernel(
     ptrs_ptr,  # *int64 [n, 2]: addresses of input, output of each tensor
@@ -138,7 +135,6 @@ def _scale_kernel(
     tl.atomic_max(noop_ptr, 1, mask=tl.max(bad, axis=0) > 0)
 
 
-@fast_launch
 @triton.jit
 def _sumsq_kernel(
     ptrs_ptr,  # *int64 [n, 1]: address of each tensor
@@ -161,7 +157,6 @@ def _sumsq_kernel(
     tl.store(partial_ptr + slot_base + tl.program_id(0), tl.sum(acc, axis=0))
 
 
-@fast_launch
 @triton.jit
 def _norm_finalize_kernel(
     partial_ptr,  # *float32 [total chunks] sums of squares

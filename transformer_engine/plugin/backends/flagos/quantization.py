@@ -60,7 +60,6 @@ from ._common import (
     hw_fp8_cast,
     next_power_of_2,
 )
-from ._launch import fast_launch
 
 __all__ = [
     "quantize", "dequantize", "cast_transpose", "cast_transpose_dbias", "fp8_transpose", "compute_amax",
@@ -73,7 +72,6 @@ _UPDATE_COLS = 32  # columns per program of the delayed-scaling update (one 128-
 _UPDATE_TILE = 4096  # history elements per loop step of that update (L = 1024 takes 8 steps)
 
 
-@fast_launch
 @triton.jit
 def _quantize_kernel(
     x_ptr,  # *x, contiguous, n elements
@@ -99,7 +97,6 @@ def _quantize_kernel(
     _amax_commit(amax_ptr, _finite_abs(x))  # masked lanes hold 0
 
 
-@fast_launch
 @triton.jit
 def _dequantize_kernel(
     q_ptr,  # *uint8 view of q, n elements
@@ -118,7 +115,6 @@ def _dequantize_kernel(
     tl.store(x_ptr + offs, x.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _cast_transpose_kernel(
     x_ptr,  # *x [M, N], row stride stride_xm, unit column stride
@@ -158,7 +154,6 @@ def _cast_transpose_kernel(
     _scale_inv_store(scale_inv_ptr, scale)
 
 
-@fast_launch
 @triton.jit
 def _transpose_kernel(
     q_ptr,  # *uint8 [M, N], row stride stride_qm, unit column stride
@@ -178,7 +173,6 @@ def _transpose_kernel(
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
-@fast_launch
 @triton.jit
 def _delayed_scaling_update_kernel(
     history_ptr,  # *H [L, N], strides (stride_hl, stride_hn), any float dtype
