@@ -100,5 +100,6 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
     dQ = softmax_scale dS K, dK = softmax_scale dS^T Q, dV = P'^T dO (summed over the query heads
     of a kv group); dbias = dS reduced to attn_bias's shape (times softmax_scale for pre-scale);
     dalpha_h = -sum_i exp(alpha_h - lse_i) * D_i for "learnable".
+    dout has out's shape and any strides (an sbhd layer passes a transposed view, not a copy).
     Returns: (dq, dk, dv, dbias or None, dsoftmax_offset or None).
     """

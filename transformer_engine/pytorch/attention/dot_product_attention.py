@@ -62,7 +62,7 @@ class _FusedAttnFunc(torch.autograd.Function):
         q, k, v, out, attn_bias, softmax_offset = ctx.saved_tensors
         extras = ctx.extras
         dq, dk, dv, dbias, doffset = get_default_manager().call_impl(
-            "fused_attn_bwd", ctx.impl_id, dout.contiguous(), q, k, v, out, ctx.attn_ctx, ctx.config,
+            "fused_attn_bwd", ctx.impl_id, dout, q, k, v, out, ctx.attn_ctx, ctx.config,  # backends take any strides
             extras.attn_mask, attn_bias, softmax_offset, extras.alibi_slopes,
             extras.cu_seqlens_q, extras.cu_seqlens_kv,
         )

@@ -283,6 +283,14 @@ def _from_heads(x: torch.Tensor, group: int = 1) -> torch.Tensor:
     return x.unflatten(2, (-1, group)).sum(dim=3) if group > 1 else x
 
 
+def _in_layout_of(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """x with ``ref``'s strides: the SDPA backward kernels read dO in O's memory layout. A copy only
+    when the strides differ (dO of an sbhd layer already has O's layout: O is allocated like q)."""
+    if x.stride() == ref.stride():
+        return x
+    return torch.empty_strided(ref.shape, ref.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
 def _causal_band(s_q: int, s_kv: int, mask_type: str, device) -> torch.Tensor:
     """bool [s_q, s_kv], True where ``mask_type`` masks key j from query i (j > i, or j > i + s_kv - s_q)."""
     shift = s_kv - s_q if mask_type == "causal_bottom_right" else 0
@@ -387,7 +395,8 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
     if ctx.dead_rows is not None:
         dout = dout.masked_fill(ctx.dead_rows.transpose(1, 2), 0.0)
     qh, kh, vh = _to_heads(q), _to_heads(k, group), _to_heads(v, group)
-    doh, outh = _to_heads(dout.contiguous()), _to_heads(out)  # the forward output's layout
+    outh = _to_heads(out)
+    doh = _in_layout_of(_to_heads(dout), outh)
     scale, p = config.softmax_scale, config.dropout_p
     dbias = None
     if ctx.kernel == "cudnn":
