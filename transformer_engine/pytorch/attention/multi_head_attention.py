@@ -143,8 +143,9 @@ class MultiheadAttention(torch.nn.Module):
         if fuse_qkv_params and not qkv_weight_interleaved and set_parallel_mode and tp_size > 1:
             raise ValueError(
                 f"fuse_qkv_params=True with qkv_weight_interleaved=False is not supported at tp_size={tp_size}: "
-                "a rank's heads are not one block of the fused [Q; K; V] weight; use qkv_weight_interleaved=True "
-                "(TE's default) or fuse_qkv_params=False"
+                "a rank's heads are not one block of the fused [Q; K; V] weight (a contiguous shard would be read "
+                "as [Q_r; K_r; V_r], so the weights would not be the unsharded model's); use "
+                "qkv_weight_interleaved=True (TE's default) or fuse_qkv_params=False"
             )
         self.qkv_format, self.attn_mask_type, self.window_size = qkv_format, attn_mask_type, window_size
         self.bottom_right_diagonal = bottom_right_diagonal
