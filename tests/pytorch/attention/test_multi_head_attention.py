@@ -182,9 +182,12 @@ def test_cross_attention_needs_encoder_output():
         mha(randn(S, B, HIDDEN))
 
 
-def test_fused_non_interleaved_qkv_under_tensor_parallelism_is_refused():
-    # a rank's heads are not one block of [Q; K; V]: computing with a contiguous shard would be silently wrong
-    with pytest.raises(ValueError, match="qkv_weight_interleaved=False is not supported at tp_size=2"):
-        te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=False, set_parallel_mode=True, tp_size=2)
-    te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=True, set_parallel_mode=True, tp_size=2)
-    te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=False, tp_size=2)  # no split: fine
+def test_fused_non_interleaved_qkv_under_tensor_parallelism_holds_each_ranks_heads():
+    # [Q; K; V] fused: a rank's heads are [Q_r; K_r; V_r], not one block (the 2-rank runs check the values)
+    mha = te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=False, set_parallel_mode=True,
+                                tp_size=2, num_gqa_groups=2)
+    kv = HIDDEN // HEADS * 2
+    assert mha.qkv.weight.partition_sections == mha.qkv.bias.partition_sections == (HIDDEN, kv, kv)
+    assert mha.qkv.weight.shape == ((HIDDEN + 2 * kv) // 2, HIDDEN) and mha.qkv.weight.device.type != "meta"
+    plain = te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=True, set_parallel_mode=True, tp_size=2)
+    assert not hasattr(plain.qkv.weight, "partition_sections")

@@ -11,7 +11,7 @@ from tests.pytorch.parallel._ranks import device
 from tests.utils import randn
 from transformer_engine.pytorch.parallel import full_tensor, shard_state_dict
 from transformer_engine.pytorch.parallel.comm import group_rank, group_size
-from transformer_engine.pytorch.parallel.tensor_parallel import _assemble, shard
+from transformer_engine.pytorch.parallel.tensor_parallel import _assemble, set_partition_sections, shard
 
 
 # ------------------------------------------------------------------------------------ one process
@@ -24,6 +24,20 @@ def test_shard_and_assemble_are_inverse(stride, dim):
     # stride s: rank r holds chunks r, r + P, ... of the s * P chunks
     chunks = full.chunk(stride * 3, dim=dim)
     torch.testing.assert_close(shards[1], torch.cat(chunks[1::3], dim=dim), rtol=0, atol=0)
+
+
+def test_sectioned_shard_holds_each_sections_chunk():
+    full = randn(24, 5)  # sections [Q (12 rows); K (6); V (6)], as a fused projection with fewer kv heads
+    sections = (12, 6, 6)
+    shards = [shard(full, 0, 3, r, 3, sections) for r in range(3)]
+    q, k, v = full.split(sections)
+    torch.testing.assert_close(shards[2], torch.cat([q[8:12], k[4:6], v[4:6]]), rtol=0, atol=0)
+    torch.testing.assert_close(_assemble(shards, 0, 3, sections), full, rtol=0, atol=0)
+    weight = torch.empty(8, 5)
+    set_partition_sections(weight, sections, 3)
+    assert weight.partition_stride == 3 and weight.partition_sections == sections
+    with pytest.raises(ValueError, match=r"must each divide by tp_size=3 and sum to the full size 24"):
+        set_partition_sections(weight, (12, 8, 4), 3)
 
 
 def test_megatron_attributes():

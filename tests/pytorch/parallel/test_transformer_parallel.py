@@ -57,6 +57,7 @@ def check_transformer_layer(sp: bool, recipe, kwargs) -> None:
 LAYERS = {
     "gqa": dict(num_gqa_groups=2, activation="swiglu"),
     "fused-qkv": dict(fuse_qkv_params=True, normalization="RMSNorm"),
+    "fused-qkv-concat-gqa": dict(fuse_qkv_params=True, qkv_weight_interleaved=False, num_gqa_groups=2),
     "qk-norm": dict(qk_norm_type="RMSNorm", bias=False),
 }
 

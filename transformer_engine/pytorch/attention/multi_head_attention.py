@@ -11,7 +11,8 @@ run in FP8 under ``te.autocast`` while the attention itself stays in high precis
 
 Fused QKV layout (``fuse_qkv_params=True``): with ``qkv_weight_interleaved`` the output features are
 grouped per kv head, [ng, (np/ng + 2), hn] (np/ng query heads, then k, then v of that group);
-otherwise they are [Q; K; V], [(np/ng + 2), ng, hn], as ``torch.nn.MultiheadAttention.in_proj_weight``.
+otherwise they are [Q; K; V], [(np/ng + 2), ng, hn], as ``torch.nn.MultiheadAttention.in_proj_weight``;
+column-parallel, each rank then holds [Q_r; K_r; V_r] of that weight (``partition_sections``).
 With ``fuse_qkv_params=False`` the weights are ``query_weight`` / ``key_weight`` / ``value_weight``
 and the layout is [Q; K; V].
 """
@@ -25,7 +26,7 @@ import torch
 
 from ..module import LayerNorm, LayerNormLinear, Linear, RMSNorm
 from ..module.base import default_device, resolve_params_dtype
-from ..parallel.tensor_parallel import resolve_tp_size, set_tensor_parallel_group, sum_grads_over_group
+from ..parallel.tensor_parallel import resolve_tp_size, set_partition_sections, set_tensor_parallel_group, sum_grads_over_group
 from .dot_product_attention import DotProductAttention
 from .rope import apply_rotary_pos_emb
 
@@ -140,13 +141,6 @@ class MultiheadAttention(torch.nn.Module):
                 f"num_attention_heads={num_attention_heads} must be a multiple of num_gqa_groups={groups}, "
                 f"which must be a multiple of tp_size={tp_size}"
             )
-        if fuse_qkv_params and not qkv_weight_interleaved and set_parallel_mode and tp_size > 1:
-            raise ValueError(
-                f"fuse_qkv_params=True with qkv_weight_interleaved=False is not supported at tp_size={tp_size}: "
-                "a rank's heads are not one block of the fused [Q; K; V] weight (a contiguous shard would be read "
-                "as [Q_r; K_r; V_r], so the weights would not be the unsharded model's); use "
-                "qkv_weight_interleaved=True (TE's default) or fuse_qkv_params=False"
-            )
         self.qkv_format, self.attn_mask_type, self.window_size = qkv_format, attn_mask_type, window_size
         self.bottom_right_diagonal = bottom_right_diagonal
         self.layer_number = 1 if layer_number is None else layer_number
@@ -200,17 +194,39 @@ class MultiheadAttention(torch.nn.Module):
         hq, hkv = self.hidden_size_q, self.hidden_size_kv
         if self.attention_type == "self":
             split = None if fuse_qkv_params else collections.OrderedDict([("query", hq), ("key", hkv), ("value", hkv)])
+            sections = (hq, hkv, hkv)
             if self.input_layernorm:
-                self.layernorm_qkv = LayerNormLinear(hidden_size, hq + 2 * hkv, parameters_split=split, **norm_kwargs, **common)
+                self.layernorm_qkv = self._fused(LayerNormLinear, sections, hidden_size, hq + 2 * hkv, parameters_split=split,
+                                                 **norm_kwargs, **common)
             else:
-                self.qkv = Linear(hidden_size, hq + 2 * hkv, parameters_split=split, **common)
+                self.qkv = self._fused(Linear, sections, hidden_size, hq + 2 * hkv, parameters_split=split, **common)
             return
         if self.input_layernorm:
             split = None if fuse_qkv_params else ("query",)
             self.layernorm_query = LayerNormLinear(hidden_size, hq, parameters_split=split, **norm_kwargs, **common)
         else:
             self.query_layer = Linear(hidden_size, hq, **common)
-        self.key_value = Linear(hidden_size, 2 * hkv, parameters_split=None if fuse_qkv_params else ("key", "value"), **common)
+        split = None if fuse_qkv_params else ("key", "value")
+        self.key_value = self._fused(Linear, (hkv, hkv), hidden_size, 2 * hkv, parameters_split=split, **common)
+
+    def _fused(self, cls, sections: Tuple[int, ...], *args, **kwargs):
+        """A projection whose output features are ``sections`` (e.g. [Q; K; V]) side by side.
+
+        Column-parallel with one fused [Q; K; V] weight (``fuse_qkv_params`` without interleaving), a rank's
+        heads are not one block of it: the rank holds [Q_r; K_r; V_r], so the weight and bias are built on
+        "meta", marked with their sections, then initialized (each rank keeps its part of a full-size
+        init, drawing the random numbers the unsharded model draws).
+        """
+        sectioned = kwargs["parameters_split"] is None and not self.qkv_weight_interleaved
+        if not (sectioned and kwargs["parallel_mode"] == "column" and self.tp_size > 1):
+            return cls(*args, **kwargs)
+        device = kwargs["device"]
+        module = cls(*args, **{**kwargs, "device": "meta"})
+        for param in (module.weight, module.bias):
+            if param is not None:
+                set_partition_sections(param, sections, self.tp_size)
+        module.reset_parameters()
+        return module.to(device)
 
     def _qkv(self, hidden_states, encoder_output, is_first_microbatch):
         """(q [.., np, hn], k [.., ng, hn], v [.., ng, hn], layernorm output or None)."""

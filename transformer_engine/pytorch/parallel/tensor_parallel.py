@@ -9,7 +9,9 @@ biases are replicated.
 Sharded parameters carry Megatron's attributes: ``tensor_model_parallel=True``, ``partition_dim``
 (0 column, 1 row) and ``partition_stride`` s. The partitioned dimension of the full tensor is read as
 s * P equal chunks and rank r holds chunks r, r + P, ..., r + (s - 1) P: s = 1 is a contiguous
-block; s = 2 is a gated FC1 [a; b] whose rank holds [a_r; b_r].
+block; s = 2 is a gated FC1 [a; b] whose rank holds [a_r; b_r]. Sections of unequal sizes (a fused
+[Q; K; V] projection with fewer kv heads) are named by ``partition_sections`` (full sizes, see
+:func:`set_partition_sections`): rank r holds the r-th of P chunks of each section, [Q_r; K_r; V_r].
 
 Initialization equal to the unsharded model's: when the group is known, each sharded parameter is
 initialized at its full size (drawing exactly the random numbers the unsharded model draws, inside
@@ -21,7 +23,7 @@ group yet (``tp_size > 1``, ``tp_group=None``), the shard is initialized on its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,6 +37,7 @@ __all__ = [
     "local_features",
     "megatron_attributes",
     "resolve_tp_size",
+    "set_partition_sections",
     "set_tensor_parallel_group",
     "shard",
     "shard_state_dict",
@@ -181,8 +184,31 @@ def _is_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def shard(full: torch.Tensor, partition_dim: int, partition_stride: int, rank: int, tp_size: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``full``: chunks rank, rank + P, ... of its s * P chunks along ``partition_dim``.
+def set_partition_sections(param: torch.Tensor, sections: Sequence[int], tp_size: int) -> None:
+    """Mark a column-sharded ``param`` as the sections ``sections`` (full sizes along dim 0) side by side,
+    each sharded on its own: rank r holds [S0_r; S1_r; ...] (``partition_stride`` = len(sections)).
+
+    Raises:
+        ValueError: a section not divisible by ``tp_size``, or sections that do not sum to the full size.
+    """
+    sections = tuple(int(s) for s in sections)
+    if any(s % tp_size for s in sections) or sum(sections) != param.shape[0] * tp_size:
+        raise ValueError(
+            f"partition sections {sections} must each divide by tp_size={tp_size} and sum to the full size "
+            f"{param.shape[0] * tp_size}"
+        )
+    param.partition_stride, param.partition_sections = len(sections), sections
+
+
+def _layout(param: torch.Tensor) -> Tuple[int, int, Optional[Tuple[int, ...]]]:
+    """(partition_dim, partition_stride, partition_sections or None) of a sharded parameter."""
+    return param.partition_dim, getattr(param, "partition_stride", 1), getattr(param, "partition_sections", None)
+
+
+def shard(full: torch.Tensor, partition_dim: int, partition_stride: int, rank: int, tp_size: int,
+          sections: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full``: chunks rank, rank + P, ... of its s * P chunks along ``partition_dim``,
+    or with ``sections`` the rank's chunk of each section.
 
     Example:
         >>> full = torch.arange(8).reshape(4, 2)          # rows [a0; a1; b0; b1]
@@ -190,15 +216,24 @@ def shard(full: torch.Tensor, partition_dim: int, partition_stride: int, rank: i
         [[4, 5], [6, 7]]
         >>> shard(full, 0, 2, rank=1, tp_size=2).tolist()  # gated [a; b]: rank 1 holds [a1; b1]
         [[2, 3], [6, 7]]
+        >>> shard(torch.arange(8), 0, 2, rank=1, tp_size=2, sections=(4, 4)).tolist()
+        [2, 3, 6, 7]
     """
+    if sections is not None:
+        pieces = full.split(list(sections), dim=partition_dim)
+        return torch.cat([p.chunk(tp_size, dim=partition_dim)[rank] for p in pieces], dim=partition_dim)
     chunks = full.chunk(partition_stride * tp_size, dim=partition_dim)
     return torch.cat(chunks[rank::tp_size], dim=partition_dim)
 
 
-def _assemble(shards, partition_dim: int, partition_stride: int) -> torch.Tensor:
+def _assemble(shards, partition_dim: int, partition_stride: int, sections: Optional[Sequence[int]] = None) -> torch.Tensor:
     """The full tensor from every rank's shard (the inverse of :func:`shard`)."""
-    pieces = [s.chunk(partition_stride, dim=partition_dim) for s in shards]
-    return torch.cat([p[i] for i in range(partition_stride) for p in pieces], dim=partition_dim)
+    if sections is not None:
+        local = [s // len(shards) for s in sections]
+        pieces = [s.split(local, dim=partition_dim) for s in shards]
+    else:
+        pieces = [s.chunk(partition_stride, dim=partition_dim) for s in shards]
+    return torch.cat([p[i] for i in range(len(pieces[0])) for p in pieces], dim=partition_dim)
 
 
 def initialize(param: torch.Tensor, init_fn: Callable[[torch.Tensor], None], config: ParallelConfig) -> None:
@@ -206,12 +241,12 @@ def initialize(param: torch.Tensor, init_fn: Callable[[torch.Tensor], None], con
     if not _is_sharded(param) or config.tp_size == 1 or config.tp_group is None:
         init_fn(param)
         return
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim, stride, sections = _layout(param)
     shape = list(param.shape)
     shape[dim] *= config.tp_size
     full = torch.empty(shape, dtype=param.dtype, device=param.device)
     init_fn(full)
-    param.copy_(shard(full, dim, stride, group_rank(config.tp_group), config.tp_size))
+    param.copy_(shard(full, dim, stride, group_rank(config.tp_group), config.tp_size, sections))
 
 
 def full_tensor(local: torch.Tensor, like: torch.Tensor, tp_group: Any) -> torch.Tensor:
@@ -222,10 +257,10 @@ def full_tensor(local: torch.Tensor, like: torch.Tensor, tp_group: Any) -> torch
     """
     if not _is_sharded(like) or group_size(tp_group) == 1:
         return local
-    dim, stride = like.partition_dim, getattr(like, "partition_stride", 1)
+    dim, stride, sections = _layout(like)
     gathered = all_gather(local.detach().movedim(dim, 0).contiguous(), tp_group)
     shards = [s.movedim(0, dim) for s in gathered.chunk(group_size(tp_group), dim=0)]
-    return _assemble(shards, dim, stride)
+    return _assemble(shards, dim, stride, sections)
 
 
 def shard_state_dict(module: torch.nn.Module, full_state_dict: Mapping[str, Any], tp_group: Any) -> Dict[str, Any]:
@@ -245,5 +280,6 @@ def shard_state_dict(module: torch.nn.Module, full_state_dict: Mapping[str, Any]
     for name, value in full_state_dict.items():
         param = params.get(name)
         if param is not None and _is_sharded(param) and size > 1:
-            out[name] = shard(value, param.partition_dim, getattr(param, "partition_stride", 1), rank, size)
+            dim, stride, sections = _layout(param)
+            out[name] = shard(value, dim, stride, rank, size, sections)
     return out
