@@ -97,9 +97,11 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
     if bias is not None and bias.numel() == 0:
         bias = None
     if training and p > 0.0 and drop_path is None:
-        if bias is not None and not _fusable(x, bias, residual):
+        fusable = _fusable(x, bias, residual)
+        if not fusable and bias is not None:
             x, bias = x + bias, None
-        if _fusable(x, bias, residual):
+            fusable = _fusable(x, bias, residual)
+        if fusable:
             return _BiasDropoutAddFunction.apply(x, bias, residual, p)
     if bias is not None:
         x = x + bias

@@ -1,5 +1,7 @@
-"""Module machinery: checkpoints (_extra_state without pickle, bit-identical continuation), their errors, device default."""
+"""Module machinery: checkpoints (_extra_state without pickle, bit-identical continuation), their errors, recipe
+changes between forwards, device default."""
 
+import copy
 import io
 import pickle
 
@@ -122,6 +124,43 @@ def test_foreign_or_mismatched_extra_state_raises():
     state = {k: v for k, v in layer.state_dict().items() if k != "_extra_state"}
     with pytest.raises(RuntimeError, match="_extra_state"):
         te.Linear(16, 16).load_state_dict(state, strict=True)
+
+
+def test_recipe_type_change_casts_with_the_new_quantizers():
+    """The per-GEMM quantizers are rebuilt with the states: after a switch to current scaling the output
+    equals a fresh layer's, and the old delayed-scaling state records nothing."""
+    layer = te.Linear(32, 16)
+    fresh = copy.deepcopy(layer)
+    x = randn(16, 32)
+    with te.autocast(recipe=RECIPE):
+        layer(x)
+    old_state = layer.fp8_meta["scaling_fwd"]
+    old_history = old_state.amax_history.clone()
+    with pytest.warns(UserWarning, match="Recipe type changed"), te.autocast(recipe=Float8CurrentScaling()):
+        out = layer(x * 3)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        expected = fresh(x * 3)
+    assert torch.equal(out, expected)
+    assert torch.equal(old_state.amax_history, old_history)
+
+
+def test_same_recipe_type_in_another_format_casts_gradients_in_it():
+    layer = te.Linear(16, 16)
+    for fmt, grad_dtype, fp8_max in ((Format.HYBRID, torch.float8_e5m2, 57344.0), (Format.E4M3, torch.float8_e4m3fn, 448.0)):
+        with te.autocast(recipe=DelayedScaling(fp8_format=fmt, amax_history_len=1)):
+            y = layer(randn(16, 16))
+        y.sum().backward()  # dy = 1: amax 1, scale = fp8_max
+        assert layer.quantizers["scaling_bwd"][0].fp8_dtype == grad_dtype
+        assert layer.fp8_meta["scaling_bwd"].scale[0] == fp8_max
+
+
+def test_the_fp8_weight_copy_records_no_autograd_graph():
+    layer = te.Linear(16, 16)
+    with te.autocast(recipe=RECIPE):
+        layer(randn(16, 16), is_first_microbatch=True)  # keeps the FP8 weight in the cache
+    cached = layer._weight_cache["weight"]
+    assert cached.data_t is not None  # grad mode on: W^T for dgrad comes along
+    assert not cached.data.requires_grad and not cached.data_t.requires_grad
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only default")

@@ -85,10 +85,11 @@ def ensure_states(fp8_meta: Dict, quantizers: Dict, recipe: Recipe, device, owne
     old = fp8_meta["scaling_fwd"]
     if old is not None and type(old.recipe) is type(recipe):
         for state in (old, fp8_meta["scaling_bwd"]):
-            state.recipe = recipe
             state.move_to(device)
-            if state.has_amax_history:
-                state.adjust_amax_history_length(recipe.amax_history_len)
+            if state.recipe is not recipe:  # recipes are frozen: the same object has the same fields
+                state.recipe = recipe
+                if state.has_amax_history:
+                    state.adjust_amax_history_length(recipe.amax_history_len)
         fp8_meta["recipe"] = recipe
         return False
     if old is not None:

@@ -91,5 +91,5 @@ class LayerNormLinearFunction(torch.autograd.Function):
                 dgamma, dbeta = comm.reduce_norm_grads(dgamma, dbeta)  # comm
         if q.backward_update is not None:
             q.backward_update()
-        dx = None if dx is None else dx.reshape(inp_shape).to(inp_dtype)
+        dx = None if dx is None else cast(dx.view(*inp_shape), inp_dtype)
         return dx, cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype), dw, cast(db, bias_dtype), None

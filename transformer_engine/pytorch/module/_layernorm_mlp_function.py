@@ -97,5 +97,5 @@ class LayerNormMLPFunction(torch.autograd.Function):
             dgamma, dbeta = comm1.reduce_norm_grads(dgamma, dbeta)  # comm
         if q.backward_update is not None:
             q.backward_update()
-        return (dx.reshape(ctx.inp_shape).to(inp_dtype), cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype),
+        return (cast(dx.view(*ctx.inp_shape), inp_dtype), cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype),
                 dw1, cast(db1, b1_dtype), dw2, cast(db2, b2_dtype), None)

@@ -74,5 +74,5 @@ class LinearFunction(torch.autograd.Function):
             dx, db = comm.reduce_grad_input(dx), comm.reduce_bias_grad(db)  # comm
         if q.backward_update is not None:
             q.backward_update()
-        dx = None if dx is None else dx.reshape(inp_shape).to(inp_dtype)
+        dx = None if dx is None else cast(dx.view(*inp_shape), inp_dtype)
         return dx, dw, cast(db, ctx.bias_dtype), None

@@ -100,6 +100,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.name = name
         self._param_init: Dict[str, Callable[[torch.Tensor], None]] = {}
         self._weight_cache: Dict[str, Float8Tensor] = {}
+        self._fp8_gemms: Tuple[GemmQuantizers, ...] = ()  # self.quantizers grouped per GEMM, see _states_installed
         self._rng = (get_rng_state_tracker, rng_tracker_name)
         init = model_init_config()
         self.primary_weights_in_fp8 = init.enabled
@@ -224,16 +225,23 @@ class TransformerEngineBaseModule(torch.nn.Module):
             for what, shape in shapes:
                 check_fp8_shape(what, shape)
         if ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__):
-            self._weight_cache.clear()
+            self._states_installed()
         fwd_state, bwd_state = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
         if not config.enabled:  # calibration: high precision, amaxes recorded
             observers = fwd_state.make_observers()
             return ForwardQuantization(GemmQuantizers.from_slots(observers, [IDENTITY] * bwd_state.num_quantizers, n))
         return ForwardQuantization(
-            gemms=GemmQuantizers.from_slots(self.quantizers["scaling_fwd"], self.quantizers["scaling_bwd"], n),
+            gemms=self._fp8_gemms,
             split_accumulator=fwd_state.split_accumulator,
             backward_update=register_states(fwd_state, bwd_state),
         )
+
+    def _states_installed(self) -> None:
+        """After new scaling states and quantizers: forget the weights they cast, group the quantizers per GEMM
+        (once here rather than per forward: the quantizers change only with the states)."""
+        self._weight_cache.clear()
+        quantizers = self.quantizers
+        self._fp8_gemms = GemmQuantizers.from_slots(quantizers["scaling_fwd"], quantizers["scaling_bwd"], self.fp8_meta["num_gemms"])
 
     def _weight_operand(self, key: str, weight: torch.Tensor, quantizer: Quantizer,
                         is_first_microbatch: Optional[bool]) -> Operand:
@@ -248,9 +256,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
         cached = self._weight_cache.get(key)
         if is_first_microbatch is False and cached is not None:
             return cached
-        columnwise = torch.is_grad_enabled()
-        with torch.no_grad():
-            operand = quantizer.quantize(weight, columnwise=columnwise)
+        # detached, the cast records no autograd graph (cheaper than a no_grad context)
+        operand = quantizer.quantize(weight.detach(), columnwise=torch.is_grad_enabled())
         if is_first_microbatch is not None:
             self._weight_cache[key] = operand
         return operand
@@ -290,7 +297,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             for key, value in tensors.items():
                 setattr(state, key, value.to(device))
         install_states(self.fp8_meta, self.quantizers, *states)
-        self._weight_cache.clear()
+        self._states_installed()
 
     def _state_device(self) -> torch.device:
         devices = [p.device for p in self.parameters() if p.device.type != "meta"]

@@ -14,7 +14,6 @@ operand kept only for wgrad drops its row-major ``data`` (``transpose_only``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -24,14 +23,19 @@ from transformer_engine.plugin import ops
 __all__ = ["Float8Tensor"]
 
 
-@dataclass(frozen=True)
 class Float8Tensor:
-    """Per-tensor-scaled FP8 data.
+    """Per-tensor-scaled FP8 data (immutable by convention: the methods return new objects).
+
+    A slotted class rather than a frozen dataclass: modules build several per GEMM, and a frozen
+    dataclass costs twice as much host time to create.
 
     Attributes:
         data: FP8 values with the tensor's logical shape (None when only ``data_t`` is kept).
         scale_inv: 0-d (or one-element) float32 tensor, 1 / scale.
         data_t: the contiguous transpose of a 2-D ``data``, or None.
+
+    Raises:
+        ValueError: neither ``data`` nor ``data_t`` is given.
 
     Example:
         >>> import torch
@@ -41,13 +45,17 @@ class Float8Tensor:
         tensor([ 1., -2.])
     """
 
-    data: Optional[torch.Tensor]
-    scale_inv: torch.Tensor
-    data_t: Optional[torch.Tensor] = None
+    __slots__ = ("data", "scale_inv", "data_t")
 
-    def __post_init__(self):
-        if self.data is None and self.data_t is None:
+    def __init__(self, data: Optional[torch.Tensor], scale_inv: torch.Tensor, data_t: Optional[torch.Tensor] = None):
+        if data is None and data_t is None:
             raise ValueError("a Float8Tensor needs data, data_t or both")
+        self.data = data
+        self.scale_inv = scale_inv
+        self.data_t = data_t
+
+    def __repr__(self) -> str:
+        return f"Float8Tensor(data={self.data!r}, scale_inv={self.scale_inv!r}, data_t={self.data_t!r})"
 
     @property
     def _stored(self) -> torch.Tensor:
@@ -68,15 +76,19 @@ class Float8Tensor:
         """The device of the values."""
         return self._stored.device
 
+    def _data_t(self) -> torch.Tensor:
+        """``data_t``, or the transpose of ``data`` made now."""
+        return self.data_t if self.data_t is not None else ops.fp8_transpose(self.data)
+
     def with_transpose(self) -> "Float8Tensor":
         """This tensor with ``data_t`` (made by ``ops.fp8_transpose`` if it is missing)."""
         if self.data_t is not None:
             return self
-        return replace(self, data_t=ops.fp8_transpose(self.data))
+        return Float8Tensor(self.data, self.scale_inv, self._data_t())
 
     def transpose_only(self) -> "Float8Tensor":
         """The same tensor keeping only ``data_t`` (what wgrad reads), made if missing."""
-        return Float8Tensor(None, self.scale_inv, self.with_transpose().data_t)
+        return Float8Tensor(None, self.scale_inv, self._data_t())
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """x = data * scale_inv, computed in float32 and cast to ``dtype``."""

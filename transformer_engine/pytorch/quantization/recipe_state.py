@@ -56,6 +56,8 @@ class RecipeState:
         recipe: the recipe in force (same type for the state's lifetime; other fields may change).
         mode: "forward" or "backward".
         num_quantizers: N, 3 per GEMM forward and 2 per GEMM backward.
+        fp8_dtype: E4M3 forward; backward E5M2 under HYBRID, E4M3 under E4M3 (set with the recipe:
+            every cast reads it, and recipes are frozen).
     """
 
     #: True when the state has an amax history that autocast must reduce and update.
@@ -64,9 +66,20 @@ class RecipeState:
     def __init__(self, recipe: Recipe, mode: str, num_quantizers: int):
         if mode not in _MODES:
             raise ValueError(f"mode must be 'forward' or 'backward', got {mode!r}")
-        self.recipe = recipe
         self.mode = mode
+        self.recipe = recipe
         self.num_quantizers = num_quantizers
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe in force; assigning one also sets ``fp8_dtype``."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe) -> None:
+        forward, backward = fp8_dtypes(recipe.fp8_format)
+        self._recipe = recipe
+        self.fp8_dtype = forward if self.mode == "forward" else backward
 
     @staticmethod
     def create(recipe: Recipe, *, mode: str, num_gemms: int, device) -> "RecipeState":
@@ -76,12 +89,6 @@ class RecipeState:
         if isinstance(recipe, DelayedScaling):
             return DelayedScalingRecipeState(recipe, mode, n, device)
         return Float8CurrentScalingRecipeState(recipe, mode, n)
-
-    @property
-    def fp8_dtype(self) -> torch.dtype:
-        """E4M3 forward; backward E5M2 under HYBRID, E4M3 under E4M3."""
-        forward, backward = fp8_dtypes(self.recipe.fp8_format)
-        return forward if self.mode == "forward" else backward
 
     @property
     def split_accumulator(self) -> Tuple[bool, bool, bool]:
@@ -96,7 +103,7 @@ class RecipeState:
         """One calibration quantizer per slot (high precision that records amaxes, where the recipe has any)."""
         return [IDENTITY] * self.num_quantizers
 
-    def move_to(self, device) -> None:
+    def move_to(self, device: torch.device) -> None:
         """Keep the state's tensors on ``device`` (a module moved after its first FP8 step)."""
 
 
@@ -134,8 +141,8 @@ class DelayedScalingRecipeState(RecipeState):
             pad = self.amax_history.new_zeros(length - current, self.num_quantizers)
             self.amax_history = torch.cat([self.amax_history, pad])
 
-    def move_to(self, device) -> None:
-        if self.scale.device != torch.device(device):
+    def move_to(self, device: torch.device) -> None:
+        if self.scale.device != device:
             self.scale, self.scale_inv, self.amax_history = (t.to(device) for t in (self.scale, self.scale_inv, self.amax_history))
 
     def make_quantizers(self) -> List[Quantizer]:
