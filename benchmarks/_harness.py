@@ -19,7 +19,22 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["time_fn", "peak_memory", "print_table", "write_json", "base_parser", "environment", "backend_policy"]
+__all__ = ["fwd_bwd_step", "time_fn", "peak_memory", "print_table", "write_json", "base_parser", "environment", "backend_policy"]
+
+
+def fwd_bwd_step(module: torch.nn.Module, x: torch.Tensor, dy: Optional[torch.Tensor],
+                 context_factory: Callable[[], object]) -> Callable[[], None]:
+    """One training step: y = module(x) under ``context_factory()``, y.backward(dy) (ones when ``dy`` is
+    None), then the parameter and input gradients cleared, so every call does the same work."""
+
+    def step():
+        with context_factory():
+            y = module(x)
+        y.backward(torch.ones_like(y) if dy is None else dy)
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return step
 
 
 def time_fn(fn: Callable[[], object], warmup: int = 5, iters: int = 20, device: Optional[torch.device] = None) -> float:

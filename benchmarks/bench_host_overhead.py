@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from _harness import backend_policy, base_parser, print_table, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, write_json
 from bench_transformer_layer import SMALL, PlainLayer, _te_layer
 
 TOKENS, FEATURES = 16, 256
@@ -39,17 +39,6 @@ def wall_us(fn: Callable[[], object], device: str, iters: int = 200, warmup: int
         sync()
         times.append((time.perf_counter() - start) * 1e6)
     return sorted(times)[len(times) // 2]
-
-
-def fwd_bwd(module, x, ctx) -> Callable[[], None]:
-    def step():
-        with ctx():
-            y = module(x)
-        y.backward(torch.ones_like(y))
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-
-    return step
 
 
 def fwd_only(module, x, ctx) -> Callable[[], None]:
@@ -135,10 +124,10 @@ def main() -> None:
     results = {}
     with backend_policy(args.backend):
         for name, (module, ctx) in linears.items():
-            results[name] = {"fwd_bwd_us": wall_us(fwd_bwd(module, x, ctx), device, args.iters),
+            results[name] = {"fwd_bwd_us": wall_us(fwd_bwd_step(module, x, None, ctx), device, args.iters),
                              "fwd_us": wall_us(fwd_only(module, x, ctx), device, args.iters)}
         for name, (module, ctx) in layers.items():
-            results[name] = {"fwd_bwd_us": wall_us(fwd_bwd(module, x_layer, ctx), device, args.iters // 4)}
+            results[name] = {"fwd_bwd_us": wall_us(fwd_bwd_step(module, x_layer, None, ctx), device, args.iters // 4)}
     rows = []
     for name, r in results.items():
         base = results["torch.nn.Linear" if "Linear" in name else "plain PyTorch layer"]

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from _harness import backend_policy, base_parser, print_table, time_fn, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, time_fn, write_json
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -128,13 +128,7 @@ def _module_rows(args, rows: List[dict]) -> List[dict]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
 
-        def step():
-            with ctx():
-                y = layer(x)
-            y.backward(dy)
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-
+        step = fwd_bwd_step(layer, x, dy, ctx)
         with backend_policy(args.backend):
             ms = time_fn(step, warmup=args.warmup, iters=args.iters)
         raw_ms = sum(r["ms"] for r in rows if r["dtype"] == dtype and r["provider"] == "raw" and "ms" in r)

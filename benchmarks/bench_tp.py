@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _harness import backend_policy, base_parser, peak_memory, print_table, time_fn, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, peak_memory, print_table, time_fn, write_json
 from bench_transformer_layer import SMALL, LayerShape
 
 
@@ -64,14 +64,12 @@ def _measure(layer: torch.nn.Module, rows: int, s: LayerShape, recipe_factory: O
     x = torch.randn(rows, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
 
-    def step():
-        fp8 = te.autocast(recipe=recipe_factory(), amax_reduction_group=amax_group) if recipe_factory else None
-        with fp8 or contextlib.nullcontext():
-            y = layer(x)
-        y.backward(dy)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
+    def context():
+        if recipe_factory is None:
+            return contextlib.nullcontext()
+        return te.autocast(recipe=recipe_factory(), amax_reduction_group=amax_group)
 
+    step = fwd_bwd_step(layer, x, dy, context)
     return {"ms": time_fn(step, warmup=5, iters=iters, device=device), "peak_bytes": peak_memory(step, device)}
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _harness import backend_policy, base_parser, peak_memory, print_table, time_fn, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, peak_memory, print_table, time_fn, write_json
 
 
 @dataclass(frozen=True)
@@ -110,13 +110,7 @@ def measure(layer: nn.Module, s: LayerShape, context_factory, iters: int) -> dic
     x = torch.randn(s.seq, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
 
-    def step():
-        with context_factory():
-            y = layer(x)
-        y.backward(dy)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-
+    step = fwd_bwd_step(layer, x, dy, context_factory)
     ms = time_fn(step, warmup=5, iters=iters, device=device)
     mem = peak_memory(step)
     return {"ms": ms, "peak_bytes": mem, "tflops": s.flops() / ms / 1e9}

@@ -28,7 +28,7 @@ from typing import Callable, Dict, Tuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _harness import backend_policy, base_parser, print_table, time_fn, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, time_fn, write_json
 from bench_transformer_layer import SMALL, LayerShape, PlainLayer, _te_layer
 
 STEPS = 3
@@ -69,15 +69,8 @@ def saved_tensors(layer, x, ctx) -> Counter:
     return sizes
 
 
-def kernel_table(layer, x, dy, ctx, device) -> Tuple[Dict[str, Tuple[float, int]], float]:
-    """{kernel name: (GPU us per step, calls per step)} and the GPU busy us per step."""
-
-    def step():
-        with ctx():
-            y = layer(x)
-        y.backward(dy)
-        layer.zero_grad(set_to_none=True)
-
+def kernel_table(step: Callable, device) -> Tuple[Dict[str, Tuple[float, int]], float]:
+    """{kernel name: (GPU us per step, calls per step)} and the GPU busy us per step of ``step()``."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(STEPS):
@@ -209,17 +202,12 @@ def main() -> None:
             x = torch.randn(s.seq, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
             dy = torch.randn_like(x)
 
-            def step():
-                with ctx():
-                    y = layer(x)
-                y.backward(dy)
-                layer.zero_grad(set_to_none=True)
-
+            step = fwd_bwd_step(layer, x, dy, ctx)
             ms = time_fn(step, warmup=3, iters=10, device=torch.device(device))
             chained = back_to_back_ms(step, device)
             host = host_ms(step, device)
             syncs = sync_points(step, device)
-            kernels, busy_us = kernel_table(layer, x, dy, ctx, device)
+            kernels, busy_us = kernel_table(step, device)
             saved = saved_tensors(layer, x, ctx)
             if args.host_top:
                 print(host_profile(step, device, args.host_top))
