@@ -177,7 +177,7 @@ def quantization_cases(m: int = 16384, n: int = 4096) -> List[Case]:
     scale = torch.tensor([2.0], device="cuda")
     make_x = lambda: (torch.randn(m, n, device="cuda", dtype=BF16),)  # noqa: E731
     make_q = lambda: (torch.randn(m, n, device="cuda").to(E4M3),)  # noqa: E731
-    mn, shape = m * n, f"[{m}, {n}]"
+    mn, shape, F32 = m * n, f"[{m}, {n}]", torch.float32
     return [
         Case("quantize", shape + " bf16", _nbytes((mn, BF16), (mn, E4M3)), make_x, {
             "flagos": lambda x: fq.quantize(x, scale, E4M3), "reference": lambda x: ref.quantize(x, scale, E4M3),
@@ -197,6 +197,12 @@ def quantization_cases(m: int = 16384, n: int = 4096) -> List[Case]:
             "torch": lambda q: (q.float() * scale).to(BF16)}),
         Case("compute_amax", shape + " bf16", _nbytes((mn, BF16)), make_x, {
             "flagos": fq.compute_amax, "reference": ref.compute_amax, "torch": lambda x: x.abs().amax()}),
+        Case("quantize_blockwise(1x128)", shape + " bf16", _nbytes((mn, BF16), (mn, E4M3), (mn // 128, F32)), make_x, {
+            "flagos": lambda x: fq.quantize_blockwise(x, E4M3, 1, 128, True, 0.0),
+            "reference": lambda x: ref.quantize_blockwise(x, E4M3, 1, 128, True, 0.0)}),
+        Case("cast_transpose_blockwise(128)", shape + " bf16", _nbytes((mn, BF16), (2 * mn, E4M3), (2 * mn // 128, F32)), make_x, {
+            "flagos": lambda x: fq.cast_transpose_blockwise(x, E4M3, 128, True, 0.0),
+            "reference": lambda x: ref.cast_transpose_blockwise(x, E4M3, 128, True, 0.0)}),
     ]  # fmt: skip
 
 

@@ -16,6 +16,10 @@ scaling (HYBRID, history 16): everything the layer does (casts with their transp
 the scale update, bias gradient) against the sum of the three raw GEMMs of its dtype (PERF.md:
 >= 0.95x of the raw rate).
 
+The "fp8 block" rows do the same for Float8BlockScaling: raw ``torch._scaled_mm`` with cuBLASLt's block
+scales (x, dy in 1 x 128 tiles along each GEMM's K, W in 128 x 128), ``ops.gemm_blockwise``, and
+``te.Linear`` under ``Float8BlockScaling()``.
+
     python benchmarks/bench_linear.py --json linear.json
 """
 
@@ -115,6 +119,48 @@ def _rows(args, fp8: bool) -> List[dict]:
     return rows
 
 
+# Float8BlockScaling's three GEMMs as D = A @ B^T, each operand [rows, K] row-major quantized along K.
+BLOCK_PRODUCTS = (
+    ("fprop", ("m", "k"), ("n", "k"), (1, 128), (128, 128)),  # x, W
+    ("dgrad", ("m", "n"), ("k", "n"), (1, 128), (128, 128)),  # dy, W^T
+    ("wgrad", ("n", "m"), ("k", "m"), (1, 128), (1, 128)),    # dy^T, x^T
+)
+
+
+def _block_operand(rows: int, cols: int, block) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random E4M3 [rows, cols] and positive float32 tile scales in cuBLASLt's layout (1 x 128: column-major)."""
+    data = torch.randn(rows, cols, device="cuda").to(E4M3)
+    tiles = (-(-rows // block[0]), -(-cols // block[1]))
+    scale_inv = torch.rand(tiles[::-1], device="cuda").t() if block[0] == 1 else torch.rand(tiles, device="cuda")
+    return data, scale_inv + 0.5
+
+
+def _block_rows(args) -> List[dict]:
+    """Raw block-scaled ``torch._scaled_mm`` and ``ops.gemm_blockwise`` for the three GEMMs."""
+    from transformer_engine.plugin import ops
+
+    dims = {"m": args.m, "n": args.n, "k": args.k}
+    rows = []
+    for name, a_shape, b_shape, a_block, b_block in BLOCK_PRODUCTS:
+        (a, sa), (b, sb) = _block_operand(*(dims[d] for d in a_shape), a_block), _block_operand(*(dims[d] for d in b_shape), b_block)
+        providers = {
+            "raw": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16),
+            "ops.gemm_blockwise": lambda: ops.gemm_blockwise(a, b, sa, sb, a_block, b_block, torch.bfloat16),
+        }
+        raw_ms = None
+        for provider, fn in providers.items():
+            try:
+                with backend_policy(args.backend):
+                    ms = time_fn(fn, warmup=args.warmup, iters=args.iters)
+            except Exception as exc:  # noqa: BLE001 - one failing provider must not hide the others
+                rows.append({"dtype": "fp8 block", "gemm": name, "provider": provider, "error": f"{type(exc).__name__}: {exc}"[:120]})
+                continue
+            raw_ms = raw_ms or ms
+            rows.append({"dtype": "fp8 block", "gemm": name, "provider": provider, "ms": ms,
+                         "tflops": 2.0 * args.m * args.n * args.k / ms / 1e9, "vs_raw": raw_ms / ms})
+    return rows
+
+
 def _module_rows(args, rows: List[dict]) -> List[dict]:
     """te.Linear fwd+bwd in bf16 and FP8 against the sum of the raw fprop + dgrad + wgrad times of its dtype."""
     import transformer_engine.pytorch as te
@@ -122,8 +168,10 @@ def _module_rows(args, rows: List[dict]) -> List[dict]:
 
     m, n, k = args.m, args.n, args.k
     fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    contexts = {"bf16": lambda: torch.autocast("cuda", enabled=False), "fp8": lambda: te.autocast(recipe=fp8),
+                "fp8 block": lambda: te.autocast(recipe=recipe.Float8BlockScaling())}
     out = []
-    for dtype, ctx in (("bf16", lambda: torch.autocast("cuda", enabled=False)), ("fp8", lambda: te.autocast(recipe=fp8))):
+    for dtype, ctx in contexts.items():
         layer = te.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -147,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear needs a CUDA GPU")
-    rows = _rows(args, fp8=True) + _rows(args, fp8=False)
+    rows = _rows(args, fp8=True) + _rows(args, fp8=False) + _block_rows(args)
     rows += _module_rows(args, rows)
     print_table(
         f"linear GEMMs M={args.m} N={args.n} K={args.k} (backend pin: {args.backend}); vs raw = raw time / this time",

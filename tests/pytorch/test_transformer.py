@@ -8,7 +8,7 @@ import torch
 import transformer_engine.pytorch as te
 from tests.pytorch.references import TorchLayerNormMLP, TorchNorm
 from tests.utils import dtype_tols, randn, sqnr
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from transformer_engine.pytorch.transformer import DropPath
 
 HIDDEN, FFN, HEADS, S, B = 32, 64, 4, 8, 2
@@ -175,7 +175,7 @@ def test_drop_path():
     assert not torch.allclose(layer.train()(xs), layer.eval()(xs))
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
 def test_fp8_close_to_high_precision(recipe):
     layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, num_gqa_groups=2)
     x = randn(S, B, HIDDEN).requires_grad_(True)
@@ -204,7 +204,7 @@ def test_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
 def test_fp8_on_gpu_close_to_bf16(recipe):
     layer = te.TransformerLayer(128, 256, 8, hidden_dropout=0.0, attention_dropout=0.0, num_gqa_groups=4,
                                 params_dtype=torch.bfloat16, attn_input_format="bshd", device="cuda")

@@ -6,7 +6,7 @@ import torch
 import transformer_engine.pytorch as te
 from tests.pytorch.references import TorchLayerNormLinear, copy_params, forward_backward, grads_by_te_name
 from tests.utils import randn, sqnr
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 # TE's test_layernorm_linear_accuracy tolerances.
 OUT_TOLS = {torch.float32: dict(rtol=1e-3, atol=2.5e-4), torch.bfloat16: dict(rtol=4e-2, atol=2e-2)}
@@ -54,7 +54,7 @@ def test_return_bias_and_layernorm_output():
     assert layer.bias.grad is None  # the returned bias was not used in the loss
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
 @pytest.mark.parametrize("return_ln", [False, True])
 def test_layernorm_linear_fp8_sqnr(recipe, return_ln):
     layer, ref = _pair("RMSNorm", torch.float32, out_features=32, return_layernorm_output=return_ln)

@@ -6,7 +6,7 @@ import torch
 import transformer_engine.pytorch as te
 from tests.pytorch.references import TorchLayerNormMLP, copy_params, forward_backward, grads_by_te_name
 from tests.utils import randn, sqnr
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 ACTIVATIONS = ["gelu", "geglu", "glu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu", "swiglu", "clamped_swiglu"]
 # TE's test_layernorm_mlp_accuracy tolerances.
@@ -62,7 +62,7 @@ def test_return_bias_and_layernorm_output():
     assert fc2_bias is not None and torch.equal(fc2_bias, mlp.fc2_bias)
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])
 def test_layernorm_mlp_fp8_sqnr(recipe, act):
     mlp, ref = _pair(act, ffn=48)

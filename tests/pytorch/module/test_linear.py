@@ -6,12 +6,12 @@ import torch
 import transformer_engine.pytorch as te
 from tests.pytorch.references import forward_backward
 from tests.utils import dtype_tols, randn, sqnr
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 # TE's test_linear_accuracy tolerances (reference/te_pytorch_api.md section 5).
 OUT_ATOL = {torch.float32: 5e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 GRAD_RTOL = {torch.float32: 1.3e-6, torch.float16: 1e-2, torch.bfloat16: 2e-2}
-RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
+RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()]
 
 
 def _pair(in_f, out_f, dtype, bias=True, **kwargs):
@@ -46,7 +46,7 @@ def test_linear_accuracy(dtype, bias, return_bias, shape):
             torch.testing.assert_close(grad, ref_grads[name], **gtols)
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_fp8_sqnr(recipe, dtype):
     """FP8 vs high precision: output >= 25 dB, input and weight grads >= 20 dB (E5M2 gradients); measured 28 / 24."""
@@ -75,6 +75,21 @@ def test_fp8_saves_the_input_in_fp8():
     fp8 = [shape for dtype, shape in saved if dtype == torch.float8_e4m3fn]
     assert fp8 == [(32, 48), (32, 16)]  # only x^T and W^T, the layouts wgrad and dgrad read
     assert all(shape == () for dtype, shape in saved if dtype == torch.float32)  # only scale_inv in float32
+
+
+@pytest.mark.parametrize("make", [lambda: te.Linear(64, 48), lambda: te.LayerNormLinear(64, 80), lambda: te.LayerNormMLP(64, 96)])
+def test_forward_keeps_only_the_transposed_fp8_copies(make):
+    """Between forward and backward no row-major FP8 weight stays alive (ctx keeps W^T only, not W)."""
+    import gc
+
+    layer = make()
+    weights = [tuple(p.shape) for p in layer.parameters() if p.dim() == 2]
+    with te.autocast(recipe=DelayedScaling()):
+        y = layer(randn(32, 64).requires_grad_(True))
+    gc.collect()
+    live = [tuple(t.shape) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn]
+    assert sorted(s for s in live if s in weights or s[::-1] in weights) == sorted(w[::-1] for w in weights)  # one W^T each
+    y.sum().backward()
 
 
 def test_torch_autocast_interplay():
@@ -225,3 +240,28 @@ def test_current_scaling_matches_the_emulated_math():
     torch.testing.assert_close(dx, dy_q @ w_q, rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(grads["weight"], dy_q.t() @ x_q, rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(grads["bias"], dy.sum(0), rtol=1e-5, atol=1e-8)
+
+
+def _block_fp8(t: torch.Tensor, block) -> torch.Tensor:
+    """t quantized in ``block`` tiles (power-of-two scales, E4M3) and dequantized, by the reference ops."""
+    from transformer_engine.plugin.backends.reference import quantization as ref
+
+    q, scale_inv = ref.quantize_blockwise(t, torch.float8_e4m3fn, block[0], block[1], True, 0.0)
+    return ref.dequantize_blockwise(q, scale_inv, block[0], block[1], torch.float32)
+
+
+def test_block_scaling_matches_the_emulated_math():
+    """Each GEMM reads its operands quantized along its own K: x, dy in 1 x 128 row blocks for fprop /
+    dgrad and in 128 x 1 column blocks for wgrad; W in 128 x 128 tiles (its transpose for dgrad)."""
+    layer = te.Linear(160, 144)  # ragged tiles on every side
+    x, dy = randn(272, 160), randn(272, 144, scale=1e-3)
+    with te.autocast(recipe=Float8BlockScaling()):
+        out, dx, grads = forward_backward(layer, x, dy)
+    row, square = (1, 128), (128, 128)
+    w_q = _block_fp8(layer.weight.detach(), square)
+    x_rows, x_cols = _block_fp8(x, row), _block_fp8(x.t(), row).t()
+    dy_rows, dy_cols = _block_fp8(dy, row), _block_fp8(dy.t(), row).t()
+    torch.testing.assert_close(out, x_rows @ w_q.t() + layer.bias.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, dy_rows @ w_q, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(grads["weight"], dy_cols.t() @ x_cols, rtol=1e-5, atol=1e-8)
+    assert not torch.allclose(x_rows, x_cols)  # the two quantizations of x differ: the test tells them apart

@@ -5,7 +5,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from tests.utils import randn
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 
 def _train(recipe, steps=12):
@@ -27,7 +27,7 @@ def _train(recipe, steps=12):
     return losses
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
 def test_fp8_loss_tracks_bf16(recipe):
     bf16, fp8 = _train(None), _train(recipe)
     assert bf16[-1] < 0.5 * bf16[0]  # the model learns

@@ -8,6 +8,7 @@ from transformer_engine.common.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    Format,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
 )
@@ -49,13 +50,36 @@ def test_default_recipe_on_cpu_is_delayed():
         assert isinstance(current_config().recipe, DelayedScaling)
 
 
-@pytest.mark.parametrize("cls", [MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling])
+@pytest.mark.parametrize("cls", [MXFP8BlockScaling, NVFP4BlockScaling])
 def test_block_recipes_construct_but_are_not_implemented_yet(cls):
     recipe = cls()
     with pytest.raises(NotImplementedError, match="not implemented yet"):
         with te.autocast(recipe=recipe):
             pass
     assert not current_config().enabled
+
+
+def test_block_scaling_runs_where_supported_and_says_why_not(monkeypatch):
+    with te.autocast(recipe=Float8BlockScaling()):
+        assert isinstance(current_config().recipe, Float8BlockScaling)
+    monkeypatch.setattr(availability, "_cuda_capability", lambda: (10, 0))
+    monkeypatch.delenv(availability.FP8_EMULATION_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="compute capability 9.x .* sm_100"):
+        with te.autocast(recipe=Float8BlockScaling()):
+            pass
+    assert not current_config().enabled
+
+
+def test_block_scaling_rejects_e5m2_gradients_on_cuda(monkeypatch):
+    monkeypatch.setattr(availability, "_cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(availability, "_cuda_version", lambda: (13, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv(availability.FP8_EMULATION_ENV, raising=False)
+    with pytest.raises(ValueError, match="E4M3 operands only"):
+        with te.autocast(recipe=Float8BlockScaling(fp8_format=Format.HYBRID)):
+            pass
+    with te.autocast(recipe=Float8BlockScaling()):
+        pass
 
 
 def test_bad_recipe_and_backward_override(monkeypatch):

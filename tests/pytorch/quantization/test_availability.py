@@ -51,6 +51,23 @@ def test_sm89_needs_cuda_12_1(monkeypatch):
     assert te.is_fp8_available()
 
 
+@pytest.mark.parametrize(
+    "capability, cuda, emulate, available",
+    [((9, 0), (12, 9), False, True), ((9, 0), (12, 8), False, False), ((10, 0), (13, 0), False, False),
+     ((8, 9), (13, 0), False, False), ((10, 0), (13, 0), True, True)],
+)
+def test_block_scaling_rule(monkeypatch, capability, cuda, emulate, available):
+    monkeypatch.setattr(availability, "_cuda_capability", lambda: capability)
+    monkeypatch.setattr(availability, "_cuda_version", lambda: cuda)
+    if emulate:
+        monkeypatch.setenv(availability.FP8_EMULATION_ENV, "1")
+    else:
+        monkeypatch.delenv(availability.FP8_EMULATION_ENV, raising=False)
+    ok, reason = te.is_fp8_block_scaling_available(return_reason=True)
+    assert ok is available
+    assert (reason == "") if (available and not emulate) else f"sm_{capability[0]}{capability[1]}" in reason
+
+
 def test_emulation_switch_parsing(monkeypatch):
     monkeypatch.setenv(availability.FP8_EMULATION_ENV, "yes")
     assert availability.fp8_emulation_requested()

@@ -16,3 +16,19 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
     wgrad dW = gemm(dy, x, trans_a=True).
     Returns: D [M, N].
     """
+
+
+@declare
+def gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias=None, out=None, accumulate=False):
+    """D = A @ B^T + bias on block-scaled FP8 operands (Float8BlockScaling), both read along K ("TN").
+
+    A[i, k] = a[i, k] * a_scale_inv[i // a_block[0], k // a_block[1]] and likewise B from b;
+    the product accumulates in float32, bias ([N]) is added in float32, then one cast to ``out_dtype``.
+    With ``accumulate`` D = out + A @ B^T + bias (``out`` required), returned as ``out``.
+    Args: a: [M, K] FP8, b: [N, K] FP8, both row-major; a_scale_inv [ceil(M / a_block[0]),
+    ceil(K / a_block[1])] and b_scale_inv likewise, float32, any strides; a_block, b_block: (rows, cols)
+    tiles, (1, 128) or (128, 128) for Float8BlockScaling (at most one of them 2-D on cuBLASLt).
+    Linear layers use: fprop y = gemm_blockwise(x, W); dgrad dx = gemm_blockwise(dy, W^T); wgrad
+    dW = gemm_blockwise(dy^T, x^T), each operand quantized along the GEMM's K.
+    Returns: D [M, N].
+    """

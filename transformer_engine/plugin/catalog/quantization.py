@@ -63,6 +63,21 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
     MXFP8 E8M0 rule for 1x32 tiles); q = cast_fp8(clip(T * scale)); scale_inv = 1 / scale.
     Float8BlockScaling uses 1x128 (activations, gradients) and 128x128 (weights) tiles.
     Args: x: [M, N]. Returns: (q [M, N], scale_inv float32 [ceil(M / block_rows), ceil(N / block_cols)]).
+    scale_inv may have any strides (consumers accept any): the flagos kernels write the scales of
+    1 x B tiles column-major and those of B x B tiles row-major, the layouts cuBLASLt reads.
+    """
+
+
+@declare
+def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+    """1 x ``block_len`` block-scaled FP8 casts of x along both dimensions, from one read of x.
+
+    (q, scale_inv) = quantize_blockwise(x, fp8_dtype, 1, block_len, power_2_scale, amax_epsilon)
+    (q_t, scale_inv_t) = quantize_blockwise(x^T, fp8_dtype, 1, block_len, power_2_scale, amax_epsilon)
+    q_t is not q^T: each copy has its own scales (blocks run along the rows of x for q, along its
+    columns for q_t), so both GEMM layouts of Float8BlockScaling's 1-D operands (x, dy) come from one pass.
+    Args: x: [M, N]. Returns: (q [M, N], scale_inv [M, ceil(N / block_len)], q_t [N, M],
+    scale_inv_t [N, ceil(M / block_len)]); scale_inv tensors as in ``quantize_blockwise``.
     """
 
 

@@ -1,13 +1,14 @@
 """Helpers shared by the autograd Functions of the modules: autocast-free regions, saving FP8 operands.
 
-``save_for_backward`` takes tensors only; :func:`save` flattens :class:`Float8Tensor` operands into
-their (data, scale_inv, data_t) tensors so that FP8 activations are saved the ordinary way (version checks,
+``save_for_backward`` takes tensors only; :func:`save` flattens FP8 operands (:class:`Float8Tensor` and
+its block-scaled subclass) into their tensors so that FP8 activations are saved the ordinary way (version checks,
 no reference cycles) and :func:`saved` rebuilds them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Callable, ContextManager, List, Optional, Sequence, Union
 
@@ -17,7 +18,7 @@ from ..quantization.float8_tensor import Float8Tensor
 
 __all__ = [
     "Operand", "cast", "for_backward", "grad_output_operand", "no_torch_autocast", "quantize_operand", "save", "saved",
-    "unflatten",
+    "unflatten", "without_operands",
 ]
 
 Operand = Union[torch.Tensor, Float8Tensor]
@@ -72,14 +73,27 @@ def for_backward(op: Operand) -> Operand:
     return op.transpose_only() if isinstance(op, Float8Tensor) else op
 
 
+def without_operands(args, *fields: str):
+    """``args`` (a frozen dataclass) with its GEMM-operand ``fields`` set to None, for ``ctx.args``.
+
+    Backward reads the operands it needs from :func:`saved` (FP8 weights as W^T only); keeping the
+    forward's operands on ctx would hold their row-major FP8 copies until backward ends.
+    """
+    return dataclasses.replace(args, **dict.fromkeys(fields))
+
+
 def save(ctx, *items: Optional[Operand]) -> None:
-    """ctx.save_for_backward(items), with each Float8Tensor stored as its three tensors (some may be None)."""
+    """ctx.save_for_backward(items), with each FP8 operand stored as its tensors (``to_saved``; some may be None)."""
     flat: List[Optional[torch.Tensor]] = []
-    layout: List[bool] = []
+    layout: List[Optional[tuple]] = []
     for item in items:
-        is_fp8 = isinstance(item, Float8Tensor)
-        flat.extend((item.data, item.scale_inv, item.data_t) if is_fp8 else (item,))
-        layout.append(is_fp8)
+        if isinstance(item, Float8Tensor):
+            tensors, rebuild = item.to_saved()
+            flat.extend(tensors)
+            layout.append((len(tensors), rebuild))
+        else:
+            flat.append(item)
+            layout.append(None)
     ctx.save_for_backward(*flat)
     ctx.saved_layout = layout
 
@@ -87,7 +101,7 @@ def save(ctx, *items: Optional[Operand]) -> None:
 def saved(ctx) -> List[Optional[Operand]]:
     """The items given to :func:`save`, in order."""
     flat = iter(ctx.saved_tensors)
-    return [Float8Tensor(next(flat), next(flat), next(flat)) if is_fp8 else next(flat) for is_fp8 in ctx.saved_layout]
+    return [next(flat) if entry is None else entry[1](*[next(flat) for _ in range(entry[0])]) for entry in ctx.saved_layout]
 
 
 def unflatten(y: torch.Tensor, like_shape: Sequence[int]) -> torch.Tensor:

@@ -11,7 +11,9 @@ the activation dtype (weight gradients in the parameter dtype).
 Layout: FP8 GEMMs on Hopper read both operands along K ("TN": op(a) row-major, op(b) column-major).
 When an FP8 operand carries its transpose ``data_t``, :func:`gemm` passes whichever of ``data`` /
 ``data_t`` gives that layout (op(t) is the same matrix either way), so dgrad reads W^T and wgrad reads
-dy^T and x^T as stored instead of having the backend transpose them per call.
+dy^T and x^T as stored instead of having the backend transpose them per call. Block-scaled operands
+(:class:`Float8BlockwiseTensor`) go to ``ops.gemm_blockwise``, which reads both operands along K only:
+each side passes the copy quantized along K (``data`` or ``data_t``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from transformer_engine.plugin import ops
 
+from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from ..quantization.float8_tensor import Float8Tensor
 from ._common import Operand
 
@@ -41,9 +44,25 @@ def _stored(t: Operand, trans: bool, want_trans: bool):
 def gemm(a: Operand, b: Operand, *, trans_a=False, trans_b=False, bias=None, out_dtype=None, out=None,
          accumulate=False, split_accumulator=True) -> torch.Tensor:
     """ops.gemm on operands that may be FP8: D = op(a) @ op(b) + bias, in the TN layout where the operands allow."""
+    if isinstance(a, Float8BlockwiseTensor) or isinstance(b, Float8BlockwiseTensor):
+        return _gemm_blockwise(a, b, trans_a, trans_b, bias, out_dtype, out, accumulate)
     a_data, trans_a, a_scale_inv = _stored(a, trans_a, want_trans=False)
     b_data, trans_b, b_scale_inv = _stored(b, trans_b, want_trans=True)
     return ops.gemm(a_data, b_data, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate, split_accumulator)
+
+
+def _gemm_blockwise(a: Operand, b: Operand, trans_a: bool, trans_b: bool, bias, out_dtype, out, accumulate) -> torch.Tensor:
+    """D = op(a) @ op(b) + bias as ``ops.gemm_blockwise(A, B)`` with A = op(a) and B = op(b)^T, both along K.
+
+    Raises:
+        TypeError: only one operand is block-scaled (a module quantizes both with one recipe).
+    """
+    if not (isinstance(a, Float8BlockwiseTensor) and isinstance(b, Float8BlockwiseTensor)):
+        raise TypeError(f"a block-scaled GEMM needs two block-scaled operands, got {type(a).__name__} and {type(b).__name__}")
+    a_data, a_scale_inv, a_block = a.gemm_operand(transposed=trans_a)
+    b_data, b_scale_inv, b_block = b.gemm_operand(transposed=not trans_b)
+    dtype = out_dtype if out_dtype is not None else out.dtype
+    return ops.gemm_blockwise(a_data, b_data, a_scale_inv, b_scale_inv, a_block, b_block, dtype, bias, out, accumulate)
 
 
 def fprop(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:

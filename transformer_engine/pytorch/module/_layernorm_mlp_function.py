@@ -18,7 +18,7 @@ import torch
 
 from ._activation import ActivationConfig
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, save, saved, unflatten
+from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, save, saved, unflatten, without_operands
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 from ._layernorm_linear_function import norm_then_quantize
@@ -55,17 +55,18 @@ class LayerNormMLPFunction(torch.autograd.Function):
         gamma = cast(ln_weight, dtype)
         with no_torch_autocast(inp.device):
             ln_op, ln_out, stats = norm_then_quantize(
-                x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, args.return_layernorm_output
+                x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, args.return_layernorm_output,
+                fc1_weight.requires_grad and not comm1.gathers_input,
             )
             ln_op = comm1.gather_input(ln_op)  # comm
             w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
             h = fprop(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0])
-            a_op, _ = g2.input.produce(args.activation.producer(h))
+            a_op, _ = g2.input.produce(args.activation.producer(h), fc2_weight.requires_grad)
             b2 = cast(fc2_bias, dtype)
             y = comm2.reduce_output(fprop(a_op, w2, comm2.gemm_bias(b2), dtype, q.split_accumulator[0]), b2)  # comm
             save(ctx, x, gamma, for_backward(ln_op) if fc1_weight.requires_grad else None, for_backward(w1), h,
                  for_backward(a_op) if fc2_weight.requires_grad else None, for_backward(w2), *stats)
-        ctx.args = args
+        ctx.args = without_operands(args, "fc1_operand", "fc2_operand")
         ctx.dtypes = (inp.dtype, ln_weight.dtype) + tuple(None if t is None else t.dtype for t in (ln_bias, fc1_bias, fc2_bias))
         ctx.inp_shape = inp.shape
         y = unflatten(y, inp.shape)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten
+from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten, without_operands
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 
@@ -58,7 +58,8 @@ class LinearFunction(torch.autograd.Function):
             b = cast(bias, args.dtype)
             y = comm.reduce_output(fprop(x_op, w_op, comm.gemm_bias(b), args.dtype, q.split_accumulator[0]), b)  # comm
             save(ctx, for_backward(x_op) if need_dw else None, for_backward(w_op) if inp.requires_grad else None)
-        ctx.args, ctx.inp_meta, ctx.bias_dtype = args, (inp.shape, inp.dtype), None if bias is None else bias.dtype
+        ctx.args = without_operands(args, "weight_operand")
+        ctx.inp_meta, ctx.bias_dtype = (inp.shape, inp.dtype), None if bias is None else bias.dtype
         return unflatten(y, inp.shape)
 
     @staticmethod

@@ -48,8 +48,9 @@ class NormConfig:
 
 
 def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], cfg: NormConfig,
-                 quantizer: Quantizer, out_dtype: torch.dtype):
-    """Normalize the rows of x [M, H] and hand the result to ``quantizer`` (fused cast where it can).
+                 quantizer: Quantizer, out_dtype: torch.dtype, columnwise: bool = False):
+    """Normalize the rows of x [M, H] and hand the result to ``quantizer`` (fused cast where it can;
+    ``columnwise``: backward reads its transposed copy, see ``Quantizer.produce``).
 
     Returns:
         (y, stats): y as GEMM operand (FP8 or ``out_dtype``); stats = (mean, rstd) or (rstd,), float32 [M].
@@ -66,7 +67,7 @@ def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tens
         )
         return y, scale_inv, amax, (rstd,)
 
-    return quantizer.produce(run)
+    return quantizer.produce(run, columnwise)
 
 
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, stats: Tuple[torch.Tensor, ...], gamma: torch.Tensor,

@@ -2,7 +2,8 @@
 
 - :mod:`.scaling`: the per-tensor scaling formulas (amax -> scale) and FP8 dtypes per format;
 - :mod:`.float8_tensor`: :class:`Float8Tensor`, FP8 data with its scale_inv;
-- :mod:`.quantizer`: one quantizer per tensor role (delayed, current, calibration, identity);
+- :mod:`.float8_blockwise_tensor`: :class:`Float8BlockwiseTensor`, FP8 data with one scale per tile;
+- :mod:`.quantizer`: one quantizer per tensor role (delayed, current, block, calibration, identity);
 - :mod:`.recipe_state`: per-module scaling state (``fp8_meta["scaling_fwd"|"scaling_bwd"]``);
 - :mod:`.delayed_update`: the amax reduction and delayed-scaling update of a group of states;
 - :mod:`.autocast`: ``autocast`` / ``fp8_autocast`` and the update schedule;
@@ -26,11 +27,19 @@ from .availability import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
+from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import Float8Tensor
 from .global_state import FP8GlobalStateManager
 from .model_init import fp8_model_init, quantized_model_init
-from .quantizer import AmaxObserver, Float8CurrentScalingQuantizer, Float8Quantizer, IdentityQuantizer, Quantizer
-from .recipe_state import DelayedScalingRecipeState, Float8CurrentScalingRecipeState, RecipeState
+from .quantizer import (
+    AmaxObserver,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    IdentityQuantizer,
+    Quantizer,
+)
+from .recipe_state import DelayedScalingRecipeState, Float8BlockScalingRecipeState, Float8CurrentScalingRecipeState, RecipeState
 from .roles import FP8BwdTensors, FP8FwdTensors
 
 __all__ = [
@@ -40,6 +49,9 @@ __all__ = [
     "FP8FwdTensors",
     "FP8GlobalStateManager",
     "FP8_EMULATION_ENV",
+    "Float8BlockQuantizer",
+    "Float8BlockScalingRecipeState",
+    "Float8BlockwiseTensor",
     "Float8CurrentScalingQuantizer",
     "Float8CurrentScalingRecipeState",
     "Float8Quantizer",

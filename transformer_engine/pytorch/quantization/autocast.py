@@ -25,9 +25,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from transformer_engine.common.recipe import Recipe
+from transformer_engine.common.recipe import Format, Recipe
 
-from .availability import check_fp8_support, get_default_recipe
+from .availability import check_fp8_block_scaling_support, check_fp8_support, fp8_emulation_requested, get_default_recipe
 from .delayed_update import reduce_and_update
 from .recipe_state import check_recipe_implemented
 
@@ -151,6 +151,20 @@ def _check_runnable(recipe: Recipe) -> None:
     available, reason = check_fp8_support()
     if not available:
         raise RuntimeError(reason)
+    if recipe.float8_block_scaling():
+        _check_block_scaling_runnable(recipe)
+
+
+def _check_block_scaling_runnable(recipe) -> None:
+    """Float8BlockScaling: cuBLASLt's block-scaled GEMMs exist here and take the recipe's (E4M3) operands."""
+    available, reason = check_fp8_block_scaling_support()
+    if not available:
+        raise RuntimeError(reason)
+    if torch.cuda.is_available() and recipe.fp8_format is not Format.E4M3 and not fp8_emulation_requested():
+        raise ValueError(
+            f"Float8BlockScaling(fp8_format={recipe.fp8_format}) on a CUDA GPU: cuBLASLt's block-scaled GEMMs take "
+            "E4M3 operands only (E5M2 gradients would run on the slow reference backend); use Format.E4M3, the default"
+        )
 
 
 class autocast:
@@ -167,7 +181,8 @@ class autocast:
         RuntimeError: on entry, if FP8 cannot run on this GPU (sm < 8.9 without
             ``TE_FL_FP8_EMULATION=1``) or the recipe is DelayedScaling under torch.compile; if this
             instance is already active.
-        NotImplementedError: for a recipe not implemented yet (MXFP8, block scaling, NVFP4, custom).
+        NotImplementedError: for a recipe not implemented yet (MXFP8, NVFP4, custom).
+        ValueError: Float8BlockScaling with E5M2 gradients (HYBRID) on a CUDA GPU.
 
     Example:
         >>> import torch, transformer_engine.pytorch as te

@@ -11,8 +11,9 @@ warns and counts as off). With it set, the FP8 ops that the GPU backends decline
 backend.
 
 Support rules (NVIDIA TE's): FP8 needs sm >= 9.0, or sm 8.9 with CUDA >= 12.1; BF16 needs sm >= 8.0.
-The block-scaled recipes (MXFP8, Float8BlockScaling, NVFP4) are not implemented yet by the PyTorch
-modules, so their checks report False with that reason.
+Float8BlockScaling needs cuBLASLt's block-scaled FP8 GEMMs: sm 9.x (Hopper) with CUDA >= 12.9 (on a
+CPU, or with ``TE_FL_FP8_EMULATION=1``, it runs emulated). MXFP8 and NVFP4 are not implemented yet by
+the PyTorch modules, so their checks report False with that reason.
 """
 
 from __future__ import annotations
@@ -91,8 +92,19 @@ def check_mxfp8_support() -> Tuple[bool, str]:
 
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:
-    """(available, reason) for Float8BlockScaling."""
-    return False, _NOT_IMPLEMENTED.format("Float8BlockScaling")
+    """(available, reason) for Float8BlockScaling: sm 9.x with CUDA >= 12.9, or emulated."""
+    capability = _cuda_capability()
+    if capability is None:
+        return True, "no CUDA device: Float8BlockScaling runs emulated on the CPU by the reference backend"
+    if capability[0] == 9 and _cuda_version() >= (12, 9):
+        return True, ""
+    where = f"this GPU is sm_{capability[0]}{capability[1]} with CUDA {torch.version.cuda}"
+    if fp8_emulation_requested():
+        return True, f"{where}: Float8BlockScaling is emulated ({FP8_EMULATION_ENV}=1)"
+    return False, (
+        f"Float8BlockScaling needs cuBLASLt's block-scaled FP8 GEMMs: compute capability 9.x (Hopper) and CUDA >= 12.9 "
+        f"({where}); set {FP8_EMULATION_ENV}=1 to emulate it through the reference backend (slow)"
+    )
 
 
 def check_nvfp4_support() -> Tuple[bool, str]:

@@ -76,6 +76,10 @@ class Float8Tensor:
         """The device of the values."""
         return self._stored.device
 
+    def to_saved(self):
+        """(tensors, rebuild): what ``save_for_backward`` stores and the callable that makes this operand again."""
+        return (self.data, self.scale_inv, self.data_t), Float8Tensor
+
     def _data_t(self) -> torch.Tensor:
         """``data_t``, or the transpose of ``data`` made now."""
         return self.data_t if self.data_t is not None else ops.fp8_transpose(self.data)

@@ -6,7 +6,9 @@ All quantizers share one interface, so module code never asks which recipe is ac
   written in the same pass when ``columnwise``, for the backward GEMMs), or ``x`` itself in high precision;
 - ``quantize_with_dbias(x)`` casts a 2-D gradient with its transpose and also returns its float32
   column sums (the bias gradient), fused into the cast where the quantizer casts to FP8;
-- ``produce(run)`` quantizes the output of a producer op that can fuse the cast (norm, activation).
+- ``produce(run, columnwise=False)`` quantizes the output of a producer op that can fuse the cast (norm,
+  activation); ``columnwise`` says backward reads the transposed copy (quantizers that can make it
+  later from the FP8 values, such as delayed scaling's fused casts, leave it to ``transpose_only``).
   ``run(fp8_scale, fp8_dtype, amax_out)`` calls the op (passing ``amax_out`` on, see the catalog's
   ``quantize``) and returns ``(y, scale_inv, amax, extras)``; given ``(None, None, None)`` it must
   return a high-precision ``y`` (and Nones). ``produce`` returns ``(operand, extras)``.
@@ -21,6 +23,7 @@ The recipe picks the quantizer class:
 | :class:`IdentityQuantizer` | none (high precision) | - |
 | :class:`Float8Quantizer` | DelayedScaling | ``state.scale[i]`` from earlier steps; amax recorded into ``amax_history[0, i]`` |
 | :class:`Float8CurrentScalingQuantizer` | Float8CurrentScaling | fp8_max / amax(x) of this very tensor |
+| :class:`Float8BlockQuantizer` | Float8BlockScaling | fp8_max / amax of each 1 x 128 or 128 x 128 tile |
 | :class:`AmaxObserver` | calibration (``autocast(calibrating=True)``) | none: records amax, stays high precision |
 """
 
@@ -33,11 +36,13 @@ import torch
 from transformer_engine.common.recipe import QParams
 from transformer_engine.plugin import ops
 
+from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import Float8Tensor
 from .scaling import amax_to_scale, fp8_max
 
 __all__ = [
     "AmaxObserver",
+    "Float8BlockQuantizer",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "IDENTITY",
@@ -63,10 +68,10 @@ class Quantizer:
         """(operand of a 2-D x with its transpose, float32 column sums of x): a gradient's cast and its bias gradient."""
         return self.quantize(x, columnwise=True), x.sum(dim=0, dtype=torch.float32)
 
-    def produce(self, run: ProducerFn):
+    def produce(self, run: ProducerFn, columnwise: bool = False):
         """Run ``run`` in high precision, then :meth:`quantize` its output; returns (operand, extras)."""
         y, _, _, extras = run(None, None, None)
-        return self.quantize(y), extras
+        return self.quantize(y, columnwise), extras
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Quantizer":
         """A quantizer for one shard of a tensor split over ranks, casting with the scale every rank shares.
@@ -143,8 +148,9 @@ class Float8Quantizer(Quantizer):
         q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, slot)
         return Float8Tensor(q, scale_inv, q_t), dbias
 
-    def produce(self, run: ProducerFn):
-        """Fused cast: the producer writes FP8 with this scale and records the amax of its output."""
+    def produce(self, run: ProducerFn, columnwise: bool = False):
+        """Fused cast: the producer writes FP8 with this scale and records the amax of its output
+        (row-major only: ``transpose_only`` makes the transpose for backward)."""
         scale, slot = self._views()
         q, scale_inv, _, extras = run(scale, self.fp8_dtype, slot)
         return Float8Tensor(q, scale_inv), extras
@@ -190,6 +196,48 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8CurrentScalingQuantizer":
         """The same cast with scale = fp8_max / max over the ranks of each shard's amax."""
         return Float8CurrentScalingQuantizer(self.fp8_dtype, self.qparams, reduce_amax)
+
+
+class Float8BlockQuantizer(Quantizer):
+    """Float8BlockScaling: each tile of ``block_len`` elements (1-D, a row segment) or ``block_len``^2 (2-D)
+    casts with its own scale, fp8_max / max(amax_tile, amax_epsilon), a power of two when ``qparams`` say so.
+
+    With autograd on, a 1-D cast also writes the column-wise copy (``ops.cast_transpose_blockwise``):
+    wgrad reads x^T quantized along the tokens, which cannot be made later from the row-wise copy.
+    A 2-D cast makes its transpose only when asked (``columnwise``), from the FP8 values.
+    """
+
+    is_fp8 = True
+
+    def __init__(self, fp8_dtype: torch.dtype, block_dim: int, qparams: QParams, block_len: int = 128):
+        if block_dim not in (1, 2):
+            raise ValueError(f"block_dim must be 1 (1 x {block_len} tiles) or 2 ({block_len} x {block_len}), got {block_dim!r}")
+        self.fp8_dtype = fp8_dtype
+        self.block = (1 if block_dim == 1 else block_len, block_len)
+        self.qparams = qparams
+
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8BlockwiseTensor:
+        if x.dim() != 2:
+            raise ValueError(f"block scaling quantizes 2-D tensors [rows, features]; got shape {tuple(x.shape)}")
+        rows, block_len = self.block
+        power_2, eps = self.qparams.power_2_scale, self.qparams.amax_epsilon
+        if rows == 1 and (columnwise or torch.is_grad_enabled()):
+            q, scale_inv, q_t, scale_inv_t = ops.cast_transpose_blockwise(x, self.fp8_dtype, block_len, power_2, eps)
+            return Float8BlockwiseTensor(q, scale_inv, q_t, scale_inv_t, block=self.block)
+        q, scale_inv = ops.quantize_blockwise(x, self.fp8_dtype, rows, block_len, power_2, eps)
+        operand = Float8BlockwiseTensor(q, scale_inv, block=self.block)
+        return operand.with_transpose() if columnwise else operand
+
+    def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8BlockQuantizer":
+        """Not implemented: sequence parallelism would gather block-scaled shards (their column-wise copies included).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            "Float8BlockScaling with sequence_parallel=True is not implemented yet in TransformerEngine-FL; "
+            "use DelayedScaling or Float8CurrentScaling with sequence parallelism, or sequence_parallel=False"
+        )
 
 
 class AmaxObserver(Quantizer):

@@ -11,7 +11,8 @@ with 3 slots per GEMM forward (input, weight, output) and 2 backward (grad outpu
     amax_history float32 [L, N], zeros at first: row 0 collects this step's amaxes; after an update
                  rows 1..L-1 hold the last L-1 amaxes, the newest in row L-1
 
-:class:`Float8CurrentScalingRecipeState` holds nothing: each cast computes its own scale.
+:class:`Float8CurrentScalingRecipeState` and :class:`Float8BlockScalingRecipeState` hold nothing: each
+cast computes its own scale (per tensor, or per tile).
 """
 
 from __future__ import annotations
@@ -21,31 +22,32 @@ from typing import List, Tuple
 
 import torch
 
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 
-from .quantizer import IDENTITY, AmaxObserver, Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
+from .quantizer import IDENTITY, AmaxObserver, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
 from .roles import BWD_ROLES, FWD_ROLES, Role
 from .scaling import fp8_dtypes, fp8_max
 
 __all__ = [
     "DelayedScalingRecipeState",
+    "Float8BlockScalingRecipeState",
     "Float8CurrentScalingRecipeState",
     "RecipeState",
     "check_recipe_implemented",
 ]
 
-_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling)
+_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
 _MODES = ("forward", "backward")
 
 
 def check_recipe_implemented(recipe: Recipe) -> None:
-    """Raise NotImplementedError for a recipe the PyTorch modules cannot run yet (the block-scaled ones)."""
+    """Raise NotImplementedError for a recipe the PyTorch modules cannot run yet (MXFP8, NVFP4, custom)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a transformer_engine.common.recipe recipe, got {type(recipe).__name__}")
     if not isinstance(recipe, _IMPLEMENTED):
         raise NotImplementedError(
             f"{type(recipe).__name__} is not implemented yet in TransformerEngine-FL's PyTorch modules; "
-            "use DelayedScaling or Float8CurrentScaling"
+            "use DelayedScaling, Float8CurrentScaling or Float8BlockScaling"
         )
 
 
@@ -88,6 +90,8 @@ class RecipeState:
         n = num_gemms * (len(FWD_ROLES) if mode == "forward" else len(BWD_ROLES))
         if isinstance(recipe, DelayedScaling):
             return DelayedScalingRecipeState(recipe, mode, n, device)
+        if isinstance(recipe, Float8BlockScaling):
+            return Float8BlockScalingRecipeState(recipe, mode, n)
         return Float8CurrentScalingRecipeState(recipe, mode, n)
 
     @property
@@ -169,3 +173,22 @@ class Float8CurrentScalingRecipeState(RecipeState):
 
     def make_quantizers(self) -> List[Quantizer]:
         return [Float8CurrentScalingQuantizer(self.fp8_dtype, self._qparams(i)) for i in range(self.num_quantizers)]
+
+
+class Float8BlockScalingRecipeState(RecipeState):
+    """Block scaling: no tensors; each slot's quantizer uses its role's tile (``*_block_scaling_dim``) and QParams."""
+
+    @property
+    def split_accumulator(self) -> Tuple[bool, bool, bool]:
+        return (True, True, True)  # enforced by the recipe
+
+    def _block_dim_and_qparams(self, index: int):
+        r = self.recipe
+        if self.mode == "backward":
+            return r.grad_block_scaling_dim, r.fp8_quant_bwd_grad
+        if FWD_ROLES[index % len(FWD_ROLES)] is Role.WEIGHT:
+            return r.w_block_scaling_dim, r.fp8_quant_fwd_weight
+        return r.x_block_scaling_dim, r.fp8_quant_fwd_inp
+
+    def make_quantizers(self) -> List[Quantizer]:
+        return [Float8BlockQuantizer(self.fp8_dtype, *self._block_dim_and_qparams(i)) for i in range(self.num_quantizers)]

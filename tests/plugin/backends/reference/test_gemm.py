@@ -6,8 +6,8 @@ import torch
 from tests.utils import dtype_tols, randn, sqnr
 from transformer_engine.plugin import ops
 from transformer_engine.plugin.backends.reference import IMPL_ID
-from transformer_engine.plugin.backends.reference.gemm import gemm
-from transformer_engine.plugin.backends.reference.quantization import quantize
+from transformer_engine.plugin.backends.reference.gemm import gemm, gemm_blockwise
+from transformer_engine.plugin.backends.reference.quantization import quantize, quantize_blockwise
 from transformer_engine.plugin.core import with_preference, with_strict_mode
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -139,3 +139,42 @@ def test_gemm_dispatch_through_ops():
         d, impl = ops.gemm.traced(a, b, trans_b=True)
     assert impl.impl_id == IMPL_ID
     assert torch.equal(d, gemm(a, b, trans_b=True))
+
+
+# ---------------------------------------------------------------- block-scaled FP8
+def _block(rows, cols, block):
+    """(q, scale_inv, x64): E4M3 data in ``block`` tiles and the float64 values it stands for."""
+    q, scale_inv = quantize_blockwise(randn(rows, cols), E4M3, block[0], block[1], False, 0.0)
+    full = scale_inv.double().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return q, scale_inv, q.double() * full
+
+
+@pytest.mark.parametrize("a_block, b_block", [((1, 128), (128, 128)), ((128, 128), (1, 128)), ((1, 128), (1, 128)), ((1, 32), (1, 32))])
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (130, 200, 129), (64, 256, 48)])
+def test_gemm_blockwise_matches_the_dequantized_product(m, k, n, a_block, b_block):
+    a, a_scale_inv, a64 = _block(m, k, a_block)
+    b, b_scale_inv, b64 = _block(n, k, b_block)
+    bias = randn(n)
+    d = gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, torch.float32, bias=bias)
+    torch.testing.assert_close(d.double(), a64 @ b64.t() + bias.double(), **_tols(torch.float32, k))
+    out = randn(m, n, dtype=torch.bfloat16)
+    expected = out.double() + a64 @ b64.t()
+    assert gemm_blockwise(a, b, a_scale_inv.t().contiguous().t(), b_scale_inv, a_block, b_block, torch.bfloat16,
+                          out=out, accumulate=True) is out  # scale_inv of any strides
+    # bf16 rounding of the result, plus the float32 dot product's error where out and the product cancel
+    torch.testing.assert_close(out.double(), expected, rtol=dtype_tols(torch.bfloat16)["rtol"], atol=_tols(torch.float32, k)["atol"])
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: gemm_blockwise(randn(4, 8), _block(4, 8, (1, 4))[0], torch.ones(4, 2), torch.ones(4, 2), (1, 4), (1, 4), torch.float32), TypeError, "must be FP8"),
+        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 3), torch.ones(4, 2), (1, 4), (1, 4), torch.float32), ValueError, "scale_inv has shape"),
+        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 2), 4, (1, 4), torch.float32), ValueError, "a_block=4"),
+        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 12, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 3), (1, 4), (1, 4), torch.float32), ValueError, "inner dimensions"),
+        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 2), (1, 4), (1, 4), torch.float32, accumulate=True), ValueError, "out is None"),
+    ],
+)
+def test_gemm_blockwise_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

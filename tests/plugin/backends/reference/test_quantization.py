@@ -270,6 +270,20 @@ def test_dequantize_blockwise(block_rows, block_cols, power_2, out_dtype):
     assert sqnr(x, out.float()) > 25.0  # E4M3 with per-tile scales: same floor as per tensor
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (130, 200), (257, 131)])
+@pytest.mark.parametrize("power_2", [False, True])
+def test_cast_transpose_blockwise_quantizes_each_direction_on_its_own(shape, power_2):
+    x = _wide_range(shape, torch.bfloat16)
+    q, scale_inv, q_t, scale_inv_t = ref.cast_transpose_blockwise(x, E4M3, 128, power_2, 0.0)
+    codes, expected = _block_oracle(x, E4M3, 1, 128, power_2, 0.0)
+    codes_t, expected_t = _block_oracle(x.t(), E4M3, 1, 128, power_2, 0.0)
+    assert torch.equal(q.view(torch.uint8), codes) and torch.equal(scale_inv, expected)
+    assert torch.equal(q_t.view(torch.uint8), codes_t) and torch.equal(scale_inv_t, expected_t)
+    assert q_t.shape == shape[::-1] and scale_inv_t.shape == (shape[1], -(-shape[0] // 128))
+    if min(shape) > 1:  # column blocks have their own scales: q_t is not q^T
+        assert not torch.equal(q_t.view(torch.uint8), q.t().view(torch.uint8))
+
+
 # ---------------------------------------------------------------- delayed scaling
 
 

@@ -6,9 +6,9 @@ the kernels without a GPU. Importing it without triton raises ImportError, which
 records as "backend not loaded" (``import transformer_engine`` is never affected).
 
 Ops it declines for given arguments say why through their ``SUPPORTS`` predicates (e.g. rows
-wider than one Triton block, packed RoPE); the dispatcher then runs the next backend. Not
-implemented here (the reference or vendor backend runs them): gemm, quantize_blockwise,
-dequantize_blockwise and multi_tensor_sgd.
+wider than one Triton block, packed RoPE, block-scaled casts with tiles other than 1 x B and
+B x B); the dispatcher then runs the next backend. Not implemented here (the reference or vendor
+backend runs them): gemm, dequantize_blockwise and multi_tensor_sgd.
 """
 
 import importlib.util

@@ -1,5 +1,5 @@
-"""Per-tensor FP8 in Triton: quantize, dequantize, cast_transpose(_dbias), fp8_transpose, compute_amax,
-delayed_scaling_update.
+"""FP8 casts in Triton: per tensor (quantize, dequantize, cast_transpose(_dbias), fp8_transpose,
+compute_amax, delayed_scaling_update) and per block (quantize_blockwise, cast_transpose_blockwise).
 
 Math (plugin/catalog/quantization.py), float32 throughout:
 
@@ -19,6 +19,14 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     +-inf -> float32 max; H_new = roll(H, -1, dim 0) with row 0 zeroed. One launch:
                     a program owns a block of columns and walks down the L rows (IEEE divisions,
                     so s_new is bit-identical to the reference's)
+    quantize_blockwise
+                    per tile T of 1 x B or B x B (B a power of two in [16, 256]): a = max(max |T|, eps),
+                    scale = fp8_max / a (1 if a is 0 or not finite, float32 max on overflow, optionally
+                    2^floor(log2(scale))), q = cast_fp8(clip(T * scale)), scale_inv = 1 / scale;
+                    kernels in _blockwise.py (bit-identical to the reference)
+    cast_transpose_blockwise
+                    quantize_blockwise(x, 1 x B) and quantize_blockwise(x^T, 1 x B) from one read of
+                    each [T, T] tile of x, T = max(B, 64) (q_t has its own scales: it is not q^T)
 
 There is no VJP: these are casts (the module layer treats them as straight-through). The cast is
 ``_fp8_encode`` (bit-identical to torch's saturating round-to-nearest-even cast, see _common.py).
@@ -28,6 +36,9 @@ atomic (a fire-and-forget RED: no fence, nothing waits on it).
 """
 
 from __future__ import annotations
+
+import math
+import struct
 
 import torch
 import triton
@@ -45,6 +56,7 @@ from transformer_engine.plugin.backends._fp8 import (
 )
 from transformer_engine.plugin.core import Reject
 
+from ._blockwise import _cast_transpose_blockwise_kernel, _quantize_blockwise_kernel
 from ._common import (
     INTERPRET,
     NO_FP8,
@@ -63,13 +75,17 @@ from ._common import (
 
 __all__ = [
     "quantize", "dequantize", "cast_transpose", "cast_transpose_dbias", "fp8_transpose", "compute_amax",
-    "delayed_scaling_update",
+    "delayed_scaling_update", "quantize_blockwise", "cast_transpose_blockwise",
 ]
 
 _BLOCK = 8192  # elements per program of the 1-D kernels (32 per thread at 8 warps; measured best, benchmarks/sweep_fp8_casts.py)
 _TILE = 64  # square tile of the transposing kernels
 _UPDATE_COLS = 32  # columns per program of the delayed-scaling update (one 128-byte row segment)
 _UPDATE_TILE = 4096  # history elements per loop step of that update (L = 1024 takes 8 steps)
+_FLOAT32_MAX = 3.4028234663852886e38
+_BLOCK_LENS = frozenset(16 << k for k in range(5))  # block lengths of the blockwise kernels: 16 ... 256
+_BLOCKWISE_TILE = 16384  # elements per program of the blockwise kernels (a 128 x 128 tile, 64 per thread at 8 warps)
+_BLOCKWISE_ROW = 512  # columns per program of the 1 x B quantize (wide rows: long contiguous runs)
 
 
 @triton.jit
@@ -444,6 +460,129 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     return history_new, scale_new
 
 
+# ---------------------------------------------------------------- block scaling
+
+
+def _blockwise_tiles(block_rows, block_cols):
+    """True for 1 x B and B x B tiles with B a power of two in [16, 256], else a Reject saying so."""
+    if type(block_cols) is int and block_cols in _BLOCK_LENS and type(block_rows) is int and block_rows in (1, block_cols):
+        return True
+    return Reject(
+        f"{block_rows!r} x {block_cols!r} tiles: the flagos kernels take 1 x B or B x B tiles with B a power of two "
+        "in [16, 256] (Float8BlockScaling uses 1 x 128 and 128 x 128); the reference backend runs any other tile"
+    )
+
+
+def _eps_bits(amax_epsilon) -> int:
+    """The int32 bit pattern of amax_epsilon rounded to float32, as the reference's clamp rounds it."""
+    eps = float(amax_epsilon)
+    if not eps >= 0.0 or _FLOAT32_MAX < eps < math.inf:  # NaN, negative, or finite beyond float32 (torch refuses it)
+        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be 0, a float32 value > 0 or inf (0 disables it)")
+    return struct.unpack("<i", struct.pack("<f", eps))[0]
+
+
+def _check_blockwise(x, fp8_dtype, block_rows, block_cols, amax_epsilon) -> int:
+    """Validate a blockwise cast before any work; returns the bits of amax_epsilon."""
+    check_high_precision(x)
+    _check_2d(x, "x")
+    check_fp8_dtype(fp8_dtype)
+    tiles = _blockwise_tiles(block_rows, block_cols)
+    if not tiles:
+        raise ValueError(tiles.reason)
+    return _eps_bits(amax_epsilon)
+
+
+def _blockwise_warps(elements: int) -> int:
+    """num_warps of a blockwise program holding ``elements`` values: 4 up to 4K, 8 up to 16K (64 per thread), then 16."""
+    return 4 if elements <= 4096 else 8 if elements <= _BLOCKWISE_TILE else 16
+
+
+def _column_major_scales(blocks: int, rows: int, device) -> torch.Tensor:
+    """float32 scale_inv [rows, blocks] on column-major storage [blocks, rows] (what 1 x B kernels write)."""
+    return torch.empty((blocks, rows), dtype=torch.float32, device=device).t()
+
+
+def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax_epsilon):
+    """Block-scaled FP8 cast, one scale per ``block_rows x block_cols`` tile: q = cast_fp8(clip(T * scale_T)).
+
+    scale_T = fp8_max / max(max |T|, eps) (1 when that is 0 or not finite, float32 max on overflow),
+    rounded down to a power of two with ``power_2_scale``; bit-identical to the reference backend.
+    1 x B tiles: a program quantizes W = 512 columns (fewer for a narrow x) of 16K / W rows, wide rows
+    for long contiguous runs; B x B tiles: as many side by side as fill 16K values (at least one).
+
+    Args:
+        x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride).
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        block_rows, block_cols: 1 x B or B x B, B a power of two in [16, 256].
+        power_2_scale: round each scale down to a power of two.
+        amax_epsilon: float >= 0, lower bound of each tile's amax.
+
+    Returns:
+        (q [M, N] in ``fp8_dtype``, scale_inv float32 [cdiv(M, block_rows), cdiv(N, block_cols)]):
+        scale_inv is column-major (strides (1, M)) for 1 x B tiles, row-major for B x B tiles.
+
+    Raises:
+        TypeError: x is not a high-precision float tensor. ValueError: x not 2-D, another tile shape,
+        a bad fp8_dtype or a negative amax_epsilon.
+    """
+    eps_bits = _check_blockwise(x, fp8_dtype, block_rows, block_cols, amax_epsilon)
+    x = _rows_contiguous(x)
+    (m, n), b, square = x.shape, block_cols, block_rows != 1
+    q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
+    if square:
+        scale_inv = torch.empty((cdiv(m, b), cdiv(n, b)), dtype=torch.float32, device=x.device)
+        groups = max(1, min(_BLOCKWISE_TILE // (b * b), next_power_of_2(cdiv(n, b))))
+        block_m = b
+    else:
+        scale_inv = _column_major_scales(cdiv(n, b), m, x.device)
+        groups = max(b, min(_BLOCKWISE_ROW, next_power_of_2(n))) // b
+        block_m = max(1, min(_BLOCKWISE_TILE // (groups * b), next_power_of_2(m)))
+    if q.numel():
+        with device_guard(x):
+            _quantize_blockwise_kernel[(cdiv(m, block_m) * cdiv(n, groups * b),)](
+                x, q.view(torch.uint8), scale_inv, m, n, x.stride(0), eps_bits,
+                BLOCK_M=block_m, GROUPS=groups, B=b, SQUARE=square, POW2=bool(power_2_scale),
+                num_warps=_blockwise_warps(block_m * groups * b), **fp8_format(fp8_dtype).constexprs(hw_fp8_cast(x.device)),
+            )  # fmt: skip
+    return q, scale_inv
+
+
+def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+    """1 x ``block_len`` block-scaled FP8 casts of x and of x^T from one read of each tile of x.
+
+    (q, scale_inv) = quantize_blockwise(x, 1 x B), (q_t, scale_inv_t) = quantize_blockwise(x^T, 1 x B):
+    a program loads a [T, T] tile (T = max(B, 64)) and quantizes it with one scale per row of each
+    block, then its transpose with one scale per column. Bit-identical to the reference backend.
+
+    Args:
+        x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride).
+        fp8_dtype, power_2_scale, amax_epsilon: as :func:`quantize_blockwise`.
+        block_len: B, a power of two in [16, 256].
+
+    Returns:
+        (q [M, N], scale_inv [M, cdiv(N, B)], q_t [N, M], scale_inv_t [N, cdiv(M, B)]); both scale_inv
+        are float32 column-major (strides (1, M) and (1, N)).
+
+    Raises:
+        TypeError / ValueError: as :func:`quantize_blockwise`.
+    """
+    eps_bits = _check_blockwise(x, fp8_dtype, 1, block_len, amax_epsilon)
+    x = _rows_contiguous(x)
+    (m, n), tile = x.shape, max(block_len, 64)
+    q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
+    q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
+    scale_inv = _column_major_scales(cdiv(n, block_len), m, x.device)
+    scale_inv_t = _column_major_scales(cdiv(m, block_len), n, x.device)
+    if q.numel():
+        with device_guard(x):
+            _cast_transpose_blockwise_kernel[(cdiv(m, tile) * cdiv(n, tile),)](
+                x, q.view(torch.uint8), scale_inv, q_t.view(torch.uint8), scale_inv_t, m, n, x.stride(0), eps_bits,
+                TILE=tile, B=block_len, POW2=bool(power_2_scale), num_warps=_blockwise_warps(tile * tile),
+                **fp8_format(fp8_dtype).constexprs(hw_fp8_cast(x.device)),
+            )  # fmt: skip
+    return q, scale_inv, q_t, scale_inv_t
+
+
 def _scale_on_device(x, scale, fp8_dtype, amax_out=None):
     """Reject a scale the kernels would misread: not float32, or on another device than x."""
     if isinstance(scale, torch.Tensor) and isinstance(x, torch.Tensor):
@@ -467,10 +606,22 @@ def _scale_with_history(amax_history, scale, fp8_max, margin, amax_compute_algo)
     return True
 
 
+def _supported_tiles(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax_epsilon):
+    """Decline tiles other than 1 x B and B x B, B a power of two in [16, 256] (the reference runs them)."""
+    return _blockwise_tiles(block_rows, block_cols)
+
+
+def _supported_block_len(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+    """Decline a block_len that is not a power of two in [16, 256] (the reference runs it)."""
+    return _blockwise_tiles(1, block_len)
+
+
 SUPPORTS = {
     "quantize": _scale_on_device,
     "cast_transpose": _scale_on_device,
     "cast_transpose_dbias": _scale_on_device,
     "dequantize": _scale_inv_on_device,
     "delayed_scaling_update": _scale_with_history,
+    "quantize_blockwise": _supported_tiles,
+    "cast_transpose_blockwise": _supported_block_len,
 }

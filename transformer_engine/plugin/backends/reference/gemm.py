@@ -16,8 +16,9 @@ from typing import Tuple
 import torch
 
 from .._fp8 import check_out_dtype, check_tensor, is_fp8, scalar_f32
+from .quantization import dequantize_blockwise
 
-__all__ = ["gemm"]
+__all__ = ["gemm", "gemm_blockwise"]
 
 
 def _operand_f32(t, scale_inv, name: str) -> torch.Tensor:
@@ -103,3 +104,30 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
         return d.to(result_dtype)
     return out.copy_(d)
 
+
+
+def _block_operand_f32(t, scale_inv, block, name: str) -> torch.Tensor:
+    """A block-scaled FP8 operand dequantized to float32: t[i, k] * scale_inv[i // block[0], k // block[1]]."""
+    check_tensor(t, name)
+    if not is_fp8(t):
+        raise TypeError(f"gemm_blockwise operand {name} has dtype {t.dtype}; it must be FP8 (torch.float8_e4m3fn / e5m2)")
+    if not (isinstance(block, (tuple, list)) and len(block) == 2):
+        raise ValueError(f"{name}_block={block!r} must be a (rows, cols) tile shape such as (1, 128) or (128, 128)")
+    return dequantize_blockwise(t, scale_inv, block[0], block[1], torch.float32)
+
+
+def gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias=None, out=None, accumulate=False):
+    """D = A @ B^T + bias (+ out when ``accumulate``) with A, B the dequantized block-scaled operands, in float32.
+
+    Args: as in plugin/catalog/gemm.py (a [M, K], b [N, K], both FP8 with their tile scales).
+
+    Returns:
+        D [M, N] in ``out_dtype`` (``out`` itself when given).
+
+    Raises:
+        TypeError: a non-FP8 operand. ValueError: a bad tile shape, scale_inv of the wrong shape,
+        operands whose K differ, a bad bias / out, accumulate without out.
+    """
+    a_f32 = _block_operand_f32(a, a_scale_inv, a_block, "a")
+    b_f32 = _block_operand_f32(b, b_scale_inv, b_block, "b")
+    return gemm(a_f32, b_f32, bias, None, None, False, True, out_dtype, out, accumulate)

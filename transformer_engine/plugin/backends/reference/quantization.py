@@ -39,6 +39,7 @@ __all__ = [
     "fp8_transpose",
     "compute_amax",
     "quantize_blockwise",
+    "cast_transpose_blockwise",
     "dequantize_blockwise",
     "delayed_scaling_update",
 ]
@@ -178,8 +179,22 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
     scale = _block_scale(tiles.abs().amax(dim=(1, 3)), fp8_dtype, bool(power_2_scale), float(amax_epsilon))
     q_tiles = saturating_cast(tiles * scale[:, None, :, None], fp8_dtype)
     m, n = x.shape
-    q = q_tiles.reshape(tiles.shape[0] * block_rows, -1)[:m, :n].contiguous()
+    q = q_tiles.reshape(tiles.shape[0] * block_rows, tiles.shape[2] * block_cols)[:m, :n].contiguous()
     return q, torch.reciprocal(scale)
+
+
+def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+    """1 x ``block_len`` block casts of x and of x^T, each with its own scales (not q^T).
+
+    Returns:
+        (q [M, N], scale_inv [M, ceil(N / B)], q_t [N, M], scale_inv_t [N, ceil(M / B)]).
+
+    Raises:
+        TypeError / ValueError: as :func:`quantize_blockwise`.
+    """
+    q, scale_inv = quantize_blockwise(x, fp8_dtype, 1, block_len, power_2_scale, amax_epsilon)
+    q_t, scale_inv_t = quantize_blockwise(x.t(), fp8_dtype, 1, block_len, power_2_scale, amax_epsilon)
+    return q, scale_inv, q_t, scale_inv_t
 
 
 def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):

@@ -298,3 +298,71 @@ def test_dispatch_declines_e5m2_pair_to_reference():
     assert manager.select("gemm", *args).impl_id == "reference.torch"
     (a, a_si) = _fp8((32, 32), E4M3)
     assert manager.select("gemm", a, b, None, a_si, b_si, False, True, torch.bfloat16).impl_id == "vendor.cuda"
+
+
+# -- block-scaled FP8 (Float8BlockScaling) -----------------------------------------------------
+def _block_fp8(rows, cols, block, column_major_scales):
+    """(q, scale_inv) from the reference block cast on the GPU, scales in either layout."""
+    from transformer_engine.plugin.backends.reference.quantization import quantize_blockwise
+
+    q, scale_inv = quantize_blockwise(randn(rows, cols, device="cuda"), E4M3, block[0], block[1], True, 0.0)
+    return q, (scale_inv.t().contiguous().t() if column_major_scales else scale_inv.contiguous())
+
+
+BLOCK_PAIRS = [((1, 128), (128, 128)), ((128, 128), (1, 128)), ((1, 128), (1, 128))]
+
+
+def test_blockwise_declines_cpu_tensors():
+    a = torch.zeros(128, 128).to(E4M3)
+    verdict = vendor_gemm.SUPPORTS["gemm_blockwise"](a, a, torch.ones(128, 1), torch.ones(128, 1), (1, 128), (1, 128), torch.bfloat16)
+    assert not verdict and "CUDA" in verdict.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("column_major_scales", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("a_block, b_block", BLOCK_PAIRS)
+def test_blockwise_matches_reference(a_block, b_block, out_dtype, column_major_scales):
+    m, n, k = 256, 384, 640
+    (a, sa), (b, sb) = _block_fp8(m, k, a_block, column_major_scales), _block_fp8(n, k, b_block, column_major_scales)
+    d = vendor_gemm.gemm_blockwise(a, b, sa, sb, a_block, b_block, out_dtype)
+    expected = reference.gemm_blockwise(a, b, sa, sb, a_block, b_block, out_dtype)
+    assert d.dtype == out_dtype and d.shape == (m, n)
+    torch.testing.assert_close(d, expected, **_fp8_tols(out_dtype, expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_blockwise_bias_and_accumulate(bias_dtype, out_dtype):
+    (a, sa), (b, sb) = _block_fp8(128, 256, (1, 128), True), _block_fp8(256, 256, (128, 128), False)
+    bias = randn(256, dtype=bias_dtype, device="cuda")
+    args = (a, b, sa, sb, (1, 128), (128, 128), out_dtype)
+    expected = reference.gemm_blockwise(*args, bias=bias)
+    torch.testing.assert_close(vendor_gemm.gemm_blockwise(*args, bias=bias), expected, **_fp8_tols(out_dtype, expected))
+    out, ref_out = (randn(128, 256, device="cuda") for _ in range(2))
+    ref_out.copy_(out)
+    fp32_args = args[:-1] + (torch.float32,)
+    assert vendor_gemm.gemm_blockwise(*fp32_args, out=out, accumulate=True) is out
+    reference.gemm_blockwise(*fp32_args, out=ref_out, accumulate=True)
+    torch.testing.assert_close(out, ref_out, **_fp8_tols(torch.float32, ref_out))
+
+
+@pytest.mark.gpu
+def test_blockwise_declines_what_cublaslt_cannot_do():
+    supports = vendor_gemm.SUPPORTS["gemm_blockwise"]
+    (a, sa), (b, sb) = _block_fp8(128, 256, (1, 128), True), _block_fp8(256, 256, (128, 128), False)
+    assert supports(a, b, sa, sb, (1, 128), (128, 128), torch.bfloat16) is True
+    assert "E4M3 operands only" in supports(a.view(E5M2), b, sa, sb, (1, 128), (128, 128), torch.bfloat16).reason
+    assert "at most one 2-D" in supports(a, b, sb[:1], sb, (128, 128), (128, 128), torch.bfloat16).reason
+    (c, sc), (d, sd) = _block_fp8(128, 320, (1, 128), True), _block_fp8(256, 320, (1, 128), True)
+    assert "multiple of 128" in supports(c, d, sc, sd, (1, 128), (1, 128), torch.bfloat16).reason
+    assert "a_scale_inv must be float32 [128, 2]" in supports(a, b, sa[:, :1], sb, (1, 128), (128, 128), torch.bfloat16).reason
+
+
+@pytest.mark.gpu
+def test_blockwise_default_dispatch_is_cublaslt():
+    from transformer_engine.plugin import ops
+
+    (a, sa), (b, sb) = _block_fp8(128, 256, (1, 128), True), _block_fp8(256, 256, (128, 128), False)
+    _, impl = ops.gemm_blockwise.traced(a, b, sa, sb, (1, 128), (128, 128), torch.bfloat16)
+    assert impl.impl_id == "vendor.cuda"

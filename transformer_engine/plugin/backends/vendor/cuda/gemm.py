@@ -14,6 +14,10 @@ Paths:
   ``use_fast_accum = not use_split_accumulator``.
 - bf16 / fp16 / fp32 run ``torch.mm`` / ``torch.addmm`` (cuBLAS, fp32 accumulation; the bias rides
   the cuBLASLt epilogue, which adds it in fp32 before the cast).
+- ``gemm_blockwise`` (Float8BlockScaling) runs ``torch._scaled_mm`` with block scales (cuBLASLt >= 12.9
+  on sm_90): E4M3 operands, tiles 1x128 or 128x128 with at most one operand 2-D. cuBLASLt reads 1x128
+  scales column-major and 128x128 scales row-major (a copy is made only when a scale_inv comes in
+  another layout); the accumulation is always the split (exact) one.
 Whenever the bias dtype, ``out_dtype`` or ``accumulate`` do not fit those epilogues, the product is
 taken in float32, the bias added in float32, then the result is cast (or added into ``out``).
 """
@@ -27,7 +31,7 @@ import torch
 
 from transformer_engine.plugin.core import Reject
 
-__all__ = ["gemm"]
+__all__ = ["gemm", "gemm_blockwise"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,23 +57,23 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
     x, y = _operands(a, b, trans_a, trans_b)
     dtype = _result_dtype(a, out_dtype, out)
     if x.dtype in FP8_DTYPES:
-        d = _mm_fp8(x, y, bias, (a_scale_inv, b_scale_inv), dtype, accumulate, use_split_accumulator)
+        d = _mm_fp8(x, y, bias, (_scale(a_scale_inv), _scale(b_scale_inv)), dtype, accumulate, use_split_accumulator)
     else:
         d = _mm_hp(x, y, bias, dtype, accumulate)
     return _store(d, dtype, out, accumulate)
 
 
 # -- the two products ---------------------------------------------------------------------------
-def _mm_fp8(x, y, bias, scale_invs, dtype, accumulate, use_split_accumulator):
-    """(x * a_scale_inv) @ (y * b_scale_inv) [+ bias] in ``dtype``, or in fp32 when the bias or
-    ``accumulate`` cannot ride the epilogue."""
+def _mm_fp8(x, y, bias, scales, dtype, accumulate, use_split_accumulator):
+    """x @ y dequantized by ``scales`` (scale_a, scale_b in ``torch._scaled_mm``'s layout) [+ bias] in
+    ``dtype``, or in fp32 when the bias or ``accumulate`` cannot ride the epilogue."""
     in_epilogue = bias is not None and not accumulate and bias.dtype == dtype and dtype != torch.float32
     fp32_tail = accumulate or (bias is not None and not in_epilogue)
     d = torch._scaled_mm(
         _as_row_major(x),
         _as_col_major(y),
-        scale_a=_scale(scale_invs[0]),
-        scale_b=_scale(scale_invs[1]),
+        scale_a=scales[0],
+        scale_b=scales[1],
         bias=bias if in_epilogue else None,
         out_dtype=torch.float32 if fp32_tail else dtype,
         use_fast_accum=not use_split_accumulator,
@@ -221,4 +225,73 @@ def _hp_reason(dtypes, bias, dtype) -> Optional[str]:
     return None
 
 
-SUPPORTS = {"gemm": _supports_gemm}
+# -- block-scaled FP8 (Float8BlockScaling) -----------------------------------------------------
+_BLOCK_1D, _BLOCK_2D = (1, 128), (128, 128)
+_BLOCK_PAIRS = ((_BLOCK_1D, _BLOCK_2D), (_BLOCK_2D, _BLOCK_1D), (_BLOCK_1D, _BLOCK_1D))
+BLOCK_CAPABILITY = (9, 0)  # cuBLASLt's 1x128 / 128x128 block-scaled kernels: Hopper
+
+
+def gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias=None, out=None, accumulate=False):
+    """D = A @ B^T + bias on block-scaled E4M3 operands through ``torch._scaled_mm`` (cuBLASLt).
+
+    Args: as in plugin/catalog/gemm.py.
+
+    Returns:
+        D [M, N] in ``out_dtype`` (``out`` itself when given).
+
+    Raises:
+        NotImplementedError: arguments this backend declines (``SUPPORTS``).
+    """
+    verdict = _supports_gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias, out, accumulate)
+    if not verdict:
+        raise NotImplementedError(f"vendor.cuda gemm_blockwise: {verdict.reason}; use the reference backend for this call")
+    scales = (_cublas_block_scale(a_scale_inv, a_block), _cublas_block_scale(b_scale_inv, b_block).t())
+    d = _mm_fp8(a, b.t(), bias, scales, out_dtype, accumulate, use_split_accumulator=True)
+    return _store(d, out_dtype, out, accumulate)
+
+
+def _cublas_block_scale(scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """scale_inv [rows, cols] laid out as cuBLASLt reads it: column-major for 1x128 tiles, row-major for 128x128."""
+    if tuple(block) == _BLOCK_1D:
+        return scale_inv if scale_inv.stride(0) == 1 or scale_inv.size(0) == 1 else scale_inv.t().contiguous().t()
+    return scale_inv if scale_inv.stride(1) == 1 or scale_inv.size(1) == 1 else scale_inv.contiguous()
+
+
+def _supports_gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias=None, out=None, accumulate=False):
+    """True, or a Reject saying why cuBLASLt's block-scaled GEMM cannot take the call."""
+    if not (getattr(a, "is_cuda", False) and getattr(b, "is_cuda", False)):
+        return Reject("operands are not on a CUDA device")
+    if a.dim() != 2 or b.dim() != 2 or a.stride(1) != 1 or b.stride(1) != 1:
+        return Reject(f"operands must be row-major 2-D, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        return Reject(f"cuBLASLt block-scaled GEMMs take E4M3 operands only, got {a.dtype} and {b.dtype}")
+    if (tuple(a_block), tuple(b_block)) not in _BLOCK_PAIRS:
+        return Reject(f"tiles {tuple(a_block)} x {tuple(b_block)}: cuBLASLt takes 1x128 or 128x128, at most one 2-D")
+    capability = _capability_of(a.get_device())
+    if capability[0] != BLOCK_CAPABILITY[0]:
+        return Reject(f"block-scaled FP8 GEMM runs on compute capability 9.x here, device has {capability[0]}.{capability[1]}")
+    (m, k), (n, k_b) = a.shape, b.shape
+    reason = _shape_reason((m, k), (k_b, n), bias, out, accumulate)
+    if reason is None and (k % 128 or m % _ALIGN or n % _ALIGN):
+        reason = f"block-scaled GEMM needs K a multiple of 128 and M, N multiples of {_ALIGN}, got M={m}, N={n}, K={k}"
+    if reason is None:
+        reason = _block_scale_reason(a, a_scale_inv, a_block, "a") or _block_scale_reason(b, b_scale_inv, b_block, "b")
+    if reason is None and out_dtype not in HP_DTYPES:
+        reason = f"out_dtype {out_dtype} is not one of {HP_DTYPES}"
+    if reason is None and out is not None and out.dtype != out_dtype:
+        reason = f"out has dtype {out.dtype} but out_dtype is {out_dtype}"
+    if reason is None and bias is not None and bias.dtype not in HP_DTYPES:
+        reason = f"bias dtype {bias.dtype} is not one of {HP_DTYPES}"
+    return Reject(reason) if reason else True
+
+
+def _block_scale_reason(t, scale_inv, block, name: str) -> Optional[str]:
+    """None when ``scale_inv`` is float32 with one entry per ``block`` tile of t, else why not."""
+    expected = (-(-t.size(0) // block[0]), -(-t.size(1) // block[1]))
+    if scale_inv is None or scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != expected:
+        got = None if scale_inv is None else (tuple(scale_inv.shape), scale_inv.dtype)
+        return f"{name}_scale_inv must be float32 {list(expected)} for {tuple(block)} tiles of {name} {tuple(t.shape)}, got {got}"
+    return None
+
+
+SUPPORTS = {"gemm": _supports_gemm, "gemm_blockwise": _supports_gemm_blockwise}

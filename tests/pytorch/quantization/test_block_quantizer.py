@@ -1,0 +1,89 @@
+"""Float8BlockScaling: the block quantizer per role, Float8BlockwiseTensor's copies, saving for backward."""
+
+import pytest
+import torch
+
+from tests.utils import randn, sqnr
+from transformer_engine.common.recipe import Float8BlockScaling, QParams
+from transformer_engine.plugin import ops
+from transformer_engine.pytorch.module._common import save, saved
+from transformer_engine.pytorch.quantization import Float8BlockQuantizer, Float8BlockwiseTensor
+from transformer_engine.pytorch.quantization.recipe_state import Float8BlockScalingRecipeState, RecipeState
+
+E4M3 = torch.float8_e4m3fn
+POW2 = QParams(power_2_scale=True)
+
+
+def test_recipe_state_gives_each_role_its_tiles():
+    recipe = Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1, grad_block_scaling_dim=1)
+    forward = RecipeState.create(recipe, mode="forward", num_gemms=2, device="cpu")
+    backward = RecipeState.create(recipe, mode="backward", num_gemms=2, device="cpu")
+    assert isinstance(forward, Float8BlockScalingRecipeState) and forward.split_accumulator == (True, True, True)
+    assert [q.block for q in forward.make_quantizers()] == [(128, 128), (1, 128), (128, 128)] * 2
+    assert [q.block for q in backward.make_quantizers()] == [(1, 128)] * 4
+    assert all(q.qparams.power_2_scale for q in forward.make_quantizers())
+    f32 = RecipeState.create(Float8BlockScaling(use_f32_scales=True), mode="forward", num_gemms=1, device="cpu")
+    assert not f32.make_quantizers()[0].qparams.power_2_scale
+
+
+def test_1d_cast_writes_both_directions_with_their_own_scales():
+    x = randn(200, 300)
+    operand = Float8BlockQuantizer(E4M3, 1, POW2).quantize(x, columnwise=True)
+    q, s, q_t, s_t = ops.cast_transpose_blockwise(x, E4M3, 128, True, 0.0)
+    assert operand.block == (1, 128) and operand.block_t == (1, 128)
+    assert torch.equal(operand.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(operand.scale_inv, s)
+    assert torch.equal(operand.data_t.view(torch.uint8), q_t.view(torch.uint8)) and torch.equal(operand.scale_inv_t, s_t)
+    assert sqnr(x, operand.dequantize(torch.float32)) > 25.0
+    assert sqnr(x, operand.transpose_only().dequantize(torch.float32)) > 25.0
+
+
+def test_1d_cast_without_autograd_writes_rows_only_and_cannot_transpose_later():
+    with torch.no_grad():
+        operand = Float8BlockQuantizer(E4M3, 1, POW2).quantize(randn(64, 256))
+    assert operand.data_t is None
+    with pytest.raises(RuntimeError, match="columnwise=True"):
+        operand.transpose_only()
+
+
+def test_2d_tiles_transpose_exactly():
+    w = randn(300, 260)
+    operand = Float8BlockQuantizer(E4M3, 2, POW2).quantize(w)
+    assert operand.data_t is None and operand.scale_inv.shape == (3, 3)
+    both = operand.with_transpose()
+    assert torch.equal(both.data_t.view(torch.uint8), operand.data.t().contiguous().view(torch.uint8))
+    data_t, scale_inv_t, block = both.gemm_operand(transposed=True)
+    assert block == (128, 128) and torch.equal(scale_inv_t, operand.scale_inv.t())
+    torch.testing.assert_close(both.transpose_only().dequantize(torch.float32), operand.dequantize(torch.float32))
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="block_dim"):
+        Float8BlockQuantizer(E4M3, 3, POW2)
+    with pytest.raises(ValueError, match="2-D"):
+        Float8BlockQuantizer(E4M3, 1, POW2).quantize(randn(2, 3, 128))
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        Float8BlockQuantizer(E4M3, 1, POW2).for_sharded_tensor(lambda amax: amax)
+    with pytest.raises(ValueError, match="scale_inv"):
+        Float8BlockwiseTensor(torch.zeros(2, 2, dtype=E4M3), None, block=(1, 128))
+
+
+def test_saved_for_backward_and_rebuilt():
+    rebuilt = []
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, operand):
+            save(ctx, operand, x)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, dy):
+            rebuilt.append(saved(ctx)[0])
+            return dy, None
+
+    x = randn(130, 140).requires_grad_(True)
+    operand = Float8BlockQuantizer(E4M3, 1, POW2).quantize(x.detach(), columnwise=True).transpose_only()
+    Keep.apply(x, operand).sum().backward()
+    (back,) = rebuilt
+    assert isinstance(back, Float8BlockwiseTensor) and back.block == (1, 128) and back.data is None
+    assert back.data_t is operand.data_t and back.scale_inv_t is operand.scale_inv_t
