@@ -323,7 +323,7 @@ def test_blockwise_declines_cpu_tensors():
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("a_block, b_block", BLOCK_PAIRS)
 def test_blockwise_matches_reference(a_block, b_block, out_dtype, column_major_scales):
-    m, n, k = 256, 384, 640
+    m, n, k = 256, 384, 1024 if (128, 128) in (a_block, b_block) else 640
     (a, sa), (b, sb) = _block_fp8(m, k, a_block, column_major_scales), _block_fp8(n, k, b_block, column_major_scales)
     d = vendor_gemm.gemm_blockwise(a, b, sa, sb, a_block, b_block, out_dtype)
     expected = reference.gemm_blockwise(a, b, sa, sb, a_block, b_block, out_dtype)
@@ -334,7 +334,7 @@ def test_blockwise_matches_reference(a_block, b_block, out_dtype, column_major_s
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
 def test_blockwise_bias_and_accumulate(bias_dtype, out_dtype):
-    (a, sa), (b, sb) = _block_fp8(128, 256, (1, 128), True), _block_fp8(256, 256, (128, 128), False)
+    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), True), _block_fp8(256, 512, (128, 128), False)
     bias = randn(256, dtype=bias_dtype, device="cuda")
     args = (a, b, sa, sb, (1, 128), (128, 128), out_dtype)
     expected = reference.gemm_blockwise(*args, bias=bias)
@@ -350,19 +350,21 @@ def test_blockwise_bias_and_accumulate(bias_dtype, out_dtype):
 @pytest.mark.gpu
 def test_blockwise_declines_what_cublaslt_cannot_do():
     supports = vendor_gemm.SUPPORTS["gemm_blockwise"]
-    (a, sa), (b, sb) = _block_fp8(128, 256, (1, 128), True), _block_fp8(256, 256, (128, 128), False)
+    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), True), _block_fp8(256, 512, (128, 128), False)
     assert supports(a, b, sa, sb, (1, 128), (128, 128), torch.bfloat16) is True
+    (c, sc), (d, sd) = _block_fp8(128, 640, (1, 128), True), _block_fp8(256, 640, (128, 128), False)
+    assert "multiple of 512" in supports(c, d, sc, sd, (1, 128), (128, 128), torch.bfloat16).reason
     assert "E4M3 operands only" in supports(a.view(E5M2), b, sa, sb, (1, 128), (128, 128), torch.bfloat16).reason
     assert "at most one 2-D" in supports(a, b, sb[:1], sb, (128, 128), (128, 128), torch.bfloat16).reason
     (c, sc), (d, sd) = _block_fp8(128, 320, (1, 128), True), _block_fp8(256, 320, (1, 128), True)
     assert "multiple of 128" in supports(c, d, sc, sd, (1, 128), (1, 128), torch.bfloat16).reason
-    assert "a_scale_inv must be float32 [128, 2]" in supports(a, b, sa[:, :1], sb, (1, 128), (128, 128), torch.bfloat16).reason
+    assert "a_scale_inv must be float32 [128, 4]" in supports(a, b, sa[:, :1], sb, (1, 128), (128, 128), torch.bfloat16).reason
 
 
 @pytest.mark.gpu
 def test_blockwise_default_dispatch_is_cublaslt():
     from transformer_engine.plugin import ops
 
-    (a, sa), (b, sb) = _block_fp8(128, 256, (1, 128), True), _block_fp8(256, 256, (128, 128), False)
+    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), True), _block_fp8(256, 512, (128, 128), False)
     _, impl = ops.gemm_blockwise.traced(a, b, sa, sb, (1, 128), (128, 128), torch.bfloat16)
     assert impl.impl_id == "vendor.cuda"

@@ -17,7 +17,9 @@ Paths:
 - ``gemm_blockwise`` (Float8BlockScaling) runs ``torch._scaled_mm`` with block scales (cuBLASLt >= 12.9
   on sm_90): E4M3 operands, tiles 1x128 or 128x128 with at most one operand 2-D. cuBLASLt reads 1x128
   scales column-major and 128x128 scales row-major (a copy is made only when a scale_inv comes in
-  another layout); the accumulation is always the split (exact) one.
+  another layout); the accumulation is always the split (exact) one. The rows of 128x128 scales must
+  be 16-byte aligned, which PyTorch's strides allow only for K a multiple of 512 (measured on the H200:
+  K = 256 or 640 gives wrong products); other K go to the reference backend.
 Whenever the bias dtype, ``out_dtype`` or ``accumulate`` do not fit those epilogues, the product is
 taken in float32, the bias added in float32, then the result is cast (or added into ``out``).
 """
@@ -229,6 +231,7 @@ def _hp_reason(dtypes, bias, dtype) -> Optional[str]:
 _BLOCK_1D, _BLOCK_2D = (1, 128), (128, 128)
 _BLOCK_PAIRS = ((_BLOCK_1D, _BLOCK_2D), (_BLOCK_2D, _BLOCK_1D), (_BLOCK_1D, _BLOCK_1D))
 BLOCK_CAPABILITY = (9, 0)  # cuBLASLt's 1x128 / 128x128 block-scaled kernels: Hopper
+_BLOCK_2D_K = 512  # K / 128 float32 scales per row of a 128x128-tiled operand: a multiple of 4 (16 bytes)
 
 
 def gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias=None, out=None, accumulate=False):
@@ -274,6 +277,8 @@ def _supports_gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, o
     reason = _shape_reason((m, k), (k_b, n), bias, out, accumulate)
     if reason is None and (k % 128 or m % _ALIGN or n % _ALIGN):
         reason = f"block-scaled GEMM needs K a multiple of 128 and M, N multiples of {_ALIGN}, got M={m}, N={n}, K={k}"
+    if reason is None and _BLOCK_2D in (tuple(a_block), tuple(b_block)) and k % _BLOCK_2D_K:
+        reason = f"a 128x128-tiled operand needs K a multiple of {_BLOCK_2D_K} (16-byte aligned scale rows), got K={k}"
     if reason is None:
         reason = _block_scale_reason(a, a_scale_inv, a_block, "a") or _block_scale_reason(b, b_scale_inv, b_block, "b")
     if reason is None and out_dtype not in HP_DTYPES:
