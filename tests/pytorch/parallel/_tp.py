@@ -17,7 +17,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from tests.utils import rel_err
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from transformer_engine.pytorch.parallel import full_tensor
 from transformer_engine.pytorch.parallel.comm import all_gather, group_rank, group_size
 
@@ -27,6 +27,7 @@ RECIPES = {
     None: None,
     "delayed": lambda: DelayedScaling(amax_history_len=4),
     "current": Float8CurrentScaling,
+    "block": Float8BlockScaling,
 }
 
 
