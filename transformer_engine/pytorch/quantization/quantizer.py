@@ -202,9 +202,9 @@ class Float8BlockQuantizer(Quantizer):
     """Float8BlockScaling: each tile of ``block_len`` elements (1-D, a row segment) or ``block_len``^2 (2-D)
     casts with its own scale, fp8_max / max(amax_tile, amax_epsilon), a power of two when ``qparams`` say so.
 
-    With autograd on, a 1-D cast also writes the column-wise copy (``ops.cast_transpose_blockwise``):
-    wgrad reads x^T quantized along the tokens, which cannot be made later from the row-wise copy.
-    A 2-D cast makes its transpose only when asked (``columnwise``), from the FP8 values.
+    ``columnwise`` matters more than for per-tensor casts: a 1-D cast then also writes x^T quantized
+    along the tokens (``ops.cast_transpose_blockwise``), which wgrad reads and which cannot be made
+    later from the row-wise copy; a 2-D cast transposes its FP8 values (a 128 x 128 tile stays one).
     """
 
     is_fp8 = True
@@ -221,7 +221,7 @@ class Float8BlockQuantizer(Quantizer):
             raise ValueError(f"block scaling quantizes 2-D tensors [rows, features]; got shape {tuple(x.shape)}")
         rows, block_len = self.block
         power_2, eps = self.qparams.power_2_scale, self.qparams.amax_epsilon
-        if rows == 1 and (columnwise or torch.is_grad_enabled()):
+        if rows == 1 and columnwise:
             q, scale_inv, q_t, scale_inv_t = ops.cast_transpose_blockwise(x, self.fp8_dtype, block_len, power_2, eps)
             return Float8BlockwiseTensor(q, scale_inv, q_t, scale_inv_t, block=self.block)
         q, scale_inv = ops.quantize_blockwise(x, self.fp8_dtype, rows, block_len, power_2, eps)
