@@ -74,6 +74,37 @@ def test_other_block_lengths(block_len, shape, device):
     _assert_same_cast_transpose(x, E5M2, block_len, False, 0.0)
 
 
+_CT_SETTINGS = [  # (split, columns per program, transpose the codes, block_len)
+    (True, 32, True, 16), (True, 16, False, 32), (True, 128, True, 64), (True, 64, False, 16),  # split: tile B x C
+    (False, 16, True, 16), (False, 32, False, 32),  # fused, B x B tiles: 2-D rows
+    (False, 64, True, 16), (False, 64, False, 32),  # fused, B x 4B / B x 2B tiles: rows through the 3-D view
+]
+
+
+@pytest.mark.parametrize("split, tile_n, codes, block_len", _CT_SETTINGS)
+def test_cast_transpose_blockwise_launch_settings(split, tile_n, codes, block_len, monkeypatch, device):
+    # both modes (split, fused), both transposes (of the 8-bit codes, of the values), column tiles
+    # narrower and wider than B, several programs per dimension and ragged edges in both: what
+    # benchmarks/sweep_fp8_casts.py times
+    monkeypatch.setattr(fq, "_CT_BLOCKWISE_SPLIT", split)
+    monkeypatch.setattr(fq, "_CT_BLOCKWISE_COL_TILE" if split else "_CT_BLOCKWISE_TILE_N", tile_n)
+    monkeypatch.setattr(fq, "_CT_BLOCKWISE_CODES", codes)
+    for dtype in HP_DTYPES:
+        _assert_same_cast_transpose(wide_range((131, 67), dtype, device), E4M3, block_len, True, 1e-2)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_cast_transpose_blockwise_tile_n(split, monkeypatch):
+    # the kernel's column tile: the mode's setting, shrunk to x's power-of-two width, fused at least B
+    monkeypatch.setattr(fq, "_CT_BLOCKWISE_SPLIT", split)
+    monkeypatch.setattr(fq, "_CT_BLOCKWISE_COL_TILE", 64)
+    monkeypatch.setattr(fq, "_CT_BLOCKWISE_TILE_N", 256)
+    wide, narrow = (64, 32) if split else (256, 128)
+    assert fq._ct_blockwise_tile_n(4096, 128) == wide
+    assert fq._ct_blockwise_tile_n(20, 128) == narrow
+    assert fq._ct_blockwise_tile_n(3, 16) == 16
+
+
 def _edge_tiles(dtype, device):
     """x [40, 50] whose 16 x 16 tiles / 1 x 16 blocks hit every special case of the scale.
 

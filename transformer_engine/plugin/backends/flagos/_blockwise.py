@@ -18,12 +18,25 @@ How the kernels stay bit-identical to the reference backend:
   (1 / float32 max is one).
 - the cast is ``_fp8_encode`` (see _common.py).
 
-Layouts: a program loads an [R, W] tile of x (W = G * B), views it as [R, G, B] and reduces the last
-axis: one scale per row of each 1 x B block, or, for B x B tiles (R = B), also over the rows. The
-scales of 1 x B blocks are stored column-major (storage [cdiv(N, B), M], a row of programs writes
-contiguous runs), those of B x B tiles row-major: the layouts cuBLASLt's block-scaled GEMM reads.
-``cast_transpose_blockwise`` loads a [T, T] tile once and quantizes it and its transpose with the same
-1 x B code; transposing x (not the 8-bit codes) keeps each copy a plain row quantization.
+Layouts: a program loads an [R, W] tile of x (W = G * B) and reduces each row of each block: with
+G = 1 the tile stays 2-D (amax over axis 1, one scale per row), else it is viewed as [R, G, B] (amax
+over the last axis; Triton converts layouts through shared memory for that view). For B x B tiles
+(R = B) the row amaxes are also reduced over the rows. The scales of 1 x B blocks are stored
+column-major (storage [cdiv(N, B), M], a row of programs writes contiguous runs), those of B x B
+tiles row-major: the layouts cuBLASLt's block-scaled GEMM reads.
+
+``cast_transpose_blockwise`` quantizes the columns of B-row tiles [B, C] of x (B x 1 blocks of x, i.e.
+1 x B blocks of x^T), always 2-D: amax over axis 0, one scale per column. Its kernel runs in one of
+two modes (``ROWS``): fused (C a multiple of B: the tile also gives q by rows, x read once) or
+columns only, next to ``_quantize_blockwise_kernel`` for q (split: x read twice, each kernel a
+plain streaming pass). Two ways to the transpose (``TRANSPOSE_CODES``):
+
+- codes (16-bit x): the columns are quantized in place and the uint8 codes are stored transposed;
+- values (float32 x on the GPU): the tile itself is transposed and quantized by rows. On sm_90
+  Triton 3.6 wrote a wrong transposed tile when transposing 8-bit codes computed from 32-bit loads
+  (see ``_launch_cast_transpose`` in quantization.py), so float32 keeps this path.
+
+Both give the same bits: each column block sees the same values, amax and scale either way.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._common import _fp8_encode
+
 
 @triton.jit
 def _abs_bits(x):
@@ -80,10 +94,20 @@ def _quantize_tile_store(
     """Quantize one tile with its block scales and store its codes and scale_inv entries."""
     R: tl.constexpr = x.shape[0]
     G: tl.constexpr = x.shape[1] // B
-    x3 = tl.reshape(x.to(tl.float32), [R, G, B])
-    amax_bits = tl.max(_abs_bits(x3), axis=2)  # [R, G]: one per row of each block
     rows = (row0 + tl.arange(0, R)).to(tl.int64)
     blocks = (col0 // B + tl.arange(0, G)).to(tl.int64)  # block column j of each group
+    if G == 1:  # one block per row: 2-D, no reshape
+        xs = x.to(tl.float32)
+        amax_bits = tl.max(_abs_bits(xs), axis=1, keep_dims=True)  # [R, 1]
+        cols = col0 + tl.arange(0, B)
+        offs = rows[:, None] * N + cols[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+    else:
+        xs = tl.reshape(x.to(tl.float32), [R, G, B])
+        amax_bits = tl.max(_abs_bits(xs), axis=2)  # [R, G]: one per row of each block
+        cols = blocks[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
+        offs = rows[:, None, None] * N + cols[None, :, :]
+        mask = (rows < M)[:, None, None] & (cols < N)[None, :, :]
     if SQUARE:
         amax_bits = tl.max(amax_bits, axis=0, keep_dims=True)  # [1, G]: one per tile
         s_offs = (row0 // B) * tl.cdiv(N, B) + blocks[None, :]
@@ -92,10 +116,11 @@ def _quantize_tile_store(
         s_offs = blocks[None, :] * M + rows[:, None]  # column-major: runs of R contiguous scales
         s_mask = (rows < M)[:, None] & (blocks < tl.cdiv(N, B))[None, :]
     scale, scale_inv = _tile_scales(amax_bits, eps_bits, FP8_MAX, POW2)
-    code = _fp8_encode(x3 * scale[:, :, None], FP8_MAX, MBITS, EBIAS, HW_CAST)
-    cols = blocks[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
-    mask = (rows < M)[:, None, None] & (cols < N)[None, :, :]
-    tl.store(q_ptr + rows[:, None, None] * N + cols[None, :, :], code, mask=mask)
+    if G == 1:
+        code = _fp8_encode(xs * scale, FP8_MAX, MBITS, EBIAS, HW_CAST)  # [R, B] * [R or 1, 1]
+    else:
+        code = _fp8_encode(xs * scale[:, :, None], FP8_MAX, MBITS, EBIAS, HW_CAST)
+    tl.store(q_ptr + offs, code, mask=mask)
     tl.store(s_ptr + s_offs, scale_inv, mask=s_mask)
 
 
@@ -131,34 +156,70 @@ def _quantize_blockwise_kernel(
 
 
 @triton.jit
-def _cast_transpose_blockwise_kernel(
-    x_ptr,  # *x [M, N], row stride stride_xm, unit column stride
-    q_ptr,  # *uint8 view of q [M, N], contiguous
-    s_ptr,  # *float32 scale_inv storage [cdiv(N, B), M], contiguous
-    qt_ptr,  # *uint8 view of q_t [N, M], contiguous
-    st_ptr,  # *float32 scale_inv_t storage [cdiv(M, B), N], contiguous
-    M,  # rows of x
-    N,  # columns of x
-    stride_xm,  # elements between rows of x
+def _quantize_columns(
+    x,  # [B, C] tile of a matrix [M, N] (loaded with 0 in its masked lanes): one row block
+    row0,  # row of the matrix where the tile starts (a multiple of B)
+    col0,  # column where the tile starts
+    N,  # columns of the matrix
+    st_ptr,  # *float32 scale_inv_t storage [cdiv(M, B), N], contiguous (one scale per column of a B-row block)
     eps_bits,  # int32 bit pattern of amax_epsilon as float32
-    TILE: tl.constexpr,  # square tile side, a multiple of B
-    B: tl.constexpr,  # block length
     POW2: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MBITS: tl.constexpr,
     EBIAS: tl.constexpr,
     HW_CAST: tl.constexpr,
 ):
-    """cast_transpose_blockwise: one program per [TILE, TILE] tile, read once, quantized as x and as x^T."""
+    """uint8 codes [B, C] of the B x 1 blocks of a B-row tile, not transposed; stores their scale_inv entries.
+
+    Per column j: a = max over the B rows of |x|, scale as _tile_scales, code = cast_fp8(x * scale):
+    the 1 x B quantization of x^T, computed on x. 2-D throughout (no reshape).
+    """
+    B: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    xs = x.to(tl.float32)
+    amax_bits = tl.max(_abs_bits(xs), axis=0)  # [C]: one per column
+    scale, scale_inv = _tile_scales(amax_bits, eps_bits, FP8_MAX, POW2)
+    cols = (col0 + tl.arange(0, C)).to(tl.int64)
+    tl.store(st_ptr + (row0 // B) * N + cols, scale_inv, mask=cols < N)  # contiguous along columns
+    return _fp8_encode(xs * scale[None, :], FP8_MAX, MBITS, EBIAS, HW_CAST)
+
+
+@triton.jit
+def _cast_transpose_blockwise_kernel(
+    x_ptr,  # *x [M, N], row stride stride_xm, unit column stride
+    q_ptr,  # *uint8 view of q [M, N], contiguous (unused without ROWS)
+    s_ptr,  # *float32 scale_inv storage [cdiv(N, B), M], contiguous (unused without ROWS)
+    qt_ptr,  # *uint8 view of q_t [N, M], contiguous
+    st_ptr,  # *float32 scale_inv_t storage [cdiv(M, B), N], contiguous
+    M,  # rows of x
+    N,  # columns of x
+    stride_xm,  # elements between rows of x
+    eps_bits,  # int32 bit pattern of amax_epsilon as float32
+    TILE_N: tl.constexpr,  # columns per program (a multiple of B with ROWS)
+    B: tl.constexpr,  # block length: rows per program
+    ROWS: tl.constexpr,  # also write (q, scale_inv) from the same tile (fused); False: only the columns (split)
+    TRANSPOSE_CODES: tl.constexpr,  # True: quantize the columns in place, transpose the codes; False: transpose x
+    POW2: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EBIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):
+    """cast_transpose_blockwise: one program per [B, TILE_N] tile, quantized as x^T (and as x with ROWS)."""
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, TILE)
-    row0 = (pid // tiles_n) * TILE
-    col0 = (pid % tiles_n) * TILE
-    rows = (row0 + tl.arange(0, TILE)).to(tl.int64)
-    cols = col0 + tl.arange(0, TILE)
+    tiles_n = tl.cdiv(N, TILE_N)
+    row0 = (pid // tiles_n) * B
+    col0 = (pid % tiles_n) * TILE_N
+    rows = (row0 + tl.arange(0, B)).to(tl.int64)
+    cols = (col0 + tl.arange(0, TILE_N)).to(tl.int64)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
-    _quantize_tile_store(
-        tl.trans(x), col0, row0, N, M, qt_ptr, st_ptr, eps_bits, B, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST
-    )
+    if ROWS:
+        _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
+    if TRANSPOSE_CODES:
+        code = _quantize_columns(x, row0, col0, N, st_ptr, eps_bits, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
+    else:  # [TILE_N, B]: one block per row, the 2-D path
+        _quantize_tile_store(
+            tl.trans(x), col0, row0, N, M, qt_ptr, st_ptr, eps_bits, B, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST
+        )

@@ -25,8 +25,9 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     2^floor(log2(scale))), q = cast_fp8(clip(T * scale)), scale_inv = 1 / scale;
                     kernels in _blockwise.py (bit-identical to the reference)
     cast_transpose_blockwise
-                    quantize_blockwise(x, 1 x B) and quantize_blockwise(x^T, 1 x B) from one read of
-                    each [T, T] tile of x, T = max(B, 64) (q_t has its own scales: it is not q^T)
+                    quantize_blockwise(x, 1 x B) and quantize_blockwise(x^T, 1 x B): the 1 x B kernel,
+                    then one over [B, C] tiles quantizing their columns (or one fused kernel doing
+                    both from one read; q_t has its own scales: it is not q^T)
 
 There is no VJP: these are casts (the module layer treats them as straight-through). The cast is
 ``_fp8_encode`` (bit-identical to torch's saturating round-to-nearest-even cast, see _common.py).
@@ -84,8 +85,20 @@ _UPDATE_COLS = 32  # columns per program of the delayed-scaling update (one 128-
 _UPDATE_TILE = 4096  # history elements per loop step of that update (L = 1024 takes 8 steps)
 _FLOAT32_MAX = 3.4028234663852886e38
 _BLOCK_LENS = frozenset(16 << k for k in range(5))  # block lengths of the blockwise kernels: 16 ... 256
-_BLOCKWISE_TILE = 16384  # elements per program of the blockwise kernels (a 128 x 128 tile, 64 per thread at 8 warps)
+# Launch settings of the blockwise casts, swept on the H200 by benchmarks/sweep_fp8_casts.py --kernels blockwise.
+# num_warps = tile elements / (32 * PER_THREAD), a power of two clamped to [4, 16].
+_BLOCKWISE_TILE = 16384  # elements per program of the B x B quantize (128 x 128 tiles: one tile)
+_BLOCKWISE_PER_THREAD = 64  # values per thread of the B x B quantize (8 warps at 16K)
 _BLOCKWISE_ROW = 512  # columns per program of the 1 x B quantize (wide rows: long contiguous runs)
+_BLOCKWISE_ROW_TILE = 16384  # elements per program of the 1 x B quantize (rows = this / _BLOCKWISE_ROW)
+_BLOCKWISE_ROW_PER_THREAD = 64  # values per thread of the 1 x B quantize
+# cast_transpose_blockwise launch (benchmarks/sweep_fp8_casts.py --kernels blockwise, H200, 2026-11-22: fused
+# 128 x 128 at 4 warps 0.47-0.48 of copy; split 0.40 at best, its column kernel alone 0.72 at 128 x 64, 4 warps)
+_CT_BLOCKWISE_SPLIT = False  # True: two launches, the 1 x B quantize (q) and a column kernel (q_t); False: one fused read
+_CT_BLOCKWISE_COL_TILE = 64  # split: columns per program of the column kernel (B x this tile)
+_CT_BLOCKWISE_TILE_N = 128  # fused (not split): columns per program (B x this tile, at least B; above B: 3-D row view)
+_CT_BLOCKWISE_PER_THREAD = 128  # values per thread of the column / fused kernel (4 warps at 128 x 128)
+_CT_BLOCKWISE_CODES = True  # 16-bit x: transpose the 8-bit codes (False: transpose the values, as float32 x does)
 
 
 @triton.jit
@@ -492,9 +505,9 @@ def _check_blockwise(x, fp8_dtype, block_rows, block_cols, amax_epsilon) -> int:
     return _eps_bits(amax_epsilon)
 
 
-def _blockwise_warps(elements: int) -> int:
-    """num_warps of a blockwise program holding ``elements`` values: 4 up to 4K, 8 up to 16K (64 per thread), then 16."""
-    return 4 if elements <= 4096 else 8 if elements <= _BLOCKWISE_TILE else 16
+def _blockwise_warps(elements: int, per_thread: int) -> int:
+    """num_warps of a program holding ``elements`` values, ``per_thread`` each: a power of two in [4, 16]."""
+    return min(16, max(4, next_power_of_2(cdiv(elements, 32 * per_thread))))
 
 
 def _column_major_scales(blocks: int, rows: int, device) -> torch.Tensor:
@@ -507,8 +520,9 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
 
     scale_T = fp8_max / max(max |T|, eps) (1 when that is 0 or not finite, float32 max on overflow),
     rounded down to a power of two with ``power_2_scale``; bit-identical to the reference backend.
-    1 x B tiles: a program quantizes W = 512 columns (fewer for a narrow x) of 16K / W rows, wide rows
-    for long contiguous runs; B x B tiles: as many side by side as fill 16K values (at least one).
+    1 x B tiles: a program quantizes W = _BLOCKWISE_ROW columns (fewer for a narrow x) of
+    _BLOCKWISE_ROW_TILE / W rows, wide rows for long contiguous runs; B x B tiles: as many side by
+    side as fill _BLOCKWISE_TILE values (at least one).
 
     Args:
         x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride).
@@ -527,32 +541,68 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
     """
     eps_bits = _check_blockwise(x, fp8_dtype, block_rows, block_cols, amax_epsilon)
     x = _rows_contiguous(x)
-    (m, n), b, square = x.shape, block_cols, block_rows != 1
+    (m, n), b = x.shape, block_cols
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
-    if square:
+    if block_rows != 1:
         scale_inv = torch.empty((cdiv(m, b), cdiv(n, b)), dtype=torch.float32, device=x.device)
-        groups = max(1, min(_BLOCKWISE_TILE // (b * b), next_power_of_2(cdiv(n, b))))
-        block_m = b
     else:
         scale_inv = _column_major_scales(cdiv(n, b), m, x.device)
+    _launch_quantize_blockwise(x, q, scale_inv, block_rows != 1, b, power_2_scale, eps_bits)
+    return q, scale_inv
+
+
+def _launch_quantize_blockwise(x, q, scale_inv, square: bool, block_len: int, power_2_scale, eps_bits: int) -> None:
+    """Run _quantize_blockwise_kernel on x [M, N] (unit column stride) into q [M, N] and scale_inv.
+
+    scale_inv as quantize_blockwise returns it (storage [cdiv(N, B), M] for 1 x B, [cdiv(M, B), cdiv(N, B)]
+    for B x B); the tile per program as quantize_blockwise describes.
+    """
+    (m, n), b = x.shape, block_len
+    if square:
+        groups = max(1, min(_BLOCKWISE_TILE // (b * b), next_power_of_2(cdiv(n, b))))
+        block_m, per_thread = b, _BLOCKWISE_PER_THREAD
+    else:
         groups = max(b, min(_BLOCKWISE_ROW, next_power_of_2(n))) // b
-        block_m = max(1, min(_BLOCKWISE_TILE // (groups * b), next_power_of_2(m)))
+        block_m = max(1, min(_BLOCKWISE_ROW_TILE // (groups * b), next_power_of_2(m)))
+        per_thread = _BLOCKWISE_ROW_PER_THREAD
     if q.numel():
         with device_guard(x):
             _quantize_blockwise_kernel[(cdiv(m, block_m) * cdiv(n, groups * b),)](
                 x, q.view(torch.uint8), scale_inv, m, n, x.stride(0), eps_bits,
                 BLOCK_M=block_m, GROUPS=groups, B=b, SQUARE=square, POW2=bool(power_2_scale),
-                num_warps=_blockwise_warps(block_m * groups * b), **fp8_format(fp8_dtype).constexprs(hw_fp8_cast(x.device)),
+                num_warps=_blockwise_warps(block_m * groups * b, per_thread),
+                **fp8_format(q.dtype).constexprs(hw_fp8_cast(x.device)),
             )  # fmt: skip
-    return q, scale_inv
+
+
+def _ct_blockwise_tile_n(n: int, block_len: int) -> int:
+    """Columns per program of the cast_transpose_blockwise kernel: its mode's setting, shrunk to x's width.
+
+    Split: _CT_BLOCKWISE_COL_TILE (at least 16); fused: _CT_BLOCKWISE_TILE_N (at least B, so a multiple of B).
+    """
+    if _CT_BLOCKWISE_SPLIT:
+        return max(16, min(_CT_BLOCKWISE_COL_TILE, next_power_of_2(n)))
+    return max(block_len, min(_CT_BLOCKWISE_TILE_N, next_power_of_2(n)))
+
+
+def _transpose_codes(x: torch.Tensor) -> bool:
+    """Whether cast_transpose_blockwise may transpose 8-bit codes (not the values) for this x.
+
+    float32 x on the GPU: Triton 3.6 wrote a wrong transposed tile on sm_90 when transposing 8-bit codes
+    computed from 32-bit loads (see _launch_cast_transpose), so it transposes the values.
+    """
+    return _CT_BLOCKWISE_CODES and not (x.dtype == torch.float32 and x.is_cuda and not INTERPRET)
 
 
 def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
-    """1 x ``block_len`` block-scaled FP8 casts of x and of x^T from one read of each tile of x.
+    """1 x ``block_len`` block-scaled FP8 casts of x and of x^T.
 
-    (q, scale_inv) = quantize_blockwise(x, 1 x B), (q_t, scale_inv_t) = quantize_blockwise(x^T, 1 x B):
-    a program loads a [T, T] tile (T = max(B, 64)) and quantizes it with one scale per row of each
-    block, then its transpose with one scale per column. Bit-identical to the reference backend.
+    (q, scale_inv) = quantize_blockwise(x, 1 x B), (q_t, scale_inv_t) = quantize_blockwise(x^T, 1 x B).
+    Split (_CT_BLOCKWISE_SPLIT, the default): quantize_blockwise gives (q, scale_inv), then a kernel
+    loads [B, _CT_BLOCKWISE_COL_TILE] tiles of x and quantizes their columns (x read twice, both
+    passes streaming). Fused: one kernel loads [B, _CT_BLOCKWISE_TILE_N] tiles once and quantizes
+    their rows and their columns. The columns' codes are transposed as 8-bit codes (16-bit x) or the
+    values are transposed first (float32 x on the GPU). Bit-identical to the reference backend.
 
     Args:
         x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride).
@@ -568,16 +618,20 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     """
     eps_bits = _check_blockwise(x, fp8_dtype, 1, block_len, amax_epsilon)
     x = _rows_contiguous(x)
-    (m, n), tile = x.shape, max(block_len, 64)
+    m, n = x.shape
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
-    q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     scale_inv = _column_major_scales(cdiv(n, block_len), m, x.device)
+    if _CT_BLOCKWISE_SPLIT:
+        _launch_quantize_blockwise(x, q, scale_inv, False, block_len, power_2_scale, eps_bits)
+    q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     scale_inv_t = _column_major_scales(cdiv(m, block_len), n, x.device)
+    tile_n = _ct_blockwise_tile_n(n, block_len)
     if q.numel():
         with device_guard(x):
-            _cast_transpose_blockwise_kernel[(cdiv(m, tile) * cdiv(n, tile),)](
+            _cast_transpose_blockwise_kernel[(cdiv(m, block_len) * cdiv(n, tile_n),)](
                 x, q.view(torch.uint8), scale_inv, q_t.view(torch.uint8), scale_inv_t, m, n, x.stride(0), eps_bits,
-                TILE=tile, B=block_len, POW2=bool(power_2_scale), num_warps=_blockwise_warps(tile * tile),
+                TILE_N=tile_n, B=block_len, ROWS=not _CT_BLOCKWISE_SPLIT, TRANSPOSE_CODES=_transpose_codes(x),
+                POW2=bool(power_2_scale), num_warps=_blockwise_warps(block_len * tile_n, _CT_BLOCKWISE_PER_THREAD),
                 **fp8_format(fp8_dtype).constexprs(hw_fp8_cast(x.device)),
             )  # fmt: skip
     return q, scale_inv, q_t, scale_inv_t
