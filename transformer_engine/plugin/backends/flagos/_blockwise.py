@@ -99,15 +99,9 @@ def _quantize_tile_store(
     if G == 1:  # one block per row: 2-D, no reshape
         xs = x.to(tl.float32)
         amax_bits = tl.max(_abs_bits(xs), axis=1, keep_dims=True)  # [R, 1]
-        cols = col0 + tl.arange(0, B)
-        offs = rows[:, None] * N + cols[None, :]
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
     else:
         xs = tl.reshape(x.to(tl.float32), [R, G, B])
         amax_bits = tl.max(_abs_bits(xs), axis=2)  # [R, G]: one per row of each block
-        cols = blocks[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
-        offs = rows[:, None, None] * N + cols[None, :, :]
-        mask = (rows < M)[:, None, None] & (cols < N)[None, :, :]
     if SQUARE:
         amax_bits = tl.max(amax_bits, axis=0, keep_dims=True)  # [1, G]: one per tile
         s_offs = (row0 // B) * tl.cdiv(N, B) + blocks[None, :]
@@ -116,10 +110,18 @@ def _quantize_tile_store(
         s_offs = blocks[None, :] * M + rows[:, None]  # column-major: runs of R contiguous scales
         s_mask = (rows < M)[:, None] & (blocks < tl.cdiv(N, B))[None, :]
     scale, scale_inv = _tile_scales(amax_bits, eps_bits, FP8_MAX, POW2)
+    # the store offsets are formed after the encode: 64-bit offsets held across the reductions cost
+    # registers (measured on the H200: the 1 x 128 quantize fell from 0.74 to 0.48 of copy)
     if G == 1:
         code = _fp8_encode(xs * scale, FP8_MAX, MBITS, EBIAS, HW_CAST)  # [R, B] * [R or 1, 1]
+        cols = col0 + tl.arange(0, B)
+        offs = rows[:, None] * N + cols[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
     else:
         code = _fp8_encode(xs * scale[:, :, None], FP8_MAX, MBITS, EBIAS, HW_CAST)
+        cols = blocks[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
+        offs = rows[:, None, None] * N + cols[None, :, :]
+        mask = (rows < M)[:, None, None] & (cols < N)[None, :, :]
     tl.store(q_ptr + offs, code, mask=mask)
     tl.store(s_ptr + s_offs, scale_inv, mask=s_mask)
 
