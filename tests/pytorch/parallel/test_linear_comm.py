@@ -120,9 +120,11 @@ def test_layernorm_mlp_matches_single_process(ranks2, activation, sp, recipe):
     ranks2.run(check_module, "LayerNormMLP", "mlp", sp, recipe, activation)
 
 
-@pytest.mark.parametrize("kind, mode", [("Linear", "column"), ("Linear", "row"), ("LayerNormMLP", "mlp")])
-def test_block_scaling_with_tensor_parallelism(ranks2, kind, mode):
-    ranks2.run(check_module, kind, mode, False, "block", "gelu")
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind, mode", [("Linear", "column"), ("Linear", "row"), ("LayerNormLinear", "column"), ("LayerNormMLP", "mlp")])
+def test_block_scaling_with_tensor_parallelism(ranks2, kind, mode, sp):
+    """Sequence parallelism gathers the high-precision shards, then casts the whole tensor."""
+    ranks2.run(check_module, kind, mode, sp, "block", "gelu")
 
 
 @pytest.mark.parametrize("kind, mode", [("Linear", "column"), ("Linear", "row"), ("LayerNormMLP", "mlp")])

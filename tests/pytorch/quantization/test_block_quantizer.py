@@ -55,13 +55,16 @@ def test_2d_tiles_transpose_exactly():
     torch.testing.assert_close(both.transpose_only().dequantize(torch.float32), operand.dequantize(torch.float32))
 
 
+def test_sharded_tensors_are_gathered_before_the_cast():
+    quantizer = Float8BlockQuantizer(E4M3, 1, POW2)
+    assert not quantizer.gathers_quantized and quantizer.for_sharded_tensor(lambda amax: amax) is quantizer
+
+
 def test_errors():
     with pytest.raises(ValueError, match="block_dim"):
         Float8BlockQuantizer(E4M3, 3, POW2)
     with pytest.raises(ValueError, match="2-D"):
         Float8BlockQuantizer(E4M3, 1, POW2).quantize(randn(2, 3, 128))
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        Float8BlockQuantizer(E4M3, 1, POW2).for_sharded_tensor(lambda amax: amax)
     with pytest.raises(ValueError, match="scale_inv"):
         Float8BlockwiseTensor(torch.zeros(2, 2, dtype=E4M3), None, block=(1, 128))
 

@@ -49,8 +49,11 @@ def quantize_operand(quantizer, x: torch.Tensor, gather: Callable, gathered: boo
     """The GEMM operand of x [M, K] (FP8 or high precision), all-gathered by ``gather`` (``gathered``: it does).
 
     With ``columnwise`` an FP8 operand also carries x^T: written by the cast itself, or made after the
-    gather (the transpose of a gathered tensor is not the gather of the shards' transposes).
+    gather (the transpose of a gathered tensor is not the gather of the shards' transposes). A
+    quantizer that cannot gather its casts (``gathers_quantized``) casts the gathered tensor.
     """
+    if gathered and not quantizer.gathers_quantized:
+        return quantizer.quantize(gather(x), columnwise)
     x_op = gather(quantizer.quantize(x, columnwise and not gathered))
     return x_op.with_transpose() if columnwise and gathered and isinstance(x_op, Float8Tensor) else x_op
 

@@ -20,7 +20,10 @@ import torch
 
 from ..quantization.quantizer import IDENTITY
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, save, saved, unflatten, without_operands
+from ._common import (
+    Operand, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten,
+    without_operands,
+)
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 from ._norm import NormConfig, norm_backward, norm_forward
@@ -41,14 +44,18 @@ class LayerNormLinearArgs:
     comm: LinearComm = NO_COMM
 
 
-def norm_then_quantize(x, gamma, beta, norm: NormConfig, quantizer, dtype, return_hp: bool, columnwise: bool):
-    """(operand, norm output to return or None, stats): fused norm + cast, or norm then cast when the output is
-    returned; ``columnwise``: the wgrad GEMM reads the operand's transpose from this rank's cast."""
-    if not return_hp:
-        ln_op, stats = norm_forward(x, gamma, beta, norm, quantizer, dtype, columnwise)
-        return ln_op, None, stats
+def norm_then_quantize(x, gamma, beta, norm: NormConfig, quantizer, dtype, return_hp: bool, columnwise: bool,
+                       comm: LinearComm):
+    """(GEMM operand, norm output to return or None, stats): fused norm + cast, or norm then cast when the
+    output is returned or must be gathered before its cast; the operand is all-gathered when ``comm`` says
+    so (column + SP). ``columnwise``: the wgrad GEMM reads the operand's transpose."""
+    gather_first = comm.gathers_input and not quantizer.gathers_quantized
+    if not (return_hp or gather_first):
+        ln_op, stats = norm_forward(x, gamma, beta, norm, quantizer, dtype, columnwise and not comm.gathers_input)
+        return comm.gather_input(ln_op), None, stats  # comm
     ln_out, stats = norm_forward(x, gamma, beta, norm, IDENTITY, dtype)
-    return quantizer.quantize(ln_out, columnwise), ln_out, stats
+    ln_op = quantize_operand(quantizer, ln_out, comm.gather_input, comm.gathers_input, columnwise)  # comm
+    return ln_op, ln_out, stats
 
 
 class LayerNormLinearFunction(torch.autograd.Function):
@@ -62,9 +69,8 @@ class LayerNormLinearFunction(torch.autograd.Function):
         with no_torch_autocast(inp.device):
             ln_op, ln_out, stats = norm_then_quantize(
                 x, gamma, cast(ln_bias, dtype), args.norm, q.gemms[0].input, dtype, args.return_layernorm_output,
-                weight.requires_grad and not comm.gathers_input,
+                weight.requires_grad, comm,
             )
-            ln_op = comm.gather_input(ln_op)  # comm
             w_op, b = cast(args.weight_operand, dtype), cast(bias, dtype)
             y = comm.reduce_output(fprop(ln_op, w_op, comm.gemm_bias(b), dtype, q.split_accumulator[0]), b)  # comm
             save(ctx, x, gamma, for_backward(ln_op) if weight.requires_grad else None, for_backward(w_op), *stats)

@@ -56,9 +56,8 @@ class LayerNormMLPFunction(torch.autograd.Function):
         with no_torch_autocast(inp.device):
             ln_op, ln_out, stats = norm_then_quantize(
                 x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, args.return_layernorm_output,
-                fc1_weight.requires_grad and not comm1.gathers_input,
+                fc1_weight.requires_grad, comm1,
             )
-            ln_op = comm1.gather_input(ln_op)  # comm
             w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
             h = fprop(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0])
             a_op, _ = g2.input.produce(args.activation.producer(h), fc2_weight.requires_grad)

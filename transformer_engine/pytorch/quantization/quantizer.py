@@ -59,6 +59,10 @@ class Quantizer:
 
     #: True when ``quantize`` returns FP8 operands (the FP8 shape rules apply).
     is_fp8 = False
+    #: True when shards may be quantized on each rank and then all-gathered (sequence parallelism);
+    #: False when the full tensor must be gathered first (block scales and column-wise copies that
+    #: span the shards), which moves high-precision bytes.
+    gathers_quantized = True
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False):
         """The GEMM operand for ``x``; FP8 operands of a 2-D ``x`` also carry ``data_t`` when ``columnwise``."""
@@ -208,6 +212,7 @@ class Float8BlockQuantizer(Quantizer):
     """
 
     is_fp8 = True
+    gathers_quantized = False  # a column-wise copy's blocks of 128 tokens may span the shards
 
     def __init__(self, fp8_dtype: torch.dtype, block_dim: int, qparams: QParams, block_len: int = 128):
         if block_dim not in (1, 2):
@@ -229,15 +234,8 @@ class Float8BlockQuantizer(Quantizer):
         return operand.with_transpose() if columnwise else operand
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8BlockQuantizer":
-        """Not implemented: sequence parallelism would gather block-scaled shards (their column-wise copies included).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(
-            "Float8BlockScaling with sequence_parallel=True is not implemented yet in TransformerEngine-FL; "
-            "use DelayedScaling or Float8CurrentScaling with sequence parallelism, or sequence_parallel=False"
-        )
+        """Self: sharded tensors are gathered in high precision and cast whole (``gathers_quantized``)."""
+        return self
 
 
 class AmaxObserver(Quantizer):
