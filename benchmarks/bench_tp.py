@@ -4,7 +4,7 @@
     python benchmarks/bench_tp.py --tp 4 --json tp4.json
     python benchmarks/bench_tp.py --small --dist-backend gloo         # CPU smoke run (numbers mean nothing)
 
-Each variant (bf16, FP8 delayed scaling, FP8 current scaling) runs forward + backward with a random dy,
+Each variant (bf16, FP8 delayed, current and block scaling) runs forward + backward with a random dy,
 first on GPU 0 alone with the whole batch [s, b, h], then on P GPUs, each holding [s/P, b, h] and 1/P of
 the weights (``set_parallel_mode=True, sequence_parallel=True``). Times are medians over iterations; a
 TP step counts as long as its slowest rank.
@@ -38,6 +38,7 @@ def _variants():
         "bf16": None,
         "FP8 delayed": lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
         "FP8 current": recipe.Float8CurrentScaling,
+        "FP8 block": recipe.Float8BlockScaling,  # its SP all-gathers move bf16 (gathered, then cast)
     }
 
 
@@ -125,7 +126,7 @@ def _report(s: LayerShape, tp: int, results: Dict, args) -> None:
         t1, tp_ms = r["single"]["ms"], r["tp"]["ms"]
         r["scaling_efficiency"] = t1 / (tp * tp_ms)
         r["tflops_per_gpu"] = {"single": s.flops() / t1 / 1e9, "tp": s.flops() / tp / tp_ms / 1e9}
-        r["comm_bytes_per_gpu"] = comm_bytes_per_gpu(s, tp, fp8=name != "bf16")
+        r["comm_bytes_per_gpu"] = comm_bytes_per_gpu(s, tp, fp8=name not in ("bf16", "FP8 block"))
         mem = r["tp"]["peak_bytes"]
         rows.append([name, f"{t1:.2f}", f"{tp_ms:.2f}", f"{100 * r['scaling_efficiency']:.1f}%",
                      f"{r['tflops_per_gpu']['tp']:.0f}", f"{r['comm_bytes_per_gpu'] / 2**20:.1f}",
