@@ -598,10 +598,10 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     """1 x ``block_len`` block-scaled FP8 casts of x and of x^T.
 
     (q, scale_inv) = quantize_blockwise(x, 1 x B), (q_t, scale_inv_t) = quantize_blockwise(x^T, 1 x B).
-    Split (_CT_BLOCKWISE_SPLIT, the default): quantize_blockwise gives (q, scale_inv), then a kernel
-    loads [B, _CT_BLOCKWISE_COL_TILE] tiles of x and quantizes their columns (x read twice, both
-    passes streaming). Fused: one kernel loads [B, _CT_BLOCKWISE_TILE_N] tiles once and quantizes
-    their rows and their columns. The columns' codes are transposed as 8-bit codes (16-bit x) or the
+    Fused (the default): one kernel loads [B, _CT_BLOCKWISE_TILE_N] tiles once and quantizes their
+    rows and their columns. Split (_CT_BLOCKWISE_SPLIT): quantize_blockwise gives (q, scale_inv), then
+    a kernel loads [B, _CT_BLOCKWISE_COL_TILE] tiles of x and quantizes their columns (x read twice,
+    both passes streaming; measured slower on the H200, kept for other GPUs' sweeps). The columns' codes are transposed as 8-bit codes (16-bit x) or the
     values are transposed first (float32 x on the GPU). Bit-identical to the reference backend.
 
     Args:
