@@ -1,4 +1,5 @@
-"""Helpers shared by the flagos kernel tests: tolerances, FP8 code comparison, awkward inputs.
+"""Helpers shared by the flagos kernel tests: tolerances, FP8 code comparison, awkward inputs, a
+manager of the flagos and reference backends alone.
 
 Tolerances: results are compared with the reference backend, which computes the same float32
 formulas in another order (and, for bfloat16 outputs under the CPU interpreter, Triton's
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from tests.utils import dtype_tols, randn
+from transformer_engine.plugin.backends import flagos, reference
+from transformer_engine.plugin.core import OpManager, OpRegistry
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -64,3 +67,13 @@ def assert_fp8_near(q: torch.Tensor, expected: torch.Tensor, max_fraction: float
     if step.numel():
         assert int(step.max()) <= 1, f"FP8 codes differ by up to {int(step.max())} steps"
         assert float((step != 0).double().mean()) <= max_fraction, f"{int((step != 0).sum())} FP8 codes differ"
+
+
+def flagos_and_reference(monkeypatch, device: str) -> OpManager:
+    """A manager with only the flagos and reference backends (no builtins, no plugins); on "cpu" the
+    flagos kernels run in Triton's interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
+    registry = OpRegistry()
+    flagos.register(registry)
+    reference.register(registry)
+    return OpManager(registry, load_builtins=False, discover=False)

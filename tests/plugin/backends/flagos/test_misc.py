@@ -6,12 +6,11 @@ import math
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_close
+from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_close, flagos_and_reference
 from tests.utils import randn
 from transformer_engine.plugin.backends import flagos, reference
 from transformer_engine.plugin.backends.flagos import misc as fm
 from transformer_engine.plugin.backends.reference import misc as ref
-from transformer_engine.plugin.core import OpManager, OpRegistry
 
 # -- dropout and bias-dropout-add ---------------------------------------------------------------
 # Each kept value is one float32 multiply (and adds) rounded once to the output dtype, so it matches
@@ -147,11 +146,7 @@ def test_dropout_errors_and_supports(device):
 
 
 def test_dispatch_runs_flagos(monkeypatch, device):
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
-    registry = OpRegistry()
-    flagos.register(registry)
-    reference.register(registry)
-    manager = OpManager(registry, load_builtins=False, discover=False)
+    manager = flagos_and_reference(monkeypatch, device)
     x = randn(5, 8, device=device)
     (out, keep), impl = manager.dispatcher("bias_dropout_add_fwd").traced(x, randn(8, device=device), x, 0.5)
     assert impl.impl_id == flagos.IMPL_ID and keep.shape == x.shape

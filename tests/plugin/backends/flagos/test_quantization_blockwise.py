@@ -12,13 +12,12 @@ import math
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_fp8_equal, wide_range
+from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_fp8_equal, flagos_and_reference, wide_range
 from tests.utils import randn
 from transformer_engine.plugin.backends import flagos
 from transformer_engine.plugin.backends import reference
 from transformer_engine.plugin.backends.flagos import quantization as fq
 from transformer_engine.plugin.backends.reference import quantization as ref
-from transformer_engine.plugin.core import OpManager, OpRegistry
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TILES = [(1, 16), (16, 16), (1, 128), (128, 128)]
@@ -220,11 +219,7 @@ def test_errors(device):
 
 
 def test_dispatch_runs_flagos_and_falls_back_for_other_tiles(monkeypatch, device):
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
-    registry = OpRegistry()
-    flagos.register(registry)
-    reference.register(registry)
-    manager = OpManager(registry, load_builtins=False, discover=False)
+    manager = flagos_and_reference(monkeypatch, device)
     x = randn(20, 40, device=device)
     _, impl = manager.dispatcher("quantize_blockwise").traced(x, E4M3, 1, 16, False, 0.0)
     assert impl.impl_id == flagos.IMPL_ID
