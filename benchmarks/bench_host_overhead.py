@@ -2,9 +2,10 @@
 
 One ``Linear(256, 256)`` on 16 tokens, fwd+bwd and forward under ``torch.no_grad()``: ``torch.nn.Linear``
 against ``te.Linear`` in bf16 and under FP8 delayed scaling (the step includes the scale update at the
-end of backward). Also one small ``te.TransformerLayer`` (hidden 256, 4 heads, s 128, b 2) against the
-plain PyTorch block of ``bench_transformer_layer.py``: at that size a step costs what the host needs to
-launch it. Times are wall-clock medians with the GPU synchronized after every call.
+end of backward). Also one small ``te.TransformerLayer`` (hidden 256, 4 heads, s 128, b 2) against
+the plain PyTorch block of ``bench_transformer_layer.py``: at that size a step costs what the host
+needs to launch it. On a GPU, the TE modules also run captured by ``te.make_graphed_callables``.
+Times are wall-clock medians with the GPU synchronized after every call.
 
 A second table gives the host cost of one call of each building block of an FP8 module (tiny
 tensors, no synchronization inside the timed loop): where the overhead of a step comes from.
@@ -121,6 +122,12 @@ def main() -> None:
         "te.TransformerLayer bf16": (_te_layer(te, SMALL, device), none),
         "te.TransformerLayer FP8 delayed": (_te_layer(te, SMALL, device), lambda: te.autocast(recipe=fp8)),
     }
+    if device == "cuda":  # the same modules captured by te.make_graphed_callables: a replay per fwd and bwd
+        for name, graph in {"bf16": {}, "FP8 delayed": dict(enabled=True, recipe=fp8)}.items():
+            linear = te.Linear(FEATURES, FEATURES, params_dtype=torch.bfloat16, device=device)
+            linears[f"te.Linear {name}, CUDA graph"] = (te.make_graphed_callables(linear, (x,), **graph), none)
+            layers[f"te.TransformerLayer {name}, CUDA graph"] = (
+                te.make_graphed_callables(_te_layer(te, SMALL, device), (x_layer,), **graph), none)
     results = {}
     with backend_policy(args.backend):
         for name, (module, ctx) in linears.items():

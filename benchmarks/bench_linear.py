@@ -14,7 +14,8 @@ follows TE's defaults: fast for fprop, split (exact) for dgrad and wgrad.
 The module rows time ``te.Linear(K, N)`` (bias on) fwd+bwd on x [M, K] in bf16 and under FP8 delayed
 scaling (HYBRID, history 16): everything the layer does (casts with their transposes, amax records,
 the scale update, bias gradient) against the sum of the three raw GEMMs of its dtype (PERF.md:
->= 0.95x of the raw rate).
+>= 0.95x of the raw rate); the "CUDA graph" rows time the same module captured by
+``te.make_graphed_callables`` (no host launch overhead).
 
 The "fp8 block" rows do the same for Float8BlockScaling: raw ``torch._scaled_mm`` with cuBLASLt's block
 scales (x, dy in 1 x 128 tiles along each GEMM's K, W in 128 x 128), ``ops.gemm_blockwise``, and
@@ -25,6 +26,7 @@ scales (x, dy in 1 x 128 tiles along each GEMM's K, W in 128 x 128), ``ops.gemm_
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
 
@@ -168,19 +170,25 @@ def _module_rows(args, rows: List[dict]) -> List[dict]:
 
     m, n, k = args.m, args.n, args.k
     fp8 = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    contexts = {"bf16": lambda: torch.autocast("cuda", enabled=False), "fp8": lambda: te.autocast(recipe=fp8),
-                "fp8 block": lambda: te.autocast(recipe=recipe.Float8BlockScaling())}
+    eager = contextlib.nullcontext
+    variants = [  # (dtype, row name, autocast of the eager step, make_graphed_callables arguments or None)
+        ("bf16", "te.Linear fwd+bwd", eager, None),
+        ("fp8", "te.Linear fwd+bwd", lambda: te.autocast(recipe=fp8), None),
+        ("fp8 block", "te.Linear fwd+bwd", lambda: te.autocast(recipe=recipe.Float8BlockScaling()), None),
+        ("bf16", "te.Linear fwd+bwd, CUDA graph", eager, {}),
+        ("fp8", "te.Linear fwd+bwd, CUDA graph", eager, dict(enabled=True, recipe=fp8)),
+    ]
     out = []
-    for dtype, ctx in contexts.items():
+    for dtype, name, ctx, graph in variants:
         layer = te.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-
-        step = fwd_bwd_step(layer, x, dy, ctx)
         with backend_policy(args.backend):
-            ms = time_fn(step, warmup=args.warmup, iters=args.iters)
+            if graph is not None:
+                layer = te.make_graphed_callables(layer, (x,), **graph)
+            ms = time_fn(fwd_bwd_step(layer, x, dy, ctx), warmup=args.warmup, iters=args.iters)
         raw_ms = sum(r["ms"] for r in rows if r["dtype"] == dtype and r["provider"] == "raw" and "ms" in r)
-        out.append({"dtype": dtype, "gemm": "te.Linear fwd+bwd", "provider": "module", "ms": ms,
+        out.append({"dtype": dtype, "gemm": name, "provider": "module", "ms": ms,
                     "tflops": 3 * 2.0 * m * n * k / ms / 1e9, "vs_raw": raw_ms / ms})
     return out
 

@@ -4,10 +4,11 @@
     python benchmarks/bench_tp.py --tp 4 --json tp4.json
     python benchmarks/bench_tp.py --small --dist-backend gloo         # CPU smoke run (numbers mean nothing)
 
-Each variant (bf16, FP8 delayed, current and block scaling) runs forward + backward with a random dy,
-first on GPU 0 alone with the whole batch [s, b, h], then on P GPUs, each holding [s/P, b, h] and 1/P of
-the weights (``set_parallel_mode=True, sequence_parallel=True``). Times are medians over iterations; a
-TP step counts as long as its slowest rank.
+Each variant (bf16, FP8 delayed, current and block scaling; on GPUs also bf16 and FP8 delayed captured
+by ``te.make_graphed_callables``) runs forward + backward with a random dy, first on GPU 0 alone with the
+whole batch [s, b, h], then on P GPUs, each holding [s/P, b, h] and 1/P of the weights
+(``set_parallel_mode=True, sequence_parallel=True``). Times are medians over iterations; a TP step
+counts as long as its slowest rank.
 
     scaling efficiency = t_1 / (P * t_P)        (100%: P GPUs are P times as fast as one)
 
@@ -19,6 +20,7 @@ and FC1 input gradients backward; bf16) of an [s, b, h] tensor, each moving (P -
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 from typing import Callable, Dict, Optional
@@ -34,11 +36,14 @@ from bench_transformer_layer import SMALL, LayerShape
 def _variants():
     from transformer_engine.common import recipe
 
-    return {
-        "bf16": None,
-        "FP8 delayed": lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
-        "FP8 current": recipe.Float8CurrentScaling,
-        "FP8 block": recipe.Float8BlockScaling,  # its SP all-gathers move bf16 (gathered, then cast)
+    delayed = lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    return {  # name: (recipe factory, captured by te.make_graphed_callables)
+        "bf16": (None, False),
+        "FP8 delayed": (delayed, False),
+        "FP8 current": (recipe.Float8CurrentScaling, False),
+        "FP8 block": (recipe.Float8BlockScaling, False),  # its SP all-gathers move bf16 (gathered, then cast)
+        "bf16, CUDA graph": (None, True),
+        "FP8 delayed, CUDA graph": (delayed, True),
     }
 
 
@@ -57,21 +62,26 @@ def _layer(s: LayerShape, device: torch.device, tp: int) -> torch.nn.Module:
 
 
 def _measure(layer: torch.nn.Module, rows: int, s: LayerShape, recipe_factory: Optional[Callable], iters: int,
-             amax_group) -> Dict:
-    """Median fwd+bwd ms and peak memory of ``layer`` on [rows, b, h]; FP8 amaxes reduced over ``amax_group``."""
+             amax_group, graphed: bool) -> Dict:
+    """Median fwd+bwd ms and peak memory of ``layer`` on [rows, b, h]; FP8 amaxes reduced over ``amax_group``;
+    ``graphed``: captured first by ``te.make_graphed_callables`` (collectives and updates inside the graphs)."""
     import transformer_engine.pytorch as te
 
     device = next(layer.parameters()).device
     x = torch.randn(rows, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
+    recipe = None if recipe_factory is None else recipe_factory()
+    if graphed:
+        layer = te.make_graphed_callables(layer, (x,), enabled=recipe is not None, recipe=recipe, amax_reduction_group=amax_group)
 
     def context():
-        if recipe_factory is None:
+        if recipe is None or graphed:
             return contextlib.nullcontext()
-        return te.autocast(recipe=recipe_factory(), amax_reduction_group=amax_group)
+        return te.autocast(recipe=recipe, amax_reduction_group=amax_group)
 
     step = fwd_bwd_step(layer, x, dy, context)
-    return {"ms": time_fn(step, warmup=5, iters=iters, device=device), "peak_bytes": peak_memory(step, device)}
+    ms = time_fn(step, warmup=5, iters=iters, device=device)
+    return {"ms": ms, "peak_bytes": None if graphed else peak_memory(step, device)}  # a replay's pool is not counted
 
 
 def _slowest(ms: float, device: torch.device) -> float:
@@ -80,20 +90,22 @@ def _slowest(ms: float, device: torch.device) -> float:
     return t.item()
 
 
-def _run_variant(s: LayerShape, tp: int, device: torch.device, recipe_factory, iters: int, alone) -> Dict:
+def _run_variant(s: LayerShape, tp: int, device: torch.device, variant, iters: int, alone) -> Dict:
     """One variant: the single-GPU layer on rank 0 (the others wait), then the TP layer on every rank.
 
     ``alone`` is a group of this rank only: the single-GPU run reduces its amaxes over it, not over the
     world (which the waiting ranks would never join).
     """
+    recipe_factory, graphed = variant
     result: Dict = {}
     if dist.get_rank() == 0:
-        result["single"] = _measure(_layer(s, device, 1), s.seq, s, recipe_factory, iters, alone)
+        result["single"] = _measure(_layer(s, device, 1), s.seq, s, recipe_factory, iters, alone, graphed)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     dist.barrier()
-    measured = _measure(_layer(s, device, tp), s.seq // tp, s, recipe_factory, iters, dist.group.WORLD)
+    measured = _measure(_layer(s, device, tp), s.seq // tp, s, recipe_factory, iters, dist.group.WORLD, graphed)
     result["tp"] = dict(measured, ms=_slowest(measured["ms"], device))
+    gc.collect()  # the layers (and their CUDA graphs, which hold NCCL work) go before the next variant
     return result
 
 
@@ -107,9 +119,11 @@ def _rank_main(rank: int, tp: int, args, init_file: str) -> None:
     alone, _ = dist.new_subgroups(group_size=1)
     results = {}
     with backend_policy(args.backend):
-        for name, factory in _variants().items():
+        for name, variant in _variants().items():
+            if variant[1] and device.type != "cuda":
+                continue  # CUDA graphs need GPUs
             try:
-                results[name] = _run_variant(s, tp, device, factory, args.iters, alone)
+                results[name] = _run_variant(s, tp, device, variant, args.iters, alone)
             except Exception as exc:  # a recipe this machine cannot run is reported, not fatal
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     if rank == 0:
@@ -126,7 +140,7 @@ def _report(s: LayerShape, tp: int, results: Dict, args) -> None:
         t1, tp_ms = r["single"]["ms"], r["tp"]["ms"]
         r["scaling_efficiency"] = t1 / (tp * tp_ms)
         r["tflops_per_gpu"] = {"single": s.flops() / t1 / 1e9, "tp": s.flops() / tp / tp_ms / 1e9}
-        r["comm_bytes_per_gpu"] = comm_bytes_per_gpu(s, tp, fp8=name not in ("bf16", "FP8 block"))
+        r["comm_bytes_per_gpu"] = comm_bytes_per_gpu(s, tp, fp8=name.startswith(("FP8 delayed", "FP8 current")))
         mem = r["tp"]["peak_bytes"]
         rows.append([name, f"{t1:.2f}", f"{tp_ms:.2f}", f"{100 * r['scaling_efficiency']:.1f}%",
                      f"{r['tflops_per_gpu']['tp']:.0f}", f"{r['comm_bytes_per_gpu'] / 2**20:.1f}",

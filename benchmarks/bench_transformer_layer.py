@@ -5,8 +5,10 @@ self-attention, dropout 0.1 (the modules' default), bf16 parameters. Each varian
 backward with a random dy; the table gives the median time, the ratio to the plain layer measured
 in the same process, model TFLOP/s (causal attention counted as half) and peak memory.
 
-The plain layer is timed twice, before and after ``import transformer_engine.pytorch``, and the
-global PyTorch flags are compared: importing TE-FL must change neither.
+On a GPU, three variants are also captured with ``te.make_graphed_callables`` (plain, bf16, FP8
+delayed): the same GPU work without the host's launch overhead. The plain layer is timed twice,
+before and after ``import transformer_engine.pytorch``, and the global PyTorch flags are compared:
+importing TE-FL must change neither.
 
     python benchmarks/bench_transformer_layer.py --json out.json            # H200
     python benchmarks/bench_transformer_layer.py --small                    # quick CPU smoke run
@@ -15,6 +17,7 @@ global PyTorch flags are compared: importing TE-FL must change neither.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -105,14 +108,20 @@ class FusedModulesLayer(nn.Module):
         return h + F.dropout(self.mlp(h), 0.1, self.training)
 
 
-def measure(layer: nn.Module, s: LayerShape, context_factory, iters: int) -> dict:
+def measure(layer: nn.Module, s: LayerShape, context_factory, iters: int, graph: Optional[dict] = None) -> dict:
+    """Time and peak memory of fwd+bwd; ``graph``: capture the layer with ``te.make_graphed_callables(**graph)``
+    first (its FP8 setting is then part of the graph, and the step runs outside any autocast)."""
     device = next(layer.parameters()).device
     x = torch.randn(s.seq, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
+    if graph is not None:
+        import transformer_engine.pytorch as te
+
+        layer = te.make_graphed_callables(layer, (x,), **graph)
 
     step = fwd_bwd_step(layer, x, dy, context_factory)
     ms = time_fn(step, warmup=5, iters=iters, device=device)
-    mem = peak_memory(step)
+    mem = None if graph is not None else peak_memory(step)  # a replay allocates nothing: its pool is not counted
     return {"ms": ms, "peak_bytes": mem, "tflops": s.flops() / ms / 1e9}
 
 
@@ -120,6 +129,7 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke test)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph variants (GPU only)")
     args = parser.parse_args()
     s = SMALL if args.small else LayerShape()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,11 +158,20 @@ def main() -> None:
     }
     for name, rec in fp8_recipes.items():
         variants[name] = (lambda rec=rec: (_te_layer(te, s, device), lambda: te.autocast(recipe=rec)))
+    graphs = {}  # variant -> make_graphed_callables arguments
+    if device == "cuda" and not args.no_graphs:
+        delayed = fp8_recipes["te.TransformerLayer FP8 delayed"]
+        graphs = {
+            "plain PyTorch, CUDA graph": ("plain PyTorch", {}),
+            "te.TransformerLayer bf16, CUDA graph": ("te.TransformerLayer bf16", {}),
+            "te.TransformerLayer FP8 delayed, CUDA graph": ("te.TransformerLayer FP8 delayed", dict(enabled=True, recipe=delayed)),
+        }
     with backend_policy(args.backend):
-        for name, build in variants.items():
+        for name in list(variants) + list(graphs):
+            eager, graph = graphs.get(name, (name, None))
             try:
-                layer, ctx = build()
-                results[name] = measure(layer, s, ctx, args.iters)
+                layer, ctx = variants[eager]()
+                results[name] = measure(layer, s, ctx, args.iters, graph)
             except Exception as exc:  # a recipe this hardware or build cannot run is reported, not fatal
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:

@@ -31,7 +31,7 @@ for stage in $STAGES; do
     case $stage in
         tests) run tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/parallel ;;
         bench)
-            run tp2 220 python3 benchmarks/bench_tp.py --tp 2 --json "$OUT/tp2.json"
+            run tp2 330 python3 benchmarks/bench_tp.py --tp 2 --json "$OUT/tp2.json"
             if [ "$GPUS" -ge 4 ]; then run tp4 400 python3 benchmarks/bench_tp.py --tp 4 --json "$OUT/tp4.json"; fi ;;
         *) echo "unknown stage $stage" ;;
     esac

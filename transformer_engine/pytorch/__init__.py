@@ -30,6 +30,7 @@ from .quantization import (
 )
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .distributed import CudaRNGStatesTracker, checkpoint
+from .graph import make_graphed_callables
 from .transformer import TransformerLayer
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",
     "is_nvfp4_available",
+    "make_graphed_callables",
     "quantized_model_init",
     "recipe",
 ]

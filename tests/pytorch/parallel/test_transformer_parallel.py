@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from tests.pytorch.parallel._ranks import device
-from tests.pytorch.parallel._tp import assert_close, compare_grads, delayed_fp8_tolerance, fp8_context, gather, split
+from tests.pytorch.parallel._tp import RECIPES, assert_close, compare_grads, delayed_fp8_tolerance, fp8_context, gather, split
 from transformer_engine.pytorch.parallel import shard_state_dict
 from transformer_engine.pytorch.parallel.comm import group_size
 
@@ -115,3 +115,31 @@ def check_distributed_saved_activations() -> None:
 
 def test_checkpoint_distributes_saved_activations(ranks):
     ranks.run(check_distributed_saved_activations)
+
+
+def check_graphed_tensor_parallel_layer(recipe) -> None:
+    """make_graphed_callables on a TP + SP layer (collectives and the amax all-reduce inside the graphs):
+    three SGD steps give this rank the outputs, gradients and scaling state of the eager layer."""
+    from tests.pytorch.test_graph import _scaling_tensors, _train
+
+    p = group_size(None)
+    eager, graphed = _layer(True, True), _layer(True, True)
+    graphed.load_state_dict(eager.state_dict())
+    x = torch.randn(S // p, B, H, device=device(), requires_grad=True)
+    rec = None if recipe is None else RECIPES[recipe]()
+    graphed = te.make_graphed_callables(graphed, (x,), enabled=rec is not None, recipe=rec)
+    inputs = [torch.randn_like(x).requires_grad_() for _ in range(3)]
+    grads = [torch.randn_like(x) for _ in range(3)]
+    expected = _train(eager, torch.optim.SGD(eager.parameters(), lr=0.1), inputs, grads, rec)
+    actual = _train(graphed, torch.optim.SGD(graphed.parameters(), lr=0.1), inputs, grads, rec)
+    for a, b in zip(actual[0] + sum(actual[1], []), expected[0] + sum(expected[1], [])):
+        assert_close(a, b, TOLS[None], "graphed vs eager")
+    for a, b in zip(_scaling_tensors(graphed), _scaling_tensors(eager)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed"])
+def test_graphed_tensor_parallel_layer_matches_eager(ranks2, recipe):
+    if ranks2.backend != "nccl":
+        pytest.skip("CUDA graphs need GPUs (the nccl variant runs on 2 GPUs)")
+    ranks2.run(check_graphed_tensor_parallel_layer, recipe)

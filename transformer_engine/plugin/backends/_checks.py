@@ -26,6 +26,7 @@ __all__ = [
     "check_dropout_mask",
     "check_bias_dropout_add",
     "check_delayed_scaling_update",
+    "check_delayed_scaling_update_",
 ]
 
 _AMAX_ALGOS = ("max", "most_recent")
@@ -116,3 +117,17 @@ def check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_comp
         raise ValueError(f"margin={margin!r} must be a finite float (usually 0)")
     if amax_compute_algo not in _AMAX_ALGOS:
         raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of {_AMAX_ALGOS}")
+
+
+def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo) -> None:
+    """delayed_scaling_update_: as delayed_scaling_update, plus H, s and scale_inv [N] float32 on one device."""
+    check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo)
+    check_tensor(scale_inv, "scale_inv")
+    n = amax_history.shape[1]
+    if tuple(scale_inv.shape) != (n,):
+        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
+    for name, t in (("amax_history", amax_history), ("scale", scale), ("scale_inv", scale_inv)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} has dtype {t.dtype}; the in-place update writes it, so it must be float32")
+        if t.device != amax_history.device:
+            raise ValueError(f"{name} is on {t.device} but amax_history on {amax_history.device}; move them to one device")

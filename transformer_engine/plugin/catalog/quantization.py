@@ -98,3 +98,15 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     Args: fp8_max: float or float32 [N]; margin: float; amax_compute_algo: "max" or "most_recent".
     Returns: (H_new [L, N], s_new [N]), both new float32 tensors.
     """
+
+
+@declare(key="amax_history", inplace=True)
+def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo):
+    """``delayed_scaling_update`` in place on the columns that were cast this step, plus scale_inv.
+
+    active[n] = H[0, n] != 0 (NaN counts as active); (H_new, s_new) = delayed_scaling_update(H, s, ...);
+    H[:, n], s[n] = H_new[:, n], s_new[n] where active[n], else unchanged;  scale_inv = 1 / s (all n).
+    Args: amax_history H float32 [L, N], scale s float32 [N], scale_inv float32 [N] (all on one device,
+    any strides, updated in place); fp8_max, margin, amax_compute_algo as in ``delayed_scaling_update``.
+    Returns: None. Bit-identical to delayed_scaling_update, two ``where`` and ``reciprocal``.
+    """

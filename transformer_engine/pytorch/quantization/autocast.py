@@ -19,9 +19,10 @@ Update schedule (delayed scaling, TE's):
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -31,7 +32,9 @@ from .availability import check_fp8_block_scaling_support, check_fp8_support, fp
 from .delayed_update import reduce_and_update
 from .recipe_state import check_recipe_implemented
 
-__all__ = ["BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "fp8_autocast", "register_states"]
+__all__ = [
+    "BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "fp8_autocast", "isolated_stack", "register_states",
+]
 
 
 @dataclass(frozen=True)
@@ -91,13 +94,15 @@ class BackwardUpdate:
 
 
 class _GlobalState:
-    """The autocast stack: current setting, depth, and the updates pending for the outermost autocast."""
+    """The autocast stack: current setting, depth, the updates pending for the outermost autocast, and
+    the callback that sees each registered state (set by :func:`isolated_stack`)."""
 
     def __init__(self):
         self.config = QuantizationConfig()
         self.depth = 0
         self.forward = _UpdateGroups()
         self.backward = BackwardUpdate()
+        self.on_register: Optional[Callable[[Any], None]] = None
 
     def enter(self, config: QuantizationConfig) -> QuantizationConfig:
         if self.depth == 0:
@@ -132,11 +137,30 @@ def register_states(fwd_state, bwd_state) -> Optional[BackwardUpdate]:
     config = _STATE.config
     if not (config.enabled and fwd_state.has_amax_history):
         return None
+    if _STATE.on_register is not None:
+        _STATE.on_register(fwd_state)
+        _STATE.on_register(bwd_state)
     _STATE.forward.add(fwd_state, config.amax_reduction_group)
     if not torch.is_grad_enabled():
         return None
     _STATE.backward.groups.add(bwd_state, config.amax_reduction_group)
     return _STATE.backward.claim()
+
+
+@contextmanager
+def isolated_stack(on_register: Callable[[Any], None]) -> Iterator[None]:
+    """Run the body on an empty autocast stack, the caller's restored afterwards (CUDA-graph capture).
+
+    Inside, an autocast entered by the body is the outermost one, so its updates run (and are captured)
+    at its own exit and backward; ``on_register(state)`` sees every delayed-scaling state queued for
+    an update, before that update.
+    """
+    saved = vars(_STATE).copy()
+    vars(_STATE).update(vars(_GlobalState()), on_register=on_register)
+    try:
+        yield
+    finally:
+        vars(_STATE).update(saved)
 
 
 def _check_runnable(recipe: Recipe) -> None:

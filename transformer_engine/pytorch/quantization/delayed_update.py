@@ -8,11 +8,15 @@ For the states of one (recipe, amax_reduction_group) pair, with H = the historie
 2. amax = max over H ("max"), H[0] ("most_recent") or ``recipe.amax_compute_algo(H)``, read before
    the roll; s = (fp8_max / amax) / 2^margin (the old s where amax is 0, inf or NaN; float32 max
    where it overflows) or ``recipe.scaling_factor_compute_algo(amax, s, fp8_max, recipe)``;
-   H = roll(H, -1) with row 0 zeroed: ``ops.delayed_scaling_update`` does the built-in algorithms;
+   H = roll(H, -1) with row 0 zeroed;
 3. a slot whose new amax is 0 (a tensor that was not cast this step, e.g. a cached weight with
    ``is_first_microbatch=False`` or an unused output slot) keeps its history and scale, as TE's
    fused update kernel does;
 4. scale_inv = 1 / scale.
+
+Steps 2-4 of the built-in algorithms are ONE launch, ``ops.delayed_scaling_update_`` in place on H, s
+and scale_inv; with a recipe callable they are ``ops.delayed_scaling_update`` (or the callables), two
+``where`` and a ``reciprocal``.
 
 The host work that does not change from step to step (the side-by-side buffers and their per-state
 views, fp8_max per slot, the grouping by device) is a :class:`_Group` plan, cached per list of states
@@ -22,15 +26,16 @@ a checkpoint load) or another fp8 dtype (a recipe format change) gets a new plan
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import ops
 
-__all__ = ["reduce_and_update"]
+__all__ = ["hold_plans", "reduce_and_update"]
 
 #: Plans kept (oldest dropped first): one per (autocast, direction) of a training loop is the usual need.
 _MAX_PLANS = 16
@@ -79,17 +84,37 @@ class _Group:
 
 
 _PLANS: Dict[tuple, Tuple[_Group, ...]] = {}
+_HOLDERS: List[List[Tuple[_Group, ...]]] = []  # the lists of the open hold_plans() contexts
+
+
+@contextmanager
+def hold_plans() -> Iterator[List[Tuple[_Group, ...]]]:
+    """Collect the plans that the updates inside the context use.
+
+    A CUDA graph captures a plan's buffers by address: whoever owns the graph keeps this list, so that
+    the buffers outlive the plan cache, which drops the oldest plans.
+    """
+    held: List[Tuple[_Group, ...]] = []
+    _HOLDERS.append(held)
+    try:
+        yield held
+    finally:
+        _HOLDERS.remove(held)
 
 
 def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> None:
     """Reduce the amaxes of ``states`` over ``group`` and advance their scales and histories one step.
 
-    Per device: ``cat`` of H and s (several states), the optional all-reduce, the catalog op, the idle
-    rule as two ``where`` into H and s in place, ``reciprocal`` into scale_inv, and two
-    ``_foreach_copy_`` back into the states' tensors (several states), which stay the same objects.
+    Per device: ``cat`` of H and s (several states), the optional all-reduce, the in-place catalog op
+    ``delayed_scaling_update_`` (H, s and scale_inv with the idle rule; a recipe callable takes the op
+    or the callables, two ``where`` and ``reciprocal``), and two ``_foreach_copy_`` back into the
+    states' tensors (several states), which stay the same objects.
     """
     reduce = _reduces(recipe, group)
-    for part in _plan(states):
+    plan = _plan(states)
+    for held in _HOLDERS:
+        held.append(plan)
+    for part in plan:
         part.gather()
         if reduce:
             torch.distributed.all_reduce(part.amax, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -105,7 +130,12 @@ def _reduces(recipe: DelayedScaling, group) -> bool:
 
 
 def _update(part: _Group, recipe: DelayedScaling) -> None:
-    """One step in place on the plan's H, s and scale_inv: the op, the idle rule, scale_inv = 1 / s."""
+    """One step in place on the plan's H, s and scale_inv: one ``ops.delayed_scaling_update_`` call for the
+    built-in algorithms; with a recipe callable, :func:`_step`, the idle rule, scale_inv = 1 / s."""
+    algo, margin = recipe.amax_compute_algo, float(recipe.margin)
+    if not callable(algo) and recipe.scaling_factor_compute_algo is None:
+        ops.delayed_scaling_update_(part.history, part.scale, part.scale_inv, part.fp8_max, margin, algo)
+        return
     new_history, new_scale = _step(part.history, part.scale, part.fp8_max, recipe)
     active = part.amax.bool()  # new amax != 0 (NaN included): the slot was cast this step
     torch.where(active, new_history, part.history, out=part.history)
@@ -167,10 +197,8 @@ def _fp8_max(states: Sequence):
 def _step(
     history: torch.Tensor, scale: torch.Tensor, fp8_max: Union[float, torch.Tensor], recipe: DelayedScaling
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(H_new, s_new) for the built-in algorithms through the catalog op, else with the recipe's callables."""
+    """(H_new, s_new) of a recipe with a callable amax_compute_algo or scaling_factor_compute_algo."""
     algo, scale_fn, margin = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, float(recipe.margin)
-    if not callable(algo) and scale_fn is None:
-        return ops.delayed_scaling_update(history, scale, fp8_max, margin, algo)
     if callable(algo):
         amax = algo(history)
     else:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import torch
+
 from transformer_engine.common.recipe import Recipe
 
 from . import availability
@@ -57,8 +59,8 @@ class FP8GlobalStateManager:
 
     @classmethod
     def fp8_graph_capturing(cls) -> bool:
-        """CUDA-graph capture of FP8 modules is not supported yet: always False."""
-        return False
+        """True while a CUDA graph captures FP8 work (``make_graphed_callables``) on the current stream."""
+        return current_config().enabled and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
     @classmethod
     def is_fp8_available(cls) -> Tuple[bool, str]:

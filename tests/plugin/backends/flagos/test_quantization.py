@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_close, assert_fp8_equal, wide_range
+from tests.plugin.backends.reference.test_quantization import five_step_update
 from tests.utils import randn, sqnr
 from transformer_engine.plugin.backends.flagos import activation as fa
 from transformer_engine.plugin.backends.flagos import normalization as fn
@@ -354,6 +355,88 @@ def test_delayed_scaling_update_large_gpu(algo):
     history[0, :4] = torch.tensor([1e-40, 1e-38, 0.0, 2.0**-149])  # subnormal amaxes: no flush to zero
     for margin, fp8_max in _fp8_max_forms(4096, "cuda"):
         _assert_same_update(history, scale, fp8_max, margin, algo)
+
+
+def _idle_histories(length, n, device):
+    """``_histories`` whose row 0 also holds idle columns (0, -0.0), NaN, inf, tiny and subnormal amaxes."""
+    history, scale = _histories(length, n, device)
+    special = torch.tensor([0.0, -0.0, math.nan, math.inf, 1e-40, 2.0**-149, 1e-38, 3.0], device=device)
+    history[0, : min(n, 8)] = special[: min(n, 8)]
+    history[0, 8::3] = 0.0  # more idle columns among the random ones
+    return history, scale
+
+
+def _assert_same_update_(history, scale, scale_inv, fp8_max, margin, algo):
+    """fq.delayed_scaling_update_ in place on (H, s, scale_inv) gives the 5-step sequence bit for bit."""
+    expected = five_step_update(history, scale, fp8_max, margin, algo)
+    assert fq.delayed_scaling_update_(history, scale, scale_inv, fp8_max, margin, algo) is None
+    for got, want in zip((history, scale, scale_inv), expected):
+        _assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("n", [1, 7, 300])
+@pytest.mark.parametrize("length", [1, 2, 16, 31])
+def test_delayed_scaling_update_in_place_bit_exact(length, n, algo, device):
+    for margin, fp8_max in _fp8_max_forms(n, device):
+        history, scale = _idle_histories(length, n, device)
+        before = history.clone()
+        _assert_same_update_(history, scale, torch.empty(n, device=device), fp8_max, margin, algo)
+        idle = before[0] == 0
+        _assert_bitwise_equal(history[:, idle], before[:, idle])  # idle columns untouched
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_update_in_place_long_history(algo, device):
+    history, scale = _idle_histories(1024, 37, device)
+    _assert_same_update_(history, scale, torch.empty(37, device=device), 448.0, 0.0, algo)
+
+
+def test_delayed_scaling_update_in_place_strided(device):
+    wide, scale_buf = _idle_histories(9, 24, device)
+    wide_before, inv_buf = wide.clone(), torch.full((24,), 7.0, device=device)
+    history, scale, scale_inv = wide[:, 3:14], scale_buf[:22:2], inv_buf[1::2][:11]  # a column slice, stride-2 vectors
+    _assert_same_update_(history, scale, scale_inv, torch.rand(11, device=device) * 6e4, 2.0, "max")
+    for outside in (slice(0, 3), slice(14, None)):
+        _assert_bitwise_equal(wide[:, outside], wide_before[:, outside])
+    assert torch.all(inv_buf[::2] == 7.0)
+    history_t = _idle_histories(5, 11, device)[0].t().contiguous().t()  # column-major H
+    _assert_same_update_(history_t, scale.clone(), torch.empty(11, device=device), 448.0, 0.0, "most_recent")
+
+
+def test_delayed_scaling_update_in_place_empty_errors_and_supports(device):
+    empty = (torch.zeros(3, 0, device=device), torch.ones(0, device=device), torch.ones(0, device=device))
+    assert fq.delayed_scaling_update_(*empty, 448.0, 0.0, "max") is None
+    history, scale = _idle_histories(2, 3, device)
+    scale_inv, before = torch.empty(3, device=device), (history.clone(), scale.clone())
+    bad = [
+        ((history, scale, scale_inv.double()), TypeError, "scale_inv has dtype torch.float64"),
+        ((history.bfloat16(), scale, scale_inv), TypeError, "amax_history has dtype"),
+        ((history, scale.half(), scale_inv), TypeError, "must be float32"),
+        ((history, scale, scale_inv[:2]), ValueError, r"scale_inv has shape \(2,\).*needs \[3\]"),
+        ((history, scale[:2], scale_inv), ValueError, r"needs \[3\]"),
+        ((history, scale, torch.empty(3, device="meta")), ValueError, "device"),
+        ((history, scale, [1.0, 1.0, 1.0]), TypeError, "scale_inv must be a torch.Tensor"),
+    ]
+    for args, error, match in bad:
+        with pytest.raises(error, match=match):
+            fq.delayed_scaling_update_(*args, 448.0, 0.0, "max")
+    with pytest.raises(ValueError, match="most_recent"):
+        fq.delayed_scaling_update_(history, scale, scale_inv, 448.0, 0.0, "mean")
+    _assert_bitwise_equal(history, before[0])  # checked before any work
+    _assert_bitwise_equal(scale, before[1])
+    supports = fq.SUPPORTS["delayed_scaling_update_"]
+    verdict = supports(history, scale, torch.ones(3, device="meta"), 448.0, 0.0, "max")
+    assert not verdict and "scale_inv" in verdict.reason
+    assert supports(history, scale, scale_inv, 448.0, 0.0, "max")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_update_in_place_large_gpu(algo):
+    history, scale = _idle_histories(1024, 4096, "cuda")
+    for margin, fp8_max in _fp8_max_forms(4096, "cuda"):
+        _assert_same_update_(history.clone(), scale.clone(), torch.empty(4096, device="cuda"), fp8_max, margin, algo)
 
 
 # ---------------------------------------------------------------- amax_out: the cast's amax lands in a history slot

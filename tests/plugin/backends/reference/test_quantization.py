@@ -14,7 +14,7 @@ from tests.utils import dtype_tols, randn, sqnr
 from transformer_engine.plugin import ops
 from transformer_engine.plugin.backends.reference import IMPL_ID
 from transformer_engine.plugin.backends.reference import quantization as ref
-from transformer_engine.plugin.core import with_preference, with_strict_mode
+from transformer_engine.plugin.core import get_spec, with_preference, with_strict_mode
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_DTYPES = (E4M3, E5M2)
@@ -349,7 +349,86 @@ def test_delayed_scaling_random_run_vs_list_simulation(algo, length, margin):
         torch.testing.assert_close(scale.double(), torch.tensor(sim_scale, dtype=torch.float64), **dtype_tols(torch.float32))
 
 
+def test_delayed_scaling_in_place_hand_computed():
+    """L=3, N=5, margin 1, "most_recent": active, idle (0), NaN (active: rolled, scale kept), idle (-0.0), subnormal."""
+    nan = math.nan
+    history = torch.tensor([[2.0, 0.0, nan, -0.0, 1e-40], [5.0] * 5, [7.0] * 5])
+    scale, scale_inv = torch.tensor([2.0, 4.0, 8.0, 0.5, 1.0]), torch.zeros(5)
+    assert ref.delayed_scaling_update_(history, scale, scale_inv, 448.0, 1.0, "most_recent") is None
+    expected_history = [[0.0, 0.0, 0.0, -0.0, 0.0], [7.0, 5.0, 7.0, 5.0, 7.0], [2.0, 7.0, nan, 7.0, float(torch.tensor(1e-40))]]
+    torch.testing.assert_close(history, torch.tensor(expected_history), rtol=0, atol=0, equal_nan=True)
+    assert math.copysign(1.0, history[0, 3].item()) == -1.0  # the idle -0.0 is not rewritten
+    assert scale.tolist() == [112.0, 4.0, 8.0, 0.5, _FP32_MAX]
+    assert torch.equal(scale_inv, torch.tensor([1 / 112.0, 0.25, 0.125, 2.0, 1 / _FP32_MAX], dtype=torch.float32))
+
+
+def _idle_histories(length, n):
+    """H [L, N] over 40 decades with zeros, inf and NaN; row 0 starts with idle (0, -0.0), NaN, inf, tiny,
+    subnormal amaxes, then every third column idle; s [N] > 0."""
+    history = torch.rand(length, n) * 10.0 ** (torch.rand(length, n) * 40 - 20)
+    pick = torch.rand(length, n)
+    history[pick < 0.1], history[pick > 0.95] = math.inf, math.nan
+    special = torch.tensor([0.0, -0.0, math.nan, math.inf, 1e-40, 2.0**-149, 1e-38, 3.0])
+    history[0, : min(n, 8)] = special[: min(n, 8)]
+    history[0, 8::3] = 0.0
+    return history, torch.rand(n) * 4
+
+
+def five_step_update(history, scale, fp8_max, margin, algo):
+    """(H, s, scale_inv) of the 5-launch sequence delayed_update ran before: op, bool, 2 where, reciprocal."""
+    history, scale, scale_inv = history.clone(), scale.clone(), torch.empty_like(scale)
+    new_history, new_scale = ref.delayed_scaling_update(history, scale, fp8_max, margin, algo)
+    active = history[0].bool()
+    torch.where(active, new_history, history, out=history)
+    torch.where(active, new_scale, scale, out=scale)
+    torch.reciprocal(scale, out=scale_inv)
+    return history, scale, scale_inv
+
+
+def _assert_in_place_is_five_steps(history, scale, scale_inv, fp8_max, margin, algo):
+    """delayed_scaling_update_ equals delayed_scaling_update, bool, two where and reciprocal, bit for bit."""
+    h, s, s_inv = five_step_update(history, scale, fp8_max, margin, algo)
+    ref.delayed_scaling_update_(history, scale, scale_inv, fp8_max, margin, algo)
+    for got, want in ((history, h), (scale, s), (scale_inv, s_inv)):
+        assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("n", [1, 7, 300])
+@pytest.mark.parametrize("length", [1, 2, 16, 31])
+def test_delayed_scaling_in_place_is_the_five_step_sequence(length, n, algo):
+    for margin, fp8_max in ((0.0, 448.0), (2.0, torch.rand(n) * 6e4), (2.0, torch.tensor([57344.0]))):
+        history, scale = _idle_histories(length, n)
+        _assert_in_place_is_five_steps(history, scale, torch.empty(n), fp8_max, margin, algo)
+
+
+def test_delayed_scaling_in_place_long_and_strided():
+    history, scale = _idle_histories(1024, 9)
+    _assert_in_place_is_five_steps(history, scale, torch.empty(9), 448.0, 0.0, "max")
+    wide, scale_buf = _idle_histories(6, 22)
+    wide_before, inv_buf = wide.clone(), torch.full((22,), 7.0)
+    _assert_in_place_is_five_steps(wide[:, 4:15], scale_buf[::2], inv_buf[::2], 448.0, 1.0, "most_recent")
+    for outside in (slice(0, 4), slice(15, None)):
+        assert torch.equal(wide[:, outside].view(torch.int32), wide_before[:, outside].view(torch.int32))
+    assert torch.all(inv_buf[1::2] == 7.0)
+
+
+def test_delayed_scaling_in_place_is_one_in_place_op():
+    spec = get_spec("delayed_scaling_update_")
+    assert spec.inplace and spec.key_param == "amax_history"
+    history, scale, scale_inv = torch.tensor([[2.0, 0.0]]), torch.ones(2), torch.zeros(2)
+    with with_preference("reference"), with_strict_mode():
+        assert ops.delayed_scaling_update_.traced(history, scale, scale_inv, 448.0, 0.0, "max")[1].impl_id == IMPL_ID
+    assert history.tolist() == [[0.0, 0.0]] and scale.tolist() == [224.0, 1.0]
+    assert torch.equal(scale_inv, torch.tensor([1 / 224.0, 1.0], dtype=torch.float32))
+
+
 # ---------------------------------------------------------------- errors and dispatch
+
+
+def _update_(history, scale, scale_inv):
+    """ref.delayed_scaling_update_ with fp8_max 448, margin 0, "max" (the error table's calls)."""
+    return ref.delayed_scaling_update_(history, scale, scale_inv, 448.0, 0.0, "max")
 
 
 @pytest.mark.parametrize(
@@ -368,6 +447,11 @@ def test_delayed_scaling_random_run_vs_list_simulation(algo, length, margin):
         (lambda: ref.dequantize_blockwise(randn(4, 40).to(E4M3), torch.ones(4, 1), 1, 32, torch.float32), ValueError, r"\(4, 2\)"),
         (lambda: ref.delayed_scaling_update(torch.zeros(2, 3), torch.ones(3), 448.0, 0.0, "mean"), ValueError, "most_recent"),
         (lambda: ref.delayed_scaling_update(torch.zeros(2, 3), torch.ones(2), 448.0, 0.0, "max"), ValueError, r"needs \[3\]"),
+        (lambda: _update_(torch.ones(2, 3), torch.ones(3), torch.ones(3).half()), TypeError, "scale_inv has dtype torch.float16"),
+        (lambda: _update_(torch.ones(2, 3).double(), torch.ones(3), torch.ones(3)), TypeError, "float32"),
+        (lambda: _update_(torch.ones(2, 3), torch.ones(3), torch.ones(4)), ValueError, r"scale_inv has shape \(4,\)"),
+        (lambda: _update_(torch.ones(2, 3), torch.ones(2), torch.ones(3)), ValueError, r"needs \[3\]"),
+        (lambda: _update_(torch.ones(2, 3), torch.ones(3), torch.ones(3, device="meta")), ValueError, "device"),
         (lambda: ref.quantize(randn(4), torch.ones(1), E4M3, torch.zeros(2)), ValueError, "amax_out must hold exactly one"),
         (lambda: ref.cast_transpose(randn(4, 4), torch.ones(1), E4M3, torch.zeros(()).half()), ValueError, "amax_out must be a float32"),
         (lambda: ref.cast_transpose_dbias(randn(4, 4), torch.ones(1), E4M3, [0.0]), TypeError, "amax_out must be a torch.Tensor"),

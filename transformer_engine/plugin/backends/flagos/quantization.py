@@ -1,5 +1,5 @@
 """FP8 casts in Triton: per tensor (quantize, dequantize, cast_transpose(_dbias), fp8_transpose,
-compute_amax, delayed_scaling_update) and per block (quantize_blockwise, cast_transpose_blockwise).
+compute_amax, delayed_scaling_update(_)) and per block (quantize_blockwise, cast_transpose_blockwise).
 
 Math (plugin/catalog/quantization.py), float32 throughout:
 
@@ -19,6 +19,10 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     +-inf -> float32 max; H_new = roll(H, -1, dim 0) with row 0 zeroed. One launch:
                     a program owns a block of columns and walks down the L rows (IEEE divisions,
                     so s_new is bit-identical to the reference's)
+    delayed_scaling_update_
+                    the same step in place where H[0] != 0 (NaN included; idle columns keep H and s),
+                    then scale_inv = 1 / s: the same kernel (IN_PLACE), one launch; each chunk of rows
+                    is loaded, then a barrier, then stored one row up, so no row is written unread
     quantize_blockwise
                     per tile T of 1 x B or B x B (B a power of two in [16, 256]): a = max(max |T|, eps),
                     scale = fp8_max / a (1 if a is 0 or not finite, float32 max on overflow, optionally
@@ -45,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_delayed_scaling_update
+from transformer_engine.plugin.backends._checks import check_delayed_scaling_update, check_delayed_scaling_update_
 from transformer_engine.plugin.backends._fp8 import (
     check_amax_out,
     check_fp8_dtype,
@@ -76,7 +80,7 @@ from ._common import (
 
 __all__ = [
     "quantize", "dequantize", "cast_transpose", "cast_transpose_dbias", "fp8_transpose", "compute_amax",
-    "delayed_scaling_update", "quantize_blockwise", "cast_transpose_blockwise",
+    "delayed_scaling_update", "delayed_scaling_update_", "quantize_blockwise", "cast_transpose_blockwise",
 ]
 
 _BLOCK = 8192  # elements per program of the 1-D kernels (32 per thread at 8 warps; measured best, benchmarks/sweep_fp8_casts.py)
@@ -204,26 +208,47 @@ def _transpose_kernel(
 
 @triton.jit
 def _delayed_scaling_update_kernel(
-    history_ptr,  # *H [L, N], strides (stride_hl, stride_hn), any float dtype
-    scale_ptr,  # *s [N], stride stride_s, any float dtype
+    history_ptr,  # *H [L, N], strides (stride_hl, stride_hn), any float dtype (float32 when IN_PLACE)
+    scale_ptr,  # *s [N], stride stride_s, any float dtype (float32 when IN_PLACE)
     fp8_max,  # float32 scalar; with FP8_MAX_IS_PTR a *float32 read at cols * fp8_max_stride
-    history_new_ptr,  # *float32 [L, N], contiguous: receives H_new
-    scale_new_ptr,  # *float32 [N]: receives s_new
+    history_new_ptr,  # *float32 [L, N] receiving H_new: a new contiguous tensor, or H itself when IN_PLACE
+    scale_new_ptr,  # *float32 [N] receiving s_new: a new tensor, or s itself when IN_PLACE
+    scale_inv_ptr,  # *float32 [N], stride stride_si: receives 1 / s (IN_PLACE only)
     margin_scale,  # float32 scalar: 2^margin
     L,  # rows of H (>= 1)
     N,  # columns of H
     stride_hl,  # elements between rows of H
     stride_hn,  # elements between columns of H
     stride_s,  # elements between entries of s
+    stride_si,  # elements between entries of scale_inv
     fp8_max_stride,  # elements between entries of fp8_max: 0 (one value for all) or its stride
     BLOCK_L: tl.constexpr,  # rows per loop step
     BLOCK_N: tl.constexpr,  # columns per program
     AMAX_MAX: tl.constexpr,  # True: amax = max over the L rows ("max"); False: amax = H[0] ("most_recent")
     FP8_MAX_IS_PTR: tl.constexpr,
+    IN_PLACE: tl.constexpr,  # True: delayed_scaling_update_ (idle rule, H and s overwritten, scale_inv written)
 ):
+    # IN_PLACE is race-free: a program owns its columns, and every row is read before any thread
+    # writes it. Chunk c (rows [a, b)) is loaded, then a barrier, then stored to rows [a - 1, b - 1),
+    # rows read by chunks <= c, each before its barrier; later chunks read rows >= b only, so load
+    # prefetching cannot see a new value either. Row 0's value goes to row L - 1 after the loop (after
+    # the last chunk's barrier, and no chunk stores row L - 1); s is read before the first barrier.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    amax = tl.load(history_ptr + cols * stride_hn, mask=col_mask, other=0.0).to(tl.float32)  # H[0]
+    h0 = tl.load(history_ptr + cols * stride_hn, mask=col_mask, other=0.0).to(tl.float32)  # H[0]
+    if IN_PLACE:  # H and s themselves, in the active columns only: H[0] != 0 on the bit pattern (NaN is
+        # active; a float compare may flush a subnormal to zero on the GPU)
+        stride_nl, stride_nn, stride_ns = stride_hl, stride_hn, stride_s
+        active = col_mask & ((h0.to(tl.int32, bitcast=True) & 0x7FFFFFFF) != 0)
+    else:  # new contiguous tensors, every column
+        stride_nl, stride_nn, stride_ns = N, 1, 1
+        active = col_mask
+    s_old = tl.load(scale_ptr + cols * stride_s, mask=col_mask, other=1.0).to(tl.float32)
+    if FP8_MAX_IS_PTR:
+        fp8_max_v = tl.load(fp8_max + cols * fp8_max_stride, mask=col_mask, other=1.0)
+    else:
+        fp8_max_v = tl.zeros_like(h0) + fp8_max
+    amax = h0
     nan_seen = amax != amax  # torch's max propagates NaN; tl.max may drop it
     for start in range(0, L, BLOCK_L):
         rows = start + tl.arange(0, BLOCK_L)
@@ -233,13 +258,14 @@ def _delayed_scaling_update_kernel(
         if AMAX_MAX:
             amax = tl.maximum(amax, tl.max(tl.where(mask, h, float("-inf")), axis=0))
             nan_seen = nan_seen | (tl.max((h != h).to(tl.int32), axis=0) > 0)
-        dest = tl.where(rows == 0, L - 1, rows - 1)  # roll by -1: H_new[l - 1] = H[l], H_new[L - 1] = H[0]
-        tl.store(history_new_ptr + dest[:, None] * N + cols[None, :], tl.where(dest[:, None] == 0, 0.0, h), mask=mask)
-    if FP8_MAX_IS_PTR:
-        fp8_max_v = tl.load(fp8_max + cols * fp8_max_stride, mask=col_mask, other=1.0)
-    else:
-        fp8_max_v = tl.zeros_like(amax) + fp8_max
-    s_old = tl.load(scale_ptr + cols * stride_s, mask=col_mask, other=1.0).to(tl.float32)
+        if IN_PLACE:
+            tl.debug_barrier()  # every thread has read this chunk before any thread overwrites a row of it
+        # roll by -1: H_new[l - 1] = H[l] for l >= 1 (H_new[0] = 0); H[0] goes to row L - 1 below
+        dest = rows - 1
+        store = (rows > 0)[:, None] & mask & active[None, :]
+        tl.store(history_new_ptr + dest[:, None] * stride_nl + cols[None, :] * stride_nn,
+                 tl.where(dest[:, None] == 0, 0.0, h), mask=store)  # fmt: skip
+    tl.store(history_new_ptr + (L - 1) * stride_nl + cols * stride_nn, tl.where(L == 1, 0.0, h0), mask=active)
     # each float32 quotient is taken in float64 and rounded once: the correctly rounded float32 division
     # (53 >= 2 * 24 + 2 bits makes the double rounding innocuous), bit-identical to torch's on every
     # device, where Triton's float32 division was seen to differ by one ulp on the H200
@@ -250,7 +276,10 @@ def _delayed_scaling_update_kernel(
     valid = (amax_bits > 0) & (amax_bits < 0x7F800000) & ~nan_seen
     s_new = tl.where(valid, s_new, s_old)
     s_new = tl.where(tl.abs(s_new) == float("inf"), 3.4028234663852886e38, s_new)  # float32 max
-    tl.store(scale_new_ptr + cols, s_new, mask=col_mask)
+    tl.store(scale_new_ptr + cols * stride_ns, s_new, mask=active)
+    if IN_PLACE:  # scale_inv = 1 / s of every column (torch.reciprocal's correctly rounded float32)
+        s_now = tl.where(active, s_new, s_old)
+        tl.store(scale_inv_ptr + cols * stride_si, (1.0 / s_now.to(tl.float64)).to(tl.float32), mask=col_mask)
 
 
 def _check_scale_args(x, scale, fp8_dtype, amax_out) -> None:
@@ -460,17 +489,39 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     scale_new = torch.empty(n, dtype=torch.float32, device=amax_history.device)
     if n == 0:
         return history_new, scale_new
+    _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, (history_new, scale_new, None))
+    return history_new, scale_new
+
+
+def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo) -> None:
+    """The catalog's ``delayed_scaling_update_`` (H, s and scale_inv of the active columns, in place; H
+    may have any strides) in one launch of ``delayed_scaling_update``'s kernel (IN_PLACE), bit-identical
+    to the reference backend's. Raises as the reference backend does (float32 tensors, matching shapes
+    and devices, a finite margin, a known amax_compute_algo)."""
+    check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo)
+    if amax_history.shape[1]:
+        _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, (amax_history, scale, scale_inv))
+
+
+def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, outputs) -> None:
+    """One launch of ``_delayed_scaling_update_kernel`` on checked arguments with N > 0.
+
+    ``outputs`` = (H_new, s_new, None): new contiguous float32 tensors; or (H, s, scale_inv): in place.
+    """
+    history_new, scale_new, scale_inv = outputs
+    length, n = amax_history.shape
     fp8_max_arg, fp8_max_stride = _fp8_max_arg(fp8_max, amax_history.device, n)
     block_n = min(_UPDATE_COLS, next_power_of_2(n))
     block_l = min(next_power_of_2(length), _UPDATE_TILE // block_n)
+    in_place = scale_inv is not None
     with device_guard(amax_history):
         _delayed_scaling_update_kernel[(cdiv(n, block_n),)](
-            amax_history, scale, fp8_max_arg, history_new, scale_new, 2.0 ** float(margin), length, n,
-            amax_history.stride(0), amax_history.stride(1), scale.stride(0), fp8_max_stride,
+            amax_history, scale, fp8_max_arg, history_new, scale_new, scale_inv if in_place else scale_new,
+            2.0 ** float(margin), length, n, amax_history.stride(0), amax_history.stride(1), scale.stride(0),
+            scale_inv.stride(0) if in_place else 0, fp8_max_stride,
             BLOCK_L=block_l, BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
-            FP8_MAX_IS_PTR=isinstance(fp8_max_arg, torch.Tensor),
+            FP8_MAX_IS_PTR=isinstance(fp8_max_arg, torch.Tensor), IN_PLACE=in_place,
         )  # fmt: skip
-    return history_new, scale_new
 
 
 # ---------------------------------------------------------------- block scaling
@@ -653,11 +704,22 @@ def _scale_inv_on_device(q, scale_inv, out_dtype):
     return True
 
 
-def _scale_with_history(amax_history, scale, fp8_max, margin, amax_compute_algo):
-    """Reject a scale on another device than the history (the kernel reads both)."""
-    if isinstance(scale, torch.Tensor) and isinstance(amax_history, torch.Tensor) and scale.device != amax_history.device:
-        return Reject(f"scale must be on the history's device {amax_history.device}, got {scale.device}")
+def _on_history_device(amax_history, named_tensors):
+    """Reject any (name, tensor) on another device than the history (the kernel reads them all)."""
+    for name, t in named_tensors:
+        if isinstance(t, torch.Tensor) and isinstance(amax_history, torch.Tensor) and t.device != amax_history.device:
+            return Reject(f"{name} must be on the history's device {amax_history.device}, got {t.device}")
     return True
+
+
+def _scale_with_history(amax_history, scale, fp8_max, margin, amax_compute_algo):
+    """Reject a scale on another device than the history."""
+    return _on_history_device(amax_history, (("scale", scale),))
+
+
+def _scales_with_history(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo):
+    """Reject a scale or scale_inv on another device than the history."""
+    return _on_history_device(amax_history, (("scale", scale), ("scale_inv", scale_inv)))
 
 
 def _supported_tiles(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax_epsilon):
@@ -676,6 +738,7 @@ SUPPORTS = {
     "cast_transpose_dbias": _scale_on_device,
     "dequantize": _scale_inv_on_device,
     "delayed_scaling_update": _scale_with_history,
+    "delayed_scaling_update_": _scales_with_history,
     "quantize_blockwise": _supported_tiles,
     "cast_transpose_blockwise": _supported_block_len,
 }

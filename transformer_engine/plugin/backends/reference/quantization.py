@@ -6,7 +6,8 @@ Per tensor:   q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)),  scale_inv = 1 /
 Per block:    a = max(max |T|, eps) per tile T, scale = fp8_max / a (1 when a is 0 or not finite,
               float32 max when it overflows), optionally rounded down to 2^floor(log2(scale)).
 Delayed scaling (one step): amax from the history before the roll, s = (fp8_max / amax) / 2^margin
-              where amax is finite and > 0 (else the old s), inf -> float32 max, roll by -1, row 0 = 0.
+              where amax is finite and > 0 (else the old s), inf -> float32 max, roll by -1, row 0 = 0;
+              delayed_scaling_update_ applies it in place where H[0] != 0, then scale_inv = 1 / s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Tuple
 
 import torch
 
-from transformer_engine.plugin.backends._checks import check_delayed_scaling_update
+from transformer_engine.plugin.backends._checks import check_delayed_scaling_update, check_delayed_scaling_update_
 
 from .._fp8 import (
     amax_finite,
@@ -42,6 +43,7 @@ __all__ = [
     "cast_transpose_blockwise",
     "dequantize_blockwise",
     "delayed_scaling_update",
+    "delayed_scaling_update_",
 ]
 
 
@@ -242,6 +244,33 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
         ValueError: shapes that do not match, a non-finite margin or an unknown amax_compute_algo.
     """
     check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo)
+    return _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo)
+
+
+def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo) -> None:
+    """``delayed_scaling_update`` in place on the active columns (H[0] != 0, NaN included), then scale_inv = 1 / s.
+
+    Args:
+        amax_history: H float32 [L, N], updated in place; row 0 holds this step's amaxes.
+        scale: s float32 [N], updated in place.
+        scale_inv: float32 [N], receives 1 / s for every column (idle ones included).
+        fp8_max, margin, amax_compute_algo: as in ``delayed_scaling_update``.
+
+    Raises:
+        TypeError: H, s or scale_inv not float32.
+        ValueError: shapes that do not match, tensors on different devices, a non-finite margin or an
+            unknown amax_compute_algo.
+    """
+    check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo)
+    history_new, scale_new = _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo)
+    active = amax_history[0] != 0  # NaN != 0: a NaN amax is active
+    torch.where(active, history_new, amax_history, out=amax_history)
+    torch.where(active, scale_new, scale, out=scale)
+    torch.reciprocal(scale, out=scale_inv)
+
+
+def _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(H_new, s_new) of checked arguments: the math of ``delayed_scaling_update``."""
     history = amax_history.detach().float()
     scale_old = scale.detach().float()
     amax = history.amax(dim=0) if amax_compute_algo == "max" else history[0]

@@ -1,0 +1,171 @@
+"""make_graphed_callables: graphed modules match eager ones step for step (FP8 scaling state included).
+
+The argument checks run everywhere; the captures need a CUDA GPU (``gpu`` marker).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_engine.pytorch.quantization.autocast import current_config
+
+from tests.utils import DTYPE_TOLS
+
+HIDDEN, TOKENS = 64, 32
+
+
+def _fp8_or_skip():
+    available, reason = te.is_fp8_available(return_reason=True)
+    if not available:
+        pytest.skip(reason)
+
+
+# --------------------------------------------------------------------------- argument checks (any device)
+
+
+def test_alias_and_new_name_together_is_an_error():
+    with pytest.raises(ValueError, match="fp8_enabled is the deprecated name of enabled"):
+        te.make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), enabled=True, fp8_enabled=True)
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="fp8_enable"):
+        te.make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), fp8_enable=True)
+
+
+def test_weight_caching_is_refused_with_the_reason():
+    with pytest.warns(DeprecationWarning, match="fp8_weight_caching"):
+        with pytest.raises(NotImplementedError, match="each replay casts the weights"):
+            te.make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), fp8_weight_caching=True)
+
+
+def test_sample_args_per_callable_are_checked():
+    layers = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="a tuple of 2 tuples, one per callable"):
+        te.make_graphed_callables(layers, (torch.randn(2, 4),))
+    with pytest.raises(ValueError, match="enabled has 3 entries for 2 callables"):
+        te.make_graphed_callables(layers, ((torch.randn(2, 4),), (torch.randn(2, 4),)), enabled=(True, False, True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_cpu_has_no_cuda_graphs():
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        te.make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+
+
+# --------------------------------------------------------------------------- captures (GPU)
+
+
+def _train(model, optimizer, inputs, grads, recipe):
+    """SGD steps; returns each step's output and the parameters' gradients."""
+    outputs, param_grads = [], []
+    for x, dy in zip(inputs, grads):
+        optimizer.zero_grad(set_to_none=True)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = model(x)
+        y.backward(dy)
+        outputs.append(y.detach().clone())
+        param_grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return outputs, param_grads
+
+
+def _scaling_tensors(model):
+    found = []
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state = meta.get(key) if meta else None
+            if state is not None and state.has_amax_history:
+                found += [state.amax_history, state.scale, state.scale_inv]
+    return found
+
+
+def _layer():
+    return te.TransformerLayer(HIDDEN, 4 * HIDDEN, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                               self_attn_mask_type="causal", params_dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4), Float8CurrentScaling()],
+                         ids=["bf16", "delayed", "current"])
+@pytest.mark.parametrize("build", [lambda: te.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda"), _layer],
+                         ids=["Linear", "TransformerLayer"])
+def test_graphed_training_matches_eager(build, recipe):
+    if recipe is not None:
+        _fp8_or_skip()
+    eager = build()
+    graphed = copy.deepcopy(eager)
+    shape = (TOKENS, 2, HIDDEN) if isinstance(eager, te.TransformerLayer) else (TOKENS, HIDDEN)
+    sample = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (sample,), enabled=recipe is not None, recipe=recipe)
+    for tensor in _scaling_tensors(graphed):  # warm-up left no trace in the scaling state
+        assert torch.equal(tensor, torch.zeros_like(tensor) if tensor.dim() == 2 else torch.ones_like(tensor))
+    inputs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
+    grads = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    expected = _train(eager, torch.optim.SGD(eager.parameters(), lr=0.1), inputs, grads, recipe)
+    actual = _train(graphed, torch.optim.SGD(graphed.parameters(), lr=0.1), inputs, grads, recipe)
+    tols = DTYPE_TOLS[torch.bfloat16]
+    for y_eager, y_graphed in zip(expected[0], actual[0]):
+        torch.testing.assert_close(y_graphed, y_eager, **tols)
+    for g_eager, g_graphed in zip(expected[1], actual[1]):
+        for a, b in zip(g_graphed, g_eager):
+            torch.testing.assert_close(a, b, **tols)
+    for a, b in zip(_scaling_tensors(graphed), _scaling_tensors(eager)):  # the updates ran inside the graphs
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
+
+
+@pytest.mark.gpu
+def test_gradients_accumulate_over_micro_batches():
+    """Two backward passes without zero_grad add up: .grad never aliases the graph's static buffer."""
+    layer = te.Linear(HIDDEN, HIDDEN, params_dtype=torch.float32, device="cuda")
+    reference = copy.deepcopy(layer)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda")
+    layer = te.make_graphed_callables(layer, (x,))
+    dys = [torch.randn(TOKENS, HIDDEN, device="cuda") for _ in range(2)]
+    for dy in dys:
+        layer(x).backward(dy)
+        reference(x).backward(dy)
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad, **DTYPE_TOLS[torch.float32])
+
+
+@pytest.mark.gpu
+def test_two_callables_chain_and_dropout_draws_anew():
+    first = te.LayerNormLinear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda")
+    second = te.TransformerLayer(HIDDEN, 2 * HIDDEN, 4, hidden_dropout=0.5, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(TOKENS, 2, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    h = torch.randn(TOKENS, 2, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    first, second = te.make_graphed_callables((first, second), ((x,), (h,)))
+    y1 = second(first(x)).clone()
+    y2 = second(first(x))
+    assert not torch.equal(y1, y2)  # a new keep mask at each replay
+    y2.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in (*first.parameters(), *second.parameters()))
+
+
+@pytest.mark.gpu
+def test_calls_are_checked_and_eval_runs_eagerly():
+    layer = te.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    graphed = te.make_graphed_callables(layer, (x,))
+    with pytest.raises(ValueError, match="static in a CUDA graph"):
+        graphed(torch.randn(TOKENS + 1, HIDDEN, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="structure"):
+        graphed(x, x)
+    graphed.eval()
+    y = graphed(torch.randn(TOKENS + 1, HIDDEN, device="cuda", dtype=torch.bfloat16))  # eager: any shape
+    assert y.shape == (TOKENS + 1, HIDDEN)
+
+
+@pytest.mark.gpu
+def test_capture_leaves_the_callers_autocast_alone():
+    _fp8_or_skip()
+    recipe = DelayedScaling()
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    with te.autocast(enabled=False):
+        te.make_graphed_callables(te.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda"), (x,),
+                                  enabled=True, recipe=recipe)
+        assert current_config().enabled is False
