@@ -6,6 +6,11 @@ not subtracted). GB/s = nbytes / median time; "of copy" divides by the device-to
 bandwidth measured in the same run (2 x bytes / time of ``dst.copy_(src)`` on 1 GiB). PERF.md's
 target for the fused norm / activation / cast-transpose kernels is >= 0.8 of copy.
 
+Provider ``flag_gems`` (the optional FlagGems package, when importable) runs the ``torch``
+formulation with FlagGems' Triton kernels in place of PyTorch's aten kernels (``flag_gems.use_gems()``),
+for the cases whose aten ops FlagGems implements (norms, GELU / SiLU, softmax, dropout, cross entropy);
+its first output is checked against the reference too.
+
 Timing: ``triton.testing.do_bench`` median (it flushes L2 before every iteration); on top of that
 each case rotates over enough input sets to exceed twice the L2 size. Providers: ``flagos`` and
 ``reference`` call the backends' functions directly (no dispatch), ``torch`` is the closest plain
@@ -32,7 +37,7 @@ import triton.testing
 
 from _harness import print_table, write_json
 
-PROVIDERS = ("flagos", "reference", "torch")
+PROVIDERS = ("flagos", "reference", "torch", "flag_gems")
 E4M3 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
 _L2_BYTES = 60 * 2**20  # H200: 60 MB (PERF.md); rotation covers twice this
@@ -352,11 +357,25 @@ def _first_float(result) -> torch.Tensor:
     return _flatten(result if isinstance(result, (tuple, list)) else (result,))[0].float()
 
 
-def check_error(case: Case) -> float:
-    """Relative L2 error of flagos' first output against the reference's (or ``case.expected``'s), on one fresh input set."""
+def _provider_fn(case: Case, provider: str) -> Callable:
+    """The function a provider runs: flag_gems runs the torch formulation under ``flag_gems.use_gems()``."""
+    fn = case.fns["torch" if provider == "flag_gems" else provider]
+
+    def run(*args):
+        with _gems_context(provider):
+            return fn(*args)
+
+    return run
+
+
+def check_error(case: Case, provider: str = "flagos") -> float:
+    """Relative L2 error of a provider's first output against the reference's (or ``case.expected``'s,
+    for flagos), on one fresh input set; NaN when there is no comparable result."""
+    if provider != "flagos" and case.expected is not None:
+        return math.nan  # a random op: its expected value needs the provider's own draw in flagos' layout
     args = case.make()
     cloned = tuple([t.clone() for t in a] if isinstance(a, list) else a for a in args)
-    actual = case.fns["flagos"](*args)
+    actual = _provider_fn(case, provider)(*args)
     expected = case.fns["reference"](*cloned) if case.expected is None else case.expected(args, actual)
     if actual is None:  # in-place ops: compare the updated second list (params) / outputs
         actual, expected = args[1], cloned[1]
@@ -367,8 +386,31 @@ def check_error(case: Case) -> float:
 def time_case(case: Case, provider: str) -> float:
     """Median milliseconds of one call, rotating over the input sets."""
     sets = itertools.cycle(_input_sets(case))
-    fn = case.fns[provider]
-    return triton.testing.do_bench(lambda: fn(*next(sets)), warmup=10, rep=100, return_mode="median")
+    fn = case.fns["torch" if provider == "flag_gems" else provider]
+    with _gems_context(provider):  # entered once: its cost stays out of the timing
+        return triton.testing.do_bench(lambda: fn(*next(sets)), warmup=10, rep=100, return_mode="median")
+
+
+def _gems_context(provider: str):
+    import contextlib
+
+    if provider != "flag_gems":
+        return contextlib.nullcontext()
+    import flag_gems
+
+    return flag_gems.use_gems()
+
+
+def _available(providers: Sequence[str]) -> List[str]:
+    """The providers that can run here (flag_gems only when the package imports), saying why one is dropped."""
+    kept = list(providers)
+    if "flag_gems" in kept:
+        try:
+            import flag_gems  # noqa: F401
+        except Exception as exc:  # an optional package: missing or broken, it is reported, not fatal
+            print(f"provider flag_gems skipped: {type(exc).__name__}: {exc}")
+            kept.remove("flag_gems")
+    return kept
 
 
 def run(only: Sequence[str], providers: Sequence[str]) -> List[dict]:
@@ -380,10 +422,11 @@ def run(only: Sequence[str], providers: Sequence[str]) -> List[dict]:
         for case in family():
             if only and not any(word in case.name for word in only):
                 continue
-            err = check_error(case)
+            flagos_err = check_error(case)
             for provider in providers:
-                if provider not in case.fns:
+                if (case.fns.get("torch" if provider == "flag_gems" else provider)) is None:
                     continue
+                err = check_error(case, provider) if provider == "flag_gems" else flagos_err
                 ms = time_case(case, provider)
                 gbs = case.nbytes / ms / 1e6
                 rows.append(dict(op=case.name, shape=case.shape, provider=provider, ms=ms, gb_s=gbs,
@@ -400,11 +443,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py measures GPU kernels: it needs a CUDA device")
-    providers = [p for p in args.providers.split(",") if p]
+    providers = _available([p for p in args.providers.split(",") if p])
     rows = run([w for w in args.only.split(",") if w], providers)
     print_table(
         "memory-bound kernels (GB/s from the bytes model; of copy = fraction of the measured copy bandwidth)",
-        ["op", "shape", "provider", "ms", "GB/s", "of copy", "flagos rel err"],
+        ["op", "shape", "provider", "ms", "GB/s", "of copy", "rel err (flagos; flag_gems its own)"],
         [[r["op"], r["shape"], r["provider"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}", f"{r['of_copy']:.2f}",
           f"{r['rel_err_vs_reference']:.1e}"] for r in rows],
     )  # fmt: skip

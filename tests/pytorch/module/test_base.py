@@ -178,3 +178,22 @@ def test_zero_token_batches(recipe):
         out.sum().backward()
         assert out.shape[0] == 0 and x.grad.shape == (0, 32)
         assert all(p.grad is not None and torch.all(p.grad == 0) for p in module.parameters())
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, Float8CurrentScaling()], ids=["delayed", "current"])
+def test_inference_casts_no_transposed_copies(monkeypatch, recipe):
+    """Under torch.no_grad the FP8 forward writes no x^T / W^T (nothing will run backward); with grad it does."""
+    from transformer_engine.plugin import ops
+
+    calls = []
+    for name in ("cast_transpose", "fp8_transpose"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *args, _real=real, _name=name, **kwargs: calls.append(_name) or _real(*args, **kwargs))
+    model, x = _model(), randn(8, 32)
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        inference = model(x)
+    assert calls == []
+    with te.autocast(recipe=recipe):
+        training = model(x)
+    assert calls  # the transposes backward reads
+    torch.testing.assert_close(inference, training.detach(), rtol=0, atol=0)

@@ -66,14 +66,15 @@ class LayerNormLinearFunction(torch.autograd.Function):
         q, dtype, comm = args.quantization, args.dtype, args.comm
         x = cast(inp.reshape(-1, inp.shape[-1]).contiguous(), dtype)
         gamma = cast(ln_weight, dtype)
+        need_dw = weight.requires_grad and q.for_training
         with no_torch_autocast(inp.device):
             ln_op, ln_out, stats = norm_then_quantize(
                 x, gamma, cast(ln_bias, dtype), args.norm, q.gemms[0].input, dtype, args.return_layernorm_output,
-                weight.requires_grad, comm,
+                need_dw, comm,
             )
             w_op, b = cast(args.weight_operand, dtype), cast(bias, dtype)
             y = comm.reduce_output(fprop(ln_op, w_op, comm.gemm_bias(b), dtype, q.split_accumulator[0]), b)  # comm
-            save(ctx, x, gamma, for_backward(ln_op) if weight.requires_grad else None, for_backward(w_op), *stats)
+            save(ctx, x, gamma, for_backward(ln_op) if need_dw else None, for_backward(w_op) if q.for_training else None, *stats)
         ctx.args = without_operands(args, "weight_operand")
         ctx.meta = (inp.shape, inp.dtype, ln_weight.dtype, None if ln_bias is None else ln_bias.dtype, None if bias is None else bias.dtype)
         y = unflatten(y, inp.shape)

@@ -53,18 +53,20 @@ class LayerNormMLPFunction(torch.autograd.Function):
         g1, g2 = q.gemms
         x = cast(inp.reshape(-1, inp.shape[-1]).contiguous(), dtype)
         gamma = cast(ln_weight, dtype)
+        need_dw1, need_dw2 = (w.requires_grad and q.for_training for w in (fc1_weight, fc2_weight))
         with no_torch_autocast(inp.device):
             ln_op, ln_out, stats = norm_then_quantize(
                 x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, args.return_layernorm_output,
-                fc1_weight.requires_grad, comm1,
+                need_dw1, comm1,
             )
             w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
             h = fprop(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0])
-            a_op, _ = g2.input.produce(args.activation.producer(h), fc2_weight.requires_grad)
+            a_op, _ = g2.input.produce(args.activation.producer(h), need_dw2)
             b2 = cast(fc2_bias, dtype)
             y = comm2.reduce_output(fprop(a_op, w2, comm2.gemm_bias(b2), dtype, q.split_accumulator[0]), b2)  # comm
-            save(ctx, x, gamma, for_backward(ln_op) if fc1_weight.requires_grad else None, for_backward(w1), h,
-                 for_backward(a_op) if fc2_weight.requires_grad else None, for_backward(w2), *stats)
+            w1_t, w2_t = (for_backward(w) if q.for_training else None for w in (w1, w2))
+            save(ctx, x, gamma, for_backward(ln_op) if need_dw1 else None, w1_t, h,
+                 for_backward(a_op) if need_dw2 else None, w2_t, *stats)
         ctx.args = without_operands(args, "fc1_operand", "fc2_operand")
         ctx.dtypes = (inp.dtype, ln_weight.dtype) + tuple(None if t is None else t.dtype for t in (ln_bias, fc1_bias, fc2_bias))
         ctx.inp_shape = inp.shape

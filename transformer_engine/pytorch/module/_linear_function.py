@@ -51,13 +51,13 @@ class LinearFunction(torch.autograd.Function):
     def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: LinearArgs):
         q, comm = args.quantization, args.comm
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
-        need_dw = weight.requires_grad
+        need_dw = weight.requires_grad and q.for_training
         with no_torch_autocast(inp.device):
             x_op = quantize_operand(q.gemms[0].input, cast(x, args.dtype), comm.gather_input, comm.gathers_input, need_dw)  # comm
             w_op = cast(args.weight_operand, args.dtype)
             b = cast(bias, args.dtype)
             y = comm.reduce_output(fprop(x_op, w_op, comm.gemm_bias(b), args.dtype, q.split_accumulator[0]), b)  # comm
-            save(ctx, for_backward(x_op) if need_dw else None, for_backward(w_op) if inp.requires_grad else None)
+            save(ctx, for_backward(x_op) if need_dw else None, for_backward(w_op) if inp.requires_grad and q.for_training else None)
         ctx.args = without_operands(args, "weight_operand")
         ctx.inp_meta, ctx.bias_dtype = (inp.shape, inp.dtype), None if bias is None else bias.dtype
         return unflatten(y, inp.shape)

@@ -234,6 +234,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             gemms=self._fp8_gemms,
             split_accumulator=fwd_state.split_accumulator,
             backward_update=register_states(fwd_state, bwd_state),
+            for_training=torch.is_grad_enabled(),
         )
 
     def _states_installed(self) -> None:
