@@ -4,8 +4,8 @@
     python benchmarks/bench_tp.py --tp 4 --json tp4.json
     python benchmarks/bench_tp.py --small --dist-backend gloo         # CPU smoke run (numbers mean nothing)
 
-Each variant (bf16, FP8 delayed, current and block scaling; on GPUs also bf16 and FP8 delayed captured
-by ``te.make_graphed_callables``) runs forward + backward with a random dy, first on GPU 0 alone with the
+Each variant (bf16, FP8 delayed, current and block scaling; on GPUs also each of them captured by
+``te.make_graphed_callables``) runs forward + backward with a random dy, first on GPU 0 alone with the
 whole batch [s, b, h], then on P GPUs, each holding [s/P, b, h] and 1/P of the weights
 (``set_parallel_mode=True, sequence_parallel=True``). Times are medians over iterations; a TP step
 counts as long as its slowest rank.
@@ -44,6 +44,8 @@ def _variants():
         "FP8 block": (recipe.Float8BlockScaling, False),  # its SP all-gathers move bf16 (gathered, then cast)
         "bf16, CUDA graph": (None, True),
         "FP8 delayed, CUDA graph": (delayed, True),
+        "FP8 current, CUDA graph": (recipe.Float8CurrentScaling, True),
+        "FP8 block, CUDA graph": (recipe.Float8BlockScaling, True),
     }
 
 
