@@ -5,8 +5,8 @@ self-attention, dropout 0.1 (the modules' default), bf16 parameters. Each varian
 backward with a random dy; the table gives the median time, the ratio to the plain layer measured
 in the same process, model TFLOP/s (causal attention counted as half) and peak memory.
 
-On a GPU, three variants are also captured with ``te.make_graphed_callables`` (plain, bf16, FP8
-delayed): the same GPU work without the host's launch overhead. The plain layer is timed twice,
+On a GPU, four variants are also captured with ``te.make_graphed_callables`` (plain, bf16, FP8
+delayed and current): the same GPU work without the host's launch overhead. The plain layer is timed twice,
 before and after ``import transformer_engine.pytorch``, and the global PyTorch flags are compared:
 importing TE-FL must change neither.
 
@@ -165,6 +165,8 @@ def main() -> None:
             "plain PyTorch, CUDA graph": ("plain PyTorch", {}),
             "te.TransformerLayer bf16, CUDA graph": ("te.TransformerLayer bf16", {}),
             "te.TransformerLayer FP8 delayed, CUDA graph": ("te.TransformerLayer FP8 delayed", dict(enabled=True, recipe=delayed)),
+            "te.TransformerLayer FP8 current, CUDA graph": (
+                "te.TransformerLayer FP8 current", dict(enabled=True, recipe=fp8_recipes["te.TransformerLayer FP8 current"])),
         }
     with backend_policy(args.backend):
         for name in list(variants) + list(graphs):
