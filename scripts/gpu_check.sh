@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we check on the H200 in one call: GPU tests, then each benchmark (JSON + logs to $OUT),
 # then a short summary. Usage on the GPU machine: OUT=/some/dir bash scripts/gpu_check.sh [stage ...]
-# Stages: info tests kernels sweep attention linear layer profile host dispatch jax demo (default: all, in that order);
+# Stages: info tests kernels norms sweep attention linear layer profile host dispatch jax demo (default: all, in order);
 # also graphs (the CUDA-graph tests alone, a quick check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
-STAGES=${*:-info tests kernels sweep attention linear layer profile host dispatch jax demo}
+STAGES=${*:-info tests kernels norms sweep attention linear layer profile host dispatch jax demo}
 summary=()
 
 run() {  # run NAME TIMEOUT CMD...: log everything, remember the exit code and the time
@@ -28,6 +28,7 @@ for stage in $STAGES; do
         tests) run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
         graphs) run graphs 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_graph.py ;;
         kernels) run kernels 300 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
+        norms) run norms 120 python3 benchmarks/bench_norm_modules.py --json "$OUT/norms.json" ;;
         sweep) run sweep 300 python3 benchmarks/sweep_fp8_casts.py --json "$OUT/sweep.json" ;;
         attention) run attention 240 python3 benchmarks/bench_attention.py --json "$OUT/attention.json" ;;
         linear) run linear 240 python3 benchmarks/bench_linear.py --json "$OUT/linear.json" ;;
