@@ -220,7 +220,7 @@ def make_graphed_callables(
     captures, held = _capture_all(callables, args_per, kwargs_per, precisions, pool,
                                   _Options(num_warmup_iters, allow_unused_input, retain_graph_in_backward,
                                            pre_warmup_hook, post_warmup_hook))
-    graphed = [_wrap(c, capture, args, kwargs, held) for c, capture, args, kwargs in zip(callables, captures, args_per, kwargs_per)]
+    graphed = [_wrap(*each, held) for each in zip(callables, captures, args_per, kwargs_per)]
     return graphed[0] if single else tuple(graphed)
 
 
@@ -234,7 +234,8 @@ class _Options:
 
 
 def _resolve_aliases(deprecated: Dict[str, Any], **values) -> Dict[str, Any]:
-    """``values`` with TE's deprecated names folded in; ValueError for an unknown name or a name given twice."""
+    """``values`` with TE's deprecated names folded in; TypeError for an unknown name, ValueError for a name
+    given twice (deprecated and new)."""
     for old, value in deprecated.items():
         if old not in _ALIASES:
             raise TypeError(f"make_graphed_callables() got an unexpected keyword argument {old!r}")
@@ -356,7 +357,9 @@ def _flat_outputs(outputs) -> Tuple[Tuple[torch.Tensor, ...], pytree.TreeSpec]:
     leaves, spec = pytree.tree_flatten(outputs)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"a graphed callable must return tensors (in tuples, lists or dicts); it returned a {type(leaf).__name__}")
+            raise TypeError(
+                f"a graphed callable must return tensors (in tuples, lists or dicts); it returned a {type(leaf).__name__}"
+            )
     return tuple(leaves), spec
 
 
