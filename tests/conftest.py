@@ -2,7 +2,9 @@
 
 - the ``gpu`` marker skips tests when no CUDA device is present;
 - every test seeds torch with ``TE_FL_TEST_SEED + crc32(test id)``: each test draws its own fresh
-  inputs, and a failure reproduces from the seed alone.
+  inputs, and a failure reproduces from the seed alone;
+- on a machine with a GPU, a test without the ``gpu`` marker runs as on a CPU-only machine (as in CI):
+  ``torch.cuda.is_available()`` answers False inside it, so modules default to the CPU like its inputs.
 """
 
 import importlib.util
@@ -40,3 +42,13 @@ def _seed_per_test(request):
 
     base = int(os.environ.get("TE_FL_TEST_SEED", "0"))
     torch.manual_seed(base + zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only_unless_gpu_marked(request, monkeypatch):
+    """Hide the GPU from tests without the ``gpu`` marker (see the module docstring)."""
+    if "gpu" in request.keywords or not _has_cuda():
+        return
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
