@@ -155,3 +155,25 @@ def test_global_state_manager_queries():
     assert FP8GlobalStateManager.fp8_graph_capturing() is False
     with te.autocast(enabled=False, calibrating=True, recipe=DelayedScaling()):
         assert FP8GlobalStateManager.is_fp8_calibration() and not FP8GlobalStateManager.is_fp8_enabled()
+
+
+def test_isolated_stack_runs_an_inner_autocast_as_the_outermost():
+    """Inside isolated_stack (CUDA-graph capture) an autocast's updates run at its own exit and backward,
+    the callback sees each state before its update, and the caller's stack comes back unchanged."""
+    from transformer_engine.pytorch.quantization.autocast import isolated_stack
+
+    recipe = DelayedScaling(amax_history_len=4)
+    layer = te.Linear(16, 16)
+    seen = []
+    with te.autocast(enabled=False):  # the caller's own autocast, still open during the capture
+        with isolated_stack(lambda state: seen.append(float(state.amax_history.abs().sum()))):
+            assert FP8GlobalStateManager.get_autocast_depth() == 0
+            with te.autocast(recipe=recipe):
+                y = layer(torch.randn(8, 16))
+            fwd = layer.fp8_meta["scaling_fwd"]
+            assert float(fwd.amax_history[0].abs().sum()) == 0.0 and float(fwd.amax_history[-1].abs().sum()) > 0  # rolled
+            y.sum().backward()
+            bwd = layer.fp8_meta["scaling_bwd"]
+            assert float(bwd.amax_history[-1].abs().sum()) > 0  # the backward update ran at the end of backward
+        assert seen == [0.0, 0.0]  # forward and backward states, seen before any update
+        assert FP8GlobalStateManager.get_autocast_depth() == 1 and not current_config().enabled

@@ -271,3 +271,16 @@ def test_amax_max_reduced_across_ranks():
     scales = dict(results.get() for _ in range(2))
     for rank in range(2):
         torch.testing.assert_close(torch.tensor(scales[rank]), torch.tensor(expected))
+
+
+def test_hold_plans_collects_the_plans_used_inside():
+    """hold_plans() lists the update plans (their buffers) used in its body, and only those."""
+    recipe = DelayedScaling(amax_history_len=3)
+    states = [DelayedScalingRecipeState(recipe, "forward", 2, "cpu") for _ in range(2)]
+    with delayed_update.hold_plans() as held:
+        reduce_and_update(states, recipe)
+        reduce_and_update(states, recipe)
+    reduce_and_update(states[:1], recipe)  # after the context: not collected
+    assert len(held) == 2 and held[0] is held[1]  # the cached plan, once per update
+    (group,) = held[0]
+    assert group.history.shape == (3, 4) and all(h is s.amax_history for h, s in zip(group.state_histories, states))
