@@ -10,7 +10,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from tests.utils import randn
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 
 RECIPE = DelayedScaling(margin=1, fp8_format=Format.HYBRID, amax_history_len=5, amax_compute_algo="max")
 
@@ -180,13 +180,13 @@ def test_zero_token_batches(recipe):
         assert all(p.grad is not None and torch.all(p.grad == 0) for p in module.parameters())
 
 
-@pytest.mark.parametrize("recipe", [RECIPE, Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [RECIPE, Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
 def test_inference_casts_no_transposed_copies(monkeypatch, recipe):
     """Under torch.no_grad the FP8 forward writes no x^T / W^T (nothing will run backward); with grad it does."""
     from transformer_engine.plugin import ops
 
     calls = []
-    for name in ("cast_transpose", "fp8_transpose"):
+    for name in ("cast_transpose", "fp8_transpose", "cast_transpose_blockwise"):
         real = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *args, _real=real, _name=name, **kwargs: calls.append(_name) or _real(*args, **kwargs))
     model, x = _model(), randn(8, 32)
