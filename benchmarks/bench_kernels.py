@@ -357,9 +357,14 @@ def _first_float(result) -> torch.Tensor:
     return _flatten(result if isinstance(result, (tuple, list)) else (result,))[0].float()
 
 
+def _formulation(case: Case, provider: str) -> Optional[Callable]:
+    """The case's function that a provider calls (flag_gems: the torch one), or None when there is none."""
+    return case.fns.get("torch" if provider == "flag_gems" else provider)
+
+
 def _provider_fn(case: Case, provider: str) -> Callable:
     """The function a provider runs: flag_gems runs the torch formulation under ``flag_gems.use_gems()``."""
-    fn = case.fns["torch" if provider == "flag_gems" else provider]
+    fn = _formulation(case, provider)
 
     def run(*args):
         with _gems_context(provider):
@@ -386,7 +391,7 @@ def check_error(case: Case, provider: str = "flagos") -> float:
 def time_case(case: Case, provider: str) -> float:
     """Median milliseconds of one call, rotating over the input sets."""
     sets = itertools.cycle(_input_sets(case))
-    fn = case.fns["torch" if provider == "flag_gems" else provider]
+    fn = _formulation(case, provider)
     with _gems_context(provider):  # entered once: its cost stays out of the timing
         return triton.testing.do_bench(lambda: fn(*next(sets)), warmup=10, rep=100, return_mode="median")
 
@@ -424,7 +429,7 @@ def run(only: Sequence[str], providers: Sequence[str]) -> List[dict]:
                 continue
             flagos_err = check_error(case)
             for provider in providers:
-                if (case.fns.get("torch" if provider == "flag_gems" else provider)) is None:
+                if _formulation(case, provider) is None:
                     continue
                 err = check_error(case, provider) if provider == "flag_gems" else flagos_err
                 ms = time_case(case, provider)
