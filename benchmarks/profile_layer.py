@@ -11,9 +11,13 @@ under ``torch.profiler`` and prints
   source line;
 - the kernels with the largest total GPU time, with their call counts per step;
 - the tensors autograd saves for backward (by storage, so views are counted once; parameters
-  left out), grouped by shape and dtype: what the activation memory consists of.
+  left out), grouped by shape and dtype: what the activation memory consists of;
+- on a GPU, what is allocated at the step's peak (``torch.cuda.memory`` history of one step): each
+  live block by the line of our code (or the benchmark's) that allocated it, so the table names what
+  the peak consists of and where in the step it happens.
 
     python benchmarks/profile_layer.py --variants plain,bf16,fp8_delayed --json profile.json
+    python benchmarks/profile_layer.py --variants plain,fp8_delayed --memory-only   # the peak alone
     python benchmarks/profile_layer.py --small                          # CPU smoke run
 """
 
@@ -174,6 +178,48 @@ def op_sources(step: Callable, op: str, device: str) -> Counter:
     return found
 
 
+def peak_breakdown(step: Callable) -> Tuple[int, str, Counter]:
+    """(peak bytes, the line whose allocation reached the peak, {allocating line: live bytes at the peak}) of one step.
+
+    Blocks allocated before the step (parameters, inputs) count as "before the step". A line is the
+    innermost frame of transformer_engine or of the benchmarks, else the innermost Python frame.
+    """
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live: Dict[int, Tuple[int, str]] = {}  # addr -> (bytes, allocating line)
+    freed_before = 0  # blocks of before the step that the step frees
+    now = peak = before
+    peak_live: Dict[int, Tuple[int, str]] = {}
+    peak_freed_before, peak_line = 0, "before the step"
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _allocating_line(event.get("frames", [])))
+            now += event["size"]
+            if now > peak:
+                peak, peak_live, peak_freed_before, peak_line = now, dict(live), freed_before, live[event["addr"]][1]
+        elif event["action"] == "free_requested":
+            now -= event["size"]
+            if live.pop(event["addr"], None) is None:
+                freed_before += event["size"]
+    by_line = Counter({"before the step": before - peak_freed_before})
+    for size, line in peak_live.values():
+        by_line[line] += size
+    return peak, peak_line, by_line
+
+
+def _allocating_line(frames) -> str:
+    ours = [f for f in frames if "transformer_engine/" in f["filename"] or "benchmarks/" in f["filename"]]
+    frame = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+    return f"{frame['filename'].rsplit('/', 2)[-1] if 'benchmarks/' in frame['filename'] else frame['filename'].split('transformer_engine/')[-1]}:{frame['line']} {frame['name']}"
+
+
 def _our_callers(event, depth: int = 3):
     """The innermost ``depth`` Python frames of transformer_engine that (indirectly) called a profiler event."""
     frames, parent = [], event.cpu_parent
@@ -190,6 +236,7 @@ def main() -> None:
     parser.add_argument("--variants", default="plain,bf16,fp8_delayed")
     parser.add_argument("--top", type=int, default=25, help="kernels listed per variant")
     parser.add_argument("--host-top", type=int, default=0, help="print the N functions with the most host time in a step (cProfile)")
+    parser.add_argument("--memory-only", action="store_true", help="only the peak-memory breakdown (GPU)")
     parser.add_argument("--sources", default="", help="aten ops (comma separated) whose callers are listed, e.g. aten::copy_")
     args = parser.parse_args()
     s = SMALL if args.small else LayerShape()
@@ -203,6 +250,18 @@ def main() -> None:
             dy = torch.randn_like(x)
 
             step = fwd_bwd_step(layer, x, dy, ctx)
+            step()
+            if device == "cuda":
+                peak, peak_line, by_line = peak_breakdown(step)
+                print_table(
+                    f"{variant}: peak {peak / 2**20:.0f} MiB, reached by {peak_line}; live blocks at the peak by allocating line",
+                    ["allocated at", "MiB"],
+                    [[line[:100], f"{b / 2**20:.1f}"] for line, b in by_line.most_common(args.top) if b],
+                )
+                report[variant] = {"peak_bytes": peak, "peak_line": peak_line, "peak_by_line": dict(by_line)}
+                if args.memory_only:
+                    layer = None
+                    continue
             ms = time_fn(step, warmup=3, iters=10, device=torch.device(device))
             chained = back_to_back_ms(step, device)
             host = host_ms(step, device)
@@ -227,7 +286,7 @@ def main() -> None:
                 ["shape", "dtype", "MiB"],
                 [[str(shape), dtype, f"{b / 2**20:.1f}"] for (shape, dtype), b in saved.most_common()],
             )
-            report[variant] = {
+            report.setdefault(variant, {}).update({
                 "ms": ms,
                 "back_to_back_ms": chained,
                 "gpu_busy_ms": busy_us / 1e3,
@@ -235,7 +294,7 @@ def main() -> None:
                 "sync_points": dict(syncs),
                 "kernels": {k: {"us_per_step": us, "calls_per_step": c} for k, (us, c) in kernels.items()},
                 "saved_bytes": {f"{shape} {dtype}": b for (shape, dtype), b in saved.items()},
-            }
+            })
             layer = None
     write_json(args.json, {"shape": s.__dict__, "device": device, "variants": report})
 

@@ -2,7 +2,7 @@
 # Everything we check on the H200 in one call: GPU tests, then each benchmark (JSON + logs to $OUT),
 # then a short summary. Usage on the GPU machine: OUT=/some/dir bash scripts/gpu_check.sh [stage ...]
 # Stages: info tests kernels norms sweep attention linear layer profile host dispatch jax demo (default: all, in order);
-# also graphs (the CUDA-graph tests alone, a quick check).
+# also graphs (the CUDA-graph tests alone, a quick check) and memory (what the headline layer's peak consists of).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -33,6 +33,7 @@ for stage in $STAGES; do
         attention) run attention 240 python3 benchmarks/bench_attention.py --json "$OUT/attention.json" ;;
         linear) run linear 240 python3 benchmarks/bench_linear.py --json "$OUT/linear.json" ;;
         layer) run layer 420 python3 benchmarks/bench_transformer_layer.py --json "$OUT/layer.json" ;;
+        memory) run memory 240 python3 benchmarks/profile_layer.py --variants plain,bf16,fp8_delayed,fp8_current --memory-only --json "$OUT/memory.json" ;;
         profile) run profile 300 python3 benchmarks/profile_layer.py --json "$OUT/profile.json" ;;
         host) run host 300 python3 benchmarks/bench_host_overhead.py --json "$OUT/host.json" ;;
         dispatch) run dispatch 120 python3 benchmarks/bench_dispatch.py ;;
