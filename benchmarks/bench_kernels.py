@@ -295,31 +295,45 @@ def optimizer_cases() -> List[Case]:
 
 
 def dropout_cases(m: int = 8192, h: int = 4096, p: float = 0.1) -> List[Case]:
-    """Dropout fwd / bwd and the fused bias-dropout-add at the Transformer layer's [8192, 4096] bf16."""
+    """Dropout fwd / bwd and the fused bias-dropout-add at the Transformer layer's [8192, 4096] bf16.
+
+    Ideal bytes count the keep mask at one bit per element (our ops' packed mask); PyTorch's bool
+    mask moves eight times that.
+    """
+    from transformer_engine.plugin.backends._dropout_mask import pack_keep, unpack_keep
+
     fm, ref = _backends("misc")
     scale = 1.0 / (1.0 - p)
     randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=BF16)  # noqa: E731
     make_x = lambda: (randn(m, h),)  # noqa: E731
-    make_bwd = lambda: (randn(m, h), torch.rand(m, h, device="cuda") >= p)  # noqa: E731
+
+    def make_bwd():
+        keep = torch.rand(m, h, device="cuda") >= p
+        return randn(m, h), keep, pack_keep(keep)
+
     make_bda = lambda: (randn(m, h), randn(h), randn(m, h))  # noqa: E731
 
-    def dropout_formula(args, result):  # y = x * m * scale with flagos' m
-        return (args[0].float() * result[1] * scale).to(BF16)
+    def keep_of(args, result):  # the provider's own mask, as bools
+        return result[1] if result[1].dtype == torch.bool else unpack_keep(result[1], args[0].shape)
 
-    def bda_formula(args, result):  # out = r + (x + b) * m * scale with flagos' m
+    def dropout_formula(args, result):  # y = x * m * scale with the provider's m
+        return (args[0].float() * keep_of(args, result) * scale).to(BF16)
+
+    def bda_formula(args, result):  # out = r + (x + b) * m * scale with the provider's m
         x, bias, residual = (a.float() for a in args)
-        return (residual + (x + bias) * result[1] * scale).to(BF16)
+        return (residual + (x + bias) * keep_of(args, result) * scale).to(BF16)
 
     mh, shape = m * h, f"[{m}, {h}] bf16, p={p}"
+    mask_bytes = (mh // 8, torch.uint8)
     return [
-        Case("dropout_fwd", shape, _nbytes((2 * mh, BF16), (mh, torch.bool)), make_x, {
+        Case("dropout_fwd", shape, _nbytes((2 * mh, BF16), mask_bytes), make_x, {
             "flagos": lambda x: fm.dropout_fwd(x, p), "reference": lambda x: ref.dropout_fwd(x, p),
             "torch": lambda x: torch.ops.aten.native_dropout(x, p, True)}, expected=dropout_formula),
-        Case("dropout_bwd", shape, _nbytes((2 * mh, BF16), (mh, torch.bool)), make_bwd, {
-            "flagos": lambda dy, keep: fm.dropout_bwd(dy, keep, p),
-            "reference": lambda dy, keep: ref.dropout_bwd(dy, keep, p),
-            "torch": lambda dy, keep: torch.ops.aten.native_dropout_backward(dy, keep, scale)}),
-        Case("bias_dropout_add_fwd", shape, _nbytes((3 * mh, BF16), (mh, torch.bool), (h, BF16)), make_bda, {
+        Case("dropout_bwd", shape, _nbytes((2 * mh, BF16), mask_bytes), make_bwd, {
+            "flagos": lambda dy, keep, packed: fm.dropout_bwd(dy, packed, p),
+            "reference": lambda dy, keep, packed: ref.dropout_bwd(dy, packed, p),
+            "torch": lambda dy, keep, packed: torch.ops.aten.native_dropout_backward(dy, keep, scale)}),
+        Case("bias_dropout_add_fwd", shape, _nbytes((3 * mh, BF16), mask_bytes, (h, BF16)), make_bda, {
             "flagos": lambda x, b, r: fm.bias_dropout_add_fwd(x, b, r, p),
             "reference": lambda x, b, r: ref.bias_dropout_add_fwd(x, b, r, p),
             "torch": lambda x, b, r: r + F.dropout(x + b, p)}, expected=bda_formula),

@@ -8,6 +8,7 @@ import torch
 
 from tests.utils import dtype_tols, randn
 from transformer_engine.plugin import ops
+from transformer_engine.plugin.backends._dropout_mask import unpack_keep
 from transformer_engine.pytorch import _dropout
 from transformer_engine.pytorch._dropout import bias_dropout_add, dropout
 
@@ -43,7 +44,8 @@ def test_bias_dropout_add():
 def _mask_of_call(seed, x, bias, residual, p):
     """The keep mask bias_dropout_add_fwd draws after torch.manual_seed(seed) (the fused path's own)."""
     torch.manual_seed(seed)
-    return ops.bias_dropout_add_fwd(x.detach(), None if bias is None else bias.detach(), residual.detach(), p)[1]
+    mask = ops.bias_dropout_add_fwd(x.detach(), None if bias is None else bias.detach(), residual.detach(), p)[1]
+    return unpack_keep(mask, x.shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

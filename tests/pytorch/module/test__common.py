@@ -2,7 +2,8 @@
 
 import torch
 
-from transformer_engine.pytorch.module._common import no_torch_autocast
+from transformer_engine.pytorch.module._common import backward_frees_graph, no_torch_autocast, release
+from transformer_engine.pytorch.quantization import Float8Tensor
 
 _CPU = torch.device("cpu")
 
@@ -28,3 +29,39 @@ def test_no_torch_autocast_without_autocast_changes_nothing():
             out = torch.mm(a, b)
     assert out.dtype == torch.float32
     assert not torch.is_autocast_enabled("cpu")
+
+
+class _Probe(torch.autograd.Function):
+    """Records what backward_frees_graph() says inside its backward."""
+
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, dy):
+        _Probe.seen.append(backward_frees_graph())
+        return dy * 2
+
+
+def test_backward_frees_graph_only_inside_a_backward_that_frees_it():
+    assert not backward_frees_graph()  # outside any backward
+    x = torch.randn(3, requires_grad=True)
+    _Probe.seen.clear()
+    y = _Probe.apply(x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    torch.autograd.grad(_Probe.apply(x).sum(), x)
+    assert _Probe.seen == [False, True, True]
+
+
+def test_release_frees_fp8_values_and_leaves_high_precision_tensors_alone():
+    data, data_t, scale_inv = torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.zeros(8, 4, dtype=torch.float8_e4m3fn), torch.ones(())
+    release(Float8Tensor(data, scale_inv, data_t))
+    assert data.untyped_storage().nbytes() == 0 and data_t.untyped_storage().nbytes() == 0
+    assert scale_inv.item() == 1.0  # shared with other operands: kept
+    user_tensor = torch.ones(4, 8)
+    release(user_tensor)
+    assert torch.equal(user_tensor, torch.ones(4, 8))

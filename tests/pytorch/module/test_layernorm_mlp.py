@@ -82,6 +82,24 @@ def test_layernorm_mlp_fp8_sqnr(recipe, act):
         assert history.shape[1] == 4 and history[-1, 0] > 0 and history[-1, 2] > 0  # GRAD_OUTPUT1 (fc1), GRAD_OUTPUT2 (fc2)
 
 
+@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling()], ids=["bf16", "current"])
+@pytest.mark.parametrize("make", [lambda: te.LayerNormMLP(32, 64, activation="swiglu"), lambda: te.Linear(32, 32)], ids=["mlp", "linear"])
+def test_backward_with_retain_graph_runs_twice(recipe, make):
+    """A backward that frees its graph overwrites h and frees FP8 copies early; one that keeps it must not.
+    (Current scaling: under delayed scaling the first backward's update changes the second one's dy scale.)"""
+    layer = make()
+    x, dy = randn(16, 32).requires_grad_(), randn(16, 32)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        y = layer(x)
+    y.backward(dy, retain_graph=True)
+    first = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad()
+    y.backward(dy)
+    for a, b in zip(first, [x.grad] + [p.grad for p in layer.parameters()]):
+        assert torch.equal(a, b)
+
+
 def test_parameters_and_errors():
     mlp = te.LayerNormMLP(32, 64, activation="geglu", set_parallel_mode=True, tp_size=2)
     shapes = {n: tuple(p.shape) for n, p in mlp.named_parameters()}

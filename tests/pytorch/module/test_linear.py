@@ -1,5 +1,7 @@
 """te.Linear against torch.nn.Linear (fp32 / bf16 / fp16), in FP8 by SQNR, and its options and errors."""
 
+import copy
+
 import pytest
 import torch
 
@@ -65,31 +67,66 @@ def test_linear_fp8_sqnr(recipe, dtype):
     assert sqnr(ref_grads["bias"], grads["bias"]) >= 30.0  # from high-precision dy
 
 
-def test_fp8_saves_the_input_in_fp8():
-    layer = te.Linear(32, 16)
-    x = torch.randn(48, 32, requires_grad=True)
+def _saved_during_forward(layer, x, recipe, **kwargs):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
-        with te.autocast(recipe=Float8CurrentScaling()):
-            layer(x)
-    fp8 = [shape for dtype, shape in saved if dtype == torch.float8_e4m3fn]
-    assert fp8 == [(32, 48), (32, 16)]  # only x^T and W^T, the layouts wgrad and dgrad read
-    assert all(shape == () for dtype, shape in saved if dtype == torch.float32)  # only scale_inv in float32
+        with te.autocast(recipe=recipe):
+            layer(x, **kwargs)
+    return saved
+
+
+def test_fp8_saves_the_input_in_fp8_and_no_copy_of_the_weight():
+    layer = te.Linear(32, 16)
+    x = torch.randn(48, 32, requires_grad=True)
+    saved = _saved_during_forward(layer, x, Float8CurrentScaling())
+    assert [shape for dtype, shape in saved if dtype == torch.float8_e4m3fn] == [(32, 48)]  # x^T, what wgrad reads
+    assert (torch.float32, (16, 32)) in saved  # W itself: backward casts W^T again (no FP8 copy held)
+    assert all(shape in ((), (16, 32)) for dtype, shape in saved if dtype == torch.float32)  # scale_inv, W
+    cached = _saved_during_forward(layer, x, Float8CurrentScaling(), is_first_microbatch=True)
+    assert [shape for dtype, shape in cached if dtype == torch.float8_e4m3fn] == [(32, 48), (32, 16)]  # x^T, cached W^T
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("make", [lambda: te.Linear(64, 48), lambda: te.LayerNormLinear(64, 80), lambda: te.LayerNormMLP(64, 96)],
+                         ids=["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_weight_transpose_cast_in_backward_equals_the_cached_one(recipe, make):
+    """W^T cast again in backward (no cache) has the values of the W^T cast in forward (cache): same grads, bit for bit."""
+    torch.manual_seed(0)
+    fresh = make()
+    cached = copy.deepcopy(fresh)
+    x, dy = randn(128, 64), randn(128, 64 if isinstance(fresh, te.LayerNormMLP) else fresh.out_features)
+    results = []
+    for layer, kwargs in ((fresh, {}), (cached, {"is_first_microbatch": True})):
+        for step in range(2):  # the second step casts with scales the first one updated
+            layer.zero_grad()
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=recipe):
+                y = layer(xi, **kwargs)
+            y.backward(dy)
+        results.append([y, xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("make", [lambda: te.Linear(64, 48), lambda: te.LayerNormLinear(64, 80), lambda: te.LayerNormMLP(64, 96)])
-def test_forward_keeps_only_the_transposed_fp8_copies(make):
-    """Between forward and backward no row-major FP8 weight stays alive (ctx keeps W^T only, not W)."""
+def test_no_fp8_weight_copy_lives_from_forward_to_backward(make):
+    """Without a weight cache no FP8 copy of a weight stays alive after forward (backward casts W^T again);
+    with ``is_first_microbatch=True`` the cache keeps W and W^T."""
     import gc
 
     layer = make()
     weights = [tuple(p.shape) for p in layer.parameters() if p.dim() == 2]
-    with te.autocast(recipe=DelayedScaling()):
-        y = layer(randn(32, 64).requires_grad_(True))
-    gc.collect()
-    live = [tuple(t.shape) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn]
-    assert sorted(s for s in live if s in weights or s[::-1] in weights) == sorted(w[::-1] for w in weights)  # one W^T each
-    y.sum().backward()
+
+    def live_fp8_weights():
+        gc.collect()
+        live = [tuple(t.shape) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn]
+        return sorted(s for s in live if s in weights or s[::-1] in weights)
+
+    for cache, expected in ((None, []), (True, sorted(weights + [w[::-1] for w in weights]))):
+        with te.autocast(recipe=DelayedScaling()):
+            y = layer(randn(32, 64).requires_grad_(True), is_first_microbatch=cache)
+        assert live_fp8_weights() == expected
+        y.sum().backward()
 
 
 def test_torch_autocast_interplay():

@@ -13,7 +13,7 @@ from typing import Callable, Dict
 
 from transformer_engine.plugin.core.catalog import get_spec
 
-__all__ = ["FORWARD_OPS", "ACTIVATION_OP_NAMES", "activation_ops", "backward_name", "module_getattr"]
+__all__ = ["FORWARD_OPS", "ACTIVATION_OP_NAMES", "activation_ops", "backward_name", "check_in_place", "module_getattr"]
 
 FORWARD_OPS = ("gelu", "qgelu", "relu", "srelu", "silu", "glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu")
 
@@ -21,6 +21,18 @@ FORWARD_OPS = ("gelu", "qgelu", "relu", "srelu", "silu", "glu", "geglu", "qgeglu
 def backward_name(op: str) -> str:
     """Catalog name of the backward of forward op ``op`` (``dgelu``, ..., ``clamped_dswiglu``)."""
     return "clamped_dswiglu" if op == "clamped_swiglu" else "d" + op
+
+
+def check_in_place(x, activation: str) -> None:
+    """``dactivation_``'s own rules: a forward op name, and an x the gradient can be written over.
+
+    Raises:
+        ValueError: unknown activation, or x not contiguous.
+    """
+    if activation not in FORWARD_OPS:
+        raise ValueError(f"activation={activation!r} is not one of the forward activation ops {FORWARD_OPS}")
+    if not x.is_contiguous():
+        raise ValueError(f"dactivation_ writes the gradient over x, which must be contiguous (strides {tuple(x.stride())})")
 
 
 ACTIVATION_OP_NAMES = tuple(name for op in FORWARD_OPS for name in (op, backward_name(op)))

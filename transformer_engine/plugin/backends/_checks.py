@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from transformer_engine.plugin.backends._dropout_mask import packed_bytes
 from transformer_engine.plugin.backends._fp8 import (
     check_fp8_output,
     check_high_precision,
@@ -82,12 +83,15 @@ def dropout_scale(p: float) -> float:
 
 
 def check_dropout_mask(dy: torch.Tensor, mask) -> None:
-    """dropout_bwd: ``mask`` is the bool keep mask of the forward, with dy's shape."""
+    """dropout_bwd: ``mask`` is the forward's packed keep mask (uint8, one bit per element of dy)."""
     check_tensor(mask, "mask")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"dropout mask has dtype {mask.dtype}; pass the bool keep mask returned by the forward")
-    if mask.shape != dy.shape:
-        raise ValueError(f"dropout mask shape {tuple(mask.shape)} must equal the gradient's {tuple(dy.shape)}")
+    if mask.dtype != torch.uint8:
+        raise TypeError(f"dropout mask has dtype {mask.dtype}; pass the packed uint8 keep mask returned by the forward")
+    if mask.dim() != 1 or mask.numel() != packed_bytes(dy.numel()):
+        raise ValueError(
+            f"dropout mask has shape {tuple(mask.shape)}; the packed mask of a gradient of {dy.numel()} elements "
+            f"has {packed_bytes(dy.numel())} bytes"
+        )
 
 
 def check_bias_dropout_add(x: torch.Tensor, bias, residual) -> None:

@@ -142,3 +142,13 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     Returns: (q, scale_inv, amax) as ``quantize(act(x), fp8_scale, fp8_dtype, amax_out)``; ``limit``
     and ``alpha`` are used by clamped_swiglu only.
     """
+
+
+@declare
+def dactivation_(dy, x, activation, limit=7.0, alpha=1.702):
+    """x <- the backward of ``activation`` (one of the twelve forward op names) written over its input x.
+
+    x = d<activation>(dy, x) in place (``clamped_dswiglu`` for clamped_swiglu), for a backward that
+    no longer needs x afterwards: the gradient then takes no memory of its own. x must be contiguous.
+    Returns: x. ``limit`` and ``alpha`` are used by clamped_swiglu only.
+    """

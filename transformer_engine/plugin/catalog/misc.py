@@ -7,13 +7,14 @@ from transformer_engine.plugin.core.catalog import declare
 def dropout_fwd(x, p):
     """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the device's default generator.
 
-    Returns: (y like x, m as a bool tensor of x's shape, True = kept).
+    Returns: (y like x, m packed: uint8 [ceil(numel / 8)], element i kept where bit i % 8 of byte i // 8
+    is set, least significant bit first, over x flattened row-major; the bits past numel are 0).
     """
 
 
 @declare
 def dropout_bwd(dy, mask, p):
-    """dx = dy * mask / (1 - p)."""
+    """dx = dy * m / (1 - p), ``mask`` the packed m of the forward (see :func:`dropout_fwd`)."""
 
 
 @declare
@@ -23,7 +24,7 @@ def bias_dropout_add_fwd(x, bias, residual, p):
     ``bias`` is [H] (H = x's last dim, broadcast over the rows) or None; ``residual`` has x's shape.
     Math in float32, ``out`` in x's dtype. The backward is :func:`dropout_bwd` with the same m:
     dx = dout * m / (1 - p), dbias = sum over rows of dx, dresidual = dout.
-    Returns: (out like x, m as a bool tensor of x's shape, True = kept).
+    Returns: (out like x, m packed as in :func:`dropout_fwd`).
     """
 
 

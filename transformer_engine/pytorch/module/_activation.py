@@ -68,7 +68,10 @@ class ActivationConfig:
 
         return run
 
-    def backward(self, dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """dh = dy * act'(h) (for gated ops: the gradient of both halves)."""
+    def backward(self, dy: torch.Tensor, h: torch.Tensor, overwrite_h: bool = False) -> torch.Tensor:
+        """dh = dy * act'(h) (for gated ops: the gradient of both halves); with ``overwrite_h`` written
+        over h (``ops.dactivation_``), which must then be contiguous and unused afterwards."""
+        if overwrite_h:
+            return ops.dactivation_(dy, h, self.name, self.limit, self.alpha)
         name = "clamped_dswiglu" if self.name == _CLAMPED else f"d{self.name}"
         return getattr(ops, name)(dy, h, **self._kwargs())

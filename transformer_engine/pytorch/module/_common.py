@@ -14,11 +14,11 @@ from typing import Callable, ContextManager, List, Optional, Sequence, Union
 
 import torch
 
-from ..quantization.float8_tensor import Float8Tensor
+from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 
 __all__ = [
-    "Operand", "cast", "for_backward", "grad_output_operand", "no_torch_autocast", "quantize_operand", "save", "saved",
-    "unflatten", "without_operands",
+    "Operand", "backward_frees_graph", "cast", "for_backward", "grad_output_operand", "no_torch_autocast", "quantize_operand",
+    "release", "save", "saved", "unflatten", "without_operands",
 ]
 
 Operand = Union[torch.Tensor, Float8Tensor]
@@ -71,9 +71,12 @@ def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, need_d
     return dy_op, dy.sum(dim=0, dtype=torch.float32) if need_db else None
 
 
-def for_backward(op: Operand) -> Operand:
-    """A forward GEMM operand as the backward GEMMs read it: FP8 keeps only its transpose (wgrad reads x^T, dgrad W^T)."""
-    return op.transpose_only() if isinstance(op, Float8Tensor) else op
+def for_backward(op: Operand) -> Union[Operand, DeferredTranspose]:
+    """A forward GEMM operand as the backward GEMMs read it: FP8 keeps only its transpose (wgrad reads x^T,
+    dgrad W^T), or nothing but the weight when backward casts W^T again (``deferred_t``)."""
+    if not isinstance(op, Float8Tensor):
+        return op
+    return op.deferred_t if op.deferred_t is not None else op.transpose_only()
 
 
 def without_operands(args, *fields: str):
@@ -86,11 +89,12 @@ def without_operands(args, *fields: str):
 
 
 def save(ctx, *items: Optional[Operand]) -> None:
-    """ctx.save_for_backward(items), with each FP8 operand stored as its tensors (``to_saved``; some may be None)."""
+    """ctx.save_for_backward(items), with each FP8 operand (or deferred transpose) stored as its tensors
+    (``to_saved``; some may be None)."""
     flat: List[Optional[torch.Tensor]] = []
     layout: List[Optional[tuple]] = []
     for item in items:
-        if isinstance(item, Float8Tensor):
+        if isinstance(item, (Float8Tensor, DeferredTranspose)):
             tensors, rebuild = item.to_saved()
             flat.extend(tensors)
             layout.append((len(tensors), rebuild))
@@ -105,6 +109,33 @@ def saved(ctx) -> List[Optional[Operand]]:
     """The items given to :func:`save`, in order."""
     flat = iter(ctx.saved_tensors)
     return [next(flat) if entry is None else entry[1](*[next(flat) for _ in range(entry[0])]) for entry in ctx.saved_layout]
+
+
+def backward_frees_graph() -> bool:
+    """True inside a backward that frees the autograd graph as it goes (``retain_graph=False``, the usual
+    case): the tensors a node saved are then used once, so its backward may overwrite or free them as
+    soon as it is done with them, before the node ends (which would free them only then). False
+    outside a backward, under ``retain_graph=True``, where torch cannot tell, and while a CUDA graph
+    is being captured (the graph's pool holds its memory anyway; freeing there failed cuBLAS's capture)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keep_graph is None or keep_graph():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def release(op: Optional[Operand], owned: bool = False, transpose_only: bool = False) -> None:
+    """Free the memory of an operand that this backward has used for the last time (the caller checks
+    :func:`backward_frees_graph`): the values of an FP8 operand (a module casts those itself, so no one
+    else holds them; its scale_inv stays, other operands may share it), only its transposed copy with
+    ``transpose_only``, and a high-precision tensor only when ``owned`` (the node's own intermediate:
+    it may otherwise be the caller's tensor)."""
+    if isinstance(op, Float8Tensor):
+        tensors = (op.data_t if op.data is not None else None,) if transpose_only else (op.data, op.data_t)
+    else:
+        tensors = (op,) if owned else ()
+    for t in tensors:
+        if t is not None:
+            t.untyped_storage().resize_(0)
 
 
 def unflatten(y: torch.Tensor, like_shape: Sequence[int]) -> torch.Tensor:

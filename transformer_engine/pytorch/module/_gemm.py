@@ -19,15 +19,15 @@ each side passes the copy quantized along K (``data`` or ``data_t``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
 from transformer_engine.plugin import ops
 
 from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor
-from ..quantization.float8_tensor import Float8Tensor
-from ._common import Operand
+from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
+from ._common import Operand, release
 
 __all__ = ["WgradTarget", "dgrad", "fprop", "gemm", "linear_backward"]
 
@@ -70,8 +70,10 @@ def fprop(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dtype: torch
     return gemm(x, w, trans_b=True, bias=bias, out_dtype=out_dtype, split_accumulator=split_accumulator)
 
 
-def dgrad(dy: Operand, w: Operand, out_dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:
-    """dx = dy @ W, dy [M, N], W [N, K]."""
+def dgrad(dy: Operand, w: Union[Operand, DeferredTranspose], out_dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:
+    """dx = dy @ W, dy [M, N], W [N, K] (a deferred W^T is cast now and dropped after this GEMM)."""
+    if isinstance(w, DeferredTranspose):
+        w = w.materialize()
     return gemm(dy, w, out_dtype=out_dtype, split_accumulator=split_accumulator)
 
 
@@ -115,9 +117,13 @@ def _main_grad_placeholder(params) -> Optional[torch.Tensor]:
     return make(shape, dtype=params[0].dtype, device=params[0].device)
 
 
-def linear_backward(dy_op: Operand, x: Operand, w: Operand, need: Tuple[bool, bool], target: WgradTarget,
-                    split_accumulator: Tuple[bool, bool, bool], dx_dtype: torch.dtype):
+def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTranspose], need: Tuple[bool, bool],
+                    target: WgradTarget, split_accumulator: Tuple[bool, bool, bool], dx_dtype: torch.dtype,
+                    release_wgrad_operands: bool = False):
     """(dx, dW) of y = x @ W^T + b; each is None when ``need`` (dx, dW) says so (db comes with dy's cast).
+
+    wgrad runs first, so that with ``release_wgrad_operands`` the saved FP8 x^T and dy's FP8 transpose (the copies
+    only wgrad reads) are freed before dgrad allocates dx.
 
     Args:
         dy_op: dy as GEMM operand (FP8 or high precision), [M, N].
@@ -126,8 +132,12 @@ def linear_backward(dy_op: Operand, x: Operand, w: Operand, need: Tuple[bool, bo
         target: where dW goes.
         split_accumulator: of the (fprop, dgrad, wgrad) GEMMs.
         dx_dtype: dtype of dx (the activation dtype).
+        release_wgrad_operands: free those copies once wgrad has read them (a backward that frees its graph, see ``release``).
     """
     need_dx, need_dw = need
-    dx = dgrad(dy_op, w, dx_dtype, split_accumulator[1]) if need_dx else None
     dw = _wgrad(dy_op, x, target, split_accumulator[2]) if need_dw else None
+    if release_wgrad_operands:
+        release(x)
+        release(dy_op, transpose_only=True)
+    dx = dgrad(dy_op, w, dx_dtype, split_accumulator[1]) if need_dx else None
     return dx, dw

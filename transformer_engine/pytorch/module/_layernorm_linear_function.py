@@ -2,8 +2,8 @@
 
 Forward: the norm writes its output directly as the FP8 GEMM operand (fused cast), unless the
 high-precision norm output is returned too (``return_layernorm_output``), then it is cast after.
-Saved: x (for the norm backward), gamma, the statistics, and the transposed FP8 norm output and W
-(what wgrad and dgrad read).
+Saved: x (for the norm backward), gamma, the statistics, the transposed FP8 norm output (what wgrad
+reads) and W (backward casts W^T again for dgrad, see ``DeferredTranspose``).
 Backward: dy -> FP8 (E5M2 under HYBRID) with dy^T; dgrad and wgrad as in Linear; the norm backward takes the
 dgrad result (plus the gradient of the returned norm output).
 Tensor / sequence parallelism: ``args.comm`` is called at the marked points (``# comm``), see
@@ -21,7 +21,7 @@ import torch
 from ..quantization.quantizer import IDENTITY
 from ..parallel.linear_comm import NO_COMM, LinearComm
 from ._common import (
-    Operand, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten,
+    Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten,
     without_operands,
 )
 from ._fp8_meta import ForwardQuantization
@@ -90,7 +90,8 @@ class LayerNormLinearFunction(torch.autograd.Function):
             need_dw, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
             dy_op, db = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
             need = (any(ctx.needs_input_grad[:3]), need_dw)
-            d_ln, dw = linear_backward(dy_op, ln_op, w_op, need, args.wgrad, q.split_accumulator, args.dtype)
+            d_ln, dw = linear_backward(dy_op, ln_op, w_op, need, args.wgrad, q.split_accumulator, args.dtype,
+                                       release_wgrad_operands=backward_frees_graph())
             d_ln, db = comm.reduce_grad_input(d_ln), comm.reduce_bias_grad(db)  # comm
             dx = dgamma = dbeta = None
             if d_ln is not None:

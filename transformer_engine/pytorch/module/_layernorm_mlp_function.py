@@ -2,10 +2,12 @@
 
 Forward: norm -> FP8 (fused cast, slot GEMM1_INPUT); h = fc1 fprop (high precision, kept for the
 activation backward); a = act(h) -> FP8 by the fused activation cast (slot GEMM2_INPUT); y = fc2 fprop.
-Saved: x, gamma, statistics, h, and the transposed FP8 norm output, activation output and both
-weights (the layouts the wgrad and dgrad GEMMs read).
-Backward: dy -> FP8 (GRAD_OUTPUT2) with dy^T; fc2 dgrad/wgrad; dh = dact(da, h) -> FP8 (GRAD_OUTPUT1)
-with dh^T; fc1 dgrad/wgrad; norm backward.
+Saved: x, gamma, statistics, h, the transposed FP8 norm output and activation output (what wgrad
+reads) and both weights (backward casts W^T again for dgrad, see ``DeferredTranspose``).
+Backward: dy -> FP8 (GRAD_OUTPUT2) with dy^T; fc2 wgrad/dgrad; dh = dact(da, h) -> FP8 (GRAD_OUTPUT1)
+with dh^T; fc1 wgrad/dgrad; norm backward. Peak memory: when the backward frees its graph (the usual
+``retain_graph=False``), act(h)^T goes after fc2's wgrad, dh is written over h and h goes once dh is
+cast, so the [tokens, F]-sized tensors never pile up.
 Tensor / sequence parallelism: fc1 is column-parallel (``args.fc1_comm``), fc2 row-parallel
 (``args.fc2_comm``), called at the marked points (``# comm``), see :mod:`..parallel.linear_comm`.
 """
@@ -18,7 +20,10 @@ import torch
 
 from ._activation import ActivationConfig
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, save, saved, unflatten, without_operands
+from ._common import (
+    Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, release, save, saved, unflatten,
+    without_operands,
+)
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 from ._layernorm_linear_function import norm_then_quantize
@@ -80,17 +85,22 @@ class LayerNormMLPFunction(torch.autograd.Function):
         g1, g2 = q.gemms
         inp_dtype, gamma_dtype, beta_dtype, b1_dtype, b2_dtype = ctx.dtypes
         x, gamma, ln_op, w1, h, a_op, w2, *stats = saved(ctx)
+        frees_graph = backward_frees_graph()
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), dtype)
             dy_op, db2 = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], needs[6])  # comm
-            da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype)
+            da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,
+                                      release_wgrad_operands=frees_graph)
             db2 = comm2.reduce_bias_grad(db2)  # comm
-            del dy_op, dy_hp  # the [M, F]-sized temporaries go as soon as they are used (peak memory)
-            dh = args.activation.backward(da, h)
+            del dy_op, dy_hp
+            dh = args.activation.backward(da, h, overwrite_h=frees_graph)
             del da
             dh_op, db1 = grad_output_operand(g1.grad_output, dh, comm1, needs[3], needs[4])
+            if frees_graph and dh_op is not dh:  # dh is cast: h's storage goes (the saved h would keep it)
+                release(dh, owned=True)
             del dh
-            d_ln, dw1 = linear_backward(dh_op, ln_op, w1, (True, needs[3]), args.fc1_wgrad, q.split_accumulator, dtype)
+            d_ln, dw1 = linear_backward(dh_op, ln_op, w1, (True, needs[3]), args.fc1_wgrad, q.split_accumulator, dtype,
+                                        release_wgrad_operands=frees_graph)
             del dh_op
             d_ln = comm1.reduce_grad_input(d_ln)  # comm
             if args.return_layernorm_output:

@@ -1,11 +1,12 @@
 """The autograd Function of ``Linear``: y = x @ W^T + b with its three GEMMs in FP8 under autocast.
 
 Forward: x is cast by the input quantizer (FP8: E4M3, with x^T in the same pass), W arrives as its
-operand (FP8 with W^T, possibly cached); fprop y = gemm(x, W^T) + b in the activation dtype. Saved for
-backward: x^T and W^T (FP8 under autocast: neither the high-precision x nor the row-major FP8 copies
-are kept).
-Backward: dy is cast by the grad-output quantizer (E5M2 under HYBRID) with dy^T; dgrad dx = dy @ W,
-wgrad dW = dy^T @ x (into ``main_grad`` with fuse_wgrad_accumulation), db = sum_rows(dy).
+operand (FP8; with W^T when cached across micro-batches); fprop y = gemm(x, W^T) + b in the activation
+dtype. Saved for backward: x^T (FP8 under autocast: neither the high-precision x nor the row-major FP8
+copy is kept) and W itself, from which backward casts W^T again (a cached operand: its W^T).
+Backward: dy is cast by the grad-output quantizer (E5M2 under HYBRID) with dy^T; wgrad dW = dy^T @ x
+(into ``main_grad`` with fuse_wgrad_accumulation), then dgrad dx = dy @ W, db = sum_rows(dy). When the
+backward frees its graph, x^T and dy^T go before dgrad allocates dx (see ``_gemm.linear_backward``).
 Tensor / sequence parallelism: ``args.comm`` is called at the marked points (``# comm``), see
 :mod:`..parallel.linear_comm`; without it each call returns its argument.
 """
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten, without_operands
+from ._common import Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten, without_operands
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
 
@@ -71,7 +72,8 @@ class LinearFunction(torch.autograd.Function):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
             need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
             dy_op, db = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
-            dx, dw = linear_backward(dy_op, x_op, w_op, (need_dx, need_dw), args.wgrad, q.split_accumulator, args.dtype)
+            dx, dw = linear_backward(dy_op, x_op, w_op, (need_dx, need_dw), args.wgrad, q.split_accumulator, args.dtype,
+                                     release_wgrad_operands=backward_frees_graph())
             dx, db = comm.reduce_grad_input(dx), comm.reduce_bias_grad(db)  # comm
         if q.backward_update is not None:
             q.backward_update()

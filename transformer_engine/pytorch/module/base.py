@@ -248,12 +248,15 @@ class TransformerEngineBaseModule(torch.nn.Module):
                         is_first_microbatch: Optional[bool]) -> Operand:
         """The weight as GEMM operand; FP8 copies are cached per TE's ``is_first_microbatch`` rule.
 
-        None: quantize, no cache. True: quantize and cache. False: reuse the cache (the weight's amax
-        is then not recorded), quantizing only if there is none yet. With autograd on, the FP8 copy
-        carries W^T too (written in the same pass), the layout of the dgrad GEMM.
+        None: quantize, no cache; with autograd on, backward casts W^T (the dgrad layout) again from
+        the weight (``quantize_weight``), so no FP8 copy of W lives from forward to backward. True:
+        quantize and cache. False: reuse the cache (the weight's amax is then not recorded), quantizing
+        only if there is none yet. A cached copy carries W^T too, written in the same pass.
         """
         if not quantizer.is_fp8:
             return quantizer.quantize(weight)
+        if is_first_microbatch is None and torch.is_grad_enabled():
+            return quantizer.quantize_weight(weight.detach())
         cached = self._weight_cache.get(key)
         if is_first_microbatch is False and cached is not None:
             return cached

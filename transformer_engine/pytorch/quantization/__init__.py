@@ -28,7 +28,7 @@ from .availability import (
     is_nvfp4_available,
 )
 from .float8_blockwise_tensor import Float8BlockwiseTensor
-from .float8_tensor import Float8Tensor
+from .float8_tensor import DeferredTranspose, Float8Tensor
 from .global_state import FP8GlobalStateManager
 from .model_init import fp8_model_init, quantized_model_init
 from .quantizer import (
@@ -36,6 +36,7 @@ from .quantizer import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    FixedScaleQuantizer,
     IdentityQuantizer,
     Quantizer,
 )
@@ -44,6 +45,7 @@ from .roles import FP8BwdTensors, FP8FwdTensors
 
 __all__ = [
     "AmaxObserver",
+    "DeferredTranspose",
     "DelayedScalingRecipeState",
     "FP8BwdTensors",
     "FP8FwdTensors",
@@ -56,6 +58,7 @@ __all__ = [
     "Float8CurrentScalingRecipeState",
     "Float8Quantizer",
     "Float8Tensor",
+    "FixedScaleQuantizer",
     "IdentityQuantizer",
     "QuantizationConfig",
     "Quantizer",

@@ -10,17 +10,23 @@ A 2-D tensor may also carry its transpose ``data_t = data^T`` (contiguous): Hopp
 both operands along K (the "TN" layout), so dgrad and wgrad need the transposed copies of W, dy and
 x. They are made once, where the tensor is quantized (``cast_transpose``), instead of per GEMM. An
 operand kept only for wgrad drops its row-major ``data`` (``transpose_only``).
+
+A weight's W^T need not live from forward to backward at all: :class:`DeferredTranspose` keeps the
+high-precision weight (alive anyway as the parameter) and casts W^T again when dgrad needs it, with
+the scale forward used, so the values are the same. For a whole layer this takes one byte per weight
+element off the peak of a training step, for one more read of W per step.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
 
 from transformer_engine.plugin import ops
 
-__all__ = ["Float8Tensor"]
+__all__ = ["DeferredTranspose", "Float8Tensor"]
 
 
 class Float8Tensor:
@@ -33,6 +39,8 @@ class Float8Tensor:
         data: FP8 values with the tensor's logical shape (None when only ``data_t`` is kept).
         scale_inv: 0-d (or one-element) float32 tensor, 1 / scale.
         data_t: the contiguous transpose of a 2-D ``data``, or None.
+        deferred_t: for a weight whose transpose backward casts again, the :class:`DeferredTranspose`
+            that does it (see ``Quantizer.quantize_weight``); else None.
 
     Raises:
         ValueError: neither ``data`` nor ``data_t`` is given.
@@ -45,7 +53,7 @@ class Float8Tensor:
         tensor([ 1., -2.])
     """
 
-    __slots__ = ("data", "scale_inv", "data_t")
+    __slots__ = ("data", "scale_inv", "data_t", "deferred_t")
 
     def __init__(self, data: Optional[torch.Tensor], scale_inv: torch.Tensor, data_t: Optional[torch.Tensor] = None):
         if data is None and data_t is None:
@@ -53,6 +61,7 @@ class Float8Tensor:
         self.data = data
         self.scale_inv = scale_inv
         self.data_t = data_t
+        self.deferred_t = None
 
     def __repr__(self) -> str:
         return f"Float8Tensor(data={self.data!r}, scale_inv={self.scale_inv!r}, data_t={self.data_t!r})"
@@ -99,3 +108,31 @@ class Float8Tensor:
         if self.data is None:
             return ops.dequantize(self.data_t, self.scale_inv, dtype).t()
         return ops.dequantize(self.data, self.scale_inv, dtype)
+
+
+class DeferredTranspose:
+    """W^T for the dgrad GEMM, cast again from the weight W in backward instead of kept from forward.
+
+    ``quantizer.quantize(W, columnwise=True)`` must give the values forward's cast gave: the same
+    scale (``FixedScaleQuantizer`` holds a copy of a delayed or current scale) or a cast that depends
+    on W alone (block scaling). Autograd saves W itself (``to_saved``), so an in-place change of W
+    before backward is caught by its version counter, as for any saved tensor.
+
+    Attributes:
+        weight: the high-precision weight [N, K].
+        quantizer: casts it again, recording no amax.
+    """
+
+    __slots__ = ("weight", "quantizer")
+
+    def __init__(self, weight: torch.Tensor, quantizer):
+        self.weight = weight
+        self.quantizer = quantizer
+
+    def to_saved(self):
+        """((weight,), rebuild): what ``save_for_backward`` stores and the callable that makes this object again."""
+        return (self.weight,), partial(DeferredTranspose, quantizer=self.quantizer)
+
+    def materialize(self) -> Float8Tensor:
+        """W^T as an FP8 operand keeping only ``data_t``, cast now."""
+        return self.quantizer.quantize(self.weight, columnwise=True).transpose_only()

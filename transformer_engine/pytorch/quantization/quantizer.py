@@ -6,6 +6,8 @@ All quantizers share one interface, so module code never asks which recipe is ac
   written in the same pass when ``columnwise``, for the backward GEMMs), or ``x`` itself in high precision;
 - ``quantize_with_dbias(x)`` casts a 2-D gradient with its transpose and also returns its float32
   column sums (the bias gradient), fused into the cast where the quantizer casts to FP8;
+- ``quantize_weight(w)`` returns w's operand for fprop only, carrying a :class:`DeferredTranspose`
+  that casts W^T again in backward (so no FP8 copy of w lives from forward to backward);
 - ``produce(run, columnwise=False)`` quantizes the output of a producer op that can fuse the cast (norm,
   activation); ``columnwise`` says backward reads the transposed copy (quantizers that can make it
   later from the FP8 values, such as delayed scaling's fused casts, leave it to ``transpose_only``).
@@ -24,6 +26,7 @@ The recipe picks the quantizer class:
 | :class:`Float8Quantizer` | DelayedScaling | ``state.scale[i]`` from earlier steps; amax recorded into ``amax_history[0, i]`` |
 | :class:`Float8CurrentScalingQuantizer` | Float8CurrentScaling | fp8_max / amax(x) of this very tensor |
 | :class:`Float8BlockQuantizer` | Float8BlockScaling | fp8_max / amax of each 1 x 128 or 128 x 128 tile |
+| :class:`FixedScaleQuantizer` | (a weight cast again in backward) | a copy of the scale forward used; records no amax |
 | :class:`AmaxObserver` | calibration (``autocast(calibrating=True)``) | none: records amax, stays high precision |
 """
 
@@ -37,7 +40,7 @@ from transformer_engine.common.recipe import QParams
 from transformer_engine.plugin import ops
 
 from .float8_blockwise_tensor import Float8BlockwiseTensor
-from .float8_tensor import Float8Tensor
+from .float8_tensor import DeferredTranspose, Float8Tensor
 from .scaling import amax_to_scale, fp8_max
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "Float8BlockQuantizer",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
+    "FixedScaleQuantizer",
     "IDENTITY",
     "IdentityQuantizer",
     "Quantizer",
@@ -71,6 +75,15 @@ class Quantizer:
     def quantize_with_dbias(self, x: torch.Tensor):
         """(operand of a 2-D x with its transpose, float32 column sums of x): a gradient's cast and its bias gradient."""
         return self.quantize(x, columnwise=True), x.sum(dim=0, dtype=torch.float32)
+
+    def quantize_weight(self, w: torch.Tensor):
+        """w's FP8 operand for fprop (no transpose), its ``deferred_t`` casting W^T again for dgrad.
+
+        This default casts again with this quantizer: right where the cast depends on w alone.
+        """
+        operand = self.quantize(w)
+        operand.deferred_t = DeferredTranspose(w, self)
+        return operand
 
     def produce(self, run: ProducerFn, columnwise: bool = False):
         """Run ``run`` in high precision, then :meth:`quantize` its output; returns (operand, extras)."""
@@ -146,6 +159,12 @@ class Float8Quantizer(Quantizer):
         scale, slot = self._views()
         return _cast(x, scale, self.fp8_dtype, columnwise, slot)[0]
 
+    def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
+        """The cast with this step's scale, amax recorded; W^T is cast again with a copy of that scale
+        (the update after forward changes the state's scale in place) and records nothing."""
+        scale, slot = self._views()
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, slot, scale.clone())
+
     def quantize_with_dbias(self, x: torch.Tensor):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
         scale, slot = self._views()
@@ -192,6 +211,11 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
         return _cast(x, self._scale_of(x), self.fp8_dtype, columnwise)[0]
 
+    def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
+        """The cast with w's scale; W^T is cast again with that same scale tensor (no second amax pass)."""
+        scale = self._scale_of(w)
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, None, scale)
+
     def quantize_with_dbias(self, x: torch.Tensor):
         """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
         q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, self._scale_of(x), self.fp8_dtype)
@@ -236,6 +260,26 @@ class Float8BlockQuantizer(Quantizer):
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8BlockQuantizer":
         """Self: sharded tensors are gathered in high precision and cast whole (``gathers_quantized``)."""
         return self
+
+
+class FixedScaleQuantizer(Quantizer):
+    """Per-tensor FP8 casts with a given scale that record no amax: a weight cast again in backward."""
+
+    is_fp8 = True
+
+    def __init__(self, scale: torch.Tensor, fp8_dtype: torch.dtype):
+        self.scale = scale
+        self.fp8_dtype = fp8_dtype
+
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
+        return _cast(x, self.scale, self.fp8_dtype, columnwise)[0]
+
+
+def _fixed_scale_weight(w, scale, fp8_dtype, amax_out, recast_scale) -> Float8Tensor:
+    """w cast with ``scale`` (amax into ``amax_out``), W^T deferred to a cast with ``recast_scale``."""
+    operand = _cast(w, scale, fp8_dtype, False, amax_out)[0]
+    operand.deferred_t = DeferredTranspose(w, FixedScaleQuantizer(recast_scale, fp8_dtype))
+    return operand
 
 
 class AmaxObserver(Quantizer):

@@ -72,6 +72,29 @@ def test_activation_quantize_bf16_e5m2_clamped(device):
     torch.testing.assert_close(amax.cpu(), amax_ref.cpu(), rtol=4e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("op", PLAIN + GATED)
+def test_dactivation_in_place(op, dtype, device):
+    """dactivation_ writes the backward op's result over x, equal to the new-tensor op (flagos and reference)."""
+    x = randn(3, 5, 38, dtype=dtype, scale=4.0, device=device)
+    dy = randn(*getattr(ref, op)(x).shape, dtype=dtype, device=device)
+    flagos, reference = x.clone(), x.clone()
+    assert fa.dactivation_(dy, flagos, op) is flagos and ref.dactivation_(dy, reference, op) is reference
+    assert torch.equal(flagos, getattr(fa, _backward_name(op))(dy, x))  # the same kernel, writing over x
+    assert_close(reference, getattr(ref, _backward_name(op))(dy, x))
+
+
+def test_dactivation_in_place_errors(device):
+    x = randn(4, 8, device=device)
+    for backend in (fa, ref):
+        with pytest.raises(ValueError, match="contiguous"):
+            backend.dactivation_(randn(4, 2, device=device), x[:, :4], "swiglu")
+        with pytest.raises(ValueError, match="tanh"):
+            backend.dactivation_(x, x, "tanh")
+        with pytest.raises(ValueError, match="dy has shape"):
+            backend.dactivation_(randn(4, 8, device=device), x, "swiglu")
+
+
 def test_errors_and_supports(device):
     x = randn(2, 7, device=device)
     with pytest.raises(ValueError, match="even"):

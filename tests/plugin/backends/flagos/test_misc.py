@@ -9,6 +9,7 @@ import torch
 from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_close, flagos_and_reference
 from tests.utils import randn
 from transformer_engine.plugin.backends import flagos, reference
+from transformer_engine.plugin.backends._dropout_mask import pack_keep, packed_bytes, unpack_keep
 from transformer_engine.plugin.backends.flagos import misc as fm
 from transformer_engine.plugin.backends.reference import misc as ref
 
@@ -21,6 +22,11 @@ from transformer_engine.plugin.backends.reference import misc as ref
 def _keep_bound(p: float, n: int) -> float:
     """6 sigma of the kept fraction of n Bernoulli(1 - p) draws."""
     return 6 * math.sqrt(p * (1 - p) / n)
+
+
+def _keep(mask, shape):
+    """The bool keep mask (on the CPU) of a packed mask."""
+    return unpack_keep(mask.cpu(), shape)
 
 
 def _rng_state(device):
@@ -39,12 +45,14 @@ def _set_rng_state(device, state) -> None:
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_matches_formula_with_its_mask(shape, dtype, p, device):
     x = randn(*shape, dtype=dtype, device=device)
-    y, keep = fm.dropout_fwd(x, p)
-    assert keep.dtype == torch.bool and keep.shape == x.shape and y.dtype == dtype and y.shape == x.shape
+    y, mask = fm.dropout_fwd(x, p)
+    assert mask.dtype == torch.uint8 and mask.shape == (packed_bytes(x.numel()),) and y.dtype == dtype and y.shape == x.shape
+    keep = unpack_keep(mask, x.shape)
+    assert torch.equal(mask, pack_keep(keep)), "the bits past numel are 0"
     assert not bool(y[~keep].any()), "dropped elements must be exactly 0"
     assert_close(y, (x.double() * keep / (1 - p)).to(dtype))
     dy = randn(*shape, dtype=dtype, device=device)
-    dx = fm.dropout_bwd(dy, keep, p)
+    dx = fm.dropout_bwd(dy, mask, p)
     assert_close(dx, (dy.double() * keep / (1 - p)).to(dtype))
     if p == 0.5:
         assert torch.equal(y, x * keep * 2) and torch.equal(dx, dy * keep * 2)
@@ -53,7 +61,7 @@ def test_dropout_matches_formula_with_its_mask(shape, dtype, p, device):
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.83])
 def test_keep_fraction_and_distinct_quarters(p, device):
     n = 5000
-    keep = fm.dropout_fwd(randn(n, device=device), p)[1].cpu()
+    keep = _keep(fm.dropout_fwd(randn(n, device=device), p)[1], (n,))
     assert abs(keep.double().mean().item() - (1 - p)) < _keep_bound(p, n)
     for start in (0, fm._QUARTER, 2 * fm._QUARTER):  # each quarter uses another Philox output
         part = keep[start:start + fm._QUARTER]
@@ -63,7 +71,7 @@ def test_keep_fraction_and_distinct_quarters(p, device):
 
 def test_many_programs_draw_distinct_masks(monkeypatch, device):
     monkeypatch.setattr(fm, "_QUARTER", 64)  # 4000 elements -> 16 programs of 4 quarters
-    keep = fm.dropout_fwd(randn(4000, device=device), 0.5)[1].cpu()
+    keep = _keep(fm.dropout_fwd(randn(4000, device=device), 0.5)[1], (4000,))
     chunks = keep[: 62 * 64].view(62, 64)  # the last 32 elements make a partial chunk
     assert len({tuple(c.tolist()) for c in chunks}) == 62, "two chunks drew the same numbers"
     assert abs(keep.double().mean().item() - 0.5) < _keep_bound(0.5, 4000)
@@ -86,16 +94,17 @@ def test_seeding_replay_and_fresh_masks(device):
 def test_edge_probabilities_and_layouts(device):
     x = randn(37, 29, device=device)
     x[0, 0] = float("inf")
-    y, keep = fm.dropout_fwd(x, 0.0)
-    assert bool(keep.all()) and torch.equal(y, x)
-    y, keep = fm.dropout_fwd(x, 1.0)
-    assert not bool(keep.any()) and not bool(y.any())
-    assert not bool(fm.dropout_bwd(x, keep, 1.0).any())
-    y, keep = fm.dropout_fwd(x.t(), 0.5)  # non-contiguous: copied first
+    y, mask = fm.dropout_fwd(x, 0.0)
+    assert bool(_keep(mask, x.shape).all()) and torch.equal(y, x)
+    y, mask = fm.dropout_fwd(x, 1.0)
+    assert not bool(mask.any()) and not bool(y.any())
+    assert not bool(fm.dropout_bwd(x, mask, 1.0).any())
+    y, mask = fm.dropout_fwd(x.t(), 0.5)  # non-contiguous: copied first
+    keep = unpack_keep(mask, (29, 37))
     assert y.shape == (29, 37) and torch.equal(y, x.t() * keep * 2)
-    assert torch.equal(fm.dropout_bwd(x.t(), keep, 0.5), x.t() * keep * 2)
-    y, keep = fm.dropout_fwd(randn(0, 5, device=device), 0.5)
-    assert y.shape == keep.shape == (0, 5)
+    assert torch.equal(fm.dropout_bwd(x.t(), mask, 0.5), x.t() * keep * 2)
+    y, mask = fm.dropout_fwd(randn(0, 5, device=device), 0.5)
+    assert y.shape == (0, 5) and mask.shape == (0,)
 
 
 @pytest.mark.parametrize("dtype", HP_DTYPES)
@@ -104,8 +113,9 @@ def test_edge_probabilities_and_layouts(device):
 def test_bias_dropout_add_matches_float64_formula(rows, hidden, dtype, with_bias, device):
     x, residual = randn(rows, hidden, dtype=dtype, device=device), randn(rows, hidden, dtype=dtype, device=device)
     bias = randn(hidden, dtype=dtype, device=device) if with_bias else None
-    out, keep = fm.bias_dropout_add_fwd(x, bias, residual, 0.3)
-    assert keep.dtype == torch.bool and keep.shape == x.shape and out.dtype == dtype
+    out, mask = fm.bias_dropout_add_fwd(x, bias, residual, 0.3)
+    assert mask.dtype == torch.uint8 and mask.shape == (packed_bytes(x.numel()),) and out.dtype == dtype
+    keep = unpack_keep(mask, x.shape)
     h = x.double() + (0 if bias is None else bias.double())
     assert_close(out, (residual.double() + h * keep / 0.7).to(dtype))
 
@@ -113,7 +123,8 @@ def test_bias_dropout_add_matches_float64_formula(rows, hidden, dtype, with_bias
 def test_bias_dropout_add_mixed_dtypes_and_batched_rows(device):
     x = randn(2, 3, 5003, dtype=torch.bfloat16, device=device)  # bias index wraps mid-quarter
     bias, residual = randn(5003, device=device), randn(2, 3, 5003, dtype=torch.float16, device=device)
-    out, keep = fm.bias_dropout_add_fwd(x, bias, residual, 0.5)
+    out, mask = fm.bias_dropout_add_fwd(x, bias, residual, 0.5)
+    keep = unpack_keep(mask, x.shape)
     assert out.dtype == torch.bfloat16
     assert_close(out, (residual.double() + (x.double() + bias.double()) * keep * 2).to(torch.bfloat16))
 
@@ -124,13 +135,13 @@ def test_dropout_errors_and_supports(device):
         with pytest.raises(ValueError, match=r"p=.* must be in \[0, 1\]"):
             fm.dropout_fwd(x, bad)
         with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
-            fm.dropout_bwd(x, x > 0, bad)
+            fm.dropout_bwd(x, pack_keep(x > 0), bad)
         with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
             fm.bias_dropout_add_fwd(x, None, x, bad)
-    with pytest.raises(ValueError, match="mask shape"):
-        fm.dropout_bwd(x, (x > 0)[:2], 0.5)
-    with pytest.raises(TypeError, match="bool"):
-        fm.dropout_bwd(x, (x > 0).float(), 0.5)
+    with pytest.raises(ValueError, match="3 bytes"):
+        fm.dropout_bwd(x, pack_keep(x > 0)[:2], 0.5)
+    with pytest.raises(TypeError, match="uint8"):
+        fm.dropout_bwd(x, x > 0, 0.5)  # the unpacked bool mask
     with pytest.raises(ValueError, match=r"bias must be \[6\]"):
         fm.bias_dropout_add_fwd(x, randn(5, device=device), x, 0.5)
     with pytest.raises(ValueError, match="residual"):
@@ -148,8 +159,8 @@ def test_dropout_errors_and_supports(device):
 def test_dispatch_runs_flagos(monkeypatch, device):
     manager = flagos_and_reference(monkeypatch, device)
     x = randn(5, 8, device=device)
-    (out, keep), impl = manager.dispatcher("bias_dropout_add_fwd").traced(x, randn(8, device=device), x, 0.5)
-    assert impl.impl_id == flagos.IMPL_ID and keep.shape == x.shape
+    (out, mask), impl = manager.dispatcher("bias_dropout_add_fwd").traced(x, randn(8, device=device), x, 0.5)
+    assert impl.impl_id == flagos.IMPL_ID and mask.shape == (packed_bytes(x.numel()),)
     _, impl = manager.dispatcher("dropout_fwd").traced(x.double(), 0.5)  # declined: the reference runs
     assert impl.impl_id == reference.IMPL_ID
 
@@ -157,20 +168,22 @@ def test_dispatch_runs_flagos(monkeypatch, device):
 @pytest.mark.gpu
 def test_dropout_large_gpu():
     x, dy = randn(8192, 4096, dtype=torch.bfloat16, device="cuda"), randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
-    y, keep = fm.dropout_fwd(x, 0.1)
+    y, mask = fm.dropout_fwd(x, 0.1)
+    keep = unpack_keep(mask, x.shape)
     assert abs(keep.double().mean().item() - 0.9) < _keep_bound(0.1, keep.numel())
     assert not bool(y[~keep].any())
     assert_close(y, (x.double() * keep / 0.9).to(torch.bfloat16))
-    assert_close(fm.dropout_bwd(dy, keep, 0.1), (dy.double() * keep / 0.9).to(torch.bfloat16))
-    y, keep = fm.dropout_fwd(x, 0.5)
-    assert torch.equal(y, x * keep * 2)
+    assert_close(fm.dropout_bwd(dy, mask, 0.1), (dy.double() * keep / 0.9).to(torch.bfloat16))
+    y, mask = fm.dropout_fwd(x, 0.5)
+    assert torch.equal(y, x * unpack_keep(mask, x.shape) * 2)
 
 
 @pytest.mark.gpu
 def test_bias_dropout_add_large_gpu():
     x, residual = randn(8192, 4096, dtype=torch.bfloat16, device="cuda"), randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
     bias = randn(4096, dtype=torch.bfloat16, device="cuda")
-    out, keep = fm.bias_dropout_add_fwd(x, bias, residual, 0.1)
+    out, mask = fm.bias_dropout_add_fwd(x, bias, residual, 0.1)
+    keep = unpack_keep(mask, x.shape)
     assert abs(keep.double().mean().item() - 0.9) < _keep_bound(0.1, keep.numel())
     assert_close(out, (residual.double() + (x.double() + bias.double()) * keep / 0.9).to(torch.bfloat16))
 

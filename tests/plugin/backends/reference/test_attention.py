@@ -8,6 +8,7 @@ import torch
 
 from tests.utils import dtype_tols, randn
 from transformer_engine.plugin import ops
+from transformer_engine.plugin.backends._dropout_mask import unpack_keep
 from transformer_engine.plugin.backends.reference.attention import fused_attn_bwd, fused_attn_fwd
 from transformer_engine.plugin.catalog.attention import AttentionConfig
 
@@ -221,8 +222,8 @@ def test_dropout_mask_statistics_and_consistency():
     config = AttentionConfig(softmax_scale=0.3, dropout_p=p, mask_type="causal")
     q, k, v = _inputs(2, 31, 37, 4, 2, 8, 6)
     out, ctx = fused_attn_fwd(q, k, v, config)
-    (keep,) = ctx.keep_masks
-    assert keep.dtype == torch.bool and keep.shape == (2, 4, 31, 37)
+    (mask,) = ctx.keep_masks
+    keep = unpack_keep(mask, (2, 4, 31, 37))  # the packed mask of dropout_fwd
     n = keep.numel()
     assert abs(keep.float().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)  # 5 sigma
     leaves = [t.double().requires_grad_() for t in (q, k, v)]

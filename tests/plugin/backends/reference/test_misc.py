@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from tests.utils import dtype_tols, randn
 from transformer_engine.plugin import ops
+from transformer_engine.plugin.backends._dropout_mask import pack_keep, packed_bytes, unpack_keep
 from transformer_engine.plugin.backends.reference.misc import (
     bias_dropout_add_fwd,
     cross_entropy_bwd,
@@ -22,29 +23,40 @@ from transformer_engine.plugin.backends.reference.misc import (
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dropout_keeps_1_minus_p_and_scales(p, dtype):
     x = randn(61, 127, dtype=dtype)
-    y, keep = dropout_fwd(x, p)
-    assert keep.dtype == torch.bool and keep.shape == x.shape and y.dtype == dtype
+    y, mask = dropout_fwd(x, p)
+    assert mask.dtype == torch.uint8 and mask.shape == (packed_bytes(x.numel()),) and y.dtype == dtype
+    keep = unpack_keep(mask, x.shape)
     n = keep.numel()
     assert abs(keep.float().mean().item() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)  # 5 sigma
     torch.testing.assert_close(y.double(), x.double() * keep / (1 - p), **dtype_tols(dtype))
     dy = randn(61, 127, dtype=dtype)
-    torch.testing.assert_close(dropout_bwd(dy, keep, p).double(), dy.double() * keep / (1 - p), **dtype_tols(dtype))
+    torch.testing.assert_close(dropout_bwd(dy, mask, p).double(), dy.double() * keep / (1 - p), **dtype_tols(dtype))
+
+
+@pytest.mark.parametrize("numel", [1, 8, 13, 64, 1001])
+def test_packed_mask_round_trip(numel):
+    keep = torch.rand(numel) < 0.5
+    mask = pack_keep(keep)
+    assert mask.dtype == torch.uint8 and mask.shape == (packed_bytes(numel),)
+    assert torch.equal(unpack_keep(mask, (numel,)), keep)
+    assert int(mask[0]) == sum(int(keep[j]) << j for j in range(min(8, numel)))  # bit j = element j, LSB first
 
 
 def test_dropout_edge_probabilities_and_generator():
     x = randn(7, 13)
-    y, keep = dropout_fwd(x, 0.0)
-    assert keep.all() and torch.equal(y, x)
-    y, keep = dropout_fwd(x, 1.0)
-    assert not keep.any() and torch.all(y == 0)
+    y, mask = dropout_fwd(x, 0.0)
+    assert unpack_keep(mask, x.shape).all() and torch.equal(y, x)
+    assert mask[-1] == 0b111  # 91 elements: the last byte holds 3 of them, the bits past numel are 0
+    y, mask = dropout_fwd(x, 1.0)
+    assert not mask.any() and torch.all(y == 0)
     torch.manual_seed(7)
     first = dropout_fwd(x, 0.5)[1]
     torch.manual_seed(7)
     assert torch.equal(first, ops.dropout_fwd(x, 0.5)[1])  # same default generator through ops
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         dropout_fwd(x, 1.5)
-    with pytest.raises(ValueError, match="shape"):
-        dropout_bwd(x, keep[:3], 0.5)
+    with pytest.raises(ValueError, match="12 bytes"):
+        dropout_bwd(x, mask[:3], 0.5)
 
 
 @pytest.mark.parametrize("rows, hidden", [(1, 1), (5, 7), (61, 127)])
@@ -53,33 +65,34 @@ def test_dropout_edge_probabilities_and_generator():
 def test_bias_dropout_add_matches_float64_formula(rows, hidden, dtype, with_bias):
     x, residual = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype)
     bias = randn(hidden, dtype=dtype) if with_bias else None
-    out, keep = bias_dropout_add_fwd(x, bias, residual, 0.3)
-    assert keep.dtype == torch.bool and keep.shape == x.shape and out.dtype == dtype
+    out, mask = bias_dropout_add_fwd(x, bias, residual, 0.3)
+    assert mask.dtype == torch.uint8 and out.dtype == dtype
+    keep = unpack_keep(mask, x.shape)
     h = x.double() + (0 if bias is None else bias.double())
     torch.testing.assert_close(out.double(), (residual.double() + h * keep / 0.7).to(dtype).double(), **dtype_tols(dtype))
 
 
 def test_bias_dropout_add_statistics_seeding_and_errors():
     x, bias, residual = randn(50, 100), randn(100), randn(50, 100)
-    out, keep = bias_dropout_add_fwd(x, bias, residual, 0.83)
+    keep = unpack_keep(bias_dropout_add_fwd(x, bias, residual, 0.83)[1], x.shape)
     assert abs(keep.double().mean().item() - 0.17) < 6 * math.sqrt(0.83 * 0.17 / keep.numel())  # 6 sigma
     torch.manual_seed(3)
     first = ops.bias_dropout_add_fwd(x, bias, residual, 0.5)[1]
     assert not torch.equal(first, ops.bias_dropout_add_fwd(x, bias, residual, 0.5)[1])
     torch.manual_seed(3)
     assert torch.equal(bias_dropout_add_fwd(x, bias, residual, 0.5)[1], first)
-    out, keep = bias_dropout_add_fwd(x, bias, residual, 1.0)
-    assert not keep.any() and torch.equal(out, residual)
-    out, keep = bias_dropout_add_fwd(x, None, residual, 0.0)
-    assert keep.all() and torch.equal(out, residual + x)
+    out, mask = bias_dropout_add_fwd(x, bias, residual, 1.0)
+    assert not mask.any() and torch.equal(out, residual)
+    out, mask = bias_dropout_add_fwd(x, None, residual, 0.0)
+    assert unpack_keep(mask, x.shape).all() and torch.equal(out, residual + x)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         bias_dropout_add_fwd(x, bias, residual, -0.5)
     with pytest.raises(ValueError, match=r"bias must be \[100\]"):
         bias_dropout_add_fwd(x, randn(50, 100), residual, 0.5)
     with pytest.raises(ValueError, match="residual"):
         bias_dropout_add_fwd(x, bias, residual[:, :5], 0.5)
-    with pytest.raises(TypeError, match="bool"):
-        dropout_bwd(x, keep.float(), 0.5)
+    with pytest.raises(TypeError, match="uint8"):
+        dropout_bwd(x, unpack_keep(mask, x.shape), 0.5)  # the unpacked bool mask
 
 
 def _reference_ce(logits, target, grad_loss, eps, ignore_index):

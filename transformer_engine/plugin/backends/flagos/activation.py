@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, module_getattr
+from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_in_place, module_getattr
 import triton
 import triton.language as tl
 
@@ -51,7 +51,7 @@ from ._common import (
     rows_view,
 )
 
-__all__ = [*ACTIVATION_OP_NAMES, "activation_quantize"]
+__all__ = [*ACTIVATION_OP_NAMES, "activation_quantize", "dactivation_"]
 
 _TILE_ELEMENTS = 4096  # elements per tile (BLOCK_M * BLOCK_N)
 
@@ -262,7 +262,9 @@ def _forward(op: str, x, limit: float = 7.0, alpha: float = 1.702):
     return _launch_fwd(op, x, limit, alpha)
 
 
-def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702):
+def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702, dx=None):
+    """dx = d<op>(dy, x) into a new tensor, or into ``dx`` (contiguous, x's shape; x itself works: each
+    program reads its elements of x before it writes the same elements of dx)."""
     act, gated = _OPS[op]
     _check_x(op, x, gated)
     check_high_precision(dy, "dy")
@@ -271,7 +273,7 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702):
         raise ValueError(f"d{op}: dy has shape {tuple(dy.shape)} but must be {tuple(out_shape)} (the forward output's)")
     x_rows, dy_rows = _as_rows(x, gated), _as_rows(dy, gated)
     m, n = dy_rows.shape
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
     block_m, block_n, tiles = _tiles(m, n)
     with device_guard(x):
         _act_bwd_kernel[(max(1, tiles),)](
@@ -311,6 +313,18 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
         _check_clamp(limit, alpha)
     out = _launch_fwd(activation, x, limit, alpha, fp8=(fp8_scale, fp8_dtype, amax_out))
     return out.q, out.scale_inv, out.amax
+
+
+def dactivation_(dy, x, activation, limit=7.0, alpha=1.702):
+    """x <- d<activation>(dy, x) by the backward kernel writing over x (the catalog's contract).
+
+    Raises:
+        ValueError: unknown activation, x not contiguous, or the backward op's own input errors.
+    """
+    check_in_place(x, activation)
+    if activation == "clamped_swiglu":
+        _check_clamp(limit, alpha)
+    return _backward(activation, dy, x, limit, alpha, dx=x)
 
 
 def _fp8_scale_fits(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):

@@ -5,7 +5,8 @@ Dropout with keep mask m ~ Bernoulli(1 - p), scale = 1 / (1 - p) (0 for p = 1), 
     forward   y = x * m * scale;  bias-dropout-add: out = r + (x + b) * m * scale, b [H] over the rows
     backward  dx = dy * m * scale  (both ops; db = sum over rows of dx and dr = dy are the caller's)
 
-One kernel per call: the forward reads x (and b, r) once and writes y and m (bool, stored as bytes).
+One kernel per call: the forward reads x (and b, r) once and writes y and m, packed eight elements per
+byte (``backends/_dropout_mask.py``; a program's elements start at a multiple of 8, so it owns whole bytes).
 m_i = [u_i >= p] with u_i uniform in [0, 1) from Philox (``tl.rand4x``): one Philox call gives four
 uniforms, so program k draws counters c = k * QUARTER + [0, QUARTER) once and uses the j-th output
 for its j-th quarter of elements [k * 4 QUARTER + j QUARTER, ... + QUARTER). The Philox key is an
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_mask, dropout_scale
+from transformer_engine.plugin.backends._dropout_mask import packed_bytes
 from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv, device_guard, next_power_of_2
@@ -53,8 +55,8 @@ def _drop_quarter(
     bias_ptr,  # *b [H] (read only with HAS_BIAS)
     residual_ptr,  # *r, contiguous, flat [numel] (read only with HAS_RESIDUAL)
     y_ptr,  # *y, contiguous, flat [numel], x's dtype
-    keep_ptr,  # *uint8 view of the bool mask m, flat [numel]
-    start,  # int64 index of the quarter's first element
+    keep_ptr,  # *uint8 packed mask m [ceil(numel / 8)]
+    start,  # int64 index of the quarter's first element (a multiple of 8)
     u,  # [QUARTER] float32 uniforms of this quarter
     numel,  # elements of x
     n_cols,  # H, the bias length (1 without bias)
@@ -71,12 +73,14 @@ def _drop_quarter(
     if HAS_BIAS:
         col = ((start % n_cols).to(tl.int32) + tl.arange(0, QUARTER)) % n_cols  # < H + QUARTER < 2^31
         h += tl.load(bias_ptr + col, mask=inside, other=0.0).to(tl.float32)
-    keep = u >= p
+    keep = (u >= p) & inside
     y = tl.where(keep, h * scale, 0.0)
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + idx, mask=inside, other=0.0).to(tl.float32)
     tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=inside)
-    tl.store(keep_ptr + idx, keep.to(tl.uint8), mask=inside)
+    bits = tl.reshape(keep.to(tl.int32), [QUARTER // 8, 8]) << tl.arange(0, 8)[None, :]
+    byte = start // 8 + tl.arange(0, QUARTER // 8)
+    tl.store(keep_ptr + byte, tl.sum(bits, axis=1).to(tl.uint8), mask=byte * 8 < numel)
 
 
 @triton.jit
@@ -85,7 +89,7 @@ def _dropout_fwd_kernel(
     bias_ptr,  # *b [H] (read only with HAS_BIAS)
     residual_ptr,  # *r, contiguous, flat [numel] (read only with HAS_RESIDUAL)
     y_ptr,  # *y, contiguous, flat [numel], x's dtype
-    keep_ptr,  # *uint8 view of the bool mask m, flat [numel]
+    keep_ptr,  # *uint8 packed mask m [ceil(numel / 8)]
     seed_ptr,  # *int64 [1], the Philox key
     numel,  # elements of x
     n_cols,  # H, the bias length (1 without bias)
@@ -112,7 +116,7 @@ def _dropout_fwd_kernel(
 @triton.jit
 def _dropout_bwd_kernel(
     dy_ptr,  # *dy, contiguous, flat [numel]
-    keep_ptr,  # *uint8 view of the bool mask m, flat [numel]
+    keep_ptr,  # *uint8 packed mask m [ceil(numel / 8)]
     dx_ptr,  # *dx, contiguous, flat [numel], dy's dtype
     numel,  # elements of dy
     scale,  # 1 / (1 - p), 0 when p = 1
@@ -121,7 +125,7 @@ def _dropout_bwd_kernel(
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = idx < numel
     dy = tl.load(dy_ptr + idx, mask=inside, other=0.0).to(tl.float32)
-    keep = tl.load(keep_ptr + idx, mask=inside, other=0) != 0
+    keep = ((tl.load(keep_ptr + idx // 8, mask=inside, other=0).to(tl.int32) >> (idx % 8).to(tl.int32)) & 1) != 0
     tl.store(dx_ptr + idx, tl.where(keep, dy * scale, 0.0).to(dx_ptr.dtype.element_ty), mask=inside)
 
 
@@ -134,14 +138,14 @@ def _drop_launch(x: torch.Tensor, bias, residual, p: float, scale: float):
     """(y, m) of y = [r +] (x [+ b]) * m * scale in one kernel; the caller checked p, scale and the shapes."""
     x = x.contiguous()
     y = torch.empty_like(x)
-    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    keep = torch.empty(packed_bytes(x.numel()), dtype=torch.uint8, device=x.device)
     seed = _draw_seed(x.device)
     numel = x.numel()
     if numel:
         with device_guard(x):
             _dropout_fwd_kernel[(cdiv(numel, 4 * _QUARTER),)](
                 x, x if bias is None else bias.contiguous(), x if residual is None else residual.contiguous(), y,
-                keep.view(torch.uint8), seed, numel, 1 if bias is None else bias.numel(), float(p), scale,
+                keep, seed, numel, 1 if bias is None else bias.numel(), float(p), scale,
                 HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, QUARTER=_QUARTER, num_warps=8,
             )  # fmt: skip
     return y, keep
@@ -155,7 +159,7 @@ def dropout_fwd(x, p):
         p: drop probability in [0, 1].
 
     Returns:
-        (y with x's shape and dtype, keep mask m as a bool tensor, True = kept).
+        (y with x's shape and dtype, keep mask m packed eight elements per byte).
 
     Raises:
         ValueError: p outside [0, 1].
@@ -164,11 +168,11 @@ def dropout_fwd(x, p):
 
 
 def dropout_bwd(dy, mask, p):
-    """dx = dy * m / (1 - p) with the keep mask ``mask`` of the forward.
+    """dx = dy * m / (1 - p) with the packed keep mask ``mask`` of the forward.
 
     Raises:
-        ValueError: p outside [0, 1], or mask's shape differs from dy's.
-        TypeError: mask is not a bool tensor.
+        ValueError: p outside [0, 1], or mask does not hold one bit per element of dy.
+        TypeError: mask is not a uint8 tensor.
     """
     scale = dropout_scale(p)
     check_dropout_mask(dy, mask)
@@ -178,7 +182,7 @@ def dropout_bwd(dy, mask, p):
     if numel:
         with device_guard(dy):
             _dropout_bwd_kernel[(cdiv(numel, _BLOCK_BWD),)](
-                dy, mask.contiguous().view(torch.uint8), dx, numel, scale, BLOCK=_BLOCK_BWD, num_warps=8
+                dy, mask.contiguous(), dx, numel, scale, BLOCK=_BLOCK_BWD, num_warps=8
             )
     return dx
 
@@ -193,7 +197,7 @@ def bias_dropout_add_fwd(x, bias, residual, p):
         p: drop probability in [0, 1].
 
     Returns:
-        (out with x's shape and dtype, keep mask m as a bool tensor, True = kept); the backward is
+        (out with x's shape and dtype, keep mask m packed eight elements per byte); the backward is
         :func:`dropout_bwd` with m.
 
     Raises:

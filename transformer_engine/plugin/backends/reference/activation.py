@@ -21,11 +21,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, module_getattr
+from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_in_place, module_getattr
 
 from .._fp8 import check_amax_out, check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
 
-__all__ = [*ACTIVATION_OP_NAMES, "activation_quantize"]
+__all__ = [*ACTIVATION_OP_NAMES, "activation_quantize", "dactivation_"]
 
 _K_GELU = math.sqrt(2.0 / math.pi)
 _QGELU_ALPHA = 1.702
@@ -173,3 +173,16 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     if activation == "clamped_swiglu":
         _check_clamp(limit, alpha)
     return quantize_fp32(_forward_f32(activation, x.float(), limit, alpha), scale_f32, fp8_dtype, amax_out)
+
+
+def dactivation_(dy, x, activation, limit=7.0, alpha=1.702):
+    """x <- d<activation>(dy, x), computed as the backward op and copied over x.
+
+    Raises:
+        ValueError: unknown activation, x not contiguous, or the backward op's own input errors.
+    """
+    check_high_precision(x)
+    check_in_place(x, activation)
+    if activation == "clamped_swiglu":
+        _check_clamp(limit, alpha)
+    return x.copy_(_backward(activation, dy, x, limit, alpha))

@@ -17,6 +17,7 @@ Rows whose target is ``ignore_index`` have loss 0 and gradient 0. Math in float3
 import torch
 
 from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_mask, dropout_scale
+from transformer_engine.plugin.backends._dropout_mask import pack_keep, unpack_keep
 
 __all__ = ["dropout_fwd", "dropout_bwd", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
 
@@ -34,26 +35,26 @@ def dropout_fwd(x, p):
         p: drop probability in [0, 1].
 
     Returns:
-        (y with x's shape and dtype, keep mask m as a bool tensor, True = kept).
+        (y with x's shape and dtype, keep mask m packed eight elements per byte, see ``_dropout_mask``).
 
     Raises:
         ValueError: p outside [0, 1].
     """
     scale = dropout_scale(p)
     keep = _keep_mask(x, p)
-    return (x.float() * keep * scale).to(x.dtype), keep
+    return (x.float() * keep * scale).to(x.dtype), pack_keep(keep)
 
 
 def dropout_bwd(dy, mask, p):
-    """dx = dy * m / (1 - p) with the keep mask ``mask`` of :func:`dropout_fwd`.
+    """dx = dy * m / (1 - p) with the packed keep mask ``mask`` of :func:`dropout_fwd`.
 
     Raises:
-        ValueError: p outside [0, 1], or mask's shape differs from dy's.
-        TypeError: mask is not a bool tensor.
+        ValueError: p outside [0, 1], or mask does not hold one bit per element of dy.
+        TypeError: mask is not a uint8 tensor.
     """
     scale = dropout_scale(p)
     check_dropout_mask(dy, mask)
-    return (dy.float() * mask * scale).to(dy.dtype)
+    return (dy.float() * unpack_keep(mask, dy.shape) * scale).to(dy.dtype)
 
 
 def bias_dropout_add_fwd(x, bias, residual, p):
@@ -66,7 +67,7 @@ def bias_dropout_add_fwd(x, bias, residual, p):
         p: drop probability in [0, 1].
 
     Returns:
-        (out with x's shape and dtype, computed in float32; keep mask m as a bool tensor, True = kept).
+        (out with x's shape and dtype, computed in float32; keep mask m packed as by :func:`dropout_fwd`).
 
     Raises:
         ValueError: p outside [0, 1], bias not [H], or residual's shape differs from x's.
@@ -76,7 +77,7 @@ def bias_dropout_add_fwd(x, bias, residual, p):
     check_bias_dropout_add(x, bias, residual)
     keep = _keep_mask(x, p)
     h = x.float() if bias is None else x.float() + bias.float()
-    return (residual.float() + h * keep * scale).to(x.dtype), keep
+    return (residual.float() + h * keep * scale).to(x.dtype), pack_keep(keep)
 
 
 def _check_cross_entropy(logits, target, label_smoothing: float) -> None:
