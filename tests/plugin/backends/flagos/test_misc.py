@@ -41,7 +41,7 @@ def _set_rng_state(device, state) -> None:
 
 
 @pytest.mark.parametrize("dtype", HP_DTYPES)
-@pytest.mark.parametrize("shape", [(1,), (7,), (3, 1001), (5003,)])  # 5003: 3 quarters of a program, odd tail
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 1001), (5003,)])  # 5003: several programs, a partial last quarter
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_matches_formula_with_its_mask(shape, dtype, p, device):
     x = randn(*shape, dtype=dtype, device=device)
@@ -127,6 +127,16 @@ def test_bias_dropout_add_mixed_dtypes_and_batched_rows(device):
     keep = unpack_keep(mask, x.shape)
     assert out.dtype == torch.bfloat16
     assert_close(out, (residual.double() + (x.double() + bias.double()) * keep * 2).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("hidden", [128, 192])  # a multiple of the quarter (no modulo for the bias column), and not
+def test_bias_dropout_add_row_aligned_quarters(monkeypatch, hidden, device):
+    monkeypatch.setattr(fm, "_QUARTER", 64)
+    x, residual = randn(5, hidden, device=device), randn(5, hidden, device=device)
+    bias = randn(hidden, device=device)
+    out, mask = fm.bias_dropout_add_fwd(x, bias, residual, 0.5)
+    keep = unpack_keep(mask, x.shape)
+    assert torch.equal(out, residual + (x + bias) * keep * 2)
 
 
 def test_dropout_errors_and_supports(device):

@@ -42,7 +42,8 @@ from ._common import cdiv, device_guard, next_power_of_2
 __all__ = ["dropout_fwd", "dropout_bwd", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
 
 _BLOCK_V = 4096  # logits per step of the loop over the vocabulary
-_QUARTER = 2048  # elements per Philox output of a dropout-forward program (a program covers 4 x this)
+_QUARTER = 512  # elements per Philox output of a dropout-forward program (a program covers 4 x this)
+_WARPS_FWD = 4  # warps per dropout-forward program (512 / 4: the fastest of 512-4096 x 4-16 on the H200)
 _BLOCK_BWD = 4096  # elements per dropout-backward program
 _SEED_HIGH = 2**63 - 1  # Philox keys are drawn uniformly from [0, _SEED_HIGH)
 _MAX_COLS = 2**30  # bias length bound: column indices are int32 within a program
@@ -65,13 +66,19 @@ def _drop_quarter(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     QUARTER: tl.constexpr,
+    ROW_ALIGNED: tl.constexpr,
 ):
-    """y = [r +] where(m, (x [+ b]) * scale, 0), m = u >= p, on elements [start, start + QUARTER)."""
+    """y = [r +] where(m, (x [+ b]) * scale, 0), m = u >= p, on elements [start, start + QUARTER).
+
+    ROW_ALIGNED (H a multiple of QUARTER): the quarter lies within one row, so its bias columns are
+    consecutive and need no per-element modulo."""
     idx = start + tl.arange(0, QUARTER)
     inside = idx < numel
     h = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        col = ((start % n_cols).to(tl.int32) + tl.arange(0, QUARTER)) % n_cols  # < H + QUARTER < 2^31
+        col = (start % n_cols).to(tl.int32) + tl.arange(0, QUARTER)  # < H + QUARTER < 2^31
+        if not ROW_ALIGNED:
+            col = col % n_cols
         h += tl.load(bias_ptr + col, mask=inside, other=0.0).to(tl.float32)
     keep = (u >= p) & inside
     y = tl.where(keep, h * scale, 0.0)
@@ -98,19 +105,20 @@ def _dropout_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     QUARTER: tl.constexpr,
+    ROW_ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     counter = pid * QUARTER + tl.arange(0, QUARTER)  # Philox counters, one per four elements
     u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr), counter)
     start = pid * (4 * QUARTER)
     _drop_quarter(x_ptr, bias_ptr, residual_ptr, y_ptr, keep_ptr, start, u0, numel, n_cols, p, scale,
-                  HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
+                  HAS_BIAS, HAS_RESIDUAL, QUARTER, ROW_ALIGNED)  # fmt: skip
     _drop_quarter(x_ptr, bias_ptr, residual_ptr, y_ptr, keep_ptr, start + QUARTER, u1, numel, n_cols, p, scale,
-                  HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
+                  HAS_BIAS, HAS_RESIDUAL, QUARTER, ROW_ALIGNED)  # fmt: skip
     _drop_quarter(x_ptr, bias_ptr, residual_ptr, y_ptr, keep_ptr, start + 2 * QUARTER, u2, numel, n_cols, p, scale,
-                  HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
+                  HAS_BIAS, HAS_RESIDUAL, QUARTER, ROW_ALIGNED)  # fmt: skip
     _drop_quarter(x_ptr, bias_ptr, residual_ptr, y_ptr, keep_ptr, start + 3 * QUARTER, u3, numel, n_cols, p, scale,
-                  HAS_BIAS, HAS_RESIDUAL, QUARTER)  # fmt: skip
+                  HAS_BIAS, HAS_RESIDUAL, QUARTER, ROW_ALIGNED)  # fmt: skip
 
 
 @triton.jit
@@ -146,7 +154,8 @@ def _drop_launch(x: torch.Tensor, bias, residual, p: float, scale: float):
             _dropout_fwd_kernel[(cdiv(numel, 4 * _QUARTER),)](
                 x, x if bias is None else bias.contiguous(), x if residual is None else residual.contiguous(), y,
                 keep, seed, numel, 1 if bias is None else bias.numel(), float(p), scale,
-                HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, QUARTER=_QUARTER, num_warps=8,
+                HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, QUARTER=_QUARTER,
+                ROW_ALIGNED=bias is not None and bias.numel() % _QUARTER == 0, num_warps=_WARPS_FWD,
             )  # fmt: skip
     return y, keep
 
