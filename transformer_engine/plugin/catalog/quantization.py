@@ -55,6 +55,25 @@ def compute_amax(x):
 
 
 @declare
+def scale_from_amax(amax, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
+    """Current scaling's scale from an amax: scale = fp8_max / max(amax, amax_epsilon).
+
+    1 where amax is 0, inf or NaN; float32 max where the quotient overflows; with ``power_2_scale``
+    rounded down to a power of two, 2^floor(log2(scale)). fp8_max is 448 (E4M3) or 57344 (E5M2).
+    Args: amax: 0-d float32 tensor. Returns: a 0-d float32 tensor on amax's device.
+    """
+
+
+@declare
+def current_scale(x, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
+    """(scale, amax) of x for current scaling: amax = compute_amax(x), scale = scale_from_amax(amax, ...).
+
+    The cast that follows (``quantize`` and the others) takes this scale; the backends may compute both
+    in one launch. Returns: (scale, amax), 0-d float32 tensors on x's device.
+    """
+
+
+@declare
 def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax_epsilon):
     """Block-scaled FP8 cast of a 2-D tensor: one scale per ``block_rows x block_cols`` tile.
 

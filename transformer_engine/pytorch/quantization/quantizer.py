@@ -41,7 +41,6 @@ from transformer_engine.plugin import ops
 
 from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import DeferredTranspose, Float8Tensor
-from .scaling import amax_to_scale, fp8_max
 
 __all__ = [
     "AmaxObserver",
@@ -193,7 +192,7 @@ class Float8Quantizer(Quantizer):
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
-    """Current scaling: scale = fp8_max / max|x| of the tensor being cast (see :func:`amax_to_scale`)."""
+    """Current scaling: scale = fp8_max / max|x| of the tensor being cast (the catalog's ``scale_from_amax``)."""
 
     is_fp8 = True
 
@@ -203,10 +202,12 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.reduce_amax = reduce_amax
 
     def _scale_of(self, x: torch.Tensor) -> torch.Tensor:
-        amax = ops.compute_amax(x)
-        if self.reduce_amax is not None:
-            amax = self.reduce_amax(amax)
-        return amax_to_scale(amax, fp8_max(self.fp8_dtype), self.qparams)
+        """scale = fp8_max / max|x| (``ops.current_scale``: amax and scale in one launch where the backend
+        can), the amax MAX-reduced over the ranks first for a sharded tensor."""
+        eps, power_2 = self.qparams.amax_epsilon, self.qparams.power_2_scale
+        if self.reduce_amax is None:
+            return ops.current_scale(x, self.fp8_dtype, eps, power_2)[0]
+        return ops.scale_from_amax(self.reduce_amax(ops.compute_amax(x)), self.fp8_dtype, eps, power_2)
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
         return _cast(x, self._scale_of(x), self.fp8_dtype, columnwise)[0]

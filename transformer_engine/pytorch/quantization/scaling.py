@@ -3,7 +3,7 @@
 The pipeline of one cast, with its formulas:
 
     amax      = max |x| over the finite elements of x              (ops.compute_amax / ops.quantize)
-    scale     = fp8_max / max(amax, eps)                            (:func:`amax_to_scale`, current scaling)
+    scale     = fp8_max / max(amax, eps)                            (ops.current_scale / scale_from_amax, current scaling)
               = (fp8_max / max(history)) / 2^margin                 (ops.delayed_scaling_update, delayed)
     q         = cast_fp8(clip(x * scale, -fp8_max, fp8_max))        (ops.quantize: saturating)
     x        ~= q * scale_inv,  scale_inv = 1 / scale               (ops.dequantize)
@@ -18,9 +18,9 @@ from typing import Tuple
 
 import torch
 
-from transformer_engine.common.recipe import Format, QParams
+from transformer_engine.common.recipe import Format
 
-__all__ = ["FP32_MAX", "amax_to_scale", "fp8_dtypes", "fp8_max"]
+__all__ = ["FP32_MAX", "fp8_dtypes", "fp8_max"]
 
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -45,28 +45,3 @@ def fp8_dtypes(fp8_format: Format) -> Tuple[torch.dtype, torch.dtype]:
 def fp8_max(fp8_dtype: torch.dtype) -> float:
     """Largest finite value of an FP8 dtype: 448 (E4M3) or 57344 (E5M2)."""
     return float(torch.finfo(fp8_dtype).max)
-
-
-def amax_to_scale(amax: torch.Tensor, fp8_max_value: float, qparams: QParams) -> torch.Tensor:
-    """Current-scaling scale of one tensor: scale = fp8_max / max(amax, eps).
-
-    An amax that is 0, inf or NaN gives scale = 1; a scale that overflows to inf becomes float32 max;
-    with ``qparams.power_2_scale`` the scale is rounded down to a power of two, 2^floor(log2(scale)).
-
-    Args:
-        amax: 0-d float32 tensor, max |x| over the finite elements.
-        fp8_max_value: 448 or 57344.
-        qparams: the role's :class:`~transformer_engine.common.recipe.QParams`.
-
-    Returns:
-        A 0-d float32 tensor on amax's device.
-    """
-    amax = amax.float()
-    usable = (amax > 0) & (amax < float("inf"))  # NaN compares False
-    safe = torch.clamp(amax, min=qparams.amax_epsilon) if qparams.amax_epsilon > 0 else amax
-    # a small-tensor path: every op here is a kernel launch, paid once per cast
-    scale = torch.where(usable, fp8_max_value / safe, 1.0).clamp_(max=FP32_MAX)
-    if qparams.power_2_scale:  # scale = m 2^e with m in [0.5, 1), so 2^floor(log2(scale)) = 2^(e - 1), exactly
-        _, exponent = torch.frexp(scale)
-        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
-    return scale

@@ -208,6 +208,20 @@ def test_compute_amax(shape, dtype, device):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("eps, power_2", [(0.0, False), (1e-3, False), (0.0, True)])
+def test_current_scale_bit_exact(fp8_dtype, eps, power_2, device):
+    """One launch (amax, then the scale by the last program) equals the reference's amax and scale ops."""
+    cases = [randn(3 * 8192 + 77, scale=s, device=device) for s in (1e-3, 3.0, 2e4)]  # several programs
+    cases += [torch.zeros(9, device=device), torch.empty(0, device=device), randn(5, 7, dtype=torch.bfloat16, device=device),
+              torch.tensor([math.inf, math.nan, -2.5], device=device), torch.tensor([1e-40], device=device)]
+    for x in cases:
+        scale, amax = fq.current_scale(x, fp8_dtype, eps, power_2)
+        ref_scale, ref_amax = ref.current_scale(x, fp8_dtype, eps, power_2)
+        assert scale.shape == amax.shape == () and scale.dtype == amax.dtype == torch.float32
+        assert torch.equal(amax.cpu(), ref_amax.cpu()) and torch.equal(scale.cpu(), ref_scale.cpu()), x.flatten()[:3]
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_amax_skips_blocks_without_a_finite_element(fp8_dtype, device):
     # kernels reduce 4096-element blocks: block 0 all inf / NaN, block 1 finite, the short last one NaN
     x = randn(3 * 4096 + 5, device=device)
@@ -231,6 +245,17 @@ def test_errors_and_supports(device):
     verdict = fq.SUPPORTS["quantize"](x, torch.ones(1, dtype=torch.float64, device=device), torch.float8_e4m3fn)
     assert not verdict and "float32" in verdict.reason
     assert fq.SUPPORTS["quantize"](x, torch.ones(1, device=device), torch.float8_e4m3fn)
+
+
+@pytest.mark.gpu
+def test_current_scale_large_gpu():
+    """4096 programs race to finish: the last one must see every program's max (five fresh draws)."""
+    for _ in range(5):
+        x = randn(8192, 4096, dtype=torch.bfloat16, scale=float(torch.rand(()) * 100), device="cuda")
+        x.view(-1)[int(torch.randint(0, x.numel(), ()))] = 1e4  # the max sits in one random program
+        scale, amax = fq.current_scale(x, torch.float8_e4m3fn)
+        ref_scale, ref_amax = ref.current_scale(x, torch.float8_e4m3fn)
+        assert torch.equal(amax, ref_amax) and torch.equal(scale, ref_scale)
 
 
 @pytest.mark.gpu

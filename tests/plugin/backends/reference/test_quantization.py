@@ -190,6 +190,40 @@ def test_compute_amax(shape, dtype):
     assert amax.item() == _finite_amax(x)
 
 
+def _current_scale_oracle(amax: float, fp8_max: float, eps: float, pow2: bool) -> float:
+    """The catalog text in Python floats: the float64 quotient rounded once to float32 (correct rounding),
+    eps as the float32 it becomes on the tensor."""
+    if not math.isfinite(amax) or amax <= 0:
+        return 1.0
+    eps = float(torch.tensor(eps, dtype=torch.float32))
+    scale = float(torch.tensor(fp8_max / max(amax, eps), dtype=torch.float64).float())
+    scale = min(scale, _FP32_MAX)
+    return 2.0 ** math.floor(math.log2(scale)) if pow2 else scale
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+def test_scale_from_amax_matches_oracle(fp8_dtype, pow2, eps):
+    fp8_max = torch.finfo(fp8_dtype).max
+    amaxes = [3.7, 1e-3 * torch.rand(()).item() + 1e-6, 0.0, math.inf, math.nan, 1e-40, 5e4, 448.0, 13.4598]
+    amaxes += (torch.rand(200) * 100).tolist()  # fresh values: the quotient is correctly rounded, bit for bit
+    for amax in amaxes:
+        got = ref.scale_from_amax(torch.tensor(amax), fp8_dtype, eps, pow2)
+        want = torch.tensor(_current_scale_oracle(float(torch.tensor(amax)), fp8_max, eps, pow2), dtype=torch.float32)
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert torch.equal(got, want), f"amax={amax}"
+
+
+def test_current_scale_is_amax_then_scale():
+    x = randn(33, 17, scale=5.0)
+    scale, amax = ref.current_scale(x, torch.float8_e5m2, 0.0, True)
+    assert torch.equal(amax, ref.compute_amax(x))
+    assert torch.equal(scale, ref.scale_from_amax(amax, torch.float8_e5m2, 0.0, True))
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        ref.current_scale(x, torch.float8_e4m3fn, -1.0)
+
+
 # ---------------------------------------------------------------- block scaling
 
 

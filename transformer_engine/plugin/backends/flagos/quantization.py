@@ -79,7 +79,7 @@ from ._common import (
 )
 
 __all__ = [
-    "quantize", "dequantize", "cast_transpose", "cast_transpose_dbias", "fp8_transpose", "compute_amax",
+    "quantize", "dequantize", "cast_transpose", "cast_transpose_dbias", "fp8_transpose", "compute_amax", "current_scale",
     "delayed_scaling_update", "delayed_scaling_update_", "quantize_blockwise", "cast_transpose_blockwise",
 ]
 
@@ -128,6 +128,42 @@ def _quantize_kernel(
         tl.store(q_ptr + offs, _fp8_encode(x * scale, FP8_MAX, MBITS, EBIAS, HW_CAST), mask=mask)
         _scale_inv_store(scale_inv_ptr, scale)
     _amax_commit(amax_ptr, _finite_abs(x))  # masked lanes hold 0
+
+
+@triton.jit
+def _current_scale_kernel(
+    x_ptr,  # *x, contiguous, n elements
+    amax_ptr,  # *int32, 0-d, zeroed: receives the bits of max |x| (finite)
+    done_ptr,  # *int32, 0-d, zeroed: programs finished
+    scale_ptr,  # *float32, 0-d: receives the scale
+    n,  # number of elements
+    amax_epsilon,  # lower bound of the amax the scale divides by
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    POWER_2: tl.constexpr,
+):
+    """amax as ``_quantize_kernel`` without q; the last program to finish turns it into the scale.
+
+    Each program commits its max, then (after a barrier, so the commit of whichever thread made it
+    comes first) counts itself done with an acq_rel atomic: the program that counts last sees every
+    committed max, reads amax and writes scale = fp8_max / max(amax, eps) by the catalog's rules.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    _amax_commit(amax_ptr, _finite_abs(x))
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        amax_bits = tl.atomic_max(amax_ptr, 0, sem="acquire")  # the final value (an atomic read)
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        # the correctly rounded float32 quotient via float64, as in the delayed-scaling update; usable
+        # amax on the bit pattern: 0 < amax < inf (finite by construction, a subnormal counts)
+        usable = amax_bits > 0
+        quotient = FP8_MAX / tl.where(usable, tl.maximum(amax, amax_epsilon), 1.0).to(tl.float64)
+        scale = tl.minimum(quotient, 3.4028234663852886e38).to(tl.float32)  # overflow: float32 max
+        scale = tl.where(usable, scale, 1.0)
+        if POWER_2:  # 2^floor(log2(scale)): the exponent bits alone (every reachable scale is normal)
+            scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        tl.store(scale_ptr, scale)
 
 
 @triton.jit
@@ -337,6 +373,27 @@ def compute_amax(x):
     """
     check_high_precision(x)
     return _launch_quantize(x, None, torch.float8_e4m3fn, write_q=False).amax
+
+
+def current_scale(x, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
+    """(scale, amax) of current scaling in one launch (see ``_current_scale_kernel`` and the catalog).
+
+    Raises:
+        TypeError: x is not a high-precision float tensor. ValueError: bad fp8_dtype or amax_epsilon.
+    """
+    check_high_precision(x)
+    check_fp8_dtype(fp8_dtype)
+    if not amax_epsilon >= 0.0:
+        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a float >= 0")
+    x_flat = x.contiguous().view(-1)
+    words = torch.zeros(3, dtype=torch.int32, device=x.device)  # amax bits, programs done, scale
+    amax, done, scale = words[0], words[1], words[2].view(torch.float32)
+    with device_guard(x):  # one program even for an empty x: it writes the scale (1)
+        _current_scale_kernel[(max(1, cdiv(x_flat.numel(), _BLOCK)),)](
+            x_flat, amax, done, scale, x_flat.numel(), float(amax_epsilon),
+            BLOCK=_BLOCK, FP8_MAX=fp8_format(fp8_dtype).fp8_max, POWER_2=bool(power_2_scale), num_warps=8,
+        )  # fmt: skip
+    return scale, amax.view(torch.float32)
 
 
 def dequantize(q, scale_inv, out_dtype):

@@ -39,6 +39,8 @@ __all__ = [
     "cast_transpose_dbias",
     "fp8_transpose",
     "compute_amax",
+    "current_scale",
+    "scale_from_amax",
     "quantize_blockwise",
     "cast_transpose_blockwise",
     "dequantize_blockwise",
@@ -132,12 +134,48 @@ def compute_amax(x):
     return amax_finite(x)
 
 
+def scale_from_amax(amax, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
+    """scale = fp8_max / max(amax, eps): 1 for an amax of 0, inf or NaN, float32 max on overflow, with
+    ``power_2_scale`` 2^floor(log2(scale)) (see the catalog). Every op here is a kernel on a GPU.
+
+    Raises:
+        TypeError: amax is not a tensor. ValueError: bad fp8_dtype or amax_epsilon.
+    """
+    check_tensor(amax, "amax")
+    check_fp8_dtype(fp8_dtype)
+    _check_epsilon(amax_epsilon)
+    amax = amax.float()
+    usable = (amax > 0) & (amax < float("inf"))  # NaN compares False
+    safe = torch.clamp(amax, min=amax_epsilon) if amax_epsilon > 0 else amax
+    # a tensor quotient, correctly rounded (``float / tensor`` is reciprocal-then-multiply in torch: two roundings)
+    quotient = torch.full_like(safe, fp8_max_of(fp8_dtype)) / safe
+    scale = torch.where(usable, quotient, 1.0).clamp_(max=torch.finfo(torch.float32).max)
+    if power_2_scale:  # scale = m 2^e with m in [0.5, 1), so 2^floor(log2(scale)) = 2^(e - 1), exactly
+        _, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+    return scale
+
+
+def current_scale(x, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
+    """(scale_from_amax(compute_amax(x), ...), compute_amax(x)).
+
+    Raises:
+        TypeError: x is not a high-precision float tensor. ValueError: bad fp8_dtype or amax_epsilon.
+    """
+    amax = compute_amax(x)
+    return scale_from_amax(amax, fp8_dtype, amax_epsilon, power_2_scale), amax
+
+
+def _check_epsilon(amax_epsilon) -> None:
+    if not amax_epsilon >= 0.0:
+        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a float >= 0")
+
+
 def _check_block_args(block_rows, block_cols, amax_epsilon=0.0) -> None:
     for name, value in (("block_rows", block_rows), ("block_cols", block_cols)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int (e.g. 1 x 128, 128 x 128 or 1 x 32 tiles)")
-    if not amax_epsilon >= 0.0:
-        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a float >= 0")
+    _check_epsilon(amax_epsilon)
 
 
 def _tiles(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
