@@ -157,6 +157,11 @@ class _TensorSlot:
             raise ValueError(f"{what} is {found}; the graph was captured with {self} (shapes are static in a CUDA graph)")
 
 
+# Only the capturing thread's unsafe CUDA calls (synchronizations, allocations) invalidate a capture.
+# Under "global" (torch's default) any thread's did: a NCCL watchdog querying an event or another
+# library's background thread broke captures now and then (cuBLAS reported it, seen on the H200).
+_CAPTURE_ERROR_MODE = "thread_local"
+
 def make_graphed_callables(
     modules,
     sample_args,
@@ -283,7 +288,7 @@ def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Op
         forwards = []
         for run in runs:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
                 outputs = run()
             forwards.append((graph, *_flat_outputs(outputs)))
         captures = [None] * len(runs)
@@ -302,7 +307,7 @@ def _capture_backward(forward, surface: Tuple[Tuple[torch.Tensor, ...], int], po
     grads: Sequence[Optional[torch.Tensor]] = ()
     if any(g is not None for g in grad_outputs) and wanted:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
             grads = torch.autograd.grad(
                 [o for o in outputs if o.requires_grad], wanted, [g for g in grad_outputs if g is not None],
                 retain_graph=options.retain_graph_in_backward, allow_unused=options.allow_unused_input,
