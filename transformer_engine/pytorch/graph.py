@@ -162,6 +162,7 @@ class _TensorSlot:
 # library's background thread broke captures now and then (cuBLAS reported it, seen on the H200).
 _CAPTURE_ERROR_MODE = "thread_local"
 
+
 def make_graphed_callables(
     modules,
     sample_args,
