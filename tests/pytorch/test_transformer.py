@@ -217,3 +217,33 @@ def test_fp8_on_gpu_close_to_bf16(recipe):
         (grad,) = torch.autograd.grad(out.float().sum(), x)
     torch.testing.assert_close(out.float(), ref.float(), **dtype_tols(torch.float8_e4m3fn))
     assert sqnr(ref, out) > 30.0 and sqnr(ref_grad, grad) > 25.0
+
+
+@pytest.mark.gpu
+def test_fp8_step_peak_memory_below_bf16():
+    """The FP8 step's peak (allocator bytes above what exists before the step, deterministic) stays well under the
+    bf16 step's: FP8 activations are saved, no FP8 weight copy is held from forward to backward, and the copies only
+    wgrad reads and fc1's output go as soon as backward is done with them. Measured on the H200: 149 / 273 MiB =
+    0.55; 206 / 308 MiB = 0.67 with every saved copy held to the end of its autograd node (the code before)."""
+    layer = te.TransformerLayer(1024, 4096, 8, params_dtype=torch.bfloat16, device="cuda", self_attn_mask_type="causal")
+    x = randn(512, 8, 1024, dtype=torch.bfloat16, device="cuda").requires_grad_(True)
+    dy = randn(512, 8, 1024, dtype=torch.bfloat16, device="cuda")
+
+    def peak(recipe):
+        def step():
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                out = layer(x)
+            out.backward(dy)
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+
+        step()  # first step: scaling states, weight caches of the backends
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    bf16, fp8 = peak(None), peak(DelayedScaling())
+    assert fp8 < 0.6 * bf16, f"FP8 step peak {fp8 / 2**20:.0f} MiB, bf16 {bf16 / 2**20:.0f} MiB"
