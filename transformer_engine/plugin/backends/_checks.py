@@ -25,12 +25,14 @@ __all__ = [
     "check_softmax_mask",
     "dropout_scale",
     "check_dropout_mask",
+    "check_amax_epsilon",
     "check_bias_dropout_add",
     "check_delayed_scaling_update",
     "check_delayed_scaling_update_",
 ]
 
 _AMAX_ALGOS = ("max", "most_recent")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype, amax_out=None) -> None:
@@ -80,6 +82,17 @@ def dropout_scale(p: float) -> float:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability p={p} must be in [0, 1]")
     return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+
+def check_amax_epsilon(amax_epsilon) -> None:
+    """amax_epsilon (the floor of the amax a scale divides by) is 0, a float32 value > 0, or inf.
+
+    NaN and negative values are meaningless; a finite value beyond float32 cannot be the float32 the
+    kernels and the reference's clamp compute with.
+    """
+    eps = float(amax_epsilon)
+    if not eps >= 0.0 or _FLOAT32_MAX < eps < math.inf:
+        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be 0, a float32 value > 0 or inf (0 disables it)")
 
 
 def check_dropout_mask(dy: torch.Tensor, mask) -> None:

@@ -8,6 +8,7 @@ backward per dropout instead of 4 MiB, and the kernels move eight times the mask
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -20,21 +21,21 @@ def packed_bytes(numel: int) -> int:
     return (numel + 7) // 8
 
 
+def _bit_positions(device) -> torch.Tensor:
+    """[0, 1, ..., 7]: the shift of each element of a byte (made on the device: no host-to-device copy)."""
+    return torch.arange(8, dtype=torch.int32, device=device)
+
+
 def pack_keep(keep: torch.Tensor) -> torch.Tensor:
     """The packed uint8 mask [ceil(numel / 8)] of a bool ``keep`` of any shape."""
-    flat = keep.reshape(-1).to(torch.uint8)
+    flat = keep.reshape(-1).to(torch.int32)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=keep.device)
-    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    return (flat.view(-1, 8) << _bit_positions(keep.device)).sum(dim=1).to(torch.uint8)
 
 
 def unpack_keep(mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """The bool keep mask of ``shape`` (True = kept) from the packed uint8 ``mask``."""
-    shifts = torch.arange(8, dtype=torch.int32, device=mask.device)
-    bits = (mask.to(torch.int32).reshape(-1, 1) >> shifts) & 1
-    numel = 1
-    for n in shape:
-        numel *= n
-    return bits.reshape(-1)[:numel].view(tuple(shape)).bool()
+    bits = (mask.to(torch.int32).reshape(-1, 1) >> _bit_positions(mask.device)) & 1
+    return bits.reshape(-1)[: math.prod(shape)].view(tuple(shape)).bool()

@@ -219,6 +219,8 @@ def test_current_scale_bit_exact(fp8_dtype, eps, power_2, device):
         ref_scale, ref_amax = ref.current_scale(x, fp8_dtype, eps, power_2)
         assert scale.shape == amax.shape == () and scale.dtype == amax.dtype == torch.float32
         assert torch.equal(amax.cpu(), ref_amax.cpu()) and torch.equal(scale.cpu(), ref_scale.cpu()), x.flatten()[:3]
+    with pytest.raises(ValueError, match="amax_epsilon=1e\\+39 must be 0, a float32 value > 0 or inf"):
+        fq.current_scale(cases[0], fp8_dtype, 1e39)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)

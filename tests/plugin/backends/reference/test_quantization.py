@@ -220,8 +220,9 @@ def test_current_scale_is_amax_then_scale():
     scale, amax = ref.current_scale(x, torch.float8_e5m2, 0.0, True)
     assert torch.equal(amax, ref.compute_amax(x))
     assert torch.equal(scale, ref.scale_from_amax(amax, torch.float8_e5m2, 0.0, True))
-    with pytest.raises(ValueError, match="amax_epsilon"):
-        ref.current_scale(x, torch.float8_e4m3fn, -1.0)
+    for bad in (-1.0, math.nan, 1e39):  # negative, NaN, finite beyond float32: the rule shared with flagos
+        with pytest.raises(ValueError, match="amax_epsilon=.* must be 0, a float32 value > 0 or inf"):
+            ref.current_scale(x, torch.float8_e4m3fn, bad)
 
 
 # ---------------------------------------------------------------- block scaling

@@ -42,14 +42,17 @@ atomic (a fire-and-forget RED: no fence, nothing waits on it).
 
 from __future__ import annotations
 
-import math
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_delayed_scaling_update, check_delayed_scaling_update_
+from transformer_engine.plugin.backends._checks import (
+    check_amax_epsilon,
+    check_delayed_scaling_update,
+    check_delayed_scaling_update_,
+)
 from transformer_engine.plugin.backends._fp8 import (
     check_amax_out,
     check_fp8_dtype,
@@ -87,7 +90,6 @@ _BLOCK = 8192  # elements per program of the 1-D kernels (32 per thread at 8 war
 _TILE = 64  # square tile of the transposing kernels
 _UPDATE_COLS = 32  # columns per program of the delayed-scaling update (one 128-byte row segment)
 _UPDATE_TILE = 4096  # history elements per loop step of that update (L = 1024 takes 8 steps)
-_FLOAT32_MAX = 3.4028234663852886e38
 _BLOCK_LENS = frozenset(16 << k for k in range(5))  # block lengths of the blockwise kernels: 16 ... 256
 # Launch settings of the blockwise casts, swept on the H200 by benchmarks/sweep_fp8_casts.py --kernels blockwise.
 # num_warps = tile elements / (32 * PER_THREAD), a power of two clamped to [4, 16].
@@ -383,8 +385,7 @@ def current_scale(x, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
     """
     check_high_precision(x)
     check_fp8_dtype(fp8_dtype)
-    if not amax_epsilon >= 0.0:
-        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a float >= 0")
+    check_amax_epsilon(amax_epsilon)
     x_flat = x.contiguous().view(-1)
     words = torch.zeros(3, dtype=torch.int32, device=x.device)  # amax bits, programs done, scale
     amax, done, scale = words[0], words[1], words[2].view(torch.float32)
@@ -596,10 +597,8 @@ def _blockwise_tiles(block_rows, block_cols):
 
 def _eps_bits(amax_epsilon) -> int:
     """The int32 bit pattern of amax_epsilon rounded to float32, as the reference's clamp rounds it."""
-    eps = float(amax_epsilon)
-    if not eps >= 0.0 or _FLOAT32_MAX < eps < math.inf:  # NaN, negative, or finite beyond float32 (torch refuses it)
-        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be 0, a float32 value > 0 or inf (0 disables it)")
-    return struct.unpack("<i", struct.pack("<f", eps))[0]
+    check_amax_epsilon(amax_epsilon)
+    return struct.unpack("<i", struct.pack("<f", float(amax_epsilon)))[0]
 
 
 def _check_blockwise(x, fp8_dtype, block_rows, block_cols, amax_epsilon) -> int:

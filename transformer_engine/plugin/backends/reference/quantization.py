@@ -16,7 +16,11 @@ from typing import Tuple
 
 import torch
 
-from transformer_engine.plugin.backends._checks import check_delayed_scaling_update, check_delayed_scaling_update_
+from transformer_engine.plugin.backends._checks import (
+    check_amax_epsilon,
+    check_delayed_scaling_update,
+    check_delayed_scaling_update_,
+)
 
 from .._fp8 import (
     amax_finite,
@@ -143,7 +147,7 @@ def scale_from_amax(amax, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
     """
     check_tensor(amax, "amax")
     check_fp8_dtype(fp8_dtype)
-    _check_epsilon(amax_epsilon)
+    check_amax_epsilon(amax_epsilon)
     amax = amax.float()
     usable = (amax > 0) & (amax < float("inf"))  # NaN compares False
     safe = torch.clamp(amax, min=amax_epsilon) if amax_epsilon > 0 else amax
@@ -166,16 +170,11 @@ def current_scale(x, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
     return scale_from_amax(amax, fp8_dtype, amax_epsilon, power_2_scale), amax
 
 
-def _check_epsilon(amax_epsilon) -> None:
-    if not amax_epsilon >= 0.0:
-        raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a float >= 0")
-
-
 def _check_block_args(block_rows, block_cols, amax_epsilon=0.0) -> None:
     for name, value in (("block_rows", block_rows), ("block_cols", block_cols)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int (e.g. 1 x 128, 128 x 128 or 1 x 32 tiles)")
-    _check_epsilon(amax_epsilon)
+    check_amax_epsilon(amax_epsilon)
 
 
 def _tiles(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
