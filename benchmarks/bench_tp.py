@@ -3,12 +3,16 @@
     python benchmarks/bench_tp.py --json tp.json                      # 2 ranks on 2 GPUs, NCCL
     python benchmarks/bench_tp.py --tp 4 --json tp4.json
     python benchmarks/bench_tp.py --small --dist-backend gloo         # CPU smoke run (numbers mean nothing)
+    python benchmarks/bench_tp.py --variants "bf16, CUDA graph;FP8 delayed, CUDA graph" --profile-comm
 
 Each variant (bf16, FP8 delayed, current and block scaling; on GPUs also each of them captured by
 ``te.make_graphed_callables``) runs forward + backward with a random dy, first on GPU 0 alone with the
 whole batch [s, b, h], then on P GPUs, each holding [s/P, b, h] and 1/P of the weights
 (``set_parallel_mode=True, sequence_parallel=True``). Times are medians over iterations; a TP step
-counts as long as its slowest rank.
+counts as long as its slowest rank. The "comm overlap" variants build the TP layer with
+``ub_tp_comm_overlap=True``: the forward GEMMs pipelined with their all-gather / reduce-scatter
+(``transformer_engine.pytorch.parallel.overlap``). ``--profile-comm`` adds the NCCL kernel time per step
+on rank 0 and the part of it no other kernel overlaps (copy-engine transfers are not kernels: not counted).
 
     scaling efficiency = t_1 / (P * t_P)        (100%: P GPUs are P times as fast as one)
 
@@ -23,7 +27,7 @@ import contextlib
 import gc
 import os
 import tempfile
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,16 +41,60 @@ def _variants():
     from transformer_engine.common import recipe
 
     delayed = lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    return {  # name: (recipe factory, captured by te.make_graphed_callables)
-        "bf16": (None, False),
-        "FP8 delayed": (delayed, False),
-        "FP8 current": (recipe.Float8CurrentScaling, False),
-        "FP8 block": (recipe.Float8BlockScaling, False),  # its SP all-gathers move bf16 (gathered, then cast)
-        "bf16, CUDA graph": (None, True),
-        "FP8 delayed, CUDA graph": (delayed, True),
-        "FP8 current, CUDA graph": (recipe.Float8CurrentScaling, True),
-        "FP8 block, CUDA graph": (recipe.Float8BlockScaling, True),
+    variants = {  # name: (recipe factory, captured by te.make_graphed_callables, pipelined forward collectives)
+        "bf16": (None, False, False),
+        "FP8 delayed": (delayed, False, False),
+        "FP8 current": (recipe.Float8CurrentScaling, False, False),
+        "FP8 block": (recipe.Float8BlockScaling, False, False),  # its SP all-gathers move bf16 (gathered, then cast)
+        "bf16, CUDA graph": (None, True, False),
+        "FP8 delayed, CUDA graph": (delayed, True, False),
+        "FP8 current, CUDA graph": (recipe.Float8CurrentScaling, True, False),
+        "FP8 block, CUDA graph": (recipe.Float8BlockScaling, True, False),
     }
+    for name in ("FP8 delayed", "bf16, CUDA graph", "FP8 delayed, CUDA graph", "FP8 current, CUDA graph", "FP8 block, CUDA graph"):
+        factory, graphed, _ = variants[name]
+        variants[f"{name}, comm overlap"] = (factory, graphed, True)  # ub_tp_comm_overlap=True
+    return variants
+
+
+def _merged(intervals: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """The union of [start, end) intervals as sorted disjoint intervals."""
+    out: List[Tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _overlap(a: List[Tuple[int, int]], b: List[Tuple[int, int]]) -> int:
+    """Length of the intersection of two merged interval lists."""
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def comm_time(step: Callable[[], None], device: torch.device, steps: int = 3) -> Dict:
+    """GPU time per step of the communication kernels (NCCL), and the part no other kernel overlaps (exposed), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
+    spans = {True: [], False: []}
+    for e in kernels:
+        spans["nccl" in e.name().lower()].append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    comm, compute = _merged(spans[True]), _merged(spans[False])
+    comm_ns = sum(end - start for start, end in comm)
+    return {"comm_ms": comm_ns / steps / 1e6, "exposed_comm_ms": (comm_ns - _overlap(comm, compute)) / steps / 1e6}
 
 
 def comm_bytes_per_gpu(s: LayerShape, tp: int, fp8: bool) -> float:
@@ -55,18 +103,20 @@ def comm_bytes_per_gpu(s: LayerShape, tp: int, fp8: bool) -> float:
     return 4 * elements * (1 if fp8 else 2) + 4 * elements * 2
 
 
-def _layer(s: LayerShape, device: torch.device, tp: int) -> torch.nn.Module:
+def _layer(s: LayerShape, device: torch.device, tp: int, overlap: bool = False) -> torch.nn.Module:
     import transformer_engine.pytorch as te
 
-    parallel = dict(set_parallel_mode=True, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp) if tp > 1 else {}
+    parallel = dict(set_parallel_mode=True, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp,
+                    ub_tp_comm_overlap=overlap) if tp > 1 else {}
     return te.TransformerLayer(s.hidden, s.ffn, s.heads, params_dtype=torch.bfloat16, device=device,
                                self_attn_mask_type="causal", **parallel)
 
 
 def _measure(layer: torch.nn.Module, rows: int, s: LayerShape, recipe_factory: Optional[Callable], iters: int,
-             amax_group, graphed: bool) -> Dict:
+             amax_group, graphed: bool, profile_comm: bool = False) -> Dict:
     """Median fwd+bwd ms and peak memory of ``layer`` on [rows, b, h]; FP8 amaxes reduced over ``amax_group``;
-    ``graphed``: captured first by ``te.make_graphed_callables`` (collectives and updates inside the graphs)."""
+    ``graphed``: captured first by ``te.make_graphed_callables`` (collectives and updates inside the graphs);
+    ``profile_comm``: also the communication time per step (:func:`comm_time`, GPUs only)."""
     import transformer_engine.pytorch as te
 
     device = next(layer.parameters()).device
@@ -83,7 +133,10 @@ def _measure(layer: torch.nn.Module, rows: int, s: LayerShape, recipe_factory: O
 
     step = fwd_bwd_step(layer, x, dy, context)
     ms = time_fn(step, warmup=5, iters=iters, device=device)
-    return {"ms": ms, "peak_bytes": None if graphed else peak_memory(step, device)}  # a replay's pool is not counted
+    result = {"ms": ms, "peak_bytes": None if graphed else peak_memory(step, device)}  # a replay's pool is not counted
+    if profile_comm and device.type == "cuda":
+        result.update(comm_time(step, device))
+    return result
 
 
 def _slowest(ms: float, device: torch.device) -> float:
@@ -92,20 +145,21 @@ def _slowest(ms: float, device: torch.device) -> float:
     return t.item()
 
 
-def _run_variant(s: LayerShape, tp: int, device: torch.device, variant, iters: int, alone) -> Dict:
+def _run_variant(s: LayerShape, tp: int, device: torch.device, variant, iters: int, alone, profile_comm: bool) -> Dict:
     """One variant: the single-GPU layer on rank 0 (the others wait), then the TP layer on every rank.
 
     ``alone`` is a group of this rank only: the single-GPU run reduces its amaxes over it, not over the
     world (which the waiting ranks would never join).
     """
-    recipe_factory, graphed = variant
+    recipe_factory, graphed, overlap = variant
     result: Dict = {}
     if dist.get_rank() == 0:
         result["single"] = _measure(_layer(s, device, 1), s.seq, s, recipe_factory, iters, alone, graphed)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     dist.barrier()
-    measured = _measure(_layer(s, device, tp), s.seq // tp, s, recipe_factory, iters, dist.group.WORLD, graphed)
+    measured = _measure(_layer(s, device, tp, overlap), s.seq // tp, s, recipe_factory, iters, dist.group.WORLD, graphed,
+                        profile_comm)
     result["tp"] = dict(measured, ms=_slowest(measured["ms"], device))
     gc.collect()  # the layers (and their CUDA graphs, which hold NCCL work) go before the next variant
     return result
@@ -122,10 +176,12 @@ def _rank_main(rank: int, tp: int, args, init_file: str) -> None:
     results = {}
     with backend_policy(args.backend):
         for name, variant in _variants().items():
+            if args.variants and name not in args.variants:
+                continue
             if variant[1] and device.type != "cuda":
                 continue  # CUDA graphs need GPUs
             try:
-                results[name] = _run_variant(s, tp, device, variant, args.iters, alone)
+                results[name] = _run_variant(s, tp, device, variant, args.iters, alone, args.profile_comm)
             except Exception as exc:  # a recipe this machine cannot run is reported, not fatal
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     if rank == 0:
@@ -137,19 +193,20 @@ def _report(s: LayerShape, tp: int, results: Dict, args) -> None:
     rows = []
     for name, r in results.items():
         if "error" in r:
-            rows.append([name, "n/a", "n/a", "", "", "", r["error"][:80]])
+            rows.append([name, "n/a", "n/a", "", "", "", "", r["error"][:80]])
             continue
         t1, tp_ms = r["single"]["ms"], r["tp"]["ms"]
         r["scaling_efficiency"] = t1 / (tp * tp_ms)
         r["tflops_per_gpu"] = {"single": s.flops() / t1 / 1e9, "tp": s.flops() / tp / tp_ms / 1e9}
         r["comm_bytes_per_gpu"] = comm_bytes_per_gpu(s, tp, fp8=name.startswith(("FP8 delayed", "FP8 current")))
-        mem = r["tp"]["peak_bytes"]
+        mem, comm = r["tp"]["peak_bytes"], r["tp"].get("comm_ms")
         rows.append([name, f"{t1:.2f}", f"{tp_ms:.2f}", f"{100 * r['scaling_efficiency']:.1f}%",
                      f"{r['tflops_per_gpu']['tp']:.0f}", f"{r['comm_bytes_per_gpu'] / 2**20:.1f}",
+                     "n/a" if comm is None else f"{comm:.2f} / {r['tp']['exposed_comm_ms']:.2f}",
                      "n/a" if mem is None else f"{mem / 2**30:.2f}"])
     print_table(f"TransformerLayer fwd+bwd {s}: 1 GPU vs TP={tp} + sequence parallelism ({args.dist_backend})",
                 ["variant", "1 GPU ms", f"TP={tp} ms", "efficiency", "TFLOP/s per GPU", "comm MiB per GPU",
-                 "peak GiB per GPU"], rows)
+                 "comm / exposed ms (rank 0)", "peak GiB per GPU"], rows)
     write_json(args.json, {"shape": s.__dict__, "tp": tp, "dist_backend": args.dist_backend, "results": results})
 
 
@@ -159,7 +216,14 @@ def main() -> None:
     parser.add_argument("--dist-backend", choices=["nccl", "gloo"], default="nccl" if torch.cuda.is_available() else "gloo")
     parser.add_argument("--small", action="store_true", help="tiny shape (CPU smoke run)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--profile-comm", action="store_true",
+                        help="also profile a few TP steps: NCCL kernel time per step and the part no compute overlaps")
+    parser.add_argument("--variants", type=lambda v: v.split(";"), default=None,
+                        help=f"only these variants, separated by ';' (of: {'; '.join(_variants())})")
     args = parser.parse_args()
+    unknown = set(args.variants or ()) - set(_variants())
+    if unknown:
+        raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {list(_variants())}")
     if args.dist_backend == "nccl" and torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
     fd, init_file = tempfile.mkstemp(prefix="bench_tp_")

@@ -74,6 +74,8 @@ class TransformerLayer(torch.nn.Module):
     Submodules: ``self_attention``, ``inter_attention`` (decoder), ``layernorm_mlp`` and
     ``layernorm`` (with ``output_layernorm``); parameter names follow TE's (e.g.
     ``self_attention.layernorm_qkv.query_weight``, ``layernorm_mlp.fc1_weight``).
+    ``ub_tp_comm_overlap=True`` (with ``ub_overlap_ag`` / ``ub_overlap_rs``, on by default) pipelines the
+    sequence-parallel collectives of the forward GEMMs (see ``Linear``); the other ``ub_*`` have no effect.
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -189,8 +191,8 @@ class TransformerLayer(torch.nn.Module):
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, params_dtype=params_dtype,
             return_layernorm_output=apply_residual_connection_post_layernorm, seq_length=seq_length,
             micro_batch_size=micro_batch_size, set_parallel_mode=set_parallel_mode,
-            zero_centered_gamma=zero_centered_gamma, device=device,
-            name=None if name is None else name + ".layernorm_mlp",
+            zero_centered_gamma=zero_centered_gamma, device=device, ub_overlap_ag=ub and ub_overlap_ag,
+            ub_overlap_rs=ub and ub_overlap_rs, name=None if name is None else name + ".layernorm_mlp",
         )
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0.0 else None
         if output_layernorm:

@@ -27,6 +27,7 @@ from tests.pytorch.parallel._ranks import device
 from tests.pytorch.parallel._tp import assert_close, compare_grads, delayed_fp8_tolerance, fp8_context, gather, split
 from transformer_engine.pytorch.parallel import shard_state_dict
 from transformer_engine.pytorch.parallel.comm import group_size
+from transformer_engine.pytorch.parallel.overlap import _symmetric_memory
 
 H, N, F, S, B = 64, 64, 64, 16, 2  # every split size divides by 4, and each rank's GEMMs meet the FP8 shape rule
 
@@ -46,8 +47,9 @@ LAYOUTS = {
 }
 
 
-def _build(kind: str, mode: str, sp: bool, parallel: bool, activation: str):
-    tp = dict(tp_group=dist.group.WORLD, tp_size=group_size(None), sequence_parallel=sp) if parallel else {}
+def _build(kind: str, mode: str, sp: bool, parallel: bool, activation: str, overlap: bool = False):
+    tp = dict(tp_group=dist.group.WORLD, tp_size=group_size(None), sequence_parallel=sp, ub_overlap_ag=overlap,
+              ub_overlap_rs=overlap) if parallel else {}
     kw = dict(params_dtype=torch.float32, device=device(), **tp)
     if kind == "LayerNormMLP":
         return te.LayerNormMLP(H, F, activation=activation, set_parallel_mode=parallel, **kw)
@@ -55,14 +57,14 @@ def _build(kind: str, mode: str, sp: bool, parallel: bool, activation: str):
     return cls(H, N, parallel_mode=mode if parallel else None, **kw)
 
 
-def _twins(kind: str, mode: str, sp: bool, activation: str = "gelu"):
+def _twins(kind: str, mode: str, sp: bool, activation: str = "gelu", overlap: bool = False):
     """(single-process module with random non-trivial parameters, its sharded twin holding the same values)."""
     torch.manual_seed(0)
     ref = _build(kind, mode, sp, False, activation)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # biases and norm parameters matter too
-    tp = _build(kind, mode, sp, True, activation)
+    tp = _build(kind, mode, sp, True, activation, overlap)
     tp.load_state_dict(shard_state_dict(tp, ref.state_dict(), None))
     return ref, tp
 
@@ -88,8 +90,8 @@ def _check_scales_agree(tp, ref) -> None:
         torch.testing.assert_close(scale, ref.fp8_meta[key].scale, rtol=1e-3, atol=0)
 
 
-def check_module(kind: str, mode: str, sp: bool, recipe, activation: str = "gelu") -> None:
-    ref, tp = _twins(kind, mode, sp, activation)
+def check_module(kind: str, mode: str, sp: bool, recipe, activation: str = "gelu", overlap: bool = False) -> None:
+    ref, tp = _twins(kind, mode, sp, activation, overlap)
     in_layout, out_layout = LAYOUTS[(kind, mode)][sp]
     torch.manual_seed(1)
     in_features = N if (kind, mode) == ("Linear", "row") else H
@@ -125,6 +127,21 @@ def test_layernorm_mlp_matches_single_process(ranks2, activation, sp, recipe):
 def test_block_scaling_with_tensor_parallelism(ranks2, kind, mode, sp):
     """Sequence parallelism gathers the high-precision shards, then casts the whole tensor."""
     ranks2.run(check_module, kind, mode, sp, "block", "gelu")
+
+
+def check_pipelined_module(kind: str, mode: str, recipe) -> None:
+    """ub_overlap_ag / ub_overlap_rs under SP; on GPUs through symmetric memory (the pipelined path itself)."""
+    if dist.get_backend() == "nccl":
+        assert _symmetric_memory(dist.group.WORLD) is not None, "no symmetric memory over NCCL: the pipelines would not run"
+    check_module(kind, mode, True, recipe, "swiglu", True)
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed", "current", "block"])
+@pytest.mark.parametrize("kind, mode", [("Linear", "column"), ("Linear", "row"), ("LayerNormLinear", "column"), ("LayerNormMLP", "mlp")])
+def test_pipelined_forward_collectives_match_single_process(ranks, kind, mode, recipe):
+    """The fprop GEMMs run block by block around the input all-gather / output reduce-scatter (block
+    scaling: the gather of its high-precision input stays whole, the output's reduce-scatter is pipelined)."""
+    ranks.run(check_pipelined_module, kind, mode, recipe)
 
 
 @pytest.mark.parametrize("kind, mode", [("Linear", "column"), ("Linear", "row"), ("LayerNormMLP", "mlp")])

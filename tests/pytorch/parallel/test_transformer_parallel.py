@@ -59,6 +59,7 @@ LAYERS = {
     "fused-qkv": dict(fuse_qkv_params=True, normalization="RMSNorm"),
     "fused-qkv-concat-gqa": dict(fuse_qkv_params=True, qkv_weight_interleaved=False, num_gqa_groups=2),
     "qk-norm": dict(qk_norm_type="RMSNorm", bias=False),
+    "comm-overlap": dict(ub_tp_comm_overlap=True),  # pipelined forward collectives under SP
 }
 
 
@@ -117,13 +118,14 @@ def test_checkpoint_distributes_saved_activations(ranks):
     ranks.run(check_distributed_saved_activations)
 
 
-def check_graphed_tensor_parallel_layer(recipe) -> None:
-    """make_graphed_callables on a TP + SP layer (collectives and the amax all-reduce inside the graphs):
-    three SGD steps give this rank the outputs, gradients and scaling state of the eager layer."""
+def check_graphed_tensor_parallel_layer(recipe, overlap: bool) -> None:
+    """make_graphed_callables on a TP + SP layer (collectives and the amax all-reduce inside the graphs;
+    ``overlap``: pipelined with the forward GEMMs over symmetric memory): three SGD steps give this rank the
+    outputs, gradients and scaling state of the eager layer."""
     from tests.pytorch.test_graph import _scaling_tensors, _train
 
     p = group_size(None)
-    eager, graphed = _layer(True, True), _layer(True, True)
+    eager, graphed = (_layer(True, True, ub_tp_comm_overlap=overlap) for _ in range(2))
     graphed.load_state_dict(eager.state_dict())
     x = torch.randn(S // p, B, H, device=device(), requires_grad=True)
     rec = None if recipe is None else RECIPES[recipe]()
@@ -138,8 +140,9 @@ def check_graphed_tensor_parallel_layer(recipe) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "comm-overlap"])
 @pytest.mark.parametrize("recipe", [None, "delayed"])
-def test_graphed_tensor_parallel_layer_matches_eager(ranks2, recipe):
+def test_graphed_tensor_parallel_layer_matches_eager(ranks2, recipe, overlap):
     if ranks2.backend != "nccl":
         pytest.skip("CUDA graphs need GPUs (the nccl variant runs on 2 GPUs)")
-    ranks2.run(check_graphed_tensor_parallel_layer, recipe)
+    ranks2.run(check_graphed_tensor_parallel_layer, recipe, overlap)

@@ -25,11 +25,12 @@ import torch
 
 from transformer_engine.plugin import ops
 
+from ..parallel.linear_comm import LinearComm
 from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 from ._common import Operand, release
 
-__all__ = ["WgradTarget", "dgrad", "fprop", "gemm", "linear_backward"]
+__all__ = ["WgradTarget", "dgrad", "fprop", "fprop_with_comm", "gemm", "linear_backward"]
 
 
 def _stored(t: Operand, trans: bool, want_trans: bool):
@@ -65,9 +66,28 @@ def _gemm_blockwise(a: Operand, b: Operand, trans_a: bool, trans_b: bool, bias, 
     return ops.gemm_blockwise(a_data, b_data, a_scale_inv, b_scale_inv, a_block, b_block, dtype, bias, out, accumulate)
 
 
-def fprop(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:
-    """y = x @ W^T + b, x [M, K], W [N, K]."""
-    return gemm(x, w, trans_b=True, bias=bias, out_dtype=out_dtype, split_accumulator=split_accumulator)
+def fprop(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dtype: torch.dtype, split_accumulator: bool,
+          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ W^T + b, x [M, K], W [N, K] (written into ``out`` when given)."""
+    return gemm(x, w, trans_b=True, bias=bias, out_dtype=out_dtype, out=out, split_accumulator=split_accumulator)
+
+
+def fprop_with_comm(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dtype: torch.dtype, split_accumulator: bool,
+                    comm: LinearComm, gather: bool, columnwise: bool) -> Tuple[torch.Tensor, Operand]:
+    """(y, x as wgrad reads it): the fprop with ``comm``'s forward communication (``LinearComm.forward_gemm``).
+
+    ``gather``: x holds this rank's rows and is all-gathered inside the GEMM; the gathered FP8 x then gets
+    its transpose (``columnwise``), which a cast of the shard could not provide.
+    """
+    gemm_bias = comm.gemm_bias(bias)
+
+    def block(rows: Operand, out: Optional[torch.Tensor]) -> torch.Tensor:
+        return fprop(rows, w, gemm_bias, out_dtype, split_accumulator, out)
+
+    y, x = comm.forward_gemm(x, block, w.shape[0], out_dtype, bias, gather)
+    if gather and columnwise and isinstance(x, Float8Tensor):
+        x = x.with_transpose()
+    return y, x
 
 
 def dgrad(dy: Operand, w: Union[Operand, DeferredTranspose], out_dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:

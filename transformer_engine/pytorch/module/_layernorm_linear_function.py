@@ -25,7 +25,7 @@ from ._common import (
     without_operands,
 )
 from ._fp8_meta import ForwardQuantization
-from ._gemm import WgradTarget, fprop, linear_backward
+from ._gemm import WgradTarget, fprop_with_comm, linear_backward
 from ._norm import NormConfig, norm_backward, norm_forward
 
 __all__ = ["LayerNormLinearArgs", "LayerNormLinearFunction", "norm_then_quantize"]
@@ -68,12 +68,15 @@ class LayerNormLinearFunction(torch.autograd.Function):
         gamma = cast(ln_weight, dtype)
         need_dw = weight.requires_grad and q.for_training
         with no_torch_autocast(inp.device):
+            quantizer = q.gemms[0].input
+            gather = comm.pipelines_gather(quantizer)
             ln_op, ln_out, stats = norm_then_quantize(
-                x, gamma, cast(ln_bias, dtype), args.norm, q.gemms[0].input, dtype, args.return_layernorm_output,
-                need_dw, comm,
+                x, gamma, cast(ln_bias, dtype), args.norm, quantizer, dtype, args.return_layernorm_output,
+                need_dw and not gather, comm.for_cast(quantizer),
             )
-            w_op, b = cast(args.weight_operand, dtype), cast(bias, dtype)
-            y = comm.reduce_output(fprop(ln_op, w_op, comm.gemm_bias(b), dtype, q.split_accumulator[0]), b)  # comm
+            w_op = cast(args.weight_operand, dtype)
+            y, ln_op = fprop_with_comm(ln_op, w_op, cast(bias, dtype), dtype, q.split_accumulator[0], comm, gather,  # comm
+                                       columnwise=need_dw)
             save(ctx, x, gamma, for_backward(ln_op) if need_dw else None, for_backward(w_op) if q.for_training else None, *stats)
         ctx.args = without_operands(args, "weight_operand")
         ctx.meta = (inp.shape, inp.dtype, ln_weight.dtype, None if ln_bias is None else ln_bias.dtype, None if bias is None else bias.dtype)

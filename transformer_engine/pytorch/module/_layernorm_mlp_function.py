@@ -25,7 +25,7 @@ from ._common import (
     without_operands,
 )
 from ._fp8_meta import ForwardQuantization
-from ._gemm import WgradTarget, fprop, linear_backward
+from ._gemm import WgradTarget, fprop_with_comm, linear_backward
 from ._layernorm_linear_function import norm_then_quantize
 from ._norm import NormConfig, norm_backward
 
@@ -60,15 +60,17 @@ class LayerNormMLPFunction(torch.autograd.Function):
         gamma = cast(ln_weight, dtype)
         need_dw1, need_dw2 = (w.requires_grad and q.for_training for w in (fc1_weight, fc2_weight))
         with no_torch_autocast(inp.device):
+            gather = comm1.pipelines_gather(g1.input)
             ln_op, ln_out, stats = norm_then_quantize(
                 x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, args.return_layernorm_output,
-                need_dw1, comm1,
+                need_dw1 and not gather, comm1.for_cast(g1.input),
             )
             w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
-            h = fprop(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0])
+            h, ln_op = fprop_with_comm(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0], comm1, gather,  # comm
+                                       columnwise=need_dw1)
             a_op, _ = g2.input.produce(args.activation.producer(h), need_dw2)
-            b2 = cast(fc2_bias, dtype)
-            y = comm2.reduce_output(fprop(a_op, w2, comm2.gemm_bias(b2), dtype, q.split_accumulator[0]), b2)  # comm
+            y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, q.split_accumulator[0], comm2, False,  # comm
+                                   columnwise=False)
             w1_t, w2_t = (for_backward(w) if q.for_training else None for w in (w1, w2))
             save(ctx, x, gamma, for_backward(ln_op) if need_dw1 else None, w1_t, h,
                  for_backward(a_op) if need_dw2 else None, w2_t, *stats)

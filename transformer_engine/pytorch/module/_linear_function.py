@@ -21,7 +21,7 @@ import torch
 from ..parallel.linear_comm import NO_COMM, LinearComm
 from ._common import Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten, without_operands
 from ._fp8_meta import ForwardQuantization
-from ._gemm import WgradTarget, fprop, linear_backward
+from ._gemm import WgradTarget, fprop_with_comm, linear_backward
 
 __all__ = ["LinearArgs", "LinearFunction"]
 
@@ -54,10 +54,13 @@ class LinearFunction(torch.autograd.Function):
         x = inp.reshape(-1, inp.shape[-1]).contiguous()
         need_dw = weight.requires_grad and q.for_training
         with no_torch_autocast(inp.device):
-            x_op = quantize_operand(q.gemms[0].input, cast(x, args.dtype), comm.gather_input, comm.gathers_input, need_dw)  # comm
+            quantizer = q.gemms[0].input
+            gather, cast_comm = comm.pipelines_gather(quantizer), comm.for_cast(quantizer)
+            x_op = quantize_operand(quantizer, cast(x, args.dtype), cast_comm.gather_input, cast_comm.gathers_input,  # comm
+                                    need_dw and not gather)
             w_op = cast(args.weight_operand, args.dtype)
-            b = cast(bias, args.dtype)
-            y = comm.reduce_output(fprop(x_op, w_op, comm.gemm_bias(b), args.dtype, q.split_accumulator[0]), b)  # comm
+            y, x_op = fprop_with_comm(x_op, w_op, cast(bias, args.dtype), args.dtype, q.split_accumulator[0], comm, gather,  # comm
+                                      columnwise=need_dw)
             save(ctx, for_backward(x_op) if need_dw else None, for_backward(w_op) if inp.requires_grad and q.for_training else None)
         ctx.args = without_operands(args, "weight_operand")
         ctx.inp_meta, ctx.bias_dtype = (inp.shape, inp.dtype), None if bias is None else bias.dtype

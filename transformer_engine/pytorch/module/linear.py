@@ -37,7 +37,10 @@ class Linear(TransformerEngineBaseModule):
         parameters_split: names (equal split) or name -> size: parameters ``<name>_weight`` / ``<name>_bias``.
         device: parameter device; None = current CUDA device if any, else CPU; "meta" defers init
             to :meth:`reset_parameters`.
-        ub_*: communication-overlap options (accepted; no effect with tp_size 1).
+        ub_overlap_ag, ub_overlap_rs: with sequence parallelism, pipeline the input's all-gather (column) or
+            the output's reduce-scatter (row) with the fprop GEMM, block by block (``parallel.overlap``:
+            copy-engine transfers over CUDA symmetric memory; plain collectives elsewhere). The other
+            ``ub_*`` options are accepted and have no effect.
         delay_wgrad_compute, save_original_input: not implemented yet (must stay False).
         symmetric_ar_type: stored.
         name: debug name.

@@ -5,9 +5,9 @@ A module's Function calls every method below at a fixed place; with no tensor pa
 
     forward                                         backward
     x_op = comm.gather_input(quantize(x))           dy_op = comm.gather_grad_output(quantize(dy))
-    y    = fprop(x_op, W, comm.gemm_bias(b))        dx, dW, db = dgrad, wgrad, bgrad
-    y    = comm.reduce_output(y, b)                 dx = comm.reduce_grad_input(dx)
-                                                    db = comm.reduce_bias_grad(db)
+    y, x_op = comm.forward_gemm(x_op, fprop, ...)   dx, dW, db = dgrad, wgrad, bgrad
+      (y = comm.reduce_output(                      dx = comm.reduce_grad_input(dx)
+           fprop(x_op, W, comm.gemm_bias(b)), b))   db = comm.reduce_bias_grad(db)
                                                     dgamma, dbeta = comm.reduce_norm_grads(...)
 
 What each point does, over the tensor-parallel group of P ranks (rows = dim 0 = the sequence):
@@ -25,6 +25,11 @@ What each point does, over the tensor-parallel group of P ranks (rows = dim 0 = 
 
 Tensors gathered in FP8 are cast with a scale every rank shares (:meth:`adapt`): delayed scaling's
 scales agree once the amaxes are MAX-reduced; current scaling MAX-reduces each shard's amax first.
+
+Under sequence parallelism the forward collectives can be pipelined with the fprop GEMM
+(:mod:`.overlap`; TE's ``ub_overlap_ag`` for the column-parallel input gather, ``ub_overlap_rs`` for
+the row-parallel output reduce-scatter): then the input's cast covers this rank's rows only and
+:meth:`forward_gemm` gathers it block by block while the GEMM consumes the blocks.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
-from .comm import all_gather, all_reduce_, all_reduce_max, copy_to_tensor_parallel_region, reduce_scatter
+from .comm import all_gather, all_reduce_, all_reduce_max, copy_to_tensor_parallel_region, group_size, reduce_scatter
+from .overlap import BlockGemm, all_gather_gemm, gemm_reduce_scatter, splits_by_rows
 from .tensor_parallel import ParallelConfig
 
 __all__ = ["LinearComm", "NO_COMM", "linear_comm", "share_scales"]
@@ -50,11 +56,15 @@ class LinearComm:
         group: the tensor-parallel process group.
         mode: "column", "row" or None.
         sequence_parallel: rows of the input (column) or output (row) are sharded over the group.
+        overlap_ag: column + SP: pipeline the input's all-gather with the fprop (``ub_overlap_ag``).
+        overlap_rs: row + SP: pipeline the fprop with the output's reduce-scatter (``ub_overlap_rs``).
     """
 
     group: Any = None
     mode: Optional[str] = None
     sequence_parallel: bool = False
+    overlap_ag: bool = False
+    overlap_rs: bool = False
 
     @property
     def _column(self) -> bool:
@@ -82,6 +92,33 @@ class LinearComm:
     def gather_input(self, x_op):
         """Column + SP: the rows of every rank (the GEMM input); else ``x_op``."""
         return all_gather(x_op, self.group) if self.gathers_input else x_op
+
+    def pipelines_gather(self, quantizer) -> bool:
+        """True when :meth:`forward_gemm` all-gathers the input (``overlap_ag``, and a ``quantizer`` whose
+        casts can be gathered): its cast then covers this rank's rows, without transpose, and is not gathered first."""
+        return self.gathers_input and self.overlap_ag and quantizer.gathers_quantized
+
+    def for_cast(self, quantizer) -> "LinearComm":
+        """This communication as the input's cast sees it: none when :meth:`forward_gemm` does the gather."""
+        return NO_COMM if self.pipelines_gather(quantizer) else self
+
+    def forward_gemm(self, x_op, gemm: BlockGemm, n: int, dtype: torch.dtype, bias: Optional[torch.Tensor],
+                     gather: bool) -> Tuple[torch.Tensor, Any]:
+        """(y, the GEMM input as gathered): y = gemm(x_op) [M, n] with the forward communication.
+
+        ``gemm(a, out)`` computes the fprop of operand rows ``a`` (into ``out`` when given), with
+        :meth:`gemm_bias`. ``gather`` (see :meth:`pipelines_gather`): ``x_op`` holds this rank's rows and is
+        all-gathered block by block under the GEMM; row + SP with ``overlap_rs``: the output is
+        reduce-scattered block by block; otherwise ``y = reduce_output(gemm(x_op), bias)``.
+        """
+        if gather:
+            rows = x_op.shape[0] * group_size(self.group)
+            y = torch.empty(rows, n, dtype=dtype, device=x_op.device)
+            return y, all_gather_gemm(x_op, gemm, y, self.group)
+        if self._row and self.sequence_parallel and self.overlap_rs and splits_by_rows(x_op):
+            y = gemm_reduce_scatter(x_op, gemm, n, dtype, self.group)
+            return (y if bias is None else y + bias), x_op
+        return self.reduce_output(gemm(x_op, None), bias), x_op
 
     def gemm_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The bias the GEMM adds: none for row-parallel (it is added once, after the reduction)."""
@@ -155,7 +192,8 @@ def linear_comm(config: ParallelConfig, mode: Optional[str], owner: str) -> Line
             f"{owner} was built with tp_size={config.tp_size}{sp} but has no tensor-parallel group; "
             "pass tp_group=... or call set_tensor_parallel_group(group) before the forward"
         )
-    return LinearComm(config.tp_group, mode, config.sequence_parallel)
+    overlap = config.comm_overlap
+    return LinearComm(config.tp_group, mode, config.sequence_parallel, "ub_overlap_ag" in overlap, "ub_overlap_rs" in overlap)
 
 
 def share_scales(quantization, *comms: LinearComm):

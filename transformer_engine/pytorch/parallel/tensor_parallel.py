@@ -74,7 +74,8 @@ class ParallelConfig:
             only honoured when P > 1.
         parallel_mode: None, "column" or "row" (Linear, LayerNormLinear).
         symmetric_ar_type: stored (TE's symmetric all-reduce option).
-        comm_overlap: the names of the ``ub_*`` options that were switched on (stored).
+        comm_overlap: the names of the ``ub_*`` options that were switched on (``ub_overlap_ag`` and
+            ``ub_overlap_rs`` act, see :func:`..parallel.linear_comm.linear_comm`).
         ub_name: stored.
 
     Raises:

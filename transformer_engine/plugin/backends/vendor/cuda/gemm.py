@@ -58,19 +58,22 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
         raise NotImplementedError(f"vendor.cuda gemm: {verdict.reason}; use the reference backend for this call")
     x, y = _operands(a, b, trans_a, trans_b)
     dtype = _result_dtype(a, out_dtype, out)
+    direct = None if accumulate else out  # written by the product itself where it can be
     if x.dtype in FP8_DTYPES:
-        d = _mm_fp8(x, y, bias, (_scale(a_scale_inv), _scale(b_scale_inv)), dtype, accumulate, use_split_accumulator)
+        d = _mm_fp8(x, y, bias, (_scale(a_scale_inv), _scale(b_scale_inv)), dtype, accumulate, use_split_accumulator, direct)
     else:
-        d = _mm_hp(x, y, bias, dtype, accumulate)
-    return _store(d, dtype, out, accumulate)
+        d = _mm_hp(x, y, bias, dtype, accumulate, direct)
+    return d if d is direct else _store(d, dtype, out, accumulate)
 
 
 # -- the two products ---------------------------------------------------------------------------
-def _mm_fp8(x, y, bias, scales, dtype, accumulate, use_split_accumulator):
+def _mm_fp8(x, y, bias, scales, dtype, accumulate, use_split_accumulator, out=None):
     """x @ y dequantized by ``scales`` (scale_a, scale_b in ``torch._scaled_mm``'s layout) [+ bias] in
-    ``dtype``, or in fp32 when the bias or ``accumulate`` cannot ride the epilogue."""
+    ``dtype`` (into a contiguous ``out`` of that dtype when given), or in fp32 when the bias or
+    ``accumulate`` cannot ride the epilogue."""
     in_epilogue = bias is not None and not accumulate and bias.dtype == dtype and dtype != torch.float32
     fp32_tail = accumulate or (bias is not None and not in_epilogue)
+    direct = {} if fp32_tail or out is None or not out.is_contiguous() else {"out": out}
     d = torch._scaled_mm(
         _as_row_major(x),
         _as_col_major(y),
@@ -79,16 +82,18 @@ def _mm_fp8(x, y, bias, scales, dtype, accumulate, use_split_accumulator):
         bias=bias if in_epilogue else None,
         out_dtype=torch.float32 if fp32_tail else dtype,
         use_fast_accum=not use_split_accumulator,
+        **direct,
     )
     if bias is not None and not in_epilogue:
         d += bias.float()
     return d
 
 
-def _mm_hp(x, y, bias, dtype, accumulate):
-    """x @ y [+ bias] for bf16 / fp16 / fp32 operands, in ``dtype`` or in fp32 (see module doc)."""
+def _mm_hp(x, y, bias, dtype, accumulate, out=None):
+    """x @ y [+ bias] for bf16 / fp16 / fp32 operands, in ``dtype`` (into ``out`` when given) or in fp32 (see module doc)."""
     if not accumulate and dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
-        return torch.mm(x, y) if bias is None else torch.addmm(bias, x, y)
+        direct = {} if out is None else {"out": out}
+        return torch.mm(x, y, **direct) if bias is None else torch.addmm(bias, x, y, **direct)
     d = torch.mm(x, y) if x.dtype == torch.float32 else torch.mm(x, y, out_dtype=torch.float32)
     if bias is not None:
         d += bias.float()
