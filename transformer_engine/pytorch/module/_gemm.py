@@ -79,10 +79,8 @@ def fprop_with_comm(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dt
     ``gather``: x holds this rank's rows and is all-gathered inside the GEMM; the gathered FP8 x then gets
     its transpose (``columnwise``), which a cast of the shard could not provide.
     """
-    gemm_bias = comm.gemm_bias(bias)
-
-    def block(rows: Operand, out: Optional[torch.Tensor]) -> torch.Tensor:
-        return fprop(rows, w, gemm_bias, out_dtype, split_accumulator, out)
+    def block(rows: Operand, out: Optional[torch.Tensor], block_bias: Optional[torch.Tensor] = comm.gemm_bias(bias)) -> torch.Tensor:
+        return fprop(rows, w, block_bias, out_dtype, split_accumulator, out)
 
     y, x = comm.forward_gemm(x, block, w.shape[0], out_dtype, bias, gather)
     if gather and columnwise and isinstance(x, Float8Tensor):

@@ -106,8 +106,8 @@ class LinearComm:
                      gather: bool) -> Tuple[torch.Tensor, Any]:
         """(y, the GEMM input as gathered): y = gemm(x_op) [M, n] with the forward communication.
 
-        ``gemm(a, out)`` computes the fprop of operand rows ``a`` (into ``out`` when given), with
-        :meth:`gemm_bias`. ``gather`` (see :meth:`pipelines_gather`): ``x_op`` holds this rank's rows and is
+        ``gemm(a, out[, bias])`` computes the fprop of operand rows ``a`` (into ``out`` when given), with
+        :meth:`gemm_bias` or ``bias``. ``gather`` (see :meth:`pipelines_gather`): ``x_op`` holds this rank's rows and is
         all-gathered block by block under the GEMM; row + SP with ``overlap_rs``: the output is
         reduce-scattered block by block; otherwise ``y = reduce_output(gemm(x_op), bias)``.
         """
@@ -116,8 +116,7 @@ class LinearComm:
             y = torch.empty(rows, n, dtype=dtype, device=x_op.device)
             return y, all_gather_gemm(x_op, gemm, y, self.group)
         if self._row and self.sequence_parallel and self.overlap_rs and splits_by_rows(x_op):
-            y = gemm_reduce_scatter(x_op, gemm, n, dtype, self.group)
-            return (y if bias is None else y + bias), x_op
+            return gemm_reduce_scatter(x_op, gemm, n, dtype, self.group, bias), x_op
         return self.reduce_output(gemm(x_op, None), bias), x_op
 
     def gemm_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

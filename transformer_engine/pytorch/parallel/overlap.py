@@ -7,14 +7,19 @@ splits into P row blocks, one per rank, so that moving one block overlaps comput
     gemm_reduce_scatter  Y_r = (sum_q gemm_q(A))[rows r]  gemm(block q of A) is computed while the block
                                                          for the previous rank is being pulled by it
 
-On CUDA with PyTorch's symmetric memory (``torch.distributed._symmetric_memory``) the blocks travel
-by copy engines between the GPUs' buffers, leaving every SM to the GEMMs (an NCCL collective running
-beside a GEMM takes SMs from it, which is why overlapping NCCL collectives gains little); the
-pipelining itself is PyTorch's (``_pipelined_all_gather_and_consume``,
-``_pipelined_produce_and_all2all``). Elsewhere (gloo, CPU, a group without peer access) the same block
-GEMMs run around one ordinary collective: the same results, no overlap.
+On CUDA with PyTorch's symmetric memory (``torch.distributed._symmetric_memory``: a workspace every
+rank of the group can address, and barriers across them) the blocks travel by copy engines between
+the GPUs' buffers, leaving every SM to the GEMMs (an NCCL collective running beside a GEMM takes SMs
+from it, which is why overlapping NCCL collectives gains little). The block GEMMs run one after the
+other on the current stream; the copies and barriers run on a side stream, so that a barrier (where
+a rank waits for the slower one) sits under a GEMM too. (PyTorch's own pipelines run two block GEMMs
+side by side on two streams; at these sizes each GEMM fills the GPU, so they only slow each other
+and the copy that waits for the first one ends up exposed.) Elsewhere (gloo, CPU, a group without
+peer access) the same block GEMMs run around one ordinary collective: the same results, no overlap.
 
-The GEMM is given as ``gemm(a, out)``: the product for the rows of operand ``a``, written into ``out``.
+The GEMM is given as ``gemm(a, out[, bias])``: the product for the rows of operand ``a``, written into
+``out`` (a new tensor when None); a third argument, when passed, is the bias to add instead of the
+GEMM's own (None: no bias).
 FP8 operands (:class:`Float8Tensor`) travel as their uint8 payload and keep their (shared) scale_inv.
 """
 
@@ -33,7 +38,7 @@ from .comm import all_gather, group_rank, group_size, reduce_scatter
 __all__ = ["BlockGemm", "all_gather_gemm", "gemm_reduce_scatter", "row_block", "splits_by_rows"]
 
 Operand = Union[torch.Tensor, Float8Tensor]
-BlockGemm = Callable[[Operand, Optional[torch.Tensor]], torch.Tensor]
+BlockGemm = Callable[..., torch.Tensor]  # gemm(a, out[, bias]): see the module docstring
 
 
 def splits_by_rows(a: Operand) -> bool:
@@ -69,8 +74,7 @@ def _symmetric_memory(group: Any):
         from torch.distributed import _symmetric_memory as symm
     except ImportError:
         return None
-    needed = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all", "get_symm_mem_workspace")
-    if not all(hasattr(symm, name) for name in needed) or dist.get_backend(group) != "nccl":
+    if not hasattr(symm, "get_symm_mem_workspace") or dist.get_backend(group) != "nccl":
         return None
     me = torch.cuda.current_device()
     peers = [d for d in range(torch.cuda.device_count()) if d != me]
@@ -101,29 +105,67 @@ def all_gather_gemm(shard: Operand, gemm: BlockGemm, out: torch.Tensor, group: A
         return gathered
     payload = _payload(shard).contiguous()
     gathered = payload.new_empty((size * payload.shape[0],) + tuple(payload.shape[1:]))
-    symm._pipelined_all_gather_and_consume(
-        payload, lambda block, q: gemm(_like(shard, block), out_blocks[q]), gathered, group.group_name,
-    )
+    blocks = gathered.chunk(size)
+    mem = symm.get_symm_mem_workspace(group.group_name, min_size=payload.numel() * payload.element_size())
+    rank, main, side = mem.rank, torch.cuda.current_stream(), _side_stream(payload.device)
+    mem.get_buffer(rank, payload.shape, payload.dtype).copy_(payload)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        mem.barrier(channel=0)  # every shard is in its rank's buffer
+    gemm(shard, out_blocks[rank])
+    blocks[rank].copy_(payload)
+    for step in range(1, size):
+        src = (rank + step) % size
+        with torch.cuda.stream(side):
+            blocks[src].copy_(mem.get_buffer(src, payload.shape, payload.dtype))  # by copy engine, under the GEMMs
+        main.wait_stream(side)
+        gemm(_like(shard, blocks[src]), out_blocks[src])
+    with torch.cuda.stream(side):
+        mem.barrier(channel=0)  # every rank has read every buffer: they may be written again
+    main.wait_stream(side)
     return _like(shard, gathered)
 
 
-def gemm_reduce_scatter(a: Operand, gemm: BlockGemm, n: int, dtype: torch.dtype, group: Any) -> torch.Tensor:
-    """This rank's rows of sum over ranks of Y, Y [M, n] = the GEMM of ``a`` [M, K] (P blocks of M / P rows).
+def gemm_reduce_scatter(a: Operand, gemm: BlockGemm, n: int, dtype: torch.dtype, group: Any,
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's rows of sum over ranks of Y, Y [M, n] = the GEMM of ``a`` [M, K] (P blocks of M / P rows),
+    plus ``bias``: the GEMM of each rank's own block adds it (in its epilogue), so the sum holds it once.
 
-    On the pipelined path the P partials of this rank's rows are summed locally (``torch.sum``: float32
-    accumulation, one rounding).
+    Pipelined (a ring of P - 1 steps): step s computes the block for rank r + s into this rank's buffer,
+    then, while the next block is computed, pulls the block rank r - s computed for this rank; the P
+    partials of this rank's rows are then summed locally (``torch.sum``: float32 accumulation, one rounding).
     """
     size, rank = group_size(group), group_rank(group)
-    rows = a.shape[0] if not isinstance(a, Float8Tensor) else a.data.shape[0]
+    rows = a.shape[0]
     if rows % size:
         raise ValueError(f"reduce_scatter needs dim 0 ({rows}) divisible by the group size {size}")
-    device = a.data.device if isinstance(a, Float8Tensor) else a.device
-    symm = _symmetric_memory(group) if device.type == "cuda" else None
+    symm = _symmetric_memory(group) if a.device.type == "cuda" else None
     if symm is None:
-        y = torch.empty(rows, n, dtype=dtype, device=device)
+        y = torch.empty(rows, n, dtype=dtype, device=a.device)
         for q, out in enumerate(y.chunk(size)):
-            gemm(row_block(a, q, size), out)
+            gemm(row_block(a, q, size), out, bias if q == rank else None)
         return reduce_scatter(y, group)
-    partials = torch.empty(rows, n, dtype=dtype, device=device)  # block q: rank q's partial of this rank's rows
-    symm._pipelined_produce_and_all2all(lambda q, out: gemm(row_block(a, q, size), out), partials, group.group_name)
-    return partials.view(size, rows // size, n).sum(dim=0)
+    m = rows // size
+    partials = torch.empty(rows, n, dtype=dtype, device=a.device)  # block q: rank q's partial of this rank's rows
+    blocks = partials.chunk(size)
+    mem = symm.get_symm_mem_workspace(group.group_name, min_size=2 * m * n * partials.element_size())
+    main, side = torch.cuda.current_stream(), _side_stream(a.device)
+    for step in range(1, size):
+        slot = (step % 2) * m * n  # two buffers: one is written while the other is read
+        if step >= 3:
+            main.wait_stream(side)  # the buffer of step - 2 has been read by every rank
+        gemm(row_block(a, (rank + step) % size, size), mem.get_buffer(rank, (m, n), dtype, slot), None)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            mem.barrier(channel=1)  # every rank's block of this step is written
+            blocks[(rank - step) % size].copy_(mem.get_buffer((rank - step) % size, (m, n), dtype, slot))
+            mem.barrier(channel=1)  # and read
+    gemm(row_block(a, rank, size), blocks[rank], bias)
+    main.wait_stream(side)
+    return partials.view(size, m, n).sum(dim=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of the copies and barriers of ``device`` (one per device, reused by every pipeline)."""
+    return torch.cuda.Stream(device)
