@@ -74,8 +74,8 @@ class TransformerLayer(torch.nn.Module):
     Submodules: ``self_attention``, ``inter_attention`` (decoder), ``layernorm_mlp`` and
     ``layernorm`` (with ``output_layernorm``); parameter names follow TE's (e.g.
     ``self_attention.layernorm_qkv.query_weight``, ``layernorm_mlp.fc1_weight``).
-    ``ub_tp_comm_overlap=True`` (with ``ub_overlap_ag`` / ``ub_overlap_rs``, on by default) pipelines the
-    sequence-parallel collectives of the forward GEMMs (see ``Linear``); the other ``ub_*`` have no effect.
+    ``ub_tp_comm_overlap=True`` pipelines the sequence-parallel collectives with the GEMMs next to them
+    (``ub_overlap_ag``, ``ub_overlap_rs`` and ``ub_bulk_wgrad`` on by default; see ``Linear``).
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -192,7 +192,8 @@ class TransformerLayer(torch.nn.Module):
             return_layernorm_output=apply_residual_connection_post_layernorm, seq_length=seq_length,
             micro_batch_size=micro_batch_size, set_parallel_mode=set_parallel_mode,
             zero_centered_gamma=zero_centered_gamma, device=device, ub_overlap_ag=ub and ub_overlap_ag,
-            ub_overlap_rs=ub and ub_overlap_rs, name=None if name is None else name + ".layernorm_mlp",
+            ub_overlap_rs=ub and ub_overlap_rs, ub_overlap_rs_dgrad=ub and ub_overlap_rs_dgrad,
+            ub_bulk_wgrad=ub and ub_bulk_wgrad, name=None if name is None else name + ".layernorm_mlp",
         )
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0.0 else None
         if output_layernorm:

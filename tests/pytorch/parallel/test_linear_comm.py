@@ -49,7 +49,7 @@ LAYOUTS = {
 
 def _build(kind: str, mode: str, sp: bool, parallel: bool, activation: str, overlap: bool = False):
     tp = dict(tp_group=dist.group.WORLD, tp_size=group_size(None), sequence_parallel=sp, ub_overlap_ag=overlap,
-              ub_overlap_rs=overlap) if parallel else {}
+              ub_overlap_rs=overlap, ub_overlap_rs_dgrad=overlap) if parallel else {}
     kw = dict(params_dtype=torch.float32, device=device(), **tp)
     if kind == "LayerNormMLP":
         return te.LayerNormMLP(H, F, activation=activation, set_parallel_mode=parallel, **kw)
@@ -130,7 +130,7 @@ def test_block_scaling_with_tensor_parallelism(ranks2, kind, mode, sp):
 
 
 def check_pipelined_module(kind: str, mode: str, recipe) -> None:
-    """ub_overlap_ag / ub_overlap_rs under SP; on GPUs through symmetric memory (the pipelined path itself)."""
+    """ub_overlap_ag / ub_overlap_rs / ub_overlap_rs_dgrad under SP; on GPUs through symmetric memory (the pipelined path itself)."""
     if dist.get_backend() == "nccl":
         assert _symmetric_memory(dist.group.WORLD) is not None, "no symmetric memory over NCCL: the pipelines would not run"
     check_module(kind, mode, True, recipe, "swiglu", True)
@@ -139,8 +139,8 @@ def check_pipelined_module(kind: str, mode: str, recipe) -> None:
 @pytest.mark.parametrize("recipe", [None, "delayed", "current", "block"])
 @pytest.mark.parametrize("kind, mode", [("Linear", "column"), ("Linear", "row"), ("LayerNormLinear", "column"), ("LayerNormMLP", "mlp")])
 def test_pipelined_forward_collectives_match_single_process(ranks, kind, mode, recipe):
-    """The fprop GEMMs run block by block around the input all-gather / output reduce-scatter (block
-    scaling: the gather of its high-precision input stays whole, the output's reduce-scatter is pipelined)."""
+    """The fprop and dgrad GEMMs run block by block around the all-gathers / reduce-scatters (block scaling:
+    the gathers of its high-precision tensors stay whole, the reduce-scatters are pipelined)."""
     ranks.run(check_pipelined_module, kind, mode, recipe)
 
 

@@ -163,6 +163,7 @@ class MultiheadAttention(torch.nn.Module):
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=tp_size,
             get_rng_state_tracker=get_rng_state_tracker, sequence_parallel=sequence_parallel,
             params_dtype=self.params_dtype, device=device, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
         )
         norm_kwargs = dict(eps=layernorm_epsilon, zero_centered_gamma=zero_centered_gamma, normalization=normalization,
                            return_layernorm_output=return_layernorm_output)

@@ -25,7 +25,7 @@ import torch
 
 from transformer_engine.plugin import ops
 
-from ..parallel.linear_comm import LinearComm
+from ..parallel.linear_comm import NO_COMM, LinearComm
 from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 from ._common import Operand, release
@@ -88,11 +88,12 @@ def fprop_with_comm(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dt
     return y, x
 
 
-def dgrad(dy: Operand, w: Union[Operand, DeferredTranspose], out_dtype: torch.dtype, split_accumulator: bool) -> torch.Tensor:
-    """dx = dy @ W, dy [M, N], W [N, K] (a deferred W^T is cast now and dropped after this GEMM)."""
+def dgrad(dy: Operand, w: Union[Operand, DeferredTranspose], out_dtype: torch.dtype, split_accumulator: bool,
+          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dx = dy @ W, dy [M, N], W [N, K] (a deferred W^T is cast now and dropped after this GEMM; into ``out`` when given)."""
     if isinstance(w, DeferredTranspose):
         w = w.materialize()
-    return gemm(dy, w, out_dtype=out_dtype, split_accumulator=split_accumulator)
+    return gemm(dy, w, out_dtype=out_dtype, out=out, split_accumulator=split_accumulator)
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,15 @@ def _main_grad_placeholder(params) -> Optional[torch.Tensor]:
 
 def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTranspose], need: Tuple[bool, bool],
                     target: WgradTarget, split_accumulator: Tuple[bool, bool, bool], dx_dtype: torch.dtype,
-                    release_wgrad_operands: bool = False):
+                    release_wgrad_operands: bool = False, comm: LinearComm = NO_COMM, gather_dy: bool = False):
     """(dx, dW) of y = x @ W^T + b; each is None when ``need`` (dx, dW) says so (db comes with dy's cast).
 
-    wgrad runs first, so that with ``release_wgrad_operands`` the saved FP8 x^T and dy's FP8 transpose (the copies
-    only wgrad reads) are freed before dgrad allocates dx.
+    dx comes back summed over the ranks where ``comm`` says so (column-parallel). Without pipelined
+    communication wgrad runs first, so that with ``release_wgrad_operands`` the saved FP8 x^T and dy's
+    FP8 transpose (the copies only wgrad reads) are freed before dgrad allocates dx. With it
+    (``gather_dy``: dy holds this rank's rows and is all-gathered inside the dgrad, see
+    ``LinearComm.pipelines_grad_gather``; or ``comm.pipelines_dgrad``) dgrad runs first, then wgrad
+    on the gathered dy (its FP8 transpose made after the gather).
 
     Args:
         dy_op: dy as GEMM operand (FP8 or high precision), [M, N].
@@ -151,11 +156,27 @@ def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTransp
         split_accumulator: of the (fprop, dgrad, wgrad) GEMMs.
         dx_dtype: dtype of dx (the activation dtype).
         release_wgrad_operands: free those copies once wgrad has read them (a backward that frees its graph, see ``release``).
+        comm: the linear's tensor-parallel communication.
+        gather_dy: see above.
     """
     need_dx, need_dw = need
+    dx = None
+    if gather_dy or (need_dx and comm.pipelines_dgrad):
+        if need_dx:
+            w = w.materialize() if isinstance(w, DeferredTranspose) else w
+
+            def block(rows: Operand, out: Optional[torch.Tensor], bias=None) -> torch.Tensor:
+                return dgrad(rows, w, dx_dtype, split_accumulator[1], out)
+
+            dx, dy_op = comm.dgrad_gemm(dy_op, block, w.shape[1], dx_dtype, gather_dy)  # comm
+        else:
+            dy_op = comm.gather_grad_output(dy_op)  # comm
+        if gather_dy and need_dw and isinstance(dy_op, Float8Tensor):
+            dy_op = dy_op.with_transpose()
     dw = _wgrad(dy_op, x, target, split_accumulator[2]) if need_dw else None
     if release_wgrad_operands:
         release(x)
         release(dy_op, transpose_only=True)
-    dx = dgrad(dy_op, w, dx_dtype, split_accumulator[1]) if need_dx else None
+    if need_dx and dx is None:
+        dx = comm.reduce_grad_input(dgrad(dy_op, w, dx_dtype, split_accumulator[1]))  # comm
     return dx, dw

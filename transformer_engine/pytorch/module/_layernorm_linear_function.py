@@ -94,8 +94,8 @@ class LayerNormLinearFunction(torch.autograd.Function):
             dy_op, db = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
             need = (any(ctx.needs_input_grad[:3]), need_dw)
             d_ln, dw = linear_backward(dy_op, ln_op, w_op, need, args.wgrad, q.split_accumulator, args.dtype,
-                                       release_wgrad_operands=backward_frees_graph())
-            d_ln, db = comm.reduce_grad_input(d_ln), comm.reduce_bias_grad(db)  # comm
+                                       release_wgrad_operands=backward_frees_graph(), comm=comm)  # comm
+            db = comm.reduce_bias_grad(db)  # comm
             dx = dgamma = dbeta = None
             if d_ln is not None:
                 if args.return_layernorm_output:

@@ -90,9 +90,11 @@ class LayerNormMLPFunction(torch.autograd.Function):
         frees_graph = backward_frees_graph()
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), dtype)
-            dy_op, db2 = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], needs[6])  # comm
+            gather_dy = comm2.pipelines_grad_gather(g2.grad_output)
+            dy_op, db2 = grad_output_operand(g2.grad_output, dy_hp, comm2.for_grad_cast(g2.grad_output),  # comm
+                                             needs[5] and not gather_dy, needs[6])
             da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,
-                                      release_wgrad_operands=frees_graph)
+                                      release_wgrad_operands=frees_graph, comm=comm2, gather_dy=gather_dy)  # comm
             db2 = comm2.reduce_bias_grad(db2)  # comm
             del dy_op, dy_hp
             dh = args.activation.backward(da, h, overwrite_h=frees_graph)
@@ -102,9 +104,8 @@ class LayerNormMLPFunction(torch.autograd.Function):
                 release(dh, owned=True)
             del dh
             d_ln, dw1 = linear_backward(dh_op, ln_op, w1, (True, needs[3]), args.fc1_wgrad, q.split_accumulator, dtype,
-                                        release_wgrad_operands=frees_graph)
+                                        release_wgrad_operands=frees_graph, comm=comm1)  # comm
             del dh_op
-            d_ln = comm1.reduce_grad_input(d_ln)  # comm
             if args.return_layernorm_output:
                 d_ln = d_ln + cast(d_ln_out[0].reshape(d_ln.shape), dtype)
             dx, dgamma, dbeta = norm_backward(d_ln, x, tuple(stats), gamma, args.norm)

@@ -37,10 +37,12 @@ class Linear(TransformerEngineBaseModule):
         parameters_split: names (equal split) or name -> size: parameters ``<name>_weight`` / ``<name>_bias``.
         device: parameter device; None = current CUDA device if any, else CPU; "meta" defers init
             to :meth:`reset_parameters`.
-        ub_overlap_ag, ub_overlap_rs: with sequence parallelism, pipeline the input's all-gather (column) or
-            the output's reduce-scatter (row) with the fprop GEMM, block by block (``parallel.overlap``:
-            copy-engine transfers over CUDA symmetric memory; plain collectives elsewhere). The other
-            ``ub_*`` options are accepted and have no effect.
+        ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad: with sequence parallelism, pipeline a collective
+            with the GEMM next to it, block by block (``parallel.overlap``: copy-engine transfers over CUDA
+            symmetric memory; plain collectives elsewhere): ``ub_overlap_ag`` the all-gather of the input
+            before the fprop (column) and of dy before the dgrad (row), ``ub_overlap_rs`` the reduce-scatter
+            of the output after the fprop (row), ``ub_overlap_rs_dgrad`` (or ``ub_bulk_wgrad``) that of dx
+            after the dgrad (column). ``ub_bulk_dgrad`` and ``ub_name`` are accepted and have no effect.
         delay_wgrad_compute, save_original_input: not implemented yet (must stay False).
         symmetric_ar_type: stored.
         name: debug name.

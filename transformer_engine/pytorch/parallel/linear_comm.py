@@ -5,9 +5,10 @@ A module's Function calls every method below at a fixed place; with no tensor pa
 
     forward                                         backward
     x_op = comm.gather_input(quantize(x))           dy_op = comm.gather_grad_output(quantize(dy))
-    y, x_op = comm.forward_gemm(x_op, fprop, ...)   dx, dW, db = dgrad, wgrad, bgrad
-      (y = comm.reduce_output(                      dx = comm.reduce_grad_input(dx)
-           fprop(x_op, W, comm.gemm_bias(b)), b))   db = comm.reduce_bias_grad(db)
+    y, x_op = comm.forward_gemm(x_op, fprop, ...)   dx, dy_op = comm.dgrad_gemm(dy_op, dgrad, ...)
+      (y = comm.reduce_output(                        (dx = comm.reduce_grad_input(dgrad(dy_op)))
+           fprop(x_op, W, comm.gemm_bias(b)), b))   dW, db = wgrad, bgrad
+                                                    db = comm.reduce_bias_grad(db)
                                                     dgamma, dbeta = comm.reduce_norm_grads(...)
 
 What each point does, over the tensor-parallel group of P ranks (rows = dim 0 = the sequence):
@@ -26,10 +27,12 @@ What each point does, over the tensor-parallel group of P ranks (rows = dim 0 = 
 Tensors gathered in FP8 are cast with a scale every rank shares (:meth:`adapt`): delayed scaling's
 scales agree once the amaxes are MAX-reduced; current scaling MAX-reduces each shard's amax first.
 
-Under sequence parallelism the forward collectives can be pipelined with the fprop GEMM
-(:mod:`.overlap`; TE's ``ub_overlap_ag`` for the column-parallel input gather, ``ub_overlap_rs`` for
-the row-parallel output reduce-scatter): then the input's cast covers this rank's rows only and
-:meth:`forward_gemm` gathers it block by block while the GEMM consumes the blocks.
+Under sequence parallelism the collectives can be pipelined with the GEMMs next to them
+(:mod:`.overlap`): TE's ``ub_overlap_ag`` for the all-gathers (column-parallel input before the fprop,
+row-parallel dy before the dgrad), ``ub_overlap_rs`` for the row-parallel output reduce-scatter after
+the fprop, ``ub_overlap_rs_dgrad`` (or ``ub_bulk_wgrad``) for the column-parallel dx reduce-scatter
+after the dgrad. A gathered tensor's cast then covers this rank's rows only; :meth:`forward_gemm` /
+:meth:`dgrad_gemm` gather it block by block while the GEMM consumes the blocks.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class LinearComm:
         sequence_parallel: rows of the input (column) or output (row) are sharded over the group.
         overlap_ag: column + SP: pipeline the input's all-gather with the fprop (``ub_overlap_ag``).
         overlap_rs: row + SP: pipeline the fprop with the output's reduce-scatter (``ub_overlap_rs``).
+        overlap_rs_dgrad: column + SP: pipeline the dgrad with the reduce-scatter of dx (``ub_overlap_rs_dgrad``,
+            or ``ub_bulk_wgrad``: TE hides that reduce-scatter under the wgrad GEMM instead).
+        (``overlap_ag`` also pipelines the row + SP backward: dy's all-gather with the dgrad, as TE's flag does.)
     """
 
     group: Any = None
@@ -65,6 +71,7 @@ class LinearComm:
     sequence_parallel: bool = False
     overlap_ag: bool = False
     overlap_rs: bool = False
+    overlap_rs_dgrad: bool = False
 
     @property
     def _column(self) -> bool:
@@ -111,13 +118,19 @@ class LinearComm:
         all-gathered block by block under the GEMM; row + SP with ``overlap_rs``: the output is
         reduce-scattered block by block; otherwise ``y = reduce_output(gemm(x_op), bias)``.
         """
+        scatter = self._row and self.sequence_parallel and self.overlap_rs
+        return self._pipelined(x_op, gemm, n, dtype, gather, scatter, bias, self.reduce_output)
+
+    def _pipelined(self, a, gemm: BlockGemm, n: int, dtype: torch.dtype, gather: bool, scatter: bool,
+                   bias: Optional[torch.Tensor], reduce) -> Tuple[torch.Tensor, Any]:
+        """(y, a as gathered): the GEMM of ``a`` with its input gathered (``gather``) or its output
+        reduce-scattered (``scatter``) block by block, else ``reduce(gemm(a), bias)``."""
         if gather:
-            rows = x_op.shape[0] * group_size(self.group)
-            y = torch.empty(rows, n, dtype=dtype, device=x_op.device)
-            return y, all_gather_gemm(x_op, gemm, y, self.group)
-        if self._row and self.sequence_parallel and self.overlap_rs and splits_by_rows(x_op):
-            return gemm_reduce_scatter(x_op, gemm, n, dtype, self.group, bias), x_op
-        return self.reduce_output(gemm(x_op, None), bias), x_op
+            y = torch.empty(a.shape[0] * group_size(self.group), n, dtype=dtype, device=a.device)
+            return y, all_gather_gemm(a, gemm, y, self.group)
+        if scatter and splits_by_rows(a):
+            return gemm_reduce_scatter(a, gemm, n, dtype, self.group, bias), a
+        return reduce(gemm(a, None), bias), a
 
     def gemm_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The bias the GEMM adds: none for row-parallel (it is added once, after the reduction)."""
@@ -145,6 +158,29 @@ class LinearComm:
     def gather_grad_output(self, dy_op):
         """Row + SP: the rows of every rank of dy; else ``dy_op``."""
         return all_gather(dy_op, self.group) if self.gathers_grad_output else dy_op
+
+    def pipelines_grad_gather(self, quantizer) -> bool:
+        """True when :meth:`dgrad_gemm` all-gathers dy (row + SP with ``overlap_ag``, a ``quantizer`` whose
+        casts can be gathered): dy's cast then covers this rank's rows, without transpose."""
+        return self.gathers_grad_output and self.overlap_ag and quantizer.gathers_quantized
+
+    def for_grad_cast(self, quantizer) -> "LinearComm":
+        """This communication as dy's cast sees it: none when :meth:`dgrad_gemm` does the gather."""
+        return NO_COMM if self.pipelines_grad_gather(quantizer) else self
+
+    @property
+    def pipelines_dgrad(self) -> bool:
+        """True when :meth:`dgrad_gemm` communicates block by block: column + SP with ``overlap_rs_dgrad``."""
+        return self._column and self.sequence_parallel and self.overlap_rs_dgrad
+
+    def dgrad_gemm(self, dy_op, gemm: BlockGemm, k: int, dtype: torch.dtype, gather: bool) -> Tuple[torch.Tensor, Any]:
+        """(dx summed over the ranks as :meth:`reduce_grad_input` sums it, dy as gathered): dx = gemm(dy_op) [M, k].
+
+        ``gather`` (see :meth:`pipelines_grad_gather`): ``dy_op`` holds this rank's rows and is all-gathered
+        block by block under the dgrad GEMM; :attr:`pipelines_dgrad`: dx is reduce-scattered block by block.
+        """
+        return self._pipelined(dy_op, gemm, k, dtype, gather, self.pipelines_dgrad, None,
+                               lambda dx, _: self.reduce_grad_input(dx))
 
     def reduce_grad_input(self, dx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Column-parallel: sum the partial dx (all-reduce, or reduce-scatter rows under SP)."""
@@ -192,7 +228,8 @@ def linear_comm(config: ParallelConfig, mode: Optional[str], owner: str) -> Line
             "pass tp_group=... or call set_tensor_parallel_group(group) before the forward"
         )
     overlap = config.comm_overlap
-    return LinearComm(config.tp_group, mode, config.sequence_parallel, "ub_overlap_ag" in overlap, "ub_overlap_rs" in overlap)
+    return LinearComm(config.tp_group, mode, config.sequence_parallel, "ub_overlap_ag" in overlap, "ub_overlap_rs" in overlap,
+                      bool({"ub_overlap_rs_dgrad", "ub_bulk_wgrad"} & set(overlap)))
 
 
 def share_scales(quantization, *comms: LinearComm):
