@@ -5,10 +5,11 @@
 #   bench  benchmarks/bench_tp.py: te.TransformerLayer at TP=2 + sequence parallelism vs one GPU,
 #          bf16 and FP8 (and TP=4 when there are 4 GPUs); tables in the log, JSON in $OUT
 # Usage: OUT=/some/dir bash scripts/gpu_distributed.sh [tests] [bench]     (default: both)
-# NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the lent machines require.
+# NVLink multicast stays off (NCCL, and symmetric memory for the pipelined collectives), as the lent machines require.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_distributed.log"
@@ -31,7 +32,7 @@ for stage in $STAGES; do
     case $stage in
         tests) run tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/parallel ;;
         bench)
-            run tp2 330 python3 benchmarks/bench_tp.py --tp 2 --json "$OUT/tp2.json"
+            run tp2 450 python3 benchmarks/bench_tp.py --tp 2 --json "$OUT/tp2.json"
             if [ "$GPUS" -ge 4 ]; then run tp4 400 python3 benchmarks/bench_tp.py --tp 4 --json "$OUT/tp4.json"; fi ;;
         *) echo "unknown stage $stage" ;;
     esac
