@@ -40,12 +40,14 @@ __all__ = [
     "gather_saved_activation",
     "group_rank",
     "group_size",
+    "payload",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "split",
     "split_saved_activation",
+    "with_payload",
 ]
 
 Operand = Union[torch.Tensor, Float8Tensor]
@@ -107,14 +109,21 @@ def _gather_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
+def payload(x: Operand) -> torch.Tensor:
+    """What travels of an operand: an FP8 operand's row-major values as uint8, else the tensor itself."""
+    return x.data.view(torch.uint8) if isinstance(x, Float8Tensor) else x
+
+
+def with_payload(x: Operand, moved: torch.Tensor) -> Operand:
+    """The operand like ``x`` holding ``moved`` (a :func:`payload` after communication; FP8: ``x``'s scale_inv)."""
+    return Float8Tensor(moved.view(x.data.dtype), x.scale_inv) if isinstance(x, Float8Tensor) else moved
+
+
 def all_gather(x: Operand, group: Any) -> Operand:
     """concat_r x_r along dim 0; an FP8 operand travels as uint8 and keeps its (shared) scale_inv."""
     if group_size(group) == 1:
         return x
-    if isinstance(x, Float8Tensor):
-        data = _gather_rows(x.data.view(torch.uint8), group).view(x.data.dtype)
-        return Float8Tensor(data, x.scale_inv)
-    return _gather_rows(x, group)
+    return with_payload(x, _gather_rows(payload(x), group))
 
 
 def reduce_scatter(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantization.float8_tensor import Float8Tensor
-from .comm import all_gather, group_rank, group_size, reduce_scatter
+from .comm import all_gather, group_rank, group_size, payload, reduce_scatter, with_payload
 
 __all__ = ["BlockGemm", "all_gather_gemm", "gemm_reduce_scatter", "row_block", "splits_by_rows"]
 
@@ -52,14 +52,6 @@ def row_block(a: Operand, index: int, blocks: int) -> Operand:
     if isinstance(a, Float8Tensor):
         return Float8Tensor(a.data.chunk(blocks)[index], a.scale_inv)
     return a.chunk(blocks)[index]
-
-
-def _payload(a: Operand) -> torch.Tensor:
-    return a.data.view(torch.uint8) if isinstance(a, Float8Tensor) else a
-
-
-def _like(a: Operand, payload: torch.Tensor) -> Operand:
-    return Float8Tensor(payload.view(a.data.dtype), a.scale_inv) if isinstance(a, Float8Tensor) else payload
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,27 +95,27 @@ def all_gather_gemm(shard: Operand, gemm: BlockGemm, out: torch.Tensor, group: A
         for q in range(size):
             gemm(row_block(gathered, q, size), out_blocks[q])
         return gathered
-    payload = _payload(shard).contiguous()
-    gathered = payload.new_empty((size * payload.shape[0],) + tuple(payload.shape[1:]))
+    moved = payload(shard).contiguous()
+    gathered = moved.new_empty((size * moved.shape[0],) + tuple(moved.shape[1:]))
     blocks = gathered.chunk(size)
-    mem = symm.get_symm_mem_workspace(group.group_name, min_size=payload.numel() * payload.element_size())
-    rank, main, side = mem.rank, torch.cuda.current_stream(), _side_stream(payload.device)
-    mem.get_buffer(rank, payload.shape, payload.dtype).copy_(payload)
+    mem = symm.get_symm_mem_workspace(group.group_name, min_size=moved.numel() * moved.element_size())
+    rank, main, side = mem.rank, torch.cuda.current_stream(), _side_stream(moved.device)
+    mem.get_buffer(rank, moved.shape, moved.dtype).copy_(moved)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         mem.barrier(channel=0)  # every shard is in its rank's buffer
     gemm(shard, out_blocks[rank])
-    blocks[rank].copy_(payload)
+    blocks[rank].copy_(moved)
     for step in range(1, size):
         src = (rank + step) % size
         with torch.cuda.stream(side):
-            blocks[src].copy_(mem.get_buffer(src, payload.shape, payload.dtype))  # by copy engine, under the GEMMs
+            blocks[src].copy_(mem.get_buffer(src, moved.shape, moved.dtype))  # by copy engine, under the GEMMs
         main.wait_stream(side)
-        gemm(_like(shard, blocks[src]), out_blocks[src])
+        gemm(with_payload(shard, blocks[src]), out_blocks[src])
     with torch.cuda.stream(side):
         mem.barrier(channel=0)  # every rank has read every buffer: they may be written again
     main.wait_stream(side)
-    return _like(shard, gathered)
+    return with_payload(shard, gathered)
 
 
 def gemm_reduce_scatter(a: Operand, gemm: BlockGemm, n: int, dtype: torch.dtype, group: Any,

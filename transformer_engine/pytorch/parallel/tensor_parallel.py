@@ -74,8 +74,9 @@ class ParallelConfig:
             only honoured when P > 1.
         parallel_mode: None, "column" or "row" (Linear, LayerNormLinear).
         symmetric_ar_type: stored (TE's symmetric all-reduce option).
-        comm_overlap: the names of the ``ub_*`` options that were switched on (``ub_overlap_ag`` and
-            ``ub_overlap_rs`` act, see :func:`..parallel.linear_comm.linear_comm`).
+        comm_overlap: the names of the ``ub_*`` options that were switched on (``ub_overlap_ag``,
+            ``ub_overlap_rs``, ``ub_overlap_rs_dgrad`` and ``ub_bulk_wgrad`` act, see
+            :func:`..parallel.linear_comm.linear_comm`).
         ub_name: stored.
 
     Raises:
