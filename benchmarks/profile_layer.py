@@ -10,6 +10,8 @@ under ``torch.profiler`` and prints
 - the operations that synchronize the host with the GPU (``torch.cuda.set_sync_debug_mode``), by
   source line;
 - the kernels with the largest total GPU time, with their call counts per step;
+- the GPU's idle time between kernels per step and the largest gaps (the kernels on either side):
+  where the GPU waited for the host;
 - the tensors autograd saves for backward (by storage, so views are counted once; parameters
   left out), grouped by shape and dtype: what the activation memory consists of;
 - on a GPU, what is allocated at the step's peak (``torch.cuda.memory`` history of one step): each
@@ -17,6 +19,7 @@ under ``torch.profiler`` and prints
   the peak consists of and where in the step it happens.
 
     python benchmarks/profile_layer.py --variants plain,bf16,fp8_delayed --json profile.json
+    python benchmarks/profile_layer.py --variants fp8_delayed,fp8_delayed_graph        # eager vs captured
     python benchmarks/profile_layer.py --variants plain,fp8_delayed --memory-only   # the peak alone
     python benchmarks/profile_layer.py --small                          # CPU smoke run
 """
@@ -50,11 +53,16 @@ def build(variant: str, s: LayerShape, device: str) -> Tuple[torch.nn.Module, Ca
         "fp8_delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
         "fp8_current": recipe.Float8CurrentScaling(),
     }
-    if variant not in recipes:
-        raise SystemExit(f"unknown variant {variant!r}; choose from plain, {', '.join(recipes)}")
-    rec = recipes[variant]
+    name, graphed = variant.removesuffix("_graph"), variant.endswith("_graph")
+    if name not in recipes:
+        raise SystemExit(f"unknown variant {variant!r}; choose from plain, {', '.join(recipes)} (each also with _graph)")
+    rec = recipes[name]
+    layer = _te_layer(te, s, device)
+    if graphed:
+        sample = torch.randn(s.seq, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+        return te.make_graphed_callables(layer, (sample,), enabled=rec is not None, recipe=rec), contextlib.nullcontext
     ctx = contextlib.nullcontext if rec is None else (lambda: te.autocast(recipe=rec))
-    return _te_layer(te, s, device), ctx
+    return layer, ctx
 
 
 def saved_tensors(layer, x, ctx) -> Counter:
@@ -73,8 +81,9 @@ def saved_tensors(layer, x, ctx) -> Counter:
     return sizes
 
 
-def kernel_table(step: Callable, device) -> Tuple[Dict[str, Tuple[float, int]], float]:
-    """{kernel name: (GPU us per step, calls per step)} and the GPU busy us per step of ``step()``."""
+def kernel_table(step: Callable, device) -> Tuple[Dict[str, Tuple[float, int]], float, list]:
+    """{kernel name: (GPU us per step, calls per step)}, the GPU busy us per step of ``step()`` and its
+    GPU kernels as (start us, end us, name), in order."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(STEPS):
@@ -82,7 +91,7 @@ def kernel_table(step: Callable, device) -> Tuple[Dict[str, Tuple[float, int]], 
         if device == "cuda":
             torch.cuda.synchronize()
     kernels: Dict[str, list] = defaultdict(lambda: [0.0, 0])
-    busy = 0.0
+    busy, spans = 0.0, []
     for event in prof.events():
         on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
         if (device == "cuda") != on_gpu or (not on_gpu and event.cpu_parent is not None):
@@ -91,7 +100,25 @@ def kernel_table(step: Callable, device) -> Tuple[Dict[str, Tuple[float, int]], 
         kernels[event.name][0] += duration / STEPS
         kernels[event.name][1] += 1
         busy += duration / STEPS
-    return {k: (v[0], v[1] // STEPS) for k, v in kernels.items()}, busy
+        if on_gpu:
+            spans.append((event.time_range.start, event.time_range.end, event.name))
+    return {k: (v[0], v[1] // STEPS) for k, v in kernels.items()}, busy, sorted(spans)
+
+
+def idle_gaps(spans: list, top: int) -> Tuple[float, list]:
+    """GPU idle us per step between consecutive kernels of a profile of ``STEPS`` steps (the gap before
+    each step's first kernel included), and the ``top`` largest gaps as (us, kernel before, kernel after).
+
+    Idle time inside a step is where the GPU waited for the host (launch latency, Python between two
+    kernels) or for a synchronization; on a GPU-bound step it is near zero.
+    """
+    gaps, last_end, last_name = [], None, ""
+    for start, end, name in spans:
+        if last_end is not None and start > last_end:
+            gaps.append((start - last_end, last_name, name))
+        if last_end is None or end > last_end:
+            last_end, last_name = end, name
+    return sum(g[0] for g in gaps) / STEPS, sorted(gaps, reverse=True)[:top]
 
 
 def back_to_back_ms(step: Callable, device: str, steps: int = 20) -> float:
@@ -266,7 +293,8 @@ def main() -> None:
             chained = back_to_back_ms(step, device)
             host = host_ms(step, device)
             syncs = sync_points(step, device)
-            kernels, busy_us = kernel_table(step, device)
+            kernels, busy_us, spans = kernel_table(step, device)
+            idle_us, largest_gaps = idle_gaps(spans, args.top // 2)
             saved = saved_tensors(layer, x, ctx)
             if args.host_top:
                 print(host_profile(step, device, args.host_top))
@@ -280,6 +308,11 @@ def main() -> None:
                 ["kernel", "us/step", "calls/step", "share"],
                 [[name[:90], f"{us:.0f}", calls, f"{us / busy_us:.1%}"] for name, (us, calls) in top],
             )
+            print_table(
+                f"{variant}: GPU idle between kernels {idle_us / 1e3:.2f} ms per step; the largest gaps",
+                ["us", "after kernel", "before kernel"],
+                [[f"{us:.0f}", before[:60], after[:60]] for us, before, after in largest_gaps],
+            )
             print(f"{variant}: {sum(syncs.values())} host-GPU synchronizations per step", dict(syncs) or "")
             print_table(
                 f"{variant}: saved for backward {sum(saved.values()) / 2**20:.0f} MiB",
@@ -290,6 +323,7 @@ def main() -> None:
                 "ms": ms,
                 "back_to_back_ms": chained,
                 "gpu_busy_ms": busy_us / 1e3,
+                "gpu_idle_ms": idle_us / 1e3,
                 "host_ms": host,
                 "sync_points": dict(syncs),
                 "kernels": {k: {"us_per_step": us, "calls_per_step": c} for k, (us, c) in kernels.items()},

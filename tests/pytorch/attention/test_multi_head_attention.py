@@ -191,3 +191,21 @@ def test_fused_non_interleaved_qkv_under_tensor_parallelism_holds_each_ranks_hea
     assert mha.qkv.weight.shape == ((HIDDEN + 2 * kv) // 2, HIDDEN) and mha.qkv.weight.device.type != "meta"
     plain = te.MultiheadAttention(HIDDEN, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=True, set_parallel_mode=True, tp_size=2)
     assert not hasattr(plain.qkv.weight, "partition_sections")
+
+
+@pytest.mark.parametrize("groups,sizes,dim", [((4, 3), (1, 1, 1), -2), ((2, 4), (2, 1, 1), -2), ((4, 2), (2, 1, 1), -3), ((3, 2), (1, 1), -2)])
+def test_split_heads_matches_autograd_split(groups, sizes, dim):
+    """The q/k/v views and the one-concatenation backward equal view + split + reshape under autograd,
+    also when a part gets no gradient (it contributes zeros)."""
+    from transformer_engine.pytorch.attention.multi_head_attention import _split_heads
+
+    head_dim = 8
+    mixed = randn(5, 2, groups[0] * groups[1] * head_dim, dtype=torch.float64).requires_grad_()
+    ours = _split_heads(mixed, groups, sizes, head_dim, dim)
+    expected = tuple(p.reshape(5, 2, -1, head_dim) for p in mixed.view(5, 2, *groups, head_dim).split(sizes, dim=dim))
+    assert all(torch.equal(a, b) for a, b in zip(ours, expected))
+    weights = [randn(*p.shape, dtype=torch.float64) for p in expected]
+    used = range(len(ours) - 1)  # the last part takes no part in the loss
+    (grad,) = torch.autograd.grad(sum((ours[i] * weights[i]).sum() for i in used), mixed)
+    (want,) = torch.autograd.grad(sum((expected[i] * weights[i]).sum() for i in used), mixed)
+    assert torch.equal(grad, want)
