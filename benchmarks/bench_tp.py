@@ -10,8 +10,8 @@ Each variant (bf16, FP8 delayed, current and block scaling; on GPUs also each of
 whole batch [s, b, h], then on P GPUs, each holding [s/P, b, h] and 1/P of the weights
 (``set_parallel_mode=True, sequence_parallel=True``). Times are medians over iterations; a TP step
 counts as long as its slowest rank. The "comm overlap" variants build the TP layer with
-``ub_tp_comm_overlap=True``: the forward GEMMs pipelined with their all-gather / reduce-scatter
-(``transformer_engine.pytorch.parallel.overlap``). ``--profile-comm`` adds the NCCL kernel time per step
+``ub_tp_comm_overlap=True``: the GEMMs next to a sequence-parallel all-gather / reduce-scatter, forward
+and backward, pipelined with it (``transformer_engine.pytorch.parallel.overlap``). ``--profile-comm`` adds the NCCL kernel time per step
 on rank 0 and the part of it no other kernel overlaps (copy-engine transfers are not kernels: not counted).
 
     scaling efficiency = t_1 / (P * t_P)        (100%: P GPUs are P times as fast as one)
@@ -41,7 +41,7 @@ def _variants():
     from transformer_engine.common import recipe
 
     delayed = lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    variants = {  # name: (recipe factory, captured by te.make_graphed_callables, pipelined forward collectives)
+    variants = {  # name: (recipe factory, captured by te.make_graphed_callables, pipelined collectives)
         "bf16": (None, False, False),
         "FP8 delayed": (delayed, False, False),
         "FP8 current": (recipe.Float8CurrentScaling, False, False),

@@ -9,11 +9,14 @@ each spell out 24 identical wrappers. A backend module exposes them through a mo
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict
 
 from transformer_engine.plugin.core.catalog import get_spec
 
-__all__ = ["FORWARD_OPS", "ACTIVATION_OP_NAMES", "activation_ops", "backward_name", "check_in_place", "module_getattr"]
+__all__ = [
+    "FORWARD_OPS", "ACTIVATION_OP_NAMES", "activation_ops", "backward_name", "check_clamp", "check_in_place", "module_getattr",
+]
 
 FORWARD_OPS = ("gelu", "qgelu", "relu", "srelu", "silu", "glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu")
 
@@ -23,16 +26,31 @@ def backward_name(op: str) -> str:
     return "clamped_dswiglu" if op == "clamped_swiglu" else "d" + op
 
 
-def check_in_place(x, activation: str) -> None:
-    """``dactivation_``'s own rules: a forward op name, and an x the gradient can be written over.
+def check_clamp(limit, alpha) -> None:
+    """clamped_swiglu's parameters: limit > 0 and a finite alpha.
 
     Raises:
-        ValueError: unknown activation, or x not contiguous.
+        ValueError: either is out of range.
+    """
+    if not limit > 0:
+        raise ValueError(f"clamped_swiglu needs limit > 0, got limit={limit!r} (GPT-OSS uses 7.0)")
+    if not math.isfinite(alpha):
+        raise ValueError(f"clamped_swiglu needs a finite alpha, got alpha={alpha!r} (GPT-OSS uses 1.702)")
+
+
+def check_in_place(x, activation: str, limit, alpha) -> None:
+    """``dactivation_``'s own rules: a forward op name, an x the gradient can be written over, and
+    clamped_swiglu's parameters.
+
+    Raises:
+        ValueError: unknown activation, x not contiguous, or bad clamped_swiglu parameters.
     """
     if activation not in FORWARD_OPS:
         raise ValueError(f"activation={activation!r} is not one of the forward activation ops {FORWARD_OPS}")
     if not x.is_contiguous():
         raise ValueError(f"dactivation_ writes the gradient over x, which must be contiguous (strides {tuple(x.stride())})")
+    if activation == "clamped_swiglu":
+        check_clamp(limit, alpha)
 
 
 ACTIVATION_OP_NAMES = tuple(name for op in FORWARD_OPS for name in (op, backward_name(op)))

@@ -82,11 +82,8 @@ class _SplitHeads(torch.autograd.Function):
     def backward(ctx, *grads: Optional[torch.Tensor]):
         rows = math.prod(ctx.part_shapes[0][: ctx.dim])
         like = next(g for g in grads if g is not None)
-        pieces = [
-            like.new_zeros(shape) if g is None else g.reshape(shape) for g, shape in zip(grads, ctx.part_shapes)
-        ]
-        joined = torch.cat([p.reshape(rows, -1) for p in pieces], dim=1)
-        return joined.view(ctx.mixed_shape), None, None, None, None
+        pieces = [(like.new_zeros(shape) if g is None else g).reshape(rows, -1) for g, shape in zip(grads, ctx.part_shapes)]
+        return torch.cat(pieces, dim=1).view(ctx.mixed_shape), None, None, None, None
 
 
 def _split_heads(mixed: torch.Tensor, groups: Tuple[int, int], sizes: Tuple[int, ...], head_dim: int, dim: int):

@@ -21,11 +21,9 @@ of numel elements); with FP8 it commits its tile's max |y| by one relaxed atomic
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_in_place, module_getattr
+from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_clamp, check_in_place, module_getattr
 import triton
 import triton.language as tl
 
@@ -228,13 +226,6 @@ def _check_x(op: str, x, gated: bool) -> None:
         raise ValueError(f"{op} splits x's last dim in two halves [a, b], but x has shape {tuple(x.shape)}; it must be even")
 
 
-def _check_clamp(limit, alpha) -> None:
-    if not limit > 0:
-        raise ValueError(f"clamped_swiglu needs limit > 0, got limit={limit!r} (GPT-OSS uses 7.0)")
-    if not math.isfinite(alpha):
-        raise ValueError(f"clamped_swiglu needs a finite alpha, got alpha={alpha!r} (GPT-OSS uses 1.702)")
-
-
 def _launch_fwd(op: str, x, limit: float, alpha: float, fp8=None):
     """y = act(x) in x's dtype, or the Fp8Outputs of quantize(act(x)) when ``fp8`` = (scale, dtype, amax_out)."""
     act, gated = _OPS[op]
@@ -284,7 +275,7 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702, dx=None)
 
 
 # the 24 activation ops (gelu, dgelu, ..., clamped_dswiglu), served as module attributes
-__getattr__ = module_getattr(activation_ops(_forward, _backward, _check_clamp), __name__)
+__getattr__ = module_getattr(activation_ops(_forward, _backward, check_clamp), __name__)
 
 
 def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
@@ -310,7 +301,7 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     check_fp8_dtype(fp8_dtype)
     check_amax_out(amax_out, x)
     if activation == "clamped_swiglu":
-        _check_clamp(limit, alpha)
+        check_clamp(limit, alpha)
     out = _launch_fwd(activation, x, limit, alpha, fp8=(fp8_scale, fp8_dtype, amax_out))
     return out.q, out.scale_inv, out.amax
 
@@ -321,9 +312,7 @@ def dactivation_(dy, x, activation, limit=7.0, alpha=1.702):
     Raises:
         ValueError: unknown activation, x not contiguous, or the backward op's own input errors.
     """
-    check_in_place(x, activation)
-    if activation == "clamped_swiglu":
-        _check_clamp(limit, alpha)
+    check_in_place(x, activation, limit, alpha)
     return _backward(activation, dy, x, limit, alpha, dx=x)
 
 

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_in_place, module_getattr
+from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_clamp, check_in_place, module_getattr
 
 from .._fp8 import check_amax_out, check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
 
@@ -100,13 +100,6 @@ def _check_dy(dy, shape, op: str) -> None:
         raise ValueError(f"{op}: dy has shape {tuple(dy.shape)} but must be {tuple(shape)} (the forward output's)")
 
 
-def _check_clamp(limit, alpha) -> None:
-    if not limit > 0:
-        raise ValueError(f"clamped_swiglu needs limit > 0, got limit={limit!r} (GPT-OSS uses 7.0)")
-    if not math.isfinite(alpha):
-        raise ValueError(f"clamped_swiglu needs a finite alpha, got alpha={alpha!r} (GPT-OSS uses 1.702)")
-
-
 def _clamped_parts(x_f32, limit, alpha):
     a, b = _halves(x_f32, "clamped_swiglu")
     a_c, b_c = a.clamp(max=limit), b.clamp(-limit, limit)
@@ -152,7 +145,7 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702) -> torch
 
 
 # the 24 activation ops (gelu, dgelu, ..., clamped_dswiglu), served as module attributes
-__getattr__ = module_getattr(activation_ops(_forward, _backward, _check_clamp), __name__)
+__getattr__ = module_getattr(activation_ops(_forward, _backward, check_clamp), __name__)
 
 
 def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
@@ -171,7 +164,7 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     check_fp8_dtype(fp8_dtype)
     check_amax_out(amax_out, x)
     if activation == "clamped_swiglu":
-        _check_clamp(limit, alpha)
+        check_clamp(limit, alpha)
     return quantize_fp32(_forward_f32(activation, x.float(), limit, alpha), scale_f32, fp8_dtype, amax_out)
 
 
@@ -182,7 +175,5 @@ def dactivation_(dy, x, activation, limit=7.0, alpha=1.702):
         ValueError: unknown activation, x not contiguous, or the backward op's own input errors.
     """
     check_high_precision(x)
-    check_in_place(x, activation)
-    if activation == "clamped_swiglu":
-        _check_clamp(limit, alpha)
+    check_in_place(x, activation, limit, alpha)
     return x.copy_(_backward(activation, dy, x, limit, alpha))
