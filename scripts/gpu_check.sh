@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything we check on the H200 in one call: GPU tests, then each benchmark (JSON + logs to $OUT),
 # then a short summary. Usage on the GPU machine: OUT=/some/dir bash scripts/gpu_check.sh [stage ...]
-# Stages: info tests kernels norms sweep attention linear layer profile host dispatch jax demo (default: all, in order);
+# Stages: info tests kernel-tests kernels norms sweep attention linear layer profile host dispatch jax demo (default: all,
+# in order; tests: the GPU tests outside tests/plugin/backends/flagos, kernel-tests: every flagos kernel test compiled,
+# odd small shapes included, about 8 minutes of compiling);
 # also graphs (the CUDA-graph tests alone, a quick check) and memory (what the headline layer's peak consists of).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +11,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
-STAGES=${*:-info tests kernels norms sweep attention linear layer profile host dispatch jax demo}
+STAGES=${*:-info tests kernel-tests kernels norms sweep attention linear layer profile host dispatch jax demo}
 summary=()
 
 run() {  # run NAME TIMEOUT CMD...: log everything, remember the exit code and the time
@@ -25,7 +27,8 @@ run() {  # run NAME TIMEOUT CMD...: log everything, remember the exit code and t
 for stage in $STAGES; do
     case $stage in
         info) run info 120 python3 -m transformer_engine info ;;
-        tests) run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+        tests) run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore=tests/plugin/backends/flagos ;;
+        kernel-tests) run kernel-tests 590 python3 -m pytest -q -p no:cacheprovider tests/plugin/backends/flagos ;;
         graphs) run graphs 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_graph.py ;;
         kernels) run kernels 300 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
         norms) run norms 120 python3 benchmarks/bench_norm_modules.py --json "$OUT/norms.json" ;;

@@ -1,6 +1,7 @@
 """Runs the flagos kernels on the device Triton can use here.
 
-With a CUDA GPU the kernels are compiled and the tests use ``cuda`` tensors. Without one, the
+With a CUDA GPU the kernels are compiled and the tests use ``cuda`` tensors (they are marked ``gpu``,
+so the root conftest does not hide the GPU from them). Without one, the
 kernel modules are imported with ``TRITON_INTERPRET=1`` (Triton decides at decoration time), so
 they run in Triton's CPU interpreter on ``cpu`` tensors; the variable is restored afterwards so
 that the rest of a test session does not route CPU calls to the (slow) interpreted backend.
@@ -64,6 +65,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.skip(reason=_SKIP_REASON) if _SKIP_REASON else quiet)
+            if DEVICE == "cuda":  # they run on the GPU: the root conftest must not hide it from them
+                item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture

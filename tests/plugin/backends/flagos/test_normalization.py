@@ -88,11 +88,18 @@ def test_fp8_output(kind, fp8_dtype, hidden, device):
     fused = getattr(fn, f"{kind}_fwd")(*norm_args, False, scale, fp8_dtype)
     expected = getattr(ref, f"{kind}_fwd")(*norm_args, False, scale, fp8_dtype)
     q, scale_inv, amax = fused[0], fused[-2], fused[-1]
-    # tier 1: the fused cast equals our own unfused float32 output quantized (same kernel math)
+    # tier 1: the fused cast against our own unfused float32 output quantized: the same kernel math,
+    # bit for bit in the interpreter; compiled, the two specializations contract multiply-adds
+    # differently, so y (and the amax) may move by an ulp (seen on the H200: amax one ulp apart)
     y_f32 = getattr(fn, f"{kind}_fwd")(*norm_args, False)[0]
     q_unfused, scale_inv_unfused, amax_unfused = fq.quantize(y_f32, scale, fp8_dtype)
-    assert_fp8_equal(q, q_unfused)
-    assert torch.equal(amax.cpu(), amax_unfused.cpu()) and torch.equal(scale_inv.cpu(), scale_inv_unfused.cpu())
+    assert torch.equal(scale_inv.cpu(), scale_inv_unfused.cpu())
+    if device == "cpu":
+        assert_fp8_equal(q, q_unfused)
+        assert torch.equal(amax.cpu(), amax_unfused.cpu())
+    else:
+        assert_fp8_near(q, q_unfused)
+        torch.testing.assert_close(amax.cpu(), amax_unfused.cpu(), rtol=2**-23, atol=0.0)  # one float32 ulp
     # tier 2: against the reference (its float32 y may differ by an ulp)
     assert_fp8_near(q, expected[0])
     assert torch.equal(scale_inv.cpu(), expected[-2].cpu())

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._common import _fp8_encode
+from ._launch import cached_launch
 
 
 @triton.jit
@@ -126,6 +127,7 @@ def _quantize_tile_store(
     tl.store(s_ptr + s_offs, scale_inv, mask=s_mask)
 
 
+@cached_launch
 @triton.jit
 def _quantize_blockwise_kernel(
     x_ptr,  # *x [M, N], row stride stride_xm, unit column stride
@@ -186,6 +188,7 @@ def _quantize_columns(
     return _fp8_encode(xs * scale[None, :], FP8_MAX, MBITS, EBIAS, HW_CAST)
 
 
+@cached_launch
 @triton.jit
 def _cast_transpose_blockwise_kernel(
     x_ptr,  # *x [M, N], row stride stride_xm, unit column stride

@@ -113,9 +113,10 @@ _NO_GUARD = contextlib.nullcontext()
 
 def device_guard(t: torch.Tensor):
     """Context that makes ``t``'s GPU current for a launch (Triton launches on the current device)."""
-    if t.device.type != "cuda" or INTERPRET or t.device.index in (None, torch.cuda.current_device()):
+    index = t.get_device()  # -1 on the CPU
+    if index < 0 or INTERPRET or index == torch.cuda.current_device():
         return _NO_GUARD
-    return torch.cuda.device(t.device)
+    return torch.cuda.device(index)
 
 
 @functools.lru_cache(maxsize=None)

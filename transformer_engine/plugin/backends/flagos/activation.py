@@ -48,6 +48,7 @@ from ._common import (
     next_power_of_2,
     rows_view,
 )
+from ._launch import cached_launch
 
 __all__ = [*ACTIVATION_OP_NAMES, "activation_quantize", "dactivation_"]
 
@@ -133,6 +134,7 @@ def _tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return rows, cols, mask
 
 
+@cached_launch
 @triton.jit
 def _act_fwd_kernel(
     x_ptr,  # *x: [M, N] (plain) or [M, 2N] (gated, a = x[:, :N], b = x[:, N:]), row stride stride_x
@@ -174,6 +176,7 @@ def _act_fwd_kernel(
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _act_bwd_kernel(
     dy_ptr,  # *dy [M, N], row stride stride_dy

@@ -42,6 +42,7 @@ import triton.language as tl
 from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv
+from ._launch import cached_launch
 
 __all__ = ["fused_attn_fwd", "fused_attn_bwd"]
 
@@ -284,6 +285,7 @@ def _attn_fwd_kernel(
 
 
 # -- backward -----------------------------------------------------------------------------------
+@cached_launch
 @triton.jit
 def _attn_bwd_preprocess_kernel(
     O, DO, DELTA, CU_Q,  # out and dout (q's layout), D = rowsum(dO * O) fp32 (lse2's layout), cu_seqlens_q

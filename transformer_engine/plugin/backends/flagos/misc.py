@@ -38,6 +38,7 @@ from transformer_engine.plugin.backends._dropout_mask import packed_bytes
 from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv, device_guard, next_power_of_2
+from ._launch import cached_launch
 
 __all__ = ["dropout_fwd", "dropout_bwd", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
 
@@ -90,6 +91,7 @@ def _drop_quarter(
     tl.store(keep_ptr + byte, tl.sum(bits, axis=1).to(tl.uint8), mask=byte * 8 < numel)
 
 
+@cached_launch
 @triton.jit
 def _dropout_fwd_kernel(
     x_ptr,  # *x, contiguous, flat [numel]
@@ -121,6 +123,7 @@ def _dropout_fwd_kernel(
                   HAS_BIAS, HAS_RESIDUAL, QUARTER, ROW_ALIGNED)  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _dropout_bwd_kernel(
     dy_ptr,  # *dy, contiguous, flat [numel]
@@ -218,6 +221,7 @@ def bias_dropout_add_fwd(x, bias, residual, p):
     return _drop_launch(x, bias, residual, p, scale)
 
 
+@cached_launch
 @triton.jit
 def _cross_entropy_fwd_kernel(
     logits_ptr,  # *z [N, V], row stride stride_z
@@ -254,6 +258,7 @@ def _cross_entropy_fwd_kernel(
     tl.store(lse_ptr + row, lse)
 
 
+@cached_launch
 @triton.jit
 def _cross_entropy_bwd_kernel(
     grad_ptr,  # *grad_loss [N], stride stride_g

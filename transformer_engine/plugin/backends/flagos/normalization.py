@@ -43,6 +43,7 @@ from ._common import (
     rows_view,
     warps_for,
 )
+from ._launch import cached_launch
 
 __all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
 
@@ -54,6 +55,7 @@ _BWD_PREFETCH_BYTES = 64 * 1024  # shared memory a dx program may fill with pref
 _DWDB_BLOCK_P, _DWDB_BLOCK_H = 64, 32  # tile of the partial-sum reduction: H / 32 programs
 
 
+@cached_launch
 @triton.jit
 def _norm_fwd_kernel(
     x_ptr,  # *x [M, H], row stride stride_x
@@ -115,6 +117,7 @@ def _norm_fwd_kernel(
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _norm_bwd_dx_kernel(
     dy_ptr,  # *dy [M, H], row stride stride_dy
@@ -174,6 +177,7 @@ def _norm_bwd_dx_kernel(
         tl.store(db_part_ptr + pid * H + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
+@cached_launch
 @triton.jit
 def _norm_bwd_dwdb_kernel(
     dw_part_ptr,  # *float32 [P, H] partial dgamma rows

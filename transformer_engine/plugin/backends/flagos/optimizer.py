@@ -30,6 +30,7 @@ import triton.language as tl
 from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv, device_guard
+from ._launch import cached_launch
 
 __all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_adam"]
 
@@ -135,6 +136,7 @@ def _scale_kernel(
     tl.atomic_max(noop_ptr, 1, mask=tl.max(bad, axis=0) > 0)
 
 
+@cached_launch
 @triton.jit
 def _sumsq_kernel(
     ptrs_ptr,  # *int64 [n, 1]: address of each tensor
@@ -157,6 +159,7 @@ def _sumsq_kernel(
     tl.store(partial_ptr + slot_base + tl.program_id(0), tl.sum(acc, axis=0))
 
 
+@cached_launch
 @triton.jit
 def _norm_finalize_kernel(
     partial_ptr,  # *float32 [total chunks] sums of squares

@@ -80,6 +80,7 @@ from ._common import (
     hw_fp8_cast,
     next_power_of_2,
 )
+from ._launch import cached_launch
 
 __all__ = [
     "quantize", "dequantize", "cast_transpose", "cast_transpose_dbias", "fp8_transpose", "compute_amax", "current_scale",
@@ -107,6 +108,7 @@ _CT_BLOCKWISE_PER_THREAD = 128  # values per thread of the column / fused kernel
 _CT_BLOCKWISE_CODES = True  # 16-bit x: transpose the 8-bit codes (False: transpose the values, as float32 x does)
 
 
+@cached_launch
 @triton.jit
 def _quantize_kernel(
     x_ptr,  # *x, contiguous, n elements
@@ -132,6 +134,7 @@ def _quantize_kernel(
     _amax_commit(amax_ptr, _finite_abs(x))  # masked lanes hold 0
 
 
+@cached_launch
 @triton.jit
 def _current_scale_kernel(
     x_ptr,  # *x, contiguous, n elements
@@ -168,6 +171,7 @@ def _current_scale_kernel(
         tl.store(scale_ptr, scale)
 
 
+@cached_launch
 @triton.jit
 def _dequantize_kernel(
     q_ptr,  # *uint8 view of q, n elements
@@ -186,6 +190,7 @@ def _dequantize_kernel(
     tl.store(x_ptr + offs, x.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _cast_transpose_kernel(
     x_ptr,  # *x [M, N], row stride stride_xm, unit column stride
@@ -225,6 +230,7 @@ def _cast_transpose_kernel(
     _scale_inv_store(scale_inv_ptr, scale)
 
 
+@cached_launch
 @triton.jit
 def _transpose_kernel(
     q_ptr,  # *uint8 [M, N], row stride stride_qm, unit column stride
@@ -244,6 +250,7 @@ def _transpose_kernel(
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
+@cached_launch
 @triton.jit
 def _delayed_scaling_update_kernel(
     history_ptr,  # *H [L, N], strides (stride_hl, stride_hn), any float dtype (float32 when IN_PLACE)

@@ -24,6 +24,7 @@ import triton.language as tl
 from transformer_engine.plugin.core import Reject
 
 from ._common import device_guard, next_power_of_2
+from ._launch import cached_launch
 
 __all__ = ["fused_rope_forward", "fused_rope_backward"]
 
@@ -31,6 +32,7 @@ _FORMATS = ("sbhd", "bshd")
 _HEAD_BLOCK_ELEMENTS = 4096  # BLOCK_H * BLOCK_D per step of the head loop
 
 
+@cached_launch
 @triton.jit
 def _rope_kernel(
     t_ptr,  # *t [S, B, H, D] or [B, S, H, D] (strides below)

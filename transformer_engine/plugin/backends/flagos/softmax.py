@@ -22,6 +22,7 @@ from transformer_engine.plugin.backends._fp8 import check_high_precision
 from transformer_engine.plugin.core import Reject
 
 from ._common import MAX_FUSED_SIZE, cdiv, device_guard, row_block, rows_view, warps_for
+from ._launch import cached_launch
 
 __all__ = [
     "scaled_softmax_forward",
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 
+@cached_launch
 @triton.jit
 def _softmax_fwd_kernel(
     x_ptr,  # *x [R, SK], row stride stride_x
@@ -78,6 +80,7 @@ def _softmax_fwd_kernel(
     tl.store(y_ptr + rows64[:, None] * SK + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=valid)
 
 
+@cached_launch
 @triton.jit
 def _softmax_bwd_kernel(
     dy_ptr,  # *dy [R, SK], row stride stride_dy
