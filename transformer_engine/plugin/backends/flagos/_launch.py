@@ -78,6 +78,8 @@ def launch(_grid, {params}, **_options):
     return _kernel
 """
 
+# _arg_key of one runtime argument, its tensor case inlined for exact torch.Tensor arguments (the common
+# case, without a call); a subclass such as nn.Parameter goes through _arg_key, which keys it alike
 _TENSOR_KEY = "({0}.dtype, not {0}.data_ptr() & 15) if type({0}) is _Tensor else _arg_key({0})"
 
 
