@@ -4,7 +4,8 @@
 # Stages: info tests kernel-tests kernels norms sweep attention linear layer profile host dispatch jax demo (default: all,
 # in order; tests: the GPU tests outside tests/plugin/backends/flagos, kernel-tests: every flagos kernel test compiled,
 # odd small shapes included, about 8 minutes of compiling);
-# also graphs (the CUDA-graph tests alone, a quick check) and memory (what the headline layer's peak consists of).
+# also graphs (the CUDA-graph tests alone, a quick check), memory (what the headline layer's peak consists of) and
+# ab (bench_ab.py: this tree against the tree in $AB_BASE, timed in turns; see its docstring).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -40,6 +41,8 @@ for stage in $STAGES; do
         profile) run profile 300 python3 benchmarks/profile_layer.py --json "$OUT/profile.json" ;;
         host) run host 300 python3 benchmarks/bench_host_overhead.py --json "$OUT/host.json" ;;
         dispatch) run dispatch 120 python3 benchmarks/bench_dispatch.py ;;
+        ab) if [ -n "${AB_BASE:-}" ]; then run ab 420 python3 benchmarks/bench_ab.py --base-tree "$AB_BASE" --json "$OUT/ab.json"
+            else echo "ab: set AB_BASE to a directory holding the base tree's transformer_engine (see benchmarks/bench_ab.py)"; fi ;;
         jax) run jax 300 python3 benchmarks/bench_jax_transformer.py --json "$OUT/jax.json" ;;
         demo) run demo 300 python3 -m transformer_engine demo --out "$OUT/demo" ;;
         *) echo "unknown stage $stage" ;;

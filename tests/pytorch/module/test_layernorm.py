@@ -49,6 +49,14 @@ def test_multi_dim_normalized_shape():
     ln = te.LayerNorm((4, 6))
     x = randn(3, 4, 6)
     torch.testing.assert_close(ln(x), torch.nn.functional.layer_norm(x, (4, 6)), rtol=1e-5, atol=1e-5)
+    # a 2-D input that is one normalized row: [4, 6] is not [rows, hidden] here
+    x2 = randn(4, 6).requires_grad_()
+    x2_ref = x2.detach().clone().requires_grad_()
+    dy = randn(4, 6)
+    ln(x2).backward(dy)
+    torch.nn.functional.layer_norm(x2_ref, (4, 6), ln.weight.detach(), ln.bias.detach()).backward(dy)
+    torch.testing.assert_close(x2.grad, x2_ref.grad, rtol=1e-5, atol=1e-5)
+    assert ln.weight.grad.shape == (4, 6)
     with pytest.raises(ValueError, match=r"last dims \(4, 6\)"):
         ln(randn(3, 6, 4))
 

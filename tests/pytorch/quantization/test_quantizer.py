@@ -111,3 +111,21 @@ def test_quantize_with_dbias_is_the_columnwise_cast_plus_the_column_sums(recipe)
     assert torch.equal(operand.data_t.view(torch.uint8), expected.data_t.view(torch.uint8))
     if hasattr(quantizer, "state"):  # delayed scaling records the amax like quantize does
         assert torch.equal(quantizer.state.amax_history[0], other.state.amax_history[0])
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+def test_deferred_weight_transpose_keeps_the_forward_scale_and_records_nothing(recipe):
+    state = RecipeState.create(recipe, mode="forward", num_gemms=1, device="cpu")
+    if hasattr(state, "scale"):
+        state.scale[0] = 4.0
+    quantizer = state.make_quantizers()[0]
+    w = randn(16, 48, scale=2.0)
+    operand = quantizer.quantize_weight(w)
+    recorded = state.amax_history.clone() if hasattr(state, "amax_history") else None
+    if hasattr(state, "scale"):
+        state.scale[0] = 0.5  # the update after forward rewrites the scale in place
+    w_t = operand.deferred_t.materialize()
+    assert w_t.data is None and torch.equal(w_t.scale_inv, operand.scale_inv)
+    assert torch.equal(w_t.data_t.view(torch.uint8), operand.data.t().contiguous().view(torch.uint8))
+    if recorded is not None:
+        assert torch.equal(state.amax_history, recorded)  # the cast in backward recorded no amax

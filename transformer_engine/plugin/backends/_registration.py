@@ -2,7 +2,10 @@
 
 A backend module lists the ops it implements in ``__all__``, each function named after its op.
 ``SUPPORTS`` (optional, a dict op name -> predicate) and ``CAPABILITIES`` (optional, a dict op name
--> :class:`Capabilities`) refine single ops.
+-> :class:`Capabilities`) refine single ops. ``DISPATCHED`` (optional, a dict op name -> function) names
+the function the dispatcher calls when it is not the public one: a public function that checks its
+arguments against ``SUPPORTS`` for direct calls can hand the dispatcher, which has checked them already,
+its unchecked body.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ def impls_from_modules(
     for module in modules:
         supports = getattr(module, "SUPPORTS", {})
         caps = getattr(module, "CAPABILITIES", {})
+        dispatched = getattr(module, "DISPATCHED", {})
         for name in module.__all__:
             impls.append(
                 OpImpl(
                     op_name=name,
                     impl_id=impl_id,
                     kind=kind,
-                    fn=getattr(module, name),
+                    fn=dispatched.get(name) or getattr(module, name),
                     vendor=vendor,
                     capabilities=caps.get(name, capabilities),
                     supports=supports.get(name),

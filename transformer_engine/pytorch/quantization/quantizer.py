@@ -32,6 +32,7 @@ The recipe picks the quantizer class:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -162,7 +163,7 @@ class Float8Quantizer(Quantizer):
         """The cast with this step's scale, amax recorded; W^T is cast again with a copy of that scale
         (the update after forward changes the state's scale in place) and records nothing."""
         scale, slot = self._views()
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, slot, scale.clone())
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, slot, FixedScaleQuantizer.copying(scale, self.fp8_dtype))
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
@@ -213,9 +214,9 @@ class Float8CurrentScalingQuantizer(Quantizer):
         return _cast(x, self._scale_of(x), self.fp8_dtype, columnwise)[0]
 
     def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
-        """The cast with w's scale; W^T is cast again with that same scale tensor (no second amax pass)."""
+        """The cast with w's scale; W^T is cast again with that scale (no second amax pass)."""
         scale = self._scale_of(w)
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, None, scale)
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, None, FixedScaleQuantizer.copying(scale, self.fp8_dtype))
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
@@ -264,22 +265,46 @@ class Float8BlockQuantizer(Quantizer):
 
 
 class FixedScaleQuantizer(Quantizer):
-    """Per-tensor FP8 casts with a given scale that record no amax: a weight cast again in backward."""
+    """Per-tensor FP8 casts with a given scale that record no amax: a weight cast again in backward.
+
+    Attributes:
+        scale: the 0-d float32 scale.
+        amax_scratch: a 0-d float32 slot >= 0 the casts max their amax into (``amax_out``), read by no
+            one: it spares each cast a zeroed amax buffer of its own. None: the cast allocates one.
+    """
 
     is_fp8 = True
 
-    def __init__(self, scale: torch.Tensor, fp8_dtype: torch.dtype):
+    def __init__(self, scale: torch.Tensor, fp8_dtype: torch.dtype, amax_scratch: Optional[torch.Tensor] = None):
         self.scale = scale
         self.fp8_dtype = fp8_dtype
+        self.amax_scratch = amax_scratch
+
+    @classmethod
+    def copying(cls, scale: torch.Tensor, fp8_dtype: torch.dtype) -> "FixedScaleQuantizer":
+        """A quantizer casting with a copy of ``scale`` taken now (in-place updates of ``scale`` later do
+        not reach it). One kernel makes [scale, 0] = scale * [1, 0]: the copy and the amax scratch slot
+        (a device-to-device copy of one element costs the host several kernel launches; scale is finite)."""
+        copy, scratch = torch.mul(scale, _one_zero(scale.device)).unbind()
+        return cls(copy, fp8_dtype, scratch)
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
-        return _cast(x, self.scale, self.fp8_dtype, columnwise)[0]
+        return _cast(x, self.scale, self.fp8_dtype, columnwise, self.amax_scratch)[0]
 
 
-def _fixed_scale_weight(w, scale, fp8_dtype, amax_out, recast_scale) -> Float8Tensor:
-    """w cast with ``scale`` (amax into ``amax_out``), W^T deferred to a cast with ``recast_scale``."""
+@functools.lru_cache(maxsize=None)
+def _one_zero(device: torch.device) -> torch.Tensor:
+    """The float32 constant [1, 0] on ``device``, made by kernels alone (no host-to-device copy, which a
+    CUDA-graph capture would reject if the first use falls inside one)."""
+    one_zero = torch.zeros(2, device=device)
+    one_zero[0] = 1.0
+    return one_zero
+
+
+def _fixed_scale_weight(w, scale, fp8_dtype, amax_out, recast: FixedScaleQuantizer) -> Float8Tensor:
+    """w cast with ``scale`` (amax into ``amax_out``), W^T deferred to ``recast``."""
     operand = _cast(w, scale, fp8_dtype, False, amax_out)[0]
-    operand.deferred_t = DeferredTranspose(w, FixedScaleQuantizer(recast_scale, fp8_dtype))
+    operand.deferred_t = DeferredTranspose(w, recast)
     return operand
 
 

@@ -117,7 +117,7 @@ def test_cast_transpose_strided_rows(device):
     assert torch.equal(amax.cpu(), amax_ref.cpu())
 
 
-# dbias: both sides sum in float32, each in its own order (flagos: 64-row tiles, then torch over the
+# dbias: both sides sum in float32, each in its own order (flagos: 64-row tiles, then column_sums over the
 # tiles; reference: torch's cascade sum). A blocked / tree float32 sum of n terms errs by about
 # log2(n) * 2^-24 * sum_i |x[i, j]| at most (~1e-6 for n = 8192); 1e-5 also covers the short serial
 # runs torch accumulates first. Dropped or doubled elements are caught exactly by the integer test.

@@ -152,6 +152,8 @@ def row_block(rows: int, cols: int, target: int = 4096) -> Tuple[int, int]:
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:
     """t as [M, N] (N = last dim) with a unit column stride: a view when possible, else a copy."""
+    if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] == 1):
+        return t  # already [M, N] with unit column stride (the common case: no view to make)
     cols = t.shape[-1]
     try:
         rows = t.view(-1, cols)

@@ -12,7 +12,7 @@ VJP, with x_hat = x_c * rstd and g = dy * gamma_eff:
     dx = rstd * (g - c1 - x_hat * c2)          (RMSNorm: c1 = 0)
     dgamma = sum_rows(dy * x_hat),  dbeta = sum_rows(dy)
 dgamma / dbeta take two launches without atomics: P persistent programs each sum their rows into
-one row of a [P, H] float32 buffer, then ``_norm_bwd_dwdb_kernel`` sums the P rows per column.
+one row of a [P, H] float32 buffer, then ``_column_sums.column_sums`` sums the P rows per column.
 The persistent row loop is software-pipelined (``tl.range(num_stages=...)``: the next row blocks
 stream into shared memory by cp.async while one is reduced), so the bytes in flight do not depend
 on how few programs the registers let reside on an SM.
@@ -43,6 +43,7 @@ from ._common import (
     rows_view,
     warps_for,
 )
+from ._column_sums import column_sums
 from ._launch import cached_launch
 
 __all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
@@ -52,7 +53,6 @@ __all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
 # are resident per SM; more programs would only run as a second wave and add partial rows
 _BWD_PROGRAMS_PER_SM = 2
 _BWD_PREFETCH_BYTES = 64 * 1024  # shared memory a dx program may fill with prefetched row blocks
-_DWDB_BLOCK_P, _DWDB_BLOCK_H = 64, 32  # tile of the partial-sum reduction: H / 32 programs
 
 
 @cached_launch
@@ -177,35 +177,6 @@ def _norm_bwd_dx_kernel(
         tl.store(db_part_ptr + pid * H + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
-@cached_launch
-@triton.jit
-def _norm_bwd_dwdb_kernel(
-    dw_part_ptr,  # *float32 [P, H] partial dgamma rows
-    db_part_ptr,  # *float32 [P, H] partial dbeta rows (HAS_DBETA only)
-    dw_ptr,  # *dgamma [H], weight's dtype
-    db_ptr,  # *dbeta [H], weight's dtype (HAS_DBETA only)
-    P,  # partial rows
-    H,  # hidden size
-    BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_DBETA: tl.constexpr,
-):
-    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_mask = cols < H
-    dw = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
-    db = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        offs = parts[:, None] * H + cols[None, :]
-        mask = (parts < P)[:, None] & col_mask[None, :]
-        dw += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
-        if HAS_DBETA:
-            db += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
-    tl.store(dw_ptr + cols, tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
-    if HAS_DBETA:
-        tl.store(db_ptr + cols, tl.sum(db, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
-
-
 def _norm_fwd(x, weight, bias, eps, zero_centered_gamma, fp8, out_dtype, is_rmsnorm):
     """Shared forward launcher; ``fp8`` is (scale, dtype, amax_out) or None. Returns (y, mean, rstd, scale_inv, amax)."""
     x_rows = rows_view(x)
@@ -241,6 +212,11 @@ def _bwd_stages(block_bytes: int) -> int:
     return max(1, min(3, 1 + _BWD_PREFETCH_BYTES // block_bytes))
 
 
+def _flat(stat: torch.Tensor) -> torch.Tensor:
+    """A statistic (one value per row) as the 1-D tensor the kernels index (reshaped only when it is not)."""
+    return stat if stat.dim() == 1 else stat.reshape(-1)
+
+
 def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm):
     """Shared backward launcher; returns (dx, dgamma, dbeta or None)."""
     x_rows, dy_rows = rows_view(x), rows_view(dy)
@@ -250,21 +226,16 @@ def _norm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma, is_rmsnorm):
     programs = max(1, min(cdiv(m, rows), num_programs_hint(x.device, _BWD_PROGRAMS_PER_SM)))
     dw_part = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
     db_part = dw_part if is_rmsnorm else torch.empty_like(dw_part)
-    dgamma = torch.empty(hidden, dtype=weight.dtype, device=x.device)
-    dbeta = None if is_rmsnorm else torch.empty_like(dgamma)
-    rstd_flat = rstd.reshape(-1)
+    rstd_flat = _flat(rstd)
     stages = _bwd_stages(block_h * rows * (x.element_size() + dy.element_size()))
     with device_guard(x):
         _norm_bwd_dx_kernel[(programs,)](
-            dy_rows, x_rows, weight, rstd_flat if is_rmsnorm else mean.reshape(-1), rstd_flat, dx, dw_part, db_part,
+            dy_rows, x_rows, weight, rstd_flat if is_rmsnorm else _flat(mean), rstd_flat, dx, dw_part, db_part,
             m, hidden, dy_rows.stride(0), x_rows.stride(0),
             BLOCK_H=block_h, ROWS=rows, EVEN_H=block_h == hidden, IS_RMSNORM=is_rmsnorm,
             ZERO_CENTERED=bool(zero_centered_gamma), STAGES=stages, num_warps=warps_for(block_h * rows),
         )  # fmt: skip
-        _norm_bwd_dwdb_kernel[(cdiv(hidden, _DWDB_BLOCK_H),)](
-            dw_part, db_part, dgamma, dgamma if is_rmsnorm else dbeta, programs, hidden,
-            BLOCK_P=_DWDB_BLOCK_P, BLOCK_H=_DWDB_BLOCK_H, HAS_DBETA=not is_rmsnorm,
-        )  # fmt: skip
+    dgamma, dbeta = column_sums(dw_part, weight.dtype, None if is_rmsnorm else db_part)
     return dx, dgamma, dbeta
 
 

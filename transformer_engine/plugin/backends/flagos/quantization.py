@@ -65,6 +65,7 @@ from transformer_engine.plugin.backends._fp8 import (
 from transformer_engine.plugin.core import Reject
 
 from ._blockwise import _cast_transpose_blockwise_kernel, _quantize_blockwise_kernel
+from ._column_sums import column_sums
 from ._common import (
     INTERPRET,
     NO_FP8,
@@ -449,7 +450,7 @@ def _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias: bool):
     transpose_after = x.dtype == torch.float32 and x.is_cuda and not INTERPRET
     q_t = None if transpose_after else torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     partials = torch.empty((cdiv(m, _TILE), n), dtype=torch.float32, device=x.device) if dbias else None
-    write_partials = partials is not None and partials.numel() > 0  # an empty x: partials.sum(0) is already 0
+    write_partials = partials is not None and partials.numel() > 0  # an empty x: its column sums are 0 already
     with device_guard(x):  # one program even for an empty x: it writes scale_inv
         _cast_transpose_kernel[(max(1, cdiv(m, _TILE) * cdiv(n, _TILE)),)](
             x, out.q_bits, out.q_bits if q_t is None else q_t.view(torch.uint8),  # unused without WRITE_QT
@@ -483,8 +484,8 @@ def cast_transpose(x, scale, fp8_dtype, amax_out=None):
 def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
     """:func:`cast_transpose` plus the bias gradient dbias[j] = sum_i x[i, j] in float32, from one read of x.
 
-    The kernel writes each 64-row tile's column sums; one deterministic torch sum over the
-    cdiv(M, 64) partial rows finishes dbias (no atomics).
+    The kernel writes each 64-row tile's column sums; ``column_sums`` adds the cdiv(M, 64) partial
+    rows in a fixed order (no atomics: the result is deterministic).
 
     Args:
         x: [M, N] float32/bfloat16/float16, dy of a linear layer (rows may be strided).
@@ -497,7 +498,7 @@ def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
         TypeError / ValueError: as :func:`cast_transpose`.
     """
     out, q_t, partials = _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias=True)
-    return out.q, q_t, out.scale_inv, out.amax, partials.sum(dim=0)
+    return out.q, q_t, out.scale_inv, out.amax, column_sums(partials, torch.float32)[0]
 
 
 def fp8_transpose(q):

@@ -71,7 +71,9 @@ def test_register_adds_vendor_cuda_impls():
     impl = registry.get_implementation("gemm", "vendor.cuda")
     assert impl.kind is BackendImplKind.VENDOR and impl.vendor == "cuda" and impl.priority == 100
     assert impl.capabilities == Capabilities(device_types={"cuda"}) and impl.supports is not None
-    assert impl.fn is vendor_gemm.gemm
+    # the dispatcher calls the unchecked body: it has run impl.supports itself (a direct call of gemm checks again)
+    assert impl.fn is vendor_gemm.DISPATCHED["gemm"] and impl.supports is vendor_gemm.SUPPORTS["gemm"]
+    assert registry.get_implementation("gemm_blockwise", "vendor.cuda").fn is vendor_gemm.DISPATCHED["gemm_blockwise"]
 
 
 def _meta(shape, dtype):

@@ -50,12 +50,20 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
         D [M, N] in ``out_dtype`` (``out`` itself when given).
 
     Raises:
-        NotImplementedError: arguments this backend declines (``SUPPORTS``, checked again here for a
-            direct call; the dispatcher never sends those here).
+        NotImplementedError: arguments this backend declines (``SUPPORTS``).
     """
-    verdict = _supports_gemm(a, b, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate)
+    _require(_supports_gemm(a, b, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate), "gemm")
+    return _gemm(a, b, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate, use_split_accumulator)
+
+
+def _require(verdict, op: str) -> None:
+    """NotImplementedError when a direct call passes arguments ``SUPPORTS`` declines."""
     if not verdict:
-        raise NotImplementedError(f"vendor.cuda gemm: {verdict.reason}; use the reference backend for this call")
+        raise NotImplementedError(f"vendor.cuda {op}: {verdict.reason}; use the reference backend for this call")
+
+
+def _gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
+    """:func:`gemm` on arguments ``_supports_gemm`` accepted (the dispatcher's entry, ``DISPATCHED``)."""
     x, y = _operands(a, b, trans_a, trans_b)
     dtype = _result_dtype(a, out_dtype, out)
     direct = None if accumulate else out  # written by the product itself where it can be
@@ -165,8 +173,8 @@ def _op_shape(shape: torch.Size, trans: bool) -> Tuple[int, int]:
 def _supports_gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
     """True, or a Reject saying why this backend declines the call: device, shapes, then dtypes.
 
-    The dispatcher runs it before every call, and :func:`gemm` again: it reads shapes and dtypes
-    only (no transposed views, no device objects).
+    The dispatcher runs it before every call (then calls ``_gemm``), a direct call of :func:`gemm`
+    too: it reads shapes and dtypes only (no transposed views, no device objects).
     """
     if not (getattr(a, "is_cuda", False) and getattr(b, "is_cuda", False)):
         return Reject("operands are not on a CUDA device")
@@ -250,9 +258,12 @@ def gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, 
     Raises:
         NotImplementedError: arguments this backend declines (``SUPPORTS``).
     """
-    verdict = _supports_gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias, out, accumulate)
-    if not verdict:
-        raise NotImplementedError(f"vendor.cuda gemm_blockwise: {verdict.reason}; use the reference backend for this call")
+    _require(_supports_gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias, out, accumulate), "gemm_blockwise")
+    return _gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias, out, accumulate)
+
+
+def _gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias=None, out=None, accumulate=False):
+    """:func:`gemm_blockwise` on arguments ``_supports_gemm_blockwise`` accepted (the dispatcher's entry)."""
     scales = (_cublas_block_scale(a_scale_inv, a_block), _cublas_block_scale(b_scale_inv, b_block).t())
     d = _mm_fp8(a, b.t(), bias, scales, out_dtype, accumulate, use_split_accumulator=True)
     return _store(d, out_dtype, out, accumulate)
@@ -305,3 +316,5 @@ def _block_scale_reason(t, scale_inv, block, name: str) -> Optional[str]:
 
 
 SUPPORTS = {"gemm": _supports_gemm, "gemm_blockwise": _supports_gemm_blockwise}
+# what the dispatcher calls once SUPPORTS has accepted a call: the public functions check again
+DISPATCHED = {"gemm": _gemm, "gemm_blockwise": _gemm_blockwise}

@@ -1,0 +1,174 @@
+"""Paired A/B of two library trees on one machine: a base tree against the working tree, timed in turns.
+
+On the lent GPU hosts the host's speed drifts by up to 3x within minutes, so two benchmark runs a
+minute apart cannot resolve a 10% change of a host-bound step. This script starts one worker process
+per tree (``PYTHONPATH`` selects the tree; each worker reports the ``transformer_engine`` it imported),
+builds the same cases in both, then times each case in short chunks, the trees taking turns (base,
+new, new, base, ...), and reports per case each tree's median time per step and the median of the
+paired ratios new / base with their quartiles: a drift of the host moves both sides of a pair alike.
+Both workers are pinned to one and the same CPU core (they never run at once: the idle one waits on
+its pipe), since two processes placed on different cores of these VMs ran the same plain PyTorch
+step 30% apart. ``nn.Linear(256)`` is the control: the same code on both sides, its ratio shows what
+bias is left.
+
+Cases (a step is fwd+bwd, gradients cleared; FP8 = DelayedScaling HYBRID, history 16):
+
+- ``small``: ``nn.Linear`` / ``te.Linear(256, 256)`` bf16 and FP8 on 16 tokens, chunks of steps
+  enqueued back to back (host time per step);
+- ``norms`` (GPU): ``te.LayerNorm`` / ``te.RMSNorm`` / ``nn.LayerNorm`` on [16384, 4096] bf16;
+- ``large`` (GPU): ``te.Linear`` 8192^3 FP8 and the headline ``te.TransformerLayer`` FP8, each step
+  waited for (as ``bench_linear.py`` and ``bench_transformer_layer.py`` time them).
+
+    git archive <rev> transformer_engine | tar -x -C /tmp/base     # the base tree
+    python benchmarks/bench_ab.py --base-tree /tmp/base --json ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from _harness import base_parser, fwd_bwd_step, print_table, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = ("small", "norms", "large")
+
+
+def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int, bool]]:
+    """{name: (step, steps per chunk, wait for each step)} of the chosen groups that run on ``device``."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    from bench_transformer_layer import LayerShape, _te_layer
+
+    bf16, none = torch.bfloat16, contextlib.nullcontext
+    fp8 = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+
+    def under_fp8():
+        return te.autocast(recipe=fp8)
+
+    cases = {}
+    if "small" in groups:
+        x = torch.randn(16, 256, device=device, dtype=bf16, requires_grad=True)
+        cases["nn.Linear(256) bf16"] = (fwd_bwd_step(torch.nn.Linear(256, 256, device=device, dtype=bf16), x, None, none), 50, False)
+        for name, ctx in (("bf16", none), ("FP8", under_fp8)):
+            linear = te.Linear(256, 256, params_dtype=bf16, device=device)
+            cases[f"te.Linear(256) {name}"] = (fwd_bwd_step(linear, x, None, ctx), 50, False)
+    if device != "cuda":
+        return cases
+    if "norms" in groups:
+        x = torch.randn(16384, 4096, device=device, dtype=bf16, requires_grad=True)
+        dy = torch.randn_like(x)
+        for name, cls in (("te.LayerNorm", te.LayerNorm), ("te.RMSNorm", te.RMSNorm), ("nn.LayerNorm", torch.nn.LayerNorm)):
+            cases[f"{name} [16384, 4096]"] = (fwd_bwd_step(cls(4096, device=device, dtype=bf16), x, dy, none), 50, False)
+    if "large" in groups:
+        x = torch.randn(8192, 8192, device=device, dtype=bf16, requires_grad=True)
+        linear = te.Linear(8192, 8192, bias=False, params_dtype=bf16, device=device)
+        cases["te.Linear 8192^3 FP8"] = (fwd_bwd_step(linear, x, torch.randn_like(x), under_fp8), 10, True)
+        shape = LayerShape()
+        xl = torch.randn(shape.seq, shape.batch, shape.hidden, device=device, dtype=bf16, requires_grad=True)
+        cases["te.TransformerLayer FP8"] = (fwd_bwd_step(_te_layer(te, shape, device), xl, torch.randn_like(xl), under_fp8), 5, True)
+    return cases
+
+
+def worker(groups, cpu) -> None:
+    """Pin to ``cpu`` (when given), build the cases, print READY and the library path, then answer each
+    stdin line (a case name) with the microseconds per step of one chunk."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+        torch.set_num_threads(1)  # one core: an intra-op thread pool would only contend for it
+    import transformer_engine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cases = build_cases(groups, device)
+    for step, _, _ in cases.values():  # warm-up: compiles, caches, allocator pools
+        for _ in range(5):
+            step()
+    sync()
+    print("READY", transformer_engine.__file__, "|".join(cases), flush=True)
+    for line in sys.stdin:
+        step, chunk, wait_each = cases[line.strip()]
+        sync()
+        start = time.perf_counter()
+        for _ in range(chunk):
+            step()
+            if wait_each:
+                sync()
+        sync()
+        print(f"{(time.perf_counter() - start) / chunk * 1e6:.3f}", flush=True)
+
+
+def _shared_cpu() -> list:
+    """["--cpu", N] naming the one core both workers run on (the highest this process may use), or []
+    where the platform cannot pin."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    return ["--cpu", str(max(os.sched_getaffinity(0)))]
+
+
+def _start(tree: Path, groups) -> Tuple[subprocess.Popen, str, list]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT / "benchmarks")]), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, __file__, "--worker", "--groups", ",".join(groups), *_shared_cpu()], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("READY "):
+            _, library, names = line.rstrip("\n").split(" ", 2)
+            return proc, library, names.split("|")
+    raise SystemExit(f"the worker for {tree} exited before it was ready (exit code {proc.wait()})")
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--base-tree", required=False, help="directory holding the base tree's transformer_engine package")
+    parser.add_argument("--rounds", type=int, default=25, help="chunks per case and tree")
+    parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated subset of {GROUPS}")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    groups = [g for g in args.groups.split(",") if g]
+    if args.worker:
+        worker(groups, args.cpu)
+        return
+    if not args.base_tree or not (Path(args.base_tree) / "transformer_engine").is_dir():
+        raise SystemExit("--base-tree must name a directory holding a transformer_engine package (see the docstring)")
+    trees = {"base": Path(args.base_tree).resolve(), "new": ROOT}
+    workers = {name: _start(tree, groups) for name, tree in trees.items()}
+    cases = workers["new"][2]
+    rows, results = [], {}
+    try:
+        for case in cases:
+            times = {"base": [], "new": []}
+            for r in range(args.rounds):
+                for name in ("base", "new") if r % 2 == 0 else ("new", "base"):
+                    proc = workers[name][0]
+                    proc.stdin.write(case + "\n")
+                    proc.stdin.flush()
+                    times[name].append(float(proc.stdout.readline()))
+            ratios = [new / base for base, new in zip(times["base"], times["new"])]
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            results[case] = {"base_us": times["base"], "new_us": times["new"], "ratio_median": statistics.median(ratios),
+                             "ratio_q1": q1, "ratio_q3": q3}
+            rows.append([case, f"{statistics.median(times['base']):.1f}", f"{statistics.median(times['new']):.1f}",
+                         f"{statistics.median(ratios):.3f}", f"{q1:.3f} - {q3:.3f}"])
+    finally:
+        for proc, _, _ in workers.values():
+            proc.stdin.close()
+            proc.wait()
+    print_table(f"A/B, {args.rounds} chunks per case and tree, taking turns (us per step)",
+                ["case", "base", "new", "new / base (median of pairs)", "quartiles"], rows)
+    write_json(args.json, {"benchmark": "ab", "trees": {name: w[1] for name, w in workers.items()}, "rounds": args.rounds,
+                           "cases": results})
+
+
+if __name__ == "__main__":
+    main()

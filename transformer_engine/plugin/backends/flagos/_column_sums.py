@@ -1,0 +1,70 @@
+"""Column sums of partial rows: the second, deterministic pass of a reduction over rows.
+
+A kernel that reduces over rows without atomics writes one float32 row of partial sums per program
+(or per tile row); this pass sums those P rows per column:
+
+    out[j] = sum_p parts[p, j]        parts float32 [P, H], out [H] in the caller's dtype
+
+Each program owns BLOCK_H columns and walks the P rows in BLOCK_P steps, so the order of the
+additions, and the result, never depends on scheduling. Two inputs of one shape (a norm's dgamma
+and dbeta partials) share one launch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, device_guard
+from ._launch import cached_launch
+
+__all__ = ["column_sums"]
+
+_BLOCK_P, _BLOCK_H = 64, 32  # tile of one step: H / 32 programs, each reading 64 rows per step
+
+
+@cached_launch
+@triton.jit
+def _column_sums_kernel(
+    a_ptr,  # *float32 [P, H] partial rows
+    b_ptr,  # *float32 [P, H] second partial rows (HAS_B only)
+    out_a_ptr,  # *[H] column sums of a
+    out_b_ptr,  # *[H] column sums of b (HAS_B only)
+    P,  # partial rows
+    H,  # columns
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_B: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    sum_a = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    sum_b = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        offs = rows[:, None] * H + cols[None, :]
+        mask = (rows < P)[:, None] & col_mask[None, :]
+        sum_a += tl.load(a_ptr + offs, mask=mask, other=0.0)
+        if HAS_B:
+            sum_b += tl.load(b_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_a_ptr + cols, tl.sum(sum_a, axis=0).to(out_a_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_B:
+        tl.store(out_b_ptr + cols, tl.sum(sum_b, axis=0).to(out_b_ptr.dtype.element_ty), mask=col_mask)
+
+
+def column_sums(a: torch.Tensor, out_dtype: torch.dtype, b: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(column sums of a, of b or None) in ``out_dtype``, one launch; a and b contiguous float32 [P, H]
+    (the launchers' own buffers: not validated here)."""
+    p, h = a.shape
+    out_a = torch.empty(h, dtype=out_dtype, device=a.device)
+    out_b = None if b is None else torch.empty(h, dtype=out_dtype, device=a.device)
+    if h:
+        with device_guard(a):
+            _column_sums_kernel[(cdiv(h, _BLOCK_H),)](
+                a, a if b is None else b, out_a, out_a if b is None else out_b, p, h,
+                BLOCK_P=_BLOCK_P, BLOCK_H=_BLOCK_H, HAS_B=b is not None,
+            )  # fmt: skip
+    return out_a, out_b
