@@ -121,10 +121,11 @@ def test_deferred_weight_transpose_keeps_the_forward_scale_and_records_nothing(r
     quantizer = state.make_quantizers()[0]
     w = randn(16, 48, scale=2.0)
     operand = quantizer.quantize_weight(w)
+    saved = operand.deferred_t.snapshot()  # as forward saves it for backward
     recorded = state.amax_history.clone() if hasattr(state, "amax_history") else None
     if hasattr(state, "scale"):
         state.scale[0] = 0.5  # the update after forward rewrites the scale in place
-    w_t = operand.deferred_t.materialize()
+    w_t = saved.materialize()
     assert w_t.data is None and torch.equal(w_t.scale_inv, operand.scale_inv)
     assert torch.equal(w_t.data_t.view(torch.uint8), operand.data.t().contiguous().view(torch.uint8))
     if recorded is not None:

@@ -73,10 +73,11 @@ def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, need_d
 
 def for_backward(op: Operand) -> Union[Operand, DeferredTranspose]:
     """A forward GEMM operand as the backward GEMMs read it: FP8 keeps only its transpose (wgrad reads x^T,
-    dgrad W^T), or nothing but the weight when backward casts W^T again (``deferred_t``)."""
+    dgrad W^T), or nothing but the weight when backward casts W^T again (``deferred_t``, its scale
+    copied now: call this after the forward's GEMMs are queued and before the autocast's update)."""
     if not isinstance(op, Float8Tensor):
         return op
-    return op.deferred_t if op.deferred_t is not None else op.transpose_only()
+    return op.deferred_t.snapshot() if op.deferred_t is not None else op.transpose_only()
 
 
 def without_operands(args, *fields: str):

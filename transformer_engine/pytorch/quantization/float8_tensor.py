@@ -114,8 +114,8 @@ class DeferredTranspose:
     """W^T for the dgrad GEMM, cast again from the weight W in backward instead of kept from forward.
 
     ``quantizer.quantize(W, columnwise=True)`` must give the values forward's cast gave: the same
-    scale (``FixedScaleQuantizer`` holds a copy of a delayed or current scale) or a cast that depends
-    on W alone (block scaling). Autograd saves W itself (``to_saved``), so an in-place change of W
+    scale (``FixedScaleQuantizer``, holding a copy of a delayed or current scale once :meth:`snapshot`
+    took it) or a cast that depends on W alone (block scaling). Autograd saves W itself (``to_saved``), so an in-place change of W
     before backward is caught by its version counter, as for any saved tensor.
 
     Attributes:
@@ -132,6 +132,12 @@ class DeferredTranspose:
     def to_saved(self):
         """((weight,), rebuild): what ``save_for_backward`` stores and the callable that makes this object again."""
         return (self.weight,), partial(DeferredTranspose, quantizer=self.quantizer)
+
+    def snapshot(self) -> "DeferredTranspose":
+        """This deferred cast as backward must run it, taken now (``Quantizer.snapshot``: a copy of a
+        scale that the update after forward rewrites in place). Forward calls it when it saves the
+        operand, after its GEMMs are queued, so the copy does not delay them."""
+        return DeferredTranspose(self.weight, self.quantizer.snapshot())
 
     def materialize(self) -> Float8Tensor:
         """W^T as an FP8 operand keeping only ``data_t``, cast now."""

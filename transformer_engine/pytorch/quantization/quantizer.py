@@ -26,7 +26,7 @@ The recipe picks the quantizer class:
 | :class:`Float8Quantizer` | DelayedScaling | ``state.scale[i]`` from earlier steps; amax recorded into ``amax_history[0, i]`` |
 | :class:`Float8CurrentScalingQuantizer` | Float8CurrentScaling | fp8_max / amax(x) of this very tensor |
 | :class:`Float8BlockQuantizer` | Float8BlockScaling | fp8_max / amax of each 1 x 128 or 128 x 128 tile |
-| :class:`FixedScaleQuantizer` | (a weight cast again in backward) | a copy of the scale forward used; records no amax |
+| :class:`FixedScaleQuantizer` | (a weight cast again in backward) | the scale forward used (a copy once saved for backward); records no amax |
 | :class:`AmaxObserver` | calibration (``autocast(calibrating=True)``) | none: records amax, stays high precision |
 """
 
@@ -84,6 +84,11 @@ class Quantizer:
         operand = self.quantize(w)
         operand.deferred_t = DeferredTranspose(w, self)
         return operand
+
+    def snapshot(self) -> "Quantizer":
+        """This quantizer as a cast later in the step must see it: a copy of what later updates would
+        change in place (``FixedScaleQuantizer``'s scale), else self (casts that depend on the input alone)."""
+        return self
 
     def produce(self, run: ProducerFn, columnwise: bool = False):
         """Run ``run`` in high precision, then :meth:`quantize` its output; returns (operand, extras)."""
@@ -160,10 +165,11 @@ class Float8Quantizer(Quantizer):
         return _cast(x, scale, self.fp8_dtype, columnwise, slot)[0]
 
     def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
-        """The cast with this step's scale, amax recorded; W^T is cast again with a copy of that scale
-        (the update after forward changes the state's scale in place) and records nothing."""
+        """The cast with this step's scale, amax recorded; W^T is cast again with that scale and records
+        nothing. The update after forward changes the state's scale in place, so forward saves the
+        deferred cast with a copy of it (``DeferredTranspose.snapshot``, after the GEMMs are queued)."""
         scale, slot = self._views()
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, slot, FixedScaleQuantizer.copying(scale, self.fp8_dtype))
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, slot, FixedScaleQuantizer(scale, self.fp8_dtype))
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
@@ -216,7 +222,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
         """The cast with w's scale; W^T is cast again with that scale (no second amax pass)."""
         scale = self._scale_of(w)
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, None, FixedScaleQuantizer.copying(scale, self.fp8_dtype))
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, None, FixedScaleQuantizer(scale, self.fp8_dtype))
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
@@ -280,13 +286,12 @@ class FixedScaleQuantizer(Quantizer):
         self.fp8_dtype = fp8_dtype
         self.amax_scratch = amax_scratch
 
-    @classmethod
-    def copying(cls, scale: torch.Tensor, fp8_dtype: torch.dtype) -> "FixedScaleQuantizer":
-        """A quantizer casting with a copy of ``scale`` taken now (in-place updates of ``scale`` later do
+    def snapshot(self) -> "FixedScaleQuantizer":
+        """A quantizer casting with a copy of the scale taken now (in-place updates of the scale later do
         not reach it). One kernel makes [scale, 0] = scale * [1, 0]: the copy and the amax scratch slot
         (a device-to-device copy of one element costs the host several kernel launches; scale is finite)."""
-        copy, scratch = torch.mul(scale, _one_zero(scale.device)).unbind()
-        return cls(copy, fp8_dtype, scratch)
+        copy, scratch = torch.mul(self.scale, _one_zero(self.scale.device)).unbind()
+        return FixedScaleQuantizer(copy, self.fp8_dtype, scratch)
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
         return _cast(x, self.scale, self.fp8_dtype, columnwise, self.amax_scratch)[0]
