@@ -37,7 +37,7 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
-from _harness import base_parser, fwd_bwd_step, print_table, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ("small", "norms", "large")
@@ -80,9 +80,9 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
     return cases
 
 
-def worker(groups, cpu) -> None:
+def worker(groups, cpu, backend: str) -> None:
     """Pin to ``cpu`` (when given), build the cases, print READY and the library path, then answer each
-    stdin line (a case name) with the microseconds per step of one chunk."""
+    stdin line (a case name) with the microseconds per step of one chunk (under ``backend``'s policy)."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
         torch.set_num_threads(1)  # one core: an intra-op thread pool would only contend for it
@@ -90,22 +90,23 @@ def worker(groups, cpu) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    cases = build_cases(groups, device)
-    for step, _, _ in cases.values():  # warm-up: compiles, caches, allocator pools
-        for _ in range(5):
-            step()
-    sync()
-    print("READY", transformer_engine.__file__, "|".join(cases), flush=True)
-    for line in sys.stdin:
-        step, chunk, wait_each = cases[line.strip()]
+    with backend_policy(backend):
+        cases = build_cases(groups, device)
+        for step, _, _ in cases.values():  # warm-up: compiles, caches, allocator pools
+            for _ in range(5):
+                step()
         sync()
-        start = time.perf_counter()
-        for _ in range(chunk):
-            step()
-            if wait_each:
-                sync()
-        sync()
-        print(f"{(time.perf_counter() - start) / chunk * 1e6:.3f}", flush=True)
+        print("READY", transformer_engine.__file__, "|".join(cases), flush=True)
+        for line in sys.stdin:
+            step, chunk, wait_each = cases[line.strip()]
+            sync()
+            start = time.perf_counter()
+            for _ in range(chunk):
+                step()
+                if wait_each:
+                    sync()
+            sync()
+            print(f"{(time.perf_counter() - start) / chunk * 1e6:.3f}", flush=True)
 
 
 def _shared_cpu() -> list:
@@ -116,9 +117,9 @@ def _shared_cpu() -> list:
     return ["--cpu", str(max(os.sched_getaffinity(0)))]
 
 
-def _start(tree: Path, groups) -> Tuple[subprocess.Popen, str, list]:
+def _start(tree: Path, groups, backend: str) -> Tuple[subprocess.Popen, str, list]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT / "benchmarks")]), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", "--groups", ",".join(groups), *_shared_cpu()], env=env,
+    proc = subprocess.Popen([sys.executable, __file__, "--worker", "--groups", ",".join(groups), "--backend", backend, *_shared_cpu()], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("READY "):
@@ -130,19 +131,21 @@ def _start(tree: Path, groups) -> Tuple[subprocess.Popen, str, list]:
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--base-tree", required=False, help="directory holding the base tree's transformer_engine package")
-    parser.add_argument("--rounds", type=int, default=25, help="chunks per case and tree")
+    parser.add_argument("--rounds", type=int, default=25, help="chunks per case and tree (at least 2)")
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated subset of {GROUPS}")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     groups = [g for g in args.groups.split(",") if g]
     if args.worker:
-        worker(groups, args.cpu)
+        worker(groups, args.cpu, args.backend)
         return
     if not args.base_tree or not (Path(args.base_tree) / "transformer_engine").is_dir():
         raise SystemExit("--base-tree must name a directory holding a transformer_engine package (see the docstring)")
+    if args.rounds < 2:
+        raise SystemExit(f"--rounds {args.rounds}: the quartiles of the paired ratios need at least 2 rounds")
     trees = {"base": Path(args.base_tree).resolve(), "new": ROOT}
-    workers = {name: _start(tree, groups) for name, tree in trees.items()}
+    workers = {name: _start(tree, groups, args.backend) for name, tree in trees.items()}
     cases = workers["new"][2]
     rows, results = [], {}
     try:
