@@ -15,7 +15,8 @@ from typing import Callable, Dict
 from transformer_engine.plugin.core.catalog import get_spec
 
 __all__ = [
-    "FORWARD_OPS", "ACTIVATION_OP_NAMES", "activation_ops", "backward_name", "check_clamp", "check_in_place", "module_getattr",
+    "FORWARD_OPS", "ACTIVATION_OP_NAMES", "activation_ops", "backward_name", "check_activation", "check_clamp", "check_in_place",
+    "module_getattr",
 ]
 
 FORWARD_OPS = ("gelu", "qgelu", "relu", "srelu", "silu", "glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu")
@@ -38,19 +39,28 @@ def check_clamp(limit, alpha) -> None:
         raise ValueError(f"clamped_swiglu needs a finite alpha, got alpha={alpha!r} (GPT-OSS uses 1.702)")
 
 
-def check_in_place(x, activation: str, limit, alpha) -> None:
-    """``dactivation_``'s own rules: a forward op name, an x the gradient can be written over, and
-    clamped_swiglu's parameters.
+def check_activation(activation: str, limit, alpha) -> None:
+    """An op taking the activation by name (``activation_quantize``, ``dactivation_``): a forward op
+    name, and clamped_swiglu's parameters when it is that one.
 
     Raises:
-        ValueError: unknown activation, x not contiguous, or bad clamped_swiglu parameters.
+        ValueError: unknown activation, or bad clamped_swiglu parameters.
     """
     if activation not in FORWARD_OPS:
         raise ValueError(f"activation={activation!r} is not one of the forward activation ops {FORWARD_OPS}")
-    if not x.is_contiguous():
-        raise ValueError(f"dactivation_ writes the gradient over x, which must be contiguous (strides {tuple(x.stride())})")
     if activation == "clamped_swiglu":
         check_clamp(limit, alpha)
+
+
+def check_in_place(x, activation: str, limit, alpha) -> None:
+    """``dactivation_``'s own rules: :func:`check_activation`, and an x the gradient can be written over.
+
+    Raises:
+        ValueError: unknown activation, bad clamped_swiglu parameters, or x not contiguous.
+    """
+    check_activation(activation, limit, alpha)
+    if not x.is_contiguous():
+        raise ValueError(f"dactivation_ writes the gradient over x, which must be contiguous (strides {tuple(x.stride())})")
 
 
 ACTIVATION_OP_NAMES = tuple(name for op in FORWARD_OPS for name in (op, backward_name(op)))
@@ -72,7 +82,7 @@ def _plain(forward: Callable, backward: Callable, op: str):
     return fwd, bwd
 
 
-def _clamped(forward: Callable, backward: Callable, check_clamp: Callable):
+def _clamped(forward: Callable, backward: Callable):
     def fwd(x, limit=7.0, alpha=1.702):
         check_clamp(limit, alpha)
         return forward("clamped_swiglu", x, limit, alpha)
@@ -84,17 +94,17 @@ def _clamped(forward: Callable, backward: Callable, check_clamp: Callable):
     return fwd, bwd
 
 
-def activation_ops(forward: Callable, backward: Callable, check_clamp: Callable) -> Dict[str, Callable]:
-    """{op name: function} for the 24 activation ops, each with the catalog's signature and docstring.
+def activation_ops(forward: Callable, backward: Callable) -> Dict[str, Callable]:
+    """{op name: function} for the 24 activation ops, each with the catalog's signature and docstring
+    (clamped_swiglu's pair checks ``(limit, alpha)`` with :func:`check_clamp` before any work).
 
     Args:
         forward: ``forward(op, x, limit=7.0, alpha=1.702)`` of the backend.
         backward: ``backward(op, dy, x, limit=7.0, alpha=1.702)`` of the backend.
-        check_clamp: validates clamped_swiglu's ``(limit, alpha)`` before any work.
     """
     table = {}
     for op in FORWARD_OPS:
-        pair = _clamped(forward, backward, check_clamp) if op == "clamped_swiglu" else _plain(forward, backward, op)
+        pair = _clamped(forward, backward) if op == "clamped_swiglu" else _plain(forward, backward, op)
         table[op] = _named(pair[0], op)
         table[backward_name(op)] = _named(pair[1], backward_name(op))
     return table

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_clamp, check_in_place, module_getattr
+from transformer_engine.plugin.backends._activation_ops import (
+    ACTIVATION_OP_NAMES, activation_ops, check_activation, check_in_place, module_getattr,
+)
 import triton
 import triton.language as tl
 
@@ -278,7 +280,7 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702, dx=None)
 
 
 # the 24 activation ops (gelu, dgelu, ..., clamped_dswiglu), served as module attributes
-__getattr__ = module_getattr(activation_ops(_forward, _backward, check_clamp), __name__)
+__getattr__ = module_getattr(activation_ops(_forward, _backward), __name__)
 
 
 def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
@@ -297,14 +299,11 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     Raises:
         ValueError: unknown activation, bad scale or fp8_dtype, or the activation's input errors.
     """
-    if activation not in _OPS:
-        raise ValueError(f"activation={activation!r} is not one of the forward activation ops {tuple(_OPS)}")
+    check_activation(activation, limit, alpha)
     _check_x(activation, x, _OPS[activation][1])
     check_scalar(fp8_scale, "fp8_scale")
     check_fp8_dtype(fp8_dtype)
     check_amax_out(amax_out, x)
-    if activation == "clamped_swiglu":
-        check_clamp(limit, alpha)
     out = _launch_fwd(activation, x, limit, alpha, fp8=(fp8_scale, fp8_dtype, amax_out))
     return out.q, out.scale_inv, out.amax
 

@@ -21,7 +21,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_clamp, check_in_place, module_getattr
+from transformer_engine.plugin.backends._activation_ops import (
+    ACTIVATION_OP_NAMES, activation_ops, check_activation, check_in_place, module_getattr,
+)
 
 from .._fp8 import check_amax_out, check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
 
@@ -84,7 +86,6 @@ _SILU, _SIGMOID = _Act(torch.nn.functional.silu, _silu_grad), _Act(torch.sigmoid
 
 _PLAIN = {"gelu": _GELU, "qgelu": _QGELU, "relu": _RELU, "srelu": _SRELU, "silu": _SILU}
 _GATED = {"glu": _SIGMOID, "geglu": _GELU, "qgeglu": _QGELU, "reglu": _RELU, "sreglu": _SRELU, "swiglu": _SILU}
-_FORWARD_NAMES = tuple(_PLAIN) + tuple(_GATED) + ("clamped_swiglu",)
 
 
 def _halves(x: torch.Tensor, op: str):
@@ -145,7 +146,7 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702) -> torch
 
 
 # the 24 activation ops (gelu, dgelu, ..., clamped_dswiglu), served as module attributes
-__getattr__ = module_getattr(activation_ops(_forward, _backward, check_clamp), __name__)
+__getattr__ = module_getattr(activation_ops(_forward, _backward), __name__)
 
 
 def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
@@ -157,14 +158,11 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     Raises:
         ValueError: unknown activation, bad scale or fp8_dtype, or the activation's own input errors.
     """
-    if activation not in _FORWARD_NAMES:
-        raise ValueError(f"activation={activation!r} is not one of the forward activation ops {_FORWARD_NAMES}")
+    check_activation(activation, limit, alpha)
     check_high_precision(x)
     scale_f32 = scalar_f32(fp8_scale, "fp8_scale")
     check_fp8_dtype(fp8_dtype)
     check_amax_out(amax_out, x)
-    if activation == "clamped_swiglu":
-        check_clamp(limit, alpha)
     return quantize_fp32(_forward_f32(activation, x.float(), limit, alpha), scale_f32, fp8_dtype, amax_out)
 
 
