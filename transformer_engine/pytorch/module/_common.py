@@ -59,16 +59,20 @@ def quantize_operand(quantizer, x: torch.Tensor, gather: Callable, gathered: boo
 
 
 def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, need_db: bool):
-    """(dy as GEMM operand, db = float32 column sums of this rank's dy or None), dy [M, N].
+    """(dy as GEMM operand, db = float32 column sums of this rank's dy or None, gather_dy), dy [M, N].
 
-    dy^T comes along when wgrad needs it; cast, transpose and bias gradient share one read of dy
-    (``quantize_with_dbias``) unless ``comm`` all-gathers dy first (row-parallel + SP), which leaves
-    the sum to its own pass.
+    ``gather_dy``: ``comm`` all-gathers dy block by block inside the dgrad GEMM
+    (``LinearComm.pipelines_grad_gather``), so the cast covers this rank's rows, without transpose (made
+    after the gather); pass it on to ``linear_backward``. Otherwise dy^T comes along when wgrad needs it;
+    cast, transpose and bias gradient share one read of dy (``quantize_with_dbias``) unless ``comm``
+    all-gathers dy first (row-parallel + SP), which leaves the sum to its own pass.
     """
+    gather_dy = comm.pipelines_grad_gather(quantizer)
+    comm, need_dw = comm.for_grad_cast(quantizer), need_dw and not gather_dy
     if need_dw and need_db and not comm.gathers_grad_output:
-        return quantizer.quantize_with_dbias(dy)
+        return (*quantizer.quantize_with_dbias(dy), gather_dy)
     dy_op = quantize_operand(quantizer, dy, comm.gather_grad_output, comm.gathers_grad_output, need_dw)
-    return dy_op, dy.sum(dim=0, dtype=torch.float32) if need_db else None
+    return dy_op, dy.sum(dim=0, dtype=torch.float32) if need_db else None, gather_dy
 
 
 def for_backward(op: Operand) -> Union[Operand, DeferredTranspose]:

@@ -91,10 +91,10 @@ class LayerNormLinearFunction(torch.autograd.Function):
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
             need_dw, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-            dy_op, db = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
+            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
             need = (any(ctx.needs_input_grad[:3]), need_dw)
             d_ln, dw = linear_backward(dy_op, ln_op, w_op, need, args.wgrad, q.split_accumulator, args.dtype,
-                                       release_wgrad_operands=backward_frees_graph(), comm=comm)  # comm
+                                       release_wgrad_operands=backward_frees_graph(), comm=comm, gather_dy=gather_dy)  # comm
             db = comm.reduce_bias_grad(db)  # comm
             dx = dgamma = dbeta = None
             if d_ln is not None:

@@ -90,21 +90,19 @@ class LayerNormMLPFunction(torch.autograd.Function):
         frees_graph = backward_frees_graph()
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), dtype)
-            gather_dy = comm2.pipelines_grad_gather(g2.grad_output)
-            dy_op, db2 = grad_output_operand(g2.grad_output, dy_hp, comm2.for_grad_cast(g2.grad_output),  # comm
-                                             needs[5] and not gather_dy, needs[6])
+            dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], needs[6])  # comm
             da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,
                                       release_wgrad_operands=frees_graph, comm=comm2, gather_dy=gather_dy)  # comm
             db2 = comm2.reduce_bias_grad(db2)  # comm
             del dy_op, dy_hp
             dh = args.activation.backward(da, h, overwrite_h=frees_graph)
             del da
-            dh_op, db1 = grad_output_operand(g1.grad_output, dh, comm1, needs[3], needs[4])
+            dh_op, db1, gather_dh = grad_output_operand(g1.grad_output, dh, comm1, needs[3], needs[4])  # comm
             if frees_graph and dh_op is not dh:  # dh is cast: h's storage goes (the saved h would keep it)
                 release(dh, owned=True)
             del dh
             d_ln, dw1 = linear_backward(dh_op, ln_op, w1, (True, needs[3]), args.fc1_wgrad, q.split_accumulator, dtype,
-                                        release_wgrad_operands=frees_graph, comm=comm1)  # comm
+                                        release_wgrad_operands=frees_graph, comm=comm1, gather_dy=gather_dh)  # comm
             del dh_op
             if args.return_layernorm_output:
                 d_ln = d_ln + cast(d_ln_out[0].reshape(d_ln.shape), dtype)

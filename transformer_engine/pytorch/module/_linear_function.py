@@ -74,9 +74,7 @@ class LinearFunction(torch.autograd.Function):
         with no_torch_autocast(dy.device):
             dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
             need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-            quantizer = q.gemms[0].grad_output
-            gather_dy = comm.pipelines_grad_gather(quantizer)
-            dy_op, db = grad_output_operand(quantizer, dy_hp, comm.for_grad_cast(quantizer), need_dw and not gather_dy, need_db)  # comm
+            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
             dx, dw = linear_backward(dy_op, x_op, w_op, (need_dx, need_dw), args.wgrad, q.split_accumulator, args.dtype,
                                      release_wgrad_operands=backward_frees_graph(), comm=comm, gather_dy=gather_dy)  # comm
             db = comm.reduce_bias_grad(db)  # comm
