@@ -13,7 +13,7 @@ bias is left.
 
 Cases (a step is fwd+bwd, gradients cleared; FP8 = DelayedScaling HYBRID, history 16):
 
-- ``small``: ``nn.Linear`` / ``te.Linear(256, 256)`` bf16 and FP8 on 16 tokens, chunks of steps
+- ``small``: ``nn.Linear`` / ``te.Linear(256, 256)`` bf16 and FP8 on 16 tokens (``bench_host_overhead.py``'s), chunks of steps
   enqueued back to back (host time per step);
 - ``norms`` (GPU): ``te.LayerNorm`` / ``te.RMSNorm`` / ``nn.LayerNorm`` on [16384, 4096] bf16;
 - ``large`` (GPU): ``te.Linear`` 8192^3 FP8 and the headline ``te.TransformerLayer`` FP8, each step
@@ -48,6 +48,7 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format
 
+    from bench_host_overhead import FEATURES, TOKENS
     from bench_transformer_layer import LayerShape, _te_layer
 
     bf16, none = torch.bfloat16, contextlib.nullcontext
@@ -58,11 +59,12 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
 
     cases = {}
     if "small" in groups:
-        x = torch.randn(16, 256, device=device, dtype=bf16, requires_grad=True)
-        cases["nn.Linear(256) bf16"] = (fwd_bwd_step(torch.nn.Linear(256, 256, device=device, dtype=bf16), x, None, none), 50, False)
+        x = torch.randn(TOKENS, FEATURES, device=device, dtype=bf16, requires_grad=True)
+        plain = torch.nn.Linear(FEATURES, FEATURES, device=device, dtype=bf16)
+        cases[f"nn.Linear({FEATURES}) bf16"] = (fwd_bwd_step(plain, x, None, none), 50, False)
         for name, ctx in (("bf16", none), ("FP8", under_fp8)):
-            linear = te.Linear(256, 256, params_dtype=bf16, device=device)
-            cases[f"te.Linear(256) {name}"] = (fwd_bwd_step(linear, x, None, ctx), 50, False)
+            linear = te.Linear(FEATURES, FEATURES, params_dtype=bf16, device=device)
+            cases[f"te.Linear({FEATURES}) {name}"] = (fwd_bwd_step(linear, x, None, ctx), 50, False)
     if device != "cuda":
         return cases
     if "norms" in groups:

@@ -169,7 +169,7 @@ class Float8Quantizer(Quantizer):
         nothing. The update after forward changes the state's scale in place, so forward saves the
         deferred cast with a copy of it (``DeferredTranspose.snapshot``, after the GEMMs are queued)."""
         scale, slot = self._views()
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, slot, FixedScaleQuantizer(scale, self.fp8_dtype))
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, slot)
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
@@ -222,7 +222,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
         """The cast with w's scale; W^T is cast again with that scale (no second amax pass)."""
         scale = self._scale_of(w)
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, None, FixedScaleQuantizer(scale, self.fp8_dtype))
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, None)
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
@@ -306,10 +306,11 @@ def _one_zero(device: torch.device) -> torch.Tensor:
     return one_zero
 
 
-def _fixed_scale_weight(w, scale, fp8_dtype, amax_out, recast: FixedScaleQuantizer) -> Float8Tensor:
-    """w cast with ``scale`` (amax into ``amax_out``), W^T deferred to ``recast``."""
+def _fixed_scale_weight(w, scale, fp8_dtype, amax_out) -> Float8Tensor:
+    """w cast with ``scale`` (amax into ``amax_out``), W^T deferred to a cast with that same scale
+    (copied when forward saves it: ``FixedScaleQuantizer.snapshot``)."""
     operand = _cast(w, scale, fp8_dtype, False, amax_out)[0]
-    operand.deferred_t = DeferredTranspose(w, recast)
+    operand.deferred_t = DeferredTranspose(w, FixedScaleQuantizer(scale, fp8_dtype))
     return operand
 
 
