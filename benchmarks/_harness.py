@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["fwd_bwd_step", "time_fn", "peak_memory", "print_table", "write_json", "base_parser", "environment", "backend_policy"]
+__all__ = ["fwd_bwd_step", "time_fn", "time_back_to_back", "peak_memory", "print_table", "write_json", "base_parser", "environment", "backend_policy"]
 
 
 def fwd_bwd_step(module: torch.nn.Module, x: torch.Tensor, dy: Optional[torch.Tensor],
@@ -58,6 +58,28 @@ def time_fn(fn: Callable[[], object], warmup: int = 5, iters: int = 20, device: 
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def time_back_to_back(fn: Callable[[], object], warmup: int = 5, iters: int = 20, device: Optional[torch.device] = None) -> float:
+    """Milliseconds per call of ``fn()`` over ``iters`` calls enqueued one after another (CUDA events around
+    all of them, one wait at the end): the steady state of a training loop, where the host runs ahead and
+    the GPU never idles between steps; on CPU the mean wall time."""
+    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def peak_memory(fn: Callable[[], object], device: Optional[torch.device] = None) -> Optional[int]:

@@ -35,7 +35,7 @@ from typing import Callable, Dict, Tuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, time_fn, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, time_back_to_back, time_fn, write_json
 from bench_transformer_layer import SMALL, LayerShape, PlainLayer, _te_layer
 
 STEPS = 3
@@ -119,24 +119,6 @@ def idle_gaps(spans: list, top: int) -> Tuple[float, list]:
         if last_end is None or end > last_end:
             last_end, last_name = end, name
     return sum(g[0] for g in gaps) / STEPS, sorted(gaps, reverse=True)[:top]
-
-
-def back_to_back_ms(step: Callable, device: str, steps: int = 20) -> float:
-    """Milliseconds per step over ``steps`` steps enqueued without a synchronization between them.
-
-    The headline timing (``time_fn``) waits for each step, so every step starts on an idle GPU and
-    the host work before its first kernel is exposed; here the host may run into the next step while
-    the GPU finishes the last one, as in a training loop that does not read the loss every step.
-    """
-    step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / steps
 
 
 def host_ms(step: Callable, device: str, repeats: int = 5) -> float:
@@ -290,7 +272,7 @@ def main() -> None:
                     layer = None
                     continue
             ms = time_fn(step, warmup=3, iters=10, device=torch.device(device))
-            chained = back_to_back_ms(step, device)
+            chained = time_back_to_back(step, warmup=1, iters=20)
             host = host_ms(step, device)
             syncs = sync_points(step, device)
             kernels, busy_us, spans = kernel_table(step, device)

@@ -1,4 +1,5 @@
-"""Launch configurations of the flagos FP8 cast kernels (quantize, cast_transpose, fp8_transpose, blockwise), swept on the GPU.
+"""Launch configurations of the flagos FP8 cast kernels (quantize, cast_transpose and its q_t-only and dbias forms,
+fp8_transpose, blockwise), swept on the GPU.
 
 Each kernel is timed inside a CUDA graph (``triton.testing.do_bench_cudagraph``), so host launch cost
 is left out and the table shows what the kernel itself reaches, as a fraction of the measured
@@ -30,7 +31,7 @@ from transformer_engine.plugin.backends.flagos._common import fp8_format
 from transformer_engine.plugin.backends.reference import quantization as ref
 
 E4M3 = torch.float8_e4m3fn
-KERNELS = ("quantize", "cast_transpose", "fp8_transpose", "blockwise")
+KERNELS = ("quantize", "cast_transpose", "quantize_transposed", "cast_transpose_dbias", "fp8_transpose", "blockwise")
 B = 128  # block length of the blockwise section (Float8BlockScaling)
 
 
@@ -47,13 +48,17 @@ def sweep_quantize(x, scale, q, scale_inv, amax):
         yield f"BLOCK={block} warps={warps}", run
 
 
-def sweep_cast_transpose(x, scale, q, q_t, scale_inv, amax):
+def sweep_cast_transpose(x, scale, q, q_t, scale_inv, amax, write_q=True, dbias=False):
+    """Tile configs of ``_cast_transpose_kernel``: cast_transpose, its q_t-only form (quantize_transposed,
+    ``write_q`` False) or its dbias form (column sums of each tile into float32 partials)."""
     m, n = x.shape
     for (bm, bn), warps in itertools.product(((32, 32), (64, 64), (64, 128), (128, 64), (128, 128)), (2, 4, 8)):
-        def run(bm=bm, bn=bn, warps=warps):
+        partials = torch.empty(triton.cdiv(m, bm), n, device="cuda") if dbias else None
+
+        def run(bm=bm, bn=bn, warps=warps, partials=partials):
             grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-            fq._cast_transpose_kernel[grid](x, q, q_t, scale, scale_inv, amax, None, m, n, x.stride(0),
-                                            BLOCK_M=bm, BLOCK_N=bn, DBIAS=False, WRITE_QT=True,
+            fq._cast_transpose_kernel[grid](x, q, q_t, scale, scale_inv, amax, partials, m, n, x.stride(0),
+                                            BLOCK_M=bm, BLOCK_N=bn, DBIAS=dbias, WRITE_Q=write_q, WRITE_QT=True,
                                             num_warps=warps, **_fmt())
         yield f"tile={bm}x{bn} warps={warps}", run
 
@@ -138,6 +143,8 @@ def _classic_cases(x):
     return [
         ("quantize", 3 * m * n, sweep_quantize(x, scale, q, scale_inv, amax), None),
         ("cast_transpose", 4 * m * n, sweep_cast_transpose(x, scale, q, q_t, scale_inv, amax), None),
+        ("quantize_transposed", 3 * m * n, sweep_cast_transpose(x, scale, q, q_t, scale_inv, amax, write_q=False), None),
+        ("cast_transpose_dbias", 4 * m * n, sweep_cast_transpose(x, scale, q, q_t, scale_inv, amax, dbias=True), None),
         ("fp8_transpose", 2 * m * n, sweep_transpose(q, q_t), None),
     ]
 
@@ -149,6 +156,8 @@ def _ops_whole(x):
     return {
         "quantize": lambda: fq.quantize(x, scale, E4M3),
         "cast_transpose": lambda: fq.cast_transpose(x, scale, E4M3),
+        "quantize_transposed": lambda: fq.quantize_transposed(x, scale, E4M3),
+        "cast_transpose_dbias": lambda: fq.cast_transpose_dbias(x, scale, E4M3),
         "fp8_transpose": lambda: fq.fp8_transpose(q),
         "quantize_blockwise(1x128)": lambda: fq.quantize_blockwise(x, E4M3, 1, B, True, 0.0),
         "cast_transpose_blockwise(128)": lambda: fq.cast_transpose_blockwise(x, E4M3, B, True, 0.0),

@@ -35,6 +35,16 @@ def cast_transpose(x, scale, fp8_dtype, amax_out=None):
 
 
 @declare
+def quantize_transposed(x, scale, fp8_dtype, amax_out=None):
+    """Only the transposed half of ``cast_transpose``, for an operand that only a transposed GEMM reads
+    (a weight's W^T for dgrad): the row-major q is not written.
+
+    q_t = quantize(x)^T (contiguous)
+    Args: x: [M, N]; scale, fp8_dtype, amax_out: as in ``quantize``. Returns: (q_t [N, M], scale_inv, amax) as in ``quantize``.
+    """
+
+
+@declare
 def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
     """``cast_transpose`` of the output gradient plus the bias gradient, from one read of x.
 

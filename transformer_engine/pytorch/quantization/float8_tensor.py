@@ -141,4 +141,4 @@ class DeferredTranspose:
 
     def materialize(self) -> Float8Tensor:
         """W^T as an FP8 operand keeping only ``data_t``, cast now."""
-        return self.quantizer.quantize(self.weight, columnwise=True).transpose_only()
+        return self.quantizer.quantize_transposed(self.weight)

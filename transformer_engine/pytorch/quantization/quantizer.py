@@ -6,6 +6,7 @@ All quantizers share one interface, so module code never asks which recipe is ac
   written in the same pass when ``columnwise``, for the backward GEMMs), or ``x`` itself in high precision;
 - ``quantize_with_dbias(x)`` casts a 2-D gradient with its transpose and also returns its float32
   column sums (the bias gradient), fused into the cast where the quantizer casts to FP8;
+- ``quantize_transposed(x)`` returns the operand of a 2-D x with only its transpose (``data_t``);
 - ``quantize_weight(w)`` returns w's operand for fprop only, carrying a :class:`DeferredTranspose`
   that casts W^T again in backward (so no FP8 copy of w lives from forward to backward);
 - ``produce(run, columnwise=False)`` quantizes the output of a producer op that can fuse the cast (norm,
@@ -75,6 +76,10 @@ class Quantizer:
     def quantize_with_dbias(self, x: torch.Tensor):
         """(operand of a 2-D x with its transpose, float32 column sums of x): a gradient's cast and its bias gradient."""
         return self.quantize(x, columnwise=True), x.sum(dim=0, dtype=torch.float32)
+
+    def quantize_transposed(self, x: torch.Tensor):
+        """The FP8 operand of a 2-D x keeping only ``data_t`` (what a transposed GEMM reads, e.g. W^T for dgrad)."""
+        return self.quantize(x, columnwise=True).transpose_only()
 
     def quantize_weight(self, w: torch.Tensor):
         """w's FP8 operand for fprop (no transpose), its ``deferred_t`` casting W^T again for dgrad.
@@ -295,6 +300,11 @@ class FixedScaleQuantizer(Quantizer):
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
         return _cast(x, self.scale, self.fp8_dtype, columnwise, self.amax_scratch)[0]
+
+    def quantize_transposed(self, x: torch.Tensor) -> Float8Tensor:
+        """x^T alone in one pass (``ops.quantize_transposed``): no row-major copy is written."""
+        q_t, scale_inv, _ = ops.quantize_transposed(x, self.scale, self.fp8_dtype, self.amax_scratch)
+        return Float8Tensor(None, scale_inv, q_t)
 
 
 @functools.lru_cache(maxsize=None)

@@ -107,6 +107,26 @@ def test_cast_transpose(shape, dtype, device):
     assert_fp8_equal(q_t, q_t_ref)
 
 
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (65, 130)])
+def test_quantize_transposed(shape, dtype, fp8_dtype, device):
+    x, scale = wide_range(shape, dtype, device), _scale(device)
+    q_t, scale_inv, amax = fq.quantize_transposed(x, scale, fp8_dtype)
+    assert q_t.is_contiguous() and q_t.shape == (shape[1], shape[0])
+    _assert_same_quantize((q_t, scale_inv, amax), ref.quantize_transposed(x, scale, fp8_dtype))
+
+
+def test_quantize_transposed_strided_rows_and_errors(device):
+    wide = wide_range((9, 70), torch.bfloat16, device)
+    x, scale = wide[:, 3:68], _scale(device)  # row stride 70, 65 columns
+    _assert_same_quantize(fq.quantize_transposed(x, scale, torch.float8_e5m2), ref.quantize_transposed(x, scale, torch.float8_e5m2))
+    with pytest.raises(ValueError, match="2-D"):
+        fq.quantize_transposed(wide.reshape(3, 3, 70), scale, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="FP8 dtype"):
+        fq.quantize_transposed(x, scale, torch.bfloat16)
+
+
 def test_cast_transpose_strided_rows(device):
     wide = wide_range((9, 70), torch.bfloat16, device)
     x, scale = wide[:, 3:68], _scale(device)  # row stride 70, 65 columns
@@ -117,7 +137,7 @@ def test_cast_transpose_strided_rows(device):
     assert torch.equal(amax.cpu(), amax_ref.cpu())
 
 
-# dbias: both sides sum in float32, each in its own order (flagos: 64-row tiles, then column_sums over the
+# dbias: both sides sum in float32, each in its own order (flagos: 128-row tiles, then column_sums over the
 # tiles; reference: torch's cascade sum). A blocked / tree float32 sum of n terms errs by about
 # log2(n) * 2^-24 * sum_i |x[i, j]| at most (~1e-6 for n = 8192); 1e-5 also covers the short serial
 # runs torch accumulates first. Dropped or doubled elements are caught exactly by the integer test.
@@ -155,8 +175,8 @@ def test_cast_transpose_dbias(shape, dtype, fp8_dtype, device):
 
 def test_cast_transpose_dbias_sums_integers_exactly(device):
     # small integers sum exactly in float32 in any order: every element counted once, masked lanes
-    # 0; 130 rows = two full 64-row tiles and a ragged one, strided rows of 67 columns
-    wide = torch.randint(-8, 9, (130, 72)).to(torch.bfloat16).to(device)
+    # 0; 260 rows = two full 128-row tiles and a ragged one, strided rows of 67 columns
+    wide = torch.randint(-8, 9, (260, 72)).to(torch.bfloat16).to(device)
     x = wide[:, 2:69]
     dbias = fq.cast_transpose_dbias(x, torch.ones(1, device=device), torch.float8_e4m3fn)[4]
     assert torch.equal(dbias.cpu(), x.cpu().double().sum(0).float())
@@ -232,8 +252,9 @@ def test_amax_skips_blocks_without_a_finite_element(fp8_dtype, device):
     scale = _scale(device)
     _assert_same_quantize(fq.quantize(x, scale, fp8_dtype), ref.quantize(x, scale, fp8_dtype))
     assert torch.equal(fq.compute_amax(x).cpu(), ref.compute_amax(x).cpu())
-    amax = fq.cast_transpose(x[: 64 * 192].reshape(192, 64), scale, fp8_dtype)[3]  # 64x64 tiles
-    assert torch.equal(amax.cpu(), ref.compute_amax(x[: 64 * 192]).cpu())
+    blocks = x[: 3 * 4096].reshape(384, 32)  # its 128 x 64 tiles over 32 columns: the same 4096-element blocks
+    for fn in (fq.cast_transpose, fq.quantize_transposed):
+        assert torch.equal(fn(blocks, scale, fp8_dtype)[-1].cpu(), ref.compute_amax(blocks).cpu())
 
 
 def test_errors_and_supports(device):
@@ -283,6 +304,7 @@ def test_cast_transpose_writes_the_transpose_gpu(dtype, shape):
         q, q_t = fn(x, scale, torch.float8_e5m2)[:2]
         assert_fp8_equal(q_t, q.t().contiguous())
         assert_fp8_equal(q, ref.quantize(x, scale, torch.float8_e5m2)[0])
+    assert_fp8_equal(fq.quantize_transposed(x, scale, torch.float8_e5m2)[0], q_t)
 
 
 @pytest.mark.gpu
@@ -468,7 +490,7 @@ def test_delayed_scaling_update_in_place_large_gpu(algo):
 
 # ---------------------------------------------------------------- amax_out: the cast's amax lands in a history slot
 
-_AMAX_AT = {"quantize": 2, "cast_transpose": 3, "cast_transpose_dbias": 3, "layernorm_fwd": 4, "rmsnorm_fwd": 3,
+_AMAX_AT = {"quantize": 2, "cast_transpose": 3, "quantize_transposed": 2, "cast_transpose_dbias": 3, "layernorm_fwd": 4, "rmsnorm_fwd": 3,
             "activation_quantize": 2}
 
 
@@ -480,6 +502,7 @@ def _cast_op(op, backend, x, scale, amax_out):
     calls = {
         "quantize": lambda: q_mod.quantize(x, scale, e4m3, amax_out),
         "cast_transpose": lambda: q_mod.cast_transpose(x, scale, e4m3, amax_out),
+        "quantize_transposed": lambda: q_mod.quantize_transposed(x, scale, e4m3, amax_out),
         "cast_transpose_dbias": lambda: q_mod.cast_transpose_dbias(x, scale, e4m3, amax_out),
         "layernorm_fwd": lambda: norm_mod.layernorm_fwd(x, ones, ones, 1e-5, False, scale, e4m3, None, amax_out),
         "rmsnorm_fwd": lambda: norm_mod.rmsnorm_fwd(x, ones, 1e-5, False, scale, e4m3, None, amax_out),

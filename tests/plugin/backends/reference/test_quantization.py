@@ -140,6 +140,18 @@ def test_cast_transpose(shape, dtype):
     assert amax.item() == _finite_amax(x)
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (64, 129)])
+def test_quantize_transposed(shape):
+    x, scale = _wide_range(shape, torch.bfloat16), _random_scale()
+    q_t, scale_inv, amax = ref.quantize_transposed(x, scale, E5M2)
+    assert q_t.shape == (shape[1], shape[0]) and q_t.is_contiguous()
+    assert torch.equal(q_t.view(torch.uint8), _fp8_codes(_product_f32(x, scale), E5M2).t())
+    assert scale_inv.item() == torch.tensor(1.0 / scale.item(), dtype=torch.float64).float().item()
+    assert amax.item() == _finite_amax(x)
+    with pytest.raises(ValueError, match="2-D"):
+        ref.quantize_transposed(_wide_range((2, 3, 4), torch.bfloat16), scale, E5M2)
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", HP_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (7, 33), (65, 130)])

@@ -7,6 +7,8 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     amax = max |x| over the finite elements of x
     dequantize      x = q * scale_inv, cast to out_dtype
     cast_transpose  q as quantize and q_t = q^T, both written from one read of each x tile
+    quantize_transposed
+                    q_t alone (the same kernel, the row-major store left out)
     cast_transpose_dbias
                     cast_transpose plus dbias[j] = sum_i x[i, j] in float32: each tile writes its
                     column sums to partials [cdiv(M, BLOCK_M), N], which torch sums over dim 0
@@ -84,12 +86,15 @@ from ._common import (
 from ._launch import cached_launch
 
 __all__ = [
-    "quantize", "dequantize", "cast_transpose", "cast_transpose_dbias", "fp8_transpose", "compute_amax", "current_scale",
-    "delayed_scaling_update", "delayed_scaling_update_", "quantize_blockwise", "cast_transpose_blockwise",
+    "quantize", "dequantize", "cast_transpose", "quantize_transposed", "cast_transpose_dbias", "fp8_transpose",
+    "compute_amax", "current_scale", "delayed_scaling_update", "delayed_scaling_update_", "quantize_blockwise", "cast_transpose_blockwise",
 ]
 
 _BLOCK = 8192  # elements per program of the 1-D kernels (32 per thread at 8 warps; measured best, benchmarks/sweep_fp8_casts.py)
-_TILE = 64  # square tile of the transposing kernels
+_TILE = 64  # square tile of fp8_transpose
+# tile (rows, columns) of _cast_transpose_kernel; benchmarks/sweep_fp8_casts.py, H200, 2026-11-22, 8192 x 8192 bf16
+# at 4 warps: 128 x 64 gives cast_transpose 0.90 of copy, q_t alone 0.91, with dbias 0.82 (64 x 64: 0.89 / 0.88 / 0.70)
+_CT_TILE_M, _CT_TILE_N = 128, 64
 _UPDATE_COLS = 32  # columns per program of the delayed-scaling update (one 128-byte row segment)
 _UPDATE_TILE = 4096  # history elements per loop step of that update (L = 1024 takes 8 steps)
 _BLOCK_LENS = frozenset(16 << k for k in range(5))  # block lengths of the blockwise kernels: 16 ... 256
@@ -207,6 +212,7 @@ def _cast_transpose_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DBIAS: tl.constexpr,  # also write this tile's column sums of x (the bias gradient's partials)
+    WRITE_Q: tl.constexpr,  # False: only q_t (quantize_transposed); q_ptr is unused
     WRITE_QT: tl.constexpr,  # False: q_t is left to the caller (see _launch_cast_transpose)
     FP8_MAX: tl.constexpr,
     MBITS: tl.constexpr,
@@ -221,7 +227,8 @@ def _cast_transpose_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr).to(tl.float32)
     code = _fp8_encode(x * scale, FP8_MAX, MBITS, EBIAS, HW_CAST)
-    tl.store(q_ptr + rows[:, None] * N + cols[None, :], code, mask=mask)
+    if WRITE_Q:
+        tl.store(q_ptr + rows[:, None] * N + cols[None, :], code, mask=mask)
     if WRITE_QT:
         tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
     if DBIAS:  # column sums of the tile: masked lanes hold 0, NaN and inf propagate as in torch's sum
@@ -433,30 +440,32 @@ def _check_2d(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
 
 
-def _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias: bool):
+def _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias: bool, rowwise: bool = True):
     """Validate, then run ``_cast_transpose_kernel`` on x [M, N].
 
     Returns:
-        (Fp8Outputs, q_t [N, M], partials): partials is float32 [cdiv(M, _TILE), N], row t holding
-        the column sums of tile row t, with ``dbias``; None without.
+        (Fp8Outputs, q_t [N, M], partials): the outputs' q is empty without ``rowwise`` (only q_t
+        written); partials is float32 [cdiv(M, _CT_TILE_M), N], row t holding the column sums of tile
+        row t, with ``dbias``; None without.
     """
     _check_scale_args(x, scale, fp8_dtype, amax_out)
     _check_2d(x, "x")
     x = _rows_contiguous(x)
     m, n = x.shape
-    out = fp8_outputs((m, n), fp8_dtype, x.device, amax_out)
     # float32 x on the GPU: Triton 3.6 wrote a wrong q_t on sm_90 when transposing the 8-bit tile of
     # 32-bit loads (full tiles; found on the H200, see the gpu test), so q_t is made from q afterwards
     transpose_after = x.dtype == torch.float32 and x.is_cuda and not INTERPRET
+    write_q = rowwise or transpose_after
+    out = fp8_outputs((m, n) if write_q else (0,), fp8_dtype, x.device, amax_out)
     q_t = None if transpose_after else torch.empty((n, m), dtype=fp8_dtype, device=x.device)
-    partials = torch.empty((cdiv(m, _TILE), n), dtype=torch.float32, device=x.device) if dbias else None
+    partials = torch.empty((cdiv(m, _CT_TILE_M), n), dtype=torch.float32, device=x.device) if dbias else None
     write_partials = partials is not None and partials.numel() > 0  # an empty x: its column sums are 0 already
     with device_guard(x):  # one program even for an empty x: it writes scale_inv
-        _cast_transpose_kernel[(max(1, cdiv(m, _TILE) * cdiv(n, _TILE)),)](
-            x, out.q_bits, out.q_bits if q_t is None else q_t.view(torch.uint8),  # unused without WRITE_QT
+        _cast_transpose_kernel[(max(1, cdiv(m, _CT_TILE_M) * cdiv(n, _CT_TILE_N)),)](
+            x, out.q_bits, out.q_bits if q_t is None else q_t.view(torch.uint8),  # unused without WRITE_Q / WRITE_QT
             scale, out.scale_inv, out.amax_bits, partials, m, n, x.stride(0),
-            BLOCK_M=_TILE, BLOCK_N=_TILE, DBIAS=write_partials, num_warps=4,
-            WRITE_QT=not transpose_after,
+            BLOCK_M=_CT_TILE_M, BLOCK_N=_CT_TILE_N, DBIAS=write_partials, num_warps=4,
+            WRITE_Q=write_q, WRITE_QT=not transpose_after,
             **out.fmt.constexprs(hw_fp8_cast(x.device)),
         )  # fmt: skip
     if q_t is None:
@@ -481,11 +490,23 @@ def cast_transpose(x, scale, fp8_dtype, amax_out=None):
     return out.q, q_t, out.scale_inv, out.amax
 
 
+def quantize_transposed(x, scale, fp8_dtype, amax_out=None):
+    """Only the transposed half of :func:`cast_transpose`: q_t = quantize(x)^T, the row-major q never written.
+
+    Args / Raises: as :func:`cast_transpose`.
+
+    Returns:
+        (q_t [N, M], scale_inv, amax) as in :func:`quantize`.
+    """
+    out, q_t, _ = _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias=False, rowwise=False)
+    return q_t, out.scale_inv, out.amax
+
+
 def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
     """:func:`cast_transpose` plus the bias gradient dbias[j] = sum_i x[i, j] in float32, from one read of x.
 
-    The kernel writes each 64-row tile's column sums; ``column_sums`` adds the cdiv(M, 64) partial
-    rows in a fixed order (no atomics: the result is deterministic).
+    The kernel writes each tile row's column sums (tiles of _CT_TILE_M = 128 rows); ``column_sums`` adds
+    the cdiv(M, 128) partial rows in a fixed order (no atomics: the result is deterministic).
 
     Args:
         x: [M, N] float32/bfloat16/float16, dy of a linear layer (rows may be strided).
@@ -799,6 +820,7 @@ def _supported_block_len(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
 SUPPORTS = {
     "quantize": _scale_on_device,
     "cast_transpose": _scale_on_device,
+    "quantize_transposed": _scale_on_device,
     "cast_transpose_dbias": _scale_on_device,
     "dequantize": _scale_inv_on_device,
     "delayed_scaling_update": _scale_with_history,

@@ -40,6 +40,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "cast_transpose",
+    "quantize_transposed",
     "cast_transpose_dbias",
     "fp8_transpose",
     "compute_amax",
@@ -110,6 +111,16 @@ def cast_transpose(x, scale, fp8_dtype, amax_out=None):
     _check_2d(x, "x")
     q, scale_inv, amax = quantize(x, scale, fp8_dtype, amax_out)
     return q, q.t().contiguous(), scale_inv, amax
+
+
+def quantize_transposed(x, scale, fp8_dtype, amax_out=None):
+    """Only the transposed half of :func:`cast_transpose`: q_t = quantize(x)^T, contiguous.
+
+    Returns:
+        (q_t [N, M], scale_inv, amax) as in :func:`quantize`.
+    """
+    _, q_t, scale_inv, amax = cast_transpose(x, scale, fp8_dtype, amax_out)
+    return q_t, scale_inv, amax
 
 
 def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
