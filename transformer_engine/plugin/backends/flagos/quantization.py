@@ -11,8 +11,8 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     q_t alone (the same kernel, the row-major store left out)
     cast_transpose_dbias
                     cast_transpose plus dbias[j] = sum_i x[i, j] in float32: each tile writes its
-                    column sums to partials [cdiv(M, BLOCK_M), N], which torch sums over dim 0
-                    (no atomics: the result is deterministic)
+                    column sums to partials [cdiv(M, BLOCK_M), N], which ``column_sums`` adds over
+                    dim 0 in a fixed order (no atomics: the result is deterministic)
     fp8_transpose   q_t[j, i] = q[i, j]
     compute_amax    amax = max |x| over the finite elements of x
     delayed_scaling_update
