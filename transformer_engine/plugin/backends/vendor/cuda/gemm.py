@@ -112,10 +112,9 @@ def _store(d, dtype, out, accumulate):
     """D = out + d (``accumulate``, d in fp32), else d cast to ``dtype`` (written into ``out`` if given)."""
     if accumulate:
         return out.add_(d)
-    d = d.to(dtype)
-    if out is None:
-        return d
-    return out.copy_(d)
+    if out is not None:
+        return out.copy_(d)
+    return d if d.dtype == dtype else d.to(dtype)  # no call when it already is: a no-op .to costs host time
 
 
 # -- layouts ------------------------------------------------------------------------------------
