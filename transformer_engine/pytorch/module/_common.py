@@ -8,7 +8,6 @@ no reference cycles) and :func:`saved` rebuilds them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from typing import Callable, ContextManager, List, Optional, Sequence, Union
 
@@ -18,7 +17,7 @@ from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 
 __all__ = [
     "Operand", "backward_frees_graph", "cast", "for_backward", "grad_output_operand", "no_torch_autocast", "quantize_operand",
-    "release", "save", "saved", "unflatten", "without_operands",
+    "release", "rows_of", "save", "saved", "unflatten", "without_operands",
 ]
 
 Operand = Union[torch.Tensor, Float8Tensor]
@@ -90,7 +89,9 @@ def without_operands(args, *fields: str):
     Backward reads the operands it needs from :func:`saved` (FP8 weights as W^T only); keeping the
     forward's operands on ctx would hold their row-major FP8 copies until backward ends.
     """
-    return dataclasses.replace(args, **dict.fromkeys(fields))
+    new = object.__new__(type(args))  # a shallow copy: dataclasses.replace (which re-runs __init__) costs 4x the host time
+    new.__dict__.update(args.__dict__, **dict.fromkeys(fields))
+    return new
 
 
 def save(ctx, *items: Optional[Operand]) -> None:
@@ -143,12 +144,21 @@ def release(op: Optional[Operand], owned: bool = False, transpose_only: bool = F
             t.untyped_storage().resize_(0)
 
 
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """t [d0, ..., N] as the contiguous [M, N] rows the GEMMs and casts take (t itself when it already is)."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
 def unflatten(y: torch.Tensor, like_shape: Sequence[int]) -> torch.Tensor:
     """y [M, N] (rows of a flattened input of ``like_shape``) back to [d0, ..., N].
 
     The first dim is M / prod(like_shape[1:-1]): sequence parallelism gathers or scatters the rows,
     so it may differ from ``like_shape[0]``.
     """
+    if len(like_shape) == 2:
+        return y  # already [M, N]
     if len(like_shape) < 2:
         return y.reshape(*like_shape[:-1], y.shape[-1])
     rest = tuple(like_shape[1:-1])

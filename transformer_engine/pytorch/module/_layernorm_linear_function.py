@@ -21,8 +21,8 @@ import torch
 from ..quantization.quantizer import IDENTITY
 from ..parallel.linear_comm import NO_COMM, LinearComm
 from ._common import (
-    Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten,
-    without_operands,
+    Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, rows_of, save, saved,
+    unflatten, without_operands,
 )
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop_with_comm, linear_backward
@@ -64,7 +64,7 @@ class LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, bias: Optional[torch.Tensor], args: LayerNormLinearArgs):
         q, dtype, comm = args.quantization, args.dtype, args.comm
-        x = cast(inp.reshape(-1, inp.shape[-1]).contiguous(), dtype)
+        x = cast(rows_of(inp), dtype)
         gamma = cast(ln_weight, dtype)
         need_dw = weight.requires_grad and q.for_training
         with no_torch_autocast(inp.device):
@@ -89,7 +89,7 @@ class LayerNormLinearFunction(torch.autograd.Function):
         q, comm = args.quantization, args.comm
         x, gamma, ln_op, w_op, *stats = saved(ctx)
         with no_torch_autocast(dy.device):
-            dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
+            dy_hp = cast(rows_of(dy), args.dtype)
             need_dw, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
             dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
             need = (any(ctx.needs_input_grad[:3]), need_dw)

@@ -21,8 +21,8 @@ import torch
 from ._activation import ActivationConfig
 from ..parallel.linear_comm import NO_COMM, LinearComm
 from ._common import (
-    Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, release, save, saved, unflatten,
-    without_operands,
+    Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, release, rows_of, save, saved,
+    unflatten, without_operands,
 )
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop_with_comm, linear_backward
@@ -56,7 +56,7 @@ class LayerNormMLPFunction(torch.autograd.Function):
     def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, args: LayerNormMLPArgs):
         q, dtype, comm1, comm2 = args.quantization, args.dtype, args.fc1_comm, args.fc2_comm
         g1, g2 = q.gemms
-        x = cast(inp.reshape(-1, inp.shape[-1]).contiguous(), dtype)
+        x = cast(rows_of(inp), dtype)
         gamma = cast(ln_weight, dtype)
         need_dw1, need_dw2 = (w.requires_grad and q.for_training for w in (fc1_weight, fc2_weight))
         with no_torch_autocast(inp.device):
@@ -89,7 +89,7 @@ class LayerNormMLPFunction(torch.autograd.Function):
         x, gamma, ln_op, w1, h, a_op, w2, *stats = saved(ctx)
         frees_graph = backward_frees_graph()
         with no_torch_autocast(dy.device):
-            dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), dtype)
+            dy_hp = cast(rows_of(dy), dtype)
             dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], needs[6])  # comm
             da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,
                                       release_wgrad_operands=frees_graph, comm=comm2, gather_dy=gather_dy)  # comm

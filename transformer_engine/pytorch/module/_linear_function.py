@@ -19,7 +19,10 @@ from typing import Optional
 import torch
 
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._common import Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, save, saved, unflatten, without_operands
+from ._common import (
+    Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, rows_of, save, saved,
+    unflatten, without_operands,
+)
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop_with_comm, linear_backward
 
@@ -51,7 +54,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: LinearArgs):
         q, comm = args.quantization, args.comm
-        x = inp.reshape(-1, inp.shape[-1]).contiguous()
+        x = rows_of(inp)
         need_dw = weight.requires_grad and q.for_training
         with no_torch_autocast(inp.device):
             quantizer = q.gemms[0].input
@@ -72,7 +75,7 @@ class LinearFunction(torch.autograd.Function):
         q, comm = args.quantization, args.comm
         x_op, w_op = saved(ctx)
         with no_torch_autocast(dy.device):
-            dy_hp = cast(dy.reshape(-1, dy.shape[-1]).contiguous(), args.dtype)
+            dy_hp = cast(rows_of(dy), args.dtype)
             need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
             dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
             dx, dw = linear_backward(dy_op, x_op, w_op, (need_dx, need_dw), args.wgrad, q.split_accumulator, args.dtype,
