@@ -72,7 +72,8 @@ class _BiasDropoutAddFunction(torch.autograd.Function):
         dx = ops.dropout_bwd(dout, keep, ctx.p) if need_dx or need_dbias else None
         dbias = None
         if need_dbias:
-            dbias = dx.reshape(-1, dx.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            rows = dx.reshape(-1, dx.shape[-1])  # summed in float32 either way; one kernel when b has dx's dtype
+            dbias = rows.sum(0) if ctx.bias_dtype == dx.dtype else rows.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx if need_dx else None, dbias, dout, None
 
 

@@ -1,9 +1,15 @@
 """The helpers shared by the modules' autograd Functions."""
 
+from dataclasses import dataclass
+
 import torch
 
-from transformer_engine.pytorch.module._common import backward_frees_graph, no_torch_autocast, release
+from transformer_engine.pytorch.module._common import (
+    backward_frees_graph, grad_output_operand, no_torch_autocast, release, rows_of, unflatten, without_operands,
+)
+from transformer_engine.pytorch.parallel import NO_COMM
 from transformer_engine.pytorch.quantization import Float8Tensor
+from transformer_engine.pytorch.quantization.quantizer import IDENTITY
 
 _CPU = torch.device("cpu")
 
@@ -65,3 +71,56 @@ def test_release_frees_fp8_values_and_leaves_high_precision_tensors_alone():
     user_tensor = torch.ones(4, 8)
     release(user_tensor)
     assert torch.equal(user_tensor, torch.ones(4, 8))
+
+
+class _ReducingComm:
+    """No communication in the cast, but the bias gradient is all-reduced afterwards (as row + SP)."""
+
+    reduces_bias_grad = True
+    gathers_grad_output = False
+
+    def pipelines_grad_gather(self, quantizer):
+        return False
+
+    def for_grad_cast(self, quantizer):
+        return self
+
+    def gather_grad_output(self, t):
+        return t
+
+
+def test_bias_gradient_dtype_follows_the_bias_and_the_reduction():
+    dy = (torch.randn(300, 24) * 10).to(torch.bfloat16)
+    exact32 = dy.sum(0, dtype=torch.float32)
+    dy_op, db, gathered = grad_output_operand(IDENTITY, dy, NO_COMM, True, torch.bfloat16)
+    assert dy_op is dy and not gathered
+    assert db.dtype == torch.bfloat16 and torch.equal(db, exact32.to(torch.bfloat16))  # float32 sum, one rounding
+    db = grad_output_operand(IDENTITY, dy, NO_COMM, True, torch.float32)[1]
+    assert db.dtype == torch.float32 and torch.equal(db, exact32)  # a float32 bias keeps every bit of the sum
+    db = grad_output_operand(IDENTITY, dy, _ReducingComm(), True, torch.bfloat16)[1]
+    assert db.dtype == torch.float32 and torch.equal(db, exact32)  # all-reduced in float32 first
+    assert grad_output_operand(IDENTITY, dy, NO_COMM, False, None)[1] is None
+
+
+def test_rows_of_and_unflatten_keep_what_is_already_in_shape():
+    x = torch.randn(6, 4)
+    assert rows_of(x) is x and unflatten(x, x.shape) is x
+    x3 = torch.randn(2, 3, 4)
+    rows = rows_of(x3)
+    assert rows.shape == (6, 4) and rows.is_contiguous() and torch.equal(unflatten(rows, x3.shape), x3)
+    strided = torch.randn(4, 6).t()
+    assert rows_of(strided).is_contiguous() and torch.equal(rows_of(strided), strided)
+
+
+@dataclass(frozen=True)
+class _Args:
+    dtype: torch.dtype
+    operand: object
+    other: object = None
+
+
+def test_without_operands_clears_the_named_fields_of_a_copy():
+    args = _Args(torch.bfloat16, torch.ones(2), other=3)
+    kept = without_operands(args, "operand")
+    assert type(kept) is _Args and kept.operand is None and kept.dtype == torch.bfloat16 and kept.other == 3
+    assert args.operand is not None  # the original is untouched

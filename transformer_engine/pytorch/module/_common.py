@@ -57,21 +57,29 @@ def quantize_operand(quantizer, x: torch.Tensor, gather: Callable, gathered: boo
     return x_op.with_transpose() if columnwise and gathered and isinstance(x_op, Float8Tensor) else x_op
 
 
-def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, need_db: bool):
-    """(dy as GEMM operand, db = float32 column sums of this rank's dy or None, gather_dy), dy [M, N].
+def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, db_dtype: Optional[torch.dtype]):
+    """(dy as GEMM operand, db = column sums of this rank's dy or None, gather_dy), dy [M, N].
+
+    ``db_dtype``: the bias's dtype, None when no bias gradient is needed. db is summed in float32 and
+    returned in float32, or in ``db_dtype`` when that is dy's dtype and ``comm`` does not all-reduce it
+    (one kernel; the caller's cast to ``db_dtype`` then has nothing to do).
 
     ``gather_dy``: ``comm`` all-gathers dy block by block inside the dgrad GEMM
     (``LinearComm.pipelines_grad_gather``), so the cast covers this rank's rows, without transpose (made
     after the gather); pass it on to ``linear_backward``. Otherwise dy^T comes along when wgrad needs it;
-    cast, transpose and bias gradient share one read of dy (``quantize_with_dbias``) unless ``comm``
-    all-gathers dy first (row-parallel + SP), which leaves the sum to its own pass.
+    an FP8 cast, its transpose and the bias gradient share one read of dy (``quantize_with_dbias``)
+    unless ``comm`` all-gathers dy first (row-parallel + SP), which leaves the sum to its own pass.
     """
     gather_dy = comm.pipelines_grad_gather(quantizer)
+    reduces_db = comm.reduces_bias_grad
     comm, need_dw = comm.for_grad_cast(quantizer), need_dw and not gather_dy
-    if need_dw and need_db and not comm.gathers_grad_output:
+    if need_dw and db_dtype is not None and quantizer.is_fp8 and not comm.gathers_grad_output:
         return (*quantizer.quantize_with_dbias(dy), gather_dy)
     dy_op = quantize_operand(quantizer, dy, comm.gather_grad_output, comm.gathers_grad_output, need_dw)
-    return dy_op, dy.sum(dim=0, dtype=torch.float32) if need_db else None, gather_dy
+    if db_dtype is None:
+        return dy_op, None, gather_dy
+    in_place = db_dtype == dy.dtype and not reduces_db  # torch sums a 16-bit dy in float32 and rounds once
+    return dy_op, dy.sum(dim=0) if in_place else dy.sum(dim=0, dtype=torch.float32), gather_dy
 
 
 def for_backward(op: Operand) -> Union[Operand, DeferredTranspose]:

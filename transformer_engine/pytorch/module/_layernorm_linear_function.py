@@ -91,7 +91,7 @@ class LayerNormLinearFunction(torch.autograd.Function):
         with no_torch_autocast(dy.device):
             dy_hp = cast(rows_of(dy), args.dtype)
             need_dw, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
+            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, bias_dtype if need_db else None)  # comm
             need = (any(ctx.needs_input_grad[:3]), need_dw)
             d_ln, dw = linear_backward(dy_op, ln_op, w_op, need, args.wgrad, q.split_accumulator, args.dtype,
                                        release_wgrad_operands=backward_frees_graph(), comm=comm, gather_dy=gather_dy)  # comm

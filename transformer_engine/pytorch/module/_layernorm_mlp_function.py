@@ -90,14 +90,14 @@ class LayerNormMLPFunction(torch.autograd.Function):
         frees_graph = backward_frees_graph()
         with no_torch_autocast(dy.device):
             dy_hp = cast(rows_of(dy), dtype)
-            dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], needs[6])  # comm
+            dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], b2_dtype if needs[6] else None)  # comm
             da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,
                                       release_wgrad_operands=frees_graph, comm=comm2, gather_dy=gather_dy)  # comm
             db2 = comm2.reduce_bias_grad(db2)  # comm
             del dy_op, dy_hp
             dh = args.activation.backward(da, h, overwrite_h=frees_graph)
             del da
-            dh_op, db1, gather_dh = grad_output_operand(g1.grad_output, dh, comm1, needs[3], needs[4])  # comm
+            dh_op, db1, gather_dh = grad_output_operand(g1.grad_output, dh, comm1, needs[3], b1_dtype if needs[4] else None)  # comm
             if frees_graph and dh_op is not dh:  # dh is cast: h's storage goes (the saved h would keep it)
                 release(dh, owned=True)
             del dh

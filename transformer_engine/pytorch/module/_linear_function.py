@@ -77,7 +77,7 @@ class LinearFunction(torch.autograd.Function):
         with no_torch_autocast(dy.device):
             dy_hp = cast(rows_of(dy), args.dtype)
             need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, need_db)  # comm
+            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, ctx.bias_dtype if need_db else None)  # comm
             dx, dw = linear_backward(dy_op, x_op, w_op, (need_dx, need_dw), args.wgrad, q.split_accumulator, args.dtype,
                                      release_wgrad_operands=backward_frees_graph(), comm=comm, gather_dy=gather_dy)  # comm
             db = comm.reduce_bias_grad(db)  # comm

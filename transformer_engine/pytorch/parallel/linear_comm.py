@@ -188,9 +188,14 @@ class LinearComm:
             return dx
         return reduce_scatter(dx, self.group) if self.sequence_parallel else all_reduce_(dx.contiguous(), self.group)
 
+    @property
+    def reduces_bias_grad(self) -> bool:
+        """Row + SP: :meth:`reduce_bias_grad` sums the bias gradient over the ranks (keep it in float32 until then)."""
+        return self._row and self.sequence_parallel
+
     def reduce_bias_grad(self, db: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Row + SP: the replicated bias's gradient summed over the ranks' rows."""
-        if db is None or not (self._row and self.sequence_parallel):
+        if db is None or not self.reduces_bias_grad:
             return db
         return all_reduce_(db.contiguous(), self.group)
 
