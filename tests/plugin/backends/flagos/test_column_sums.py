@@ -8,9 +8,10 @@ from tests.utils import randn
 from transformer_engine.plugin.backends.flagos._column_sums import column_sums
 
 
-# (0, 5): no partial rows (sums are 0); (1, 1); (130, 33): P over two 64-row steps with a short last
-# one, H not a multiple of the 32-column block; (64, 32): exact blocks
-@pytest.mark.parametrize("rows, cols", [(0, 5), (1, 1), (130, 33), (64, 32)])
+# (0, 5): no partial rows (sums are 0); (1, 1), (1, 40): one row (float32: the row itself, no launch);
+# (130, 33): P over two 64-row steps with a short last one, H not a multiple of the 32-column block;
+# (64, 32): exact blocks
+@pytest.mark.parametrize("rows, cols", [(0, 5), (1, 1), (1, 40), (130, 33), (64, 32)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("two", [False, True], ids=["one", "two"])
 def test_column_sums_match_float64(rows, cols, out_dtype, two, device):

@@ -57,8 +57,11 @@ def _column_sums_kernel(
 
 def column_sums(a: torch.Tensor, out_dtype: torch.dtype, b: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(column sums of a, of b or None) in ``out_dtype``, one launch; a and b contiguous float32 [P, H]
-    (the launchers' own buffers: not validated here)."""
+    (the launchers' own buffers: not validated here). One float32 row is its own sum: no launch (a small
+    layer's dbias, whose cast had a single tile row)."""
     p, h = a.shape
+    if p == 1 and out_dtype == torch.float32:
+        return a[0], None if b is None else b[0]
     out_a = torch.empty(h, dtype=out_dtype, device=a.device)
     out_b = None if b is None else torch.empty(h, dtype=out_dtype, device=a.device)
     if h:
