@@ -17,6 +17,8 @@ import torch
 
 from transformer_engine.plugin import ops
 
+from .module._common import bias_grad
+
 __all__ = ["dropout", "bias_dropout_add"]
 
 
@@ -72,8 +74,7 @@ class _BiasDropoutAddFunction(torch.autograd.Function):
         dx = ops.dropout_bwd(dout, keep, ctx.p) if need_dx or need_dbias else None
         dbias = None
         if need_dbias:
-            rows = dx.reshape(-1, dx.shape[-1])  # summed in float32 either way; one kernel when b has dx's dtype
-            dbias = rows.sum(0) if ctx.bias_dtype == dx.dtype else rows.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            dbias = bias_grad(dx.reshape(-1, dx.shape[-1]), ctx.bias_dtype)
         return dx if need_dx else None, dbias, dout, None
 
 

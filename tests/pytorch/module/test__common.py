@@ -2,14 +2,19 @@
 
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 from transformer_engine.pytorch.module._common import (
     backward_frees_graph, grad_output_operand, no_torch_autocast, release, rows_of, unflatten, without_operands,
 )
 from transformer_engine.pytorch.parallel import NO_COMM
 from transformer_engine.pytorch.quantization import Float8Tensor
+from transformer_engine.pytorch.quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from transformer_engine.pytorch.quantization.quantizer import IDENTITY
+from transformer_engine.pytorch.quantization.recipe_state import RecipeState
 
 _CPU = torch.device("cpu")
 
@@ -100,6 +105,24 @@ def test_bias_gradient_dtype_follows_the_bias_and_the_reduction():
     db = grad_output_operand(IDENTITY, dy, _ReducingComm(), True, torch.bfloat16)[1]
     assert db.dtype == torch.float32 and torch.equal(db, exact32)  # all-reduced in float32 first
     assert grad_output_operand(IDENTITY, dy, NO_COMM, False, None)[1] is None
+
+
+@pytest.mark.parametrize("recipe, fused", [(DelayedScaling(), True), (Float8CurrentScaling(), True), (Float8BlockScaling(), False)],
+                         ids=["delayed", "current", "block"])
+def test_fp8_grad_output_fuses_the_bias_gradient_where_the_cast_can(recipe, fused):
+    # the delayed / current casts sum dy in their own pass (float32 out); block scaling's cast cannot,
+    # so its bias gradient is the one-kernel sum in the bias dtype
+    quantizer = RecipeState.create(recipe, mode="backward", num_gemms=1, device="cpu").make_quantizers()[0]
+    assert quantizer.fuses_dbias is fused
+    dy = (torch.randn(256, 128) * 10).to(torch.bfloat16)
+    dy_op, db, _ = grad_output_operand(quantizer, dy, NO_COMM, True, torch.bfloat16)
+    assert isinstance(dy_op, (Float8Tensor, Float8BlockwiseTensor)) and dy_op.data_t is not None
+    exact32 = dy.sum(0, dtype=torch.float32)
+    if fused:  # the cast's own tile sums, in another order than torch's
+        assert db.dtype == torch.float32
+        torch.testing.assert_close(db, exact32, rtol=1e-5, atol=1e-5)
+    else:
+        assert db.dtype == torch.bfloat16 and torch.equal(db, exact32.to(torch.bfloat16))
 
 
 def test_rows_of_and_unflatten_keep_what_is_already_in_shape():

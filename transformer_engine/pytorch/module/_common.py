@@ -16,7 +16,7 @@ import torch
 from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 
 __all__ = [
-    "Operand", "backward_frees_graph", "cast", "for_backward", "grad_output_operand", "no_torch_autocast", "quantize_operand",
+    "Operand", "backward_frees_graph", "bias_grad", "cast", "for_backward", "grad_output_operand", "no_torch_autocast", "quantize_operand",
     "release", "rows_of", "save", "saved", "unflatten", "without_operands",
 ]
 
@@ -57,29 +57,38 @@ def quantize_operand(quantizer, x: torch.Tensor, gather: Callable, gathered: boo
     return x_op.with_transpose() if columnwise and gathered and isinstance(x_op, Float8Tensor) else x_op
 
 
+def bias_grad(rows: torch.Tensor, dtype: torch.dtype, keep_float32: bool = False) -> torch.Tensor:
+    """db = sum over the rows of ``rows`` [M, N], accumulated in float32, returned in ``dtype`` (one kernel
+    when that is the rows' dtype: torch sums a 16-bit tensor in float32 and rounds once), or in float32
+    with ``keep_float32`` (an all-reduce over the ranks follows)."""
+    if keep_float32:
+        return rows.sum(dim=0, dtype=torch.float32)
+    if dtype == rows.dtype:
+        return rows.sum(dim=0)
+    return rows.sum(dim=0, dtype=torch.float32).to(dtype)
+
+
 def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, db_dtype: Optional[torch.dtype]):
     """(dy as GEMM operand, db = column sums of this rank's dy or None, gather_dy), dy [M, N].
 
-    ``db_dtype``: the bias's dtype, None when no bias gradient is needed. db is summed in float32 and
-    returned in float32, or in ``db_dtype`` when that is dy's dtype and ``comm`` does not all-reduce it
-    (one kernel; the caller's cast to ``db_dtype`` then has nothing to do).
+    ``db_dtype``: the bias's dtype, None when no bias gradient is needed. db comes in float32 where the
+    cast fuses it or ``comm`` all-reduces it afterwards (``LinearComm.reduces_bias_grad``), else in
+    ``db_dtype`` (:func:`bias_grad`); the caller casts it to ``db_dtype`` after the reduction.
 
     ``gather_dy``: ``comm`` all-gathers dy block by block inside the dgrad GEMM
     (``LinearComm.pipelines_grad_gather``), so the cast covers this rank's rows, without transpose (made
     after the gather); pass it on to ``linear_backward``. Otherwise dy^T comes along when wgrad needs it;
-    an FP8 cast, its transpose and the bias gradient share one read of dy (``quantize_with_dbias``)
-    unless ``comm`` all-gathers dy first (row-parallel + SP), which leaves the sum to its own pass.
+    a cast that fuses the bias gradient (``quantizer.fuses_dbias``) shares one read of dy with it
+    (``quantize_with_dbias``) unless ``comm`` all-gathers dy first (row-parallel + SP), which leaves the
+    sum to its own pass.
     """
     gather_dy = comm.pipelines_grad_gather(quantizer)
     reduces_db = comm.reduces_bias_grad
     comm, need_dw = comm.for_grad_cast(quantizer), need_dw and not gather_dy
-    if need_dw and db_dtype is not None and quantizer.is_fp8 and not comm.gathers_grad_output:
+    if need_dw and db_dtype is not None and quantizer.fuses_dbias and not comm.gathers_grad_output:
         return (*quantizer.quantize_with_dbias(dy), gather_dy)
     dy_op = quantize_operand(quantizer, dy, comm.gather_grad_output, comm.gathers_grad_output, need_dw)
-    if db_dtype is None:
-        return dy_op, None, gather_dy
-    in_place = db_dtype == dy.dtype and not reduces_db  # torch sums a 16-bit dy in float32 and rounds once
-    return dy_op, dy.sum(dim=0) if in_place else dy.sum(dim=0, dtype=torch.float32), gather_dy
+    return dy_op, None if db_dtype is None else bias_grad(dy, db_dtype, keep_float32=reduces_db), gather_dy
 
 
 def for_backward(op: Operand) -> Union[Operand, DeferredTranspose]:

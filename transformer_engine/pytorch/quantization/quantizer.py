@@ -68,6 +68,9 @@ class Quantizer:
     #: False when the full tensor must be gathered first (block scales and column-wise copies that
     #: span the shards), which moves high-precision bytes.
     gathers_quantized = True
+    #: True when ``quantize_with_dbias`` takes the column sums in the cast's own pass over x; the base
+    #: method casts and then sums, which a caller may as well do itself (in the dtype it needs).
+    fuses_dbias = False
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False):
         """The GEMM operand for ``x``; FP8 operands of a 2-D ``x`` also carry ``data_t`` when ``columnwise``."""
@@ -129,6 +132,7 @@ class Float8Quantizer(Quantizer):
     """
 
     is_fp8 = True
+    fuses_dbias = True
 
     def __init__(self, state, index: int):
         self.state = state
@@ -207,6 +211,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     """Current scaling: scale = fp8_max / max|x| of the tensor being cast (the catalog's ``scale_from_amax``)."""
 
     is_fp8 = True
+    fuses_dbias = True
 
     def __init__(self, fp8_dtype: torch.dtype, qparams: QParams, reduce_amax: Optional[AmaxReduction] = None):
         self.fp8_dtype = fp8_dtype
