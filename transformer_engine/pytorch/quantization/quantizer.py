@@ -5,7 +5,8 @@ All quantizers share one interface, so module code never asks which recipe is ac
 - ``quantize(x, columnwise=False)`` returns the operand: a :class:`Float8Tensor` (with its transpose
   written in the same pass when ``columnwise``, for the backward GEMMs), or ``x`` itself in high precision;
 - ``quantize_with_dbias(x)`` casts a 2-D gradient with its transpose and also returns its float32
-  column sums (the bias gradient), fused into the cast where the quantizer casts to FP8;
+  column sums (the bias gradient), fused into the cast where the quantizer can (``fuses_dbias``: the
+  per-tensor FP8 casts);
 - ``quantize_transposed(x)`` returns the operand of a 2-D x with only its transpose (``data_t``);
 - ``quantize_weight(w)`` returns w's operand for fprop only, carrying a :class:`DeferredTranspose`
   that casts W^T again in backward (so no FP8 copy of w lives from forward to backward);
