@@ -272,7 +272,7 @@ def main() -> None:
                     layer = None
                     continue
             ms = time_fn(step, warmup=3, iters=10, device=torch.device(device))
-            chained = time_back_to_back(step, warmup=1, iters=20)
+            chained = time_back_to_back(step, warmup=1, iters=20, device=torch.device(device))
             host = host_ms(step, device)
             syncs = sync_points(step, device)
             kernels, busy_us, spans = kernel_table(step, device)
