@@ -59,6 +59,8 @@ from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
+from transformer_engine.plugin.backends.flagos._launch import CachedLaunch  # noqa: E402
+
 TARGET = GPUTarget("cuda", 90, 32)
 SM_COUNT = 132  # H200 SXM
 _REGS_PER_SM, _MAX_WARPS_PER_SM, _MAX_BLOCKS_PER_SM = 65536, 64, 32
@@ -128,6 +130,8 @@ def _capturing(recorder: _Recorder):
     patches = [
         mock.patch.object(JITFunction, "run", jit_run),
         mock.patch.object(Autotuner, "run", lambda tuner, *a, **k: recorder.autotune_run(tuner, *a, **k)),
+        # cached launches go through Triton's own path, the one recorded here (theirs asks the absent driver)
+        mock.patch.object(CachedLaunch, "__getitem__", lambda launcher, grid: launcher.fn[grid]),
     ]
     for family in ("activation", "attention", "misc", "normalization", "optimizer", "quantization", "rope", "softmax"):
         module = importlib.import_module(f"{_FLAGOS}.{family}")
@@ -191,6 +195,8 @@ def _quantization_cases() -> Dict[str, Callable[[], object]]:
         "compute_amax": lambda: q.compute_amax(x),
         "cast_transpose": lambda: q.cast_transpose(x, scale, torch.float8_e4m3fn),
         "fp8_transpose": lambda: q.fp8_transpose(_t(m, n, dtype=torch.float8_e4m3fn)),
+        "quantize_blockwise(1x128)": lambda: q.quantize_blockwise(x, torch.float8_e4m3fn, 1, 128, True, 0.0),
+        "cast_transpose_blockwise(128)": lambda: q.cast_transpose_blockwise(x, torch.float8_e4m3fn, 128, True, 0.0),
     }
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         cases[f"quantize {str(fp8)[-6:]}"] = lambda fp8=fp8: q.quantize(x, scale, fp8)
