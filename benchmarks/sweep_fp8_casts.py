@@ -75,8 +75,8 @@ def sweep_transpose(q, q_t):
 def sweep_quantize_blockwise(x, q, s):
     """1 x 128 quantize: (_BLOCKWISE_ROW, _BLOCKWISE_ROW_TILE, warps); q uint8 [M, N], s float32 [N / 128, M]."""
     m, n = x.shape
-    configs = [(128, 4096, 4), (256, 8192, 4), (256, 8192, 8), (512, 8192, 4), (512, 8192, 8),
-               (512, 16384, 8), (512, 16384, 16), (1024, 16384, 8), (1024, 16384, 16)]
+    configs = [(128, 2048, 4), (128, 4096, 4), (128, 4096, 8), (128, 8192, 4), (128, 8192, 8), (128, 16384, 8),
+               (256, 8192, 4), (512, 8192, 4), (512, 16384, 8), (1024, 16384, 8)]
     for cols, elements, warps in configs:
         def run(cols=cols, block_m=elements // cols, warps=warps):
             fq._quantize_blockwise_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, cols),)](
@@ -88,24 +88,31 @@ def sweep_quantize_blockwise(x, q, s):
 
 
 def sweep_cast_transpose_blockwise(x, q, s, q_t, s_t, columns_only=False):
-    """cast_transpose 128: (SPLIT, columns per program, warps); storage s [N / 128, M], s_t [M / 128, N].
+    """cast_transpose 128: (SPLIT, columns per tile, warps, programs per SM); storage s [N / 128, M], s_t [M / 128, N].
 
     Split: fq.quantize_blockwise's kernel (its shipped settings) for (q, s), then the column kernel
     over [128, COL_TILE] tiles for (q_t, s_t); fused: one kernel over [128, TILE_N] tiles for all four.
-    ``columns_only``: the split configs' column kernel alone (q, s untouched).
+    Programs per SM: the persistent grid (None: one program per tile). ``columns_only``: the split
+    configs' column kernel alone (q, s untouched).
     """
     m, n = x.shape
-    configs = [(True, c, w) for c, w in itertools.product((32, 64, 128), (4, 8))]
-    configs += [] if columns_only else [(False, 128, w) for w in (4, 8)]
-    for split, tile_n, warps in configs:
-        def run(split=split, tile_n=tile_n, warps=warps):
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    configs = [(True, c, w, p) for c, w, p in itertools.product((32, 64), (2, 4), (None, 2, 3, 4))]
+    configs += [(True, 128, 4, p) for p in (None, 2)]
+    configs += [] if columns_only else [(False, 128, 4, None)] + [(False, 128, 8, p) for p in (None, 1, 2)]
+    for split, tile_n, warps, programs in configs:
+        tiles = triton.cdiv(m, B) * triton.cdiv(n, tile_n)
+        grid = (tiles if programs is None else min(tiles, programs * sms),)
+
+        def run(split=split, tile_n=tile_n, warps=warps, grid=grid):
             if split and not columns_only:  # the 1 x 128 quantize as cast_transpose_blockwise launches it
                 fq._launch_quantize_blockwise(x, q.view(E4M3), s.t(), False, B, True, 0)
-            fq._cast_transpose_blockwise_kernel[(triton.cdiv(m, B) * triton.cdiv(n, tile_n),)](
+            fq._cast_transpose_blockwise_kernel[grid](
                 x, q, s, q_t, s_t, m, n, x.stride(0), 0, TILE_N=tile_n, B=B, ROWS=not split, TRANSPOSE_CODES=True,
                 POW2=True, num_warps=warps, **_fmt())
         mode = f"_SPLIT=True _COL_TILE={tile_n}" if split else f"_SPLIT=False _TILE_N={tile_n}"
-        yield f"_CT_BLOCKWISE{mode} _PER_THREAD={B * tile_n // (32 * warps)} ({warps} warps)", run
+        place = "one program per tile" if programs is None else f"_PROGRAMS_PER_SM={programs}"
+        yield f"_CT_BLOCKWISE{mode} _PER_THREAD={B * tile_n // (32 * warps)} ({warps} warps) {place}", run
 
 
 def _blockwise_cases(x):

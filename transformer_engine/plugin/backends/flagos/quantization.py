@@ -82,6 +82,7 @@ from ._common import (
     fp8_outputs,
     hw_fp8_cast,
     next_power_of_2,
+    num_programs_hint,
 )
 from ._launch import cached_launch
 
@@ -99,19 +100,23 @@ _UPDATE_COLS = 32  # columns per program of the delayed-scaling update (one 128-
 _UPDATE_TILE = 4096  # history elements per loop step of that update (L = 1024 takes 8 steps)
 _BLOCK_LENS = frozenset(16 << k for k in range(5))  # block lengths of the blockwise kernels: 16 ... 256
 # Launch settings of the blockwise casts, swept on the H200 by benchmarks/sweep_fp8_casts.py --kernels blockwise.
-# num_warps = tile elements / (32 * PER_THREAD), a power of two clamped to [4, 16].
+# num_warps = tile elements / (32 * PER_THREAD), a power of two clamped to [2, 16].
 _BLOCKWISE_TILE = 16384  # elements per program of the B x B quantize (128 x 128 tiles: one tile)
 _BLOCKWISE_PER_THREAD = 64  # values per thread of the B x B quantize (8 warps at 16K)
-_BLOCKWISE_ROW = 512  # columns per program of the 1 x B quantize (wide rows: long contiguous runs)
-_BLOCKWISE_ROW_TILE = 16384  # elements per program of the 1 x B quantize (rows = this / _BLOCKWISE_ROW)
-_BLOCKWISE_ROW_PER_THREAD = 64  # values per thread of the 1 x B quantize
-# cast_transpose_blockwise launch (benchmarks/sweep_fp8_casts.py --kernels blockwise, H200, 2026-11-22: fused
-# 128 x 128 at 4 warps 0.47-0.48 of copy; split 0.40 at best, its column kernel alone 0.72 at 128 x 64, 4 warps)
-_CT_BLOCKWISE_SPLIT = False  # True: two launches, the 1 x B quantize (q) and a column kernel (q_t); False: one fused read
+# 1 x B quantize (2026-11-22, second sweep): one block per row (2-D tile, no [R, G, B] view) 0.98-1.01 of copy at
+# [16384, 4096] / [8192, 16384]; 512-column rows (the earlier choice) 0.79-0.81
+_BLOCKWISE_ROW = 128  # columns per program of the 1 x B quantize (one block: no 3-D row view)
+_BLOCKWISE_ROW_TILE = 4096  # elements per program of the 1 x B quantize (rows = this / _BLOCKWISE_ROW)
+_BLOCKWISE_ROW_PER_THREAD = 32  # values per thread of the 1 x B quantize (4 warps)
+# cast_transpose_blockwise (same sweep): split, the column kernel on [128, 64] tiles at 2 warps, 4 persistent programs
+# per SM: 0.55-0.57 of copy for the whole op (column kernel alone 0.71-0.73); fused 128 x 128 at 4 warps, one
+# program per tile, was 0.47 before its loop loaded the next tile ahead (then it spills: 0.05; 8 warps 0.38-0.40)
+_CT_BLOCKWISE_SPLIT = True  # True: two launches, the 1 x B quantize (q) and a column kernel (q_t); False: one fused read
 _CT_BLOCKWISE_COL_TILE = 64  # split: columns per program of the column kernel (B x this tile)
 _CT_BLOCKWISE_TILE_N = 128  # fused (not split): columns per program (B x this tile, at least B; above B: 3-D row view)
-_CT_BLOCKWISE_PER_THREAD = 128  # values per thread of the column / fused kernel (4 warps at 128 x 128)
+_CT_BLOCKWISE_PER_THREAD = 128  # values per thread of the column / fused kernel (2 warps at 128 x 64, 4 at 128 x 128)
 _CT_BLOCKWISE_CODES = True  # 16-bit x: transpose the 8-bit codes (False: transpose the values, as float32 x does)
+_CT_BLOCKWISE_PROGRAMS_PER_SM = 4  # persistent programs per SM of the column / fused kernel
 
 
 @cached_launch
@@ -642,8 +647,8 @@ def _check_blockwise(x, fp8_dtype, block_rows, block_cols, amax_epsilon) -> int:
 
 
 def _blockwise_warps(elements: int, per_thread: int) -> int:
-    """num_warps of a program holding ``elements`` values, ``per_thread`` each: a power of two in [4, 16]."""
-    return min(16, max(4, next_power_of_2(cdiv(elements, 32 * per_thread))))
+    """num_warps of a program holding ``elements`` values, ``per_thread`` each: a power of two in [2, 16]."""
+    return min(16, max(2, next_power_of_2(cdiv(elements, 32 * per_thread))))
 
 
 def _column_major_scales(blocks: int, rows: int, device) -> torch.Tensor:
@@ -734,11 +739,14 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     """1 x ``block_len`` block-scaled FP8 casts of x and of x^T.
 
     (q, scale_inv) = quantize_blockwise(x, 1 x B), (q_t, scale_inv_t) = quantize_blockwise(x^T, 1 x B).
-    Fused (the default): one kernel loads [B, _CT_BLOCKWISE_TILE_N] tiles once and quantizes their
-    rows and their columns. Split (_CT_BLOCKWISE_SPLIT): quantize_blockwise gives (q, scale_inv), then
-    a kernel loads [B, _CT_BLOCKWISE_COL_TILE] tiles of x and quantizes their columns (x read twice,
-    both passes streaming; measured slower on the H200, kept for other GPUs' sweeps). The columns' codes are transposed as 8-bit codes (16-bit x) or the
-    values are transposed first (float32 x on the GPU). Bit-identical to the reference backend.
+    Split (the default, _CT_BLOCKWISE_SPLIT): quantize_blockwise gives (q, scale_inv), then a kernel
+    quantizes the columns of [B, _CT_BLOCKWISE_COL_TILE] tiles of x (x read twice, both passes
+    streaming). Fused: one kernel loads [B, _CT_BLOCKWISE_TILE_N] tiles once and quantizes their rows
+    and their columns (measured slower on the H200: its registers spill; kept for other GPUs' sweeps).
+    The tile kernel is persistent (_CT_BLOCKWISE_PROGRAMS_PER_SM programs per SM, each loading its next
+    tile before it quantizes the current one). The columns' codes are transposed as 8-bit codes
+    (16-bit x) or the values are transposed first (float32 x on the GPU). Bit-identical to the
+    reference backend.
 
     Args:
         x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride).
@@ -764,7 +772,8 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     tile_n = _ct_blockwise_tile_n(n, block_len)
     if q.numel():
         with device_guard(x):
-            _cast_transpose_blockwise_kernel[(cdiv(m, block_len) * cdiv(n, tile_n),)](
+            tiles = cdiv(m, block_len) * cdiv(n, tile_n)
+            _cast_transpose_blockwise_kernel[(min(tiles, num_programs_hint(x.device, _CT_BLOCKWISE_PROGRAMS_PER_SM)),)](
                 x, q.view(torch.uint8), scale_inv, q_t.view(torch.uint8), scale_inv_t, m, n, x.stride(0), eps_bits,
                 TILE_N=tile_n, B=block_len, ROWS=not _CT_BLOCKWISE_SPLIT, TRANSPOSE_CODES=_transpose_codes(x),
                 POW2=bool(power_2_scale), num_warps=_blockwise_warps(block_len * tile_n, _CT_BLOCKWISE_PER_THREAD),
