@@ -17,7 +17,8 @@ Cases (a step is fwd+bwd, gradients cleared; FP8 = DelayedScaling HYBRID, histor
   enqueued back to back (host time per step);
 - ``norms`` (GPU): ``te.LayerNorm`` / ``te.RMSNorm`` / ``nn.LayerNorm`` on [16384, 4096] bf16;
 - ``large`` (GPU): ``te.Linear`` 8192^3 FP8 and the headline ``te.TransformerLayer`` FP8, each step
-  waited for (as ``bench_linear.py`` and ``bench_transformer_layer.py`` time them).
+  waited for (as ``bench_linear.py`` and ``bench_transformer_layer.py`` time them);
+- ``block`` (GPU): the same two under ``Float8BlockScaling``.
 
     git archive <rev> transformer_engine | tar -x -C /tmp/base     # the base tree
     python benchmarks/bench_ab.py --base-tree /tmp/base --json ab.json
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import subprocess
@@ -40,13 +42,13 @@ import torch
 from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = ("small", "norms", "large")
+GROUPS = ("small", "norms", "large", "block")
 
 
 def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int, bool]]:
     """{name: (step, steps per chunk, wait for each step)} of the chosen groups that run on ``device``."""
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import DelayedScaling, Format
+    from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Format
 
     from bench_host_overhead import FEATURES, TOKENS
     from bench_transformer_layer import LayerShape, _te_layer
@@ -72,13 +74,16 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
         dy = torch.randn_like(x)
         for name, cls in (("te.LayerNorm", te.LayerNorm), ("te.RMSNorm", te.RMSNorm), ("nn.LayerNorm", torch.nn.LayerNorm)):
             cases[f"{name} [16384, 4096]"] = (fwd_bwd_step(cls(4096, device=device, dtype=bf16), x, dy, none), 50, False)
-    if "large" in groups:
+    for group, label, recipe in (("large", "FP8", fp8), ("block", "FP8 block", Float8BlockScaling())):
+        if group not in groups:
+            continue
+        context = functools.partial(te.autocast, recipe=recipe)
         x = torch.randn(8192, 8192, device=device, dtype=bf16, requires_grad=True)
         linear = te.Linear(8192, 8192, bias=False, params_dtype=bf16, device=device)
-        cases["te.Linear 8192^3 FP8"] = (fwd_bwd_step(linear, x, torch.randn_like(x), under_fp8), 10, True)
+        cases[f"te.Linear 8192^3 {label}"] = (fwd_bwd_step(linear, x, torch.randn_like(x), context), 10, True)
         shape = LayerShape()
         xl = torch.randn(shape.seq, shape.batch, shape.hidden, device=device, dtype=bf16, requires_grad=True)
-        cases["te.TransformerLayer FP8"] = (fwd_bwd_step(_te_layer(te, shape, device), xl, torch.randn_like(xl), under_fp8), 5, True)
+        cases[f"te.TransformerLayer {label}"] = (fwd_bwd_step(_te_layer(te, shape, device), xl, torch.randn_like(xl), context), 5, True)
     return cases
 
 
