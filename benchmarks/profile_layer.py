@@ -52,6 +52,7 @@ def build(variant: str, s: LayerShape, device: str) -> Tuple[torch.nn.Module, Ca
         "bf16": None,
         "fp8_delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
         "fp8_current": recipe.Float8CurrentScaling(),
+        "fp8_block": recipe.Float8BlockScaling(),
     }
     name, graphed = variant.removesuffix("_graph"), variant.endswith("_graph")
     if name not in recipes:

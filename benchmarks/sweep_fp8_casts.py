@@ -108,7 +108,7 @@ def sweep_cast_transpose_blockwise(x, q, s, q_t, s_t, columns_only=False):
             if split and not columns_only:  # the 1 x 128 quantize as cast_transpose_blockwise launches it
                 fq._launch_quantize_blockwise(x, q.view(E4M3), s.t(), False, B, True, 0)
             fq._cast_transpose_blockwise_kernel[grid](
-                x, q, s, q_t, s_t, m, n, x.stride(0), 0, TILE_N=tile_n, B=B, ROWS=not split, TRANSPOSE_CODES=True,
+                x, q, s, q_t, s_t, s_t, m, n, x.stride(0), 0, TILE_N=tile_n, B=B, ROWS=not split, DBIAS=False, TRANSPOSE_CODES=True,
                 POW2=True, num_warps=warps, **_fmt())
         mode = f"_SPLIT=True _COL_TILE={tile_n}" if split else f"_SPLIT=False _TILE_N={tile_n}"
         place = "one program per tile" if programs is None else f"_PROGRAMS_PER_SM={programs}"

@@ -5,13 +5,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, QParams
 
 from transformer_engine.pytorch.module._common import (
     backward_frees_graph, grad_output_operand, no_torch_autocast, release, rows_of, unflatten, without_operands,
 )
 from transformer_engine.pytorch.parallel import NO_COMM
-from transformer_engine.pytorch.quantization import Float8Tensor
+from transformer_engine.pytorch.quantization import Float8BlockQuantizer, Float8Tensor
 from transformer_engine.pytorch.quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from transformer_engine.pytorch.quantization.quantizer import IDENTITY
 from transformer_engine.pytorch.quantization.recipe_state import RecipeState
@@ -107,12 +107,23 @@ def test_bias_gradient_dtype_follows_the_bias_and_the_reduction():
     assert grad_output_operand(IDENTITY, dy, NO_COMM, False, None)[1] is None
 
 
-@pytest.mark.parametrize("recipe, fused", [(DelayedScaling(), True), (Float8CurrentScaling(), True), (Float8BlockScaling(), False)],
-                         ids=["delayed", "current", "block"])
-def test_fp8_grad_output_fuses_the_bias_gradient_where_the_cast_can(recipe, fused):
-    # the delayed / current casts sum dy in their own pass (float32 out); block scaling's cast cannot,
-    # so its bias gradient is the one-kernel sum in the bias dtype
-    quantizer = RecipeState.create(recipe, mode="backward", num_gemms=1, device="cpu").make_quantizers()[0]
+def _backward_quantizer(recipe):
+    return RecipeState.create(recipe, mode="backward", num_gemms=1, device="cpu").make_quantizers()[0]
+
+
+_GRAD_QUANTIZERS = {
+    "delayed": lambda: _backward_quantizer(DelayedScaling()),
+    "current": lambda: _backward_quantizer(Float8CurrentScaling()),
+    "block": lambda: _backward_quantizer(Float8BlockScaling()),
+    "block 2-D tiles": lambda: Float8BlockQuantizer(torch.float8_e4m3fn, 2, QParams(power_2_scale=True)),
+}
+
+
+@pytest.mark.parametrize("name, fused", [("delayed", True), ("current", True), ("block", True), ("block 2-D tiles", False)])
+def test_fp8_grad_output_fuses_the_bias_gradient_where_the_cast_can(name, fused):
+    # the delayed / current casts and block scaling's 1-D cast (its gradients' tiles) sum dy on the way,
+    # float32 out; a cast that cannot (2-D tiles) leaves the one-kernel sum in the bias dtype
+    quantizer = _GRAD_QUANTIZERS[name]()
     assert quantizer.fuses_dbias is fused
     dy = (torch.randn(256, 128) * 10).to(torch.bfloat16)
     dy_op, db, _ = grad_output_operand(quantizer, dy, NO_COMM, True, torch.bfloat16)

@@ -37,6 +37,23 @@ def test_1d_cast_writes_both_directions_with_their_own_scales():
     assert sqnr(x, operand.transpose_only().dequantize(torch.float32)) > 25.0
 
 
+def test_1d_cast_with_dbias_is_the_cast_plus_the_column_sums():
+    x = randn(200, 300)
+    quantizer = Float8BlockQuantizer(E4M3, 1, POW2)
+    operand, dbias = quantizer.quantize_with_dbias(x)
+    plain = quantizer.quantize(x, columnwise=True)
+    assert quantizer.fuses_dbias and operand.block == (1, 128)
+    for a, b in ((operand.data, plain.data), (operand.data_t, plain.data_t)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(operand.scale_inv, plain.scale_inv) and torch.equal(operand.scale_inv_t, plain.scale_inv_t)
+    assert dbias.dtype == torch.float32
+    torch.testing.assert_close(dbias, x.sum(0, dtype=torch.float32))
+    square = Float8BlockQuantizer(E4M3, 2, POW2)  # 2-D tiles: the cast, then the sums
+    operand, dbias = square.quantize_with_dbias(x)
+    assert not square.fuses_dbias and operand.block == (128, 128) and operand.data_t is not None
+    torch.testing.assert_close(dbias, x.sum(0, dtype=torch.float32))
+
+
 def test_1d_cast_writes_rows_only_unless_asked_and_cannot_transpose_later():
     operand = Float8BlockQuantizer(E4M3, 1, POW2).quantize(randn(64, 256))
     assert operand.data_t is None

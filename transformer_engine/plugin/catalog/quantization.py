@@ -111,6 +111,16 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
 
 
 @declare
+def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+    """``cast_transpose_blockwise`` of the output gradient plus the bias gradient, from the same reads of x.
+
+    (q, scale_inv, q_t, scale_inv_t) = cast_transpose_blockwise(x, ...),  dbias[j] = sum_i x[i, j] in float32
+    Args: x: [M, N] (dy of a linear layer); the rest as in ``cast_transpose_blockwise``. Returns: (q,
+    scale_inv, q_t, scale_inv_t, dbias float32 [N]). Non-finite x propagate into dbias as in a float32 sum.
+    """
+
+
+@declare
 def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
     """x[i, j] = q[i, j] * scale_inv[i // block_rows, j // block_cols], cast to ``out_dtype``."""
 

@@ -6,7 +6,7 @@ All quantizers share one interface, so module code never asks which recipe is ac
   written in the same pass when ``columnwise``, for the backward GEMMs), or ``x`` itself in high precision;
 - ``quantize_with_dbias(x)`` casts a 2-D gradient with its transpose and also returns its float32
   column sums (the bias gradient), fused into the cast where the quantizer can (``fuses_dbias``: the
-  per-tensor FP8 casts);
+  per-tensor FP8 casts and block scaling's 1-D tiles);
 - ``quantize_transposed(x)`` returns the operand of a 2-D x with only its transpose (``data_t``);
 - ``quantize_weight(w)`` returns w's operand for fprop only, carrying a :class:`DeferredTranspose`
   that casts W^T again in backward (so no FP8 copy of w lives from forward to backward);
@@ -263,6 +263,16 @@ class Float8BlockQuantizer(Quantizer):
         self.fp8_dtype = fp8_dtype
         self.block = (1 if block_dim == 1 else block_len, block_len)
         self.qparams = qparams
+        self.fuses_dbias = block_dim == 1  # the 1-D cast with its transpose sums the columns on the way
+
+    def quantize_with_dbias(self, x: torch.Tensor):
+        """1-D tiles: x and x^T cast and the float32 column sums, from the same reads (``ops.cast_transpose_blockwise_dbias``)."""
+        rows, block_len = self.block
+        if rows != 1:  # 2-D tiles: the cast, then the sums
+            return super().quantize_with_dbias(x)
+        power_2, eps = self.qparams.power_2_scale, self.qparams.amax_epsilon
+        q, scale_inv, q_t, scale_inv_t, dbias = ops.cast_transpose_blockwise_dbias(x, self.fp8_dtype, block_len, power_2, eps)
+        return Float8BlockwiseTensor(q, scale_inv, q_t, scale_inv_t, block=self.block), dbias
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8BlockwiseTensor:
         if x.dim() != 2:

@@ -77,3 +77,21 @@ def flagos_and_reference(monkeypatch, device: str) -> OpManager:
     flagos.register(registry)
     reference.register(registry)
     return OpManager(registry, load_builtins=False, discover=False)
+
+
+# dbias: both sides sum in float32, each in its own order (flagos: tiles of 128 (or B) rows, then column_sums
+# over the tiles; reference: torch's cascade sum). A blocked / tree float32 sum of n terms errs by about
+# log2(n) * 2^-24 * sum_i |x[i, j]| at most (~1e-6 for n = 8192); 1e-5 also covers the short serial
+# runs torch accumulates first. Dropped or doubled elements are caught exactly by the integer test.
+DBIAS_RTOL = 1e-5
+
+
+def assert_dbias_close(dbias, expected, x):
+    """dbias within DBIAS_RTOL * sum_i |x[i, j]| of expected, NaN and +-inf in the same places."""
+    assert dbias.dtype == torch.float32 and dbias.shape == expected.shape == (x.shape[1],)
+    dbias, expected = dbias.cpu().double(), expected.cpu().double()
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(dbias[~finite], expected[~finite], rtol=0, atol=0, equal_nan=True)
+    bound = DBIAS_RTOL * x.cpu().double().abs().sum(0)
+    error = (dbias - expected).abs()[finite]
+    assert bool((error <= bound[finite]).all()), f"max error {error.max()}"

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_close, assert_fp8_equal, wide_range
+from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_close, assert_dbias_close, assert_fp8_equal, wide_range
 from tests.plugin.backends.reference.test_quantization import five_step_update
 from tests.utils import randn, sqnr
 from transformer_engine.plugin.backends.flagos import activation as fa
@@ -137,31 +137,13 @@ def test_cast_transpose_strided_rows(device):
     assert torch.equal(amax.cpu(), amax_ref.cpu())
 
 
-# dbias: both sides sum in float32, each in its own order (flagos: 128-row tiles, then column_sums over the
-# tiles; reference: torch's cascade sum). A blocked / tree float32 sum of n terms errs by about
-# log2(n) * 2^-24 * sum_i |x[i, j]| at most (~1e-6 for n = 8192); 1e-5 also covers the short serial
-# runs torch accumulates first. Dropped or doubled elements are caught exactly by the integer test.
-_DBIAS_RTOL = 1e-5
-
-
-def _assert_dbias_close(dbias, expected, x):
-    """dbias within _DBIAS_RTOL * sum_i |x[i, j]| of expected, NaN and +-inf in the same places."""
-    assert dbias.dtype == torch.float32 and dbias.shape == expected.shape == (x.shape[1],)
-    dbias, expected = dbias.cpu().double(), expected.cpu().double()
-    finite = torch.isfinite(expected)
-    torch.testing.assert_close(dbias[~finite], expected[~finite], rtol=0, atol=0, equal_nan=True)
-    bound = _DBIAS_RTOL * x.cpu().double().abs().sum(0)
-    error = (dbias - expected).abs()[finite]
-    assert bool((error <= bound[finite]).all()), f"max error {error.max()}"
-
-
 def _assert_same_cast_transpose_dbias(actual, expected, x):
     q, q_t, scale_inv, amax, dbias = actual
     q_ref, q_t_ref, scale_inv_ref, amax_ref, dbias_ref = expected
     assert q_t.is_contiguous() and q_t.shape == (x.shape[1], x.shape[0])
     _assert_same_quantize((q, scale_inv, amax), (q_ref, scale_inv_ref, amax_ref))
     assert_fp8_equal(q_t, q_t_ref)
-    _assert_dbias_close(dbias, dbias_ref, x)
+    assert_dbias_close(dbias, dbias_ref, x)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
@@ -314,7 +296,7 @@ def test_cast_transpose_dbias_gpu(fp8_dtype):
     x, scale = randn(8192, 4096, dtype=torch.bfloat16, device="cuda"), _scale("cuda")
     actual = fq.cast_transpose_dbias(x, scale, fp8_dtype)
     _assert_same_cast_transpose_dbias(actual, ref.cast_transpose_dbias(x, scale, fp8_dtype), x)
-    _assert_dbias_close(actual[4], x.double().sum(0), x)  # and against the float64 formula
+    assert_dbias_close(actual[4], x.double().sum(0), x)  # and against the float64 formula
 
 
 # ---------------------------------------------------------------- delayed scaling update

@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_fp8_equal, flagos_and_reference, wide_range
+from tests.plugin.backends.flagos._helpers import (
+    FP8_DTYPES, HP_DTYPES, assert_dbias_close, assert_fp8_equal, flagos_and_reference, wide_range,
+)
 from tests.utils import randn
 from transformer_engine.plugin.backends import flagos
 from transformer_engine.plugin.backends import reference
@@ -102,6 +104,51 @@ def test_cast_transpose_blockwise_tile_n(split, monkeypatch):
     assert fq._ct_blockwise_tile_n(4096, 128) == wide
     assert fq._ct_blockwise_tile_n(20, 128) == narrow
     assert fq._ct_blockwise_tile_n(3, 16) == 16
+
+
+def _assert_same_cast_transpose_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+    """flagos cast_transpose_blockwise_dbias: the same casts as cast_transpose_blockwise, dbias near the reference's."""
+    *casts, dbias = fq.cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon)
+    q, scale_inv, q_t, scale_inv_t = fq.cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon)
+    assert_fp8_equal(casts[0], q)
+    assert_fp8_equal(casts[2], q_t)
+    assert torch.equal(casts[1], scale_inv) and torch.equal(casts[3], scale_inv_t)
+    assert_dbias_close(dbias, ref.cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon)[4], x)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cast_transpose_blockwise_dbias(shape, dtype, split, monkeypatch, device):
+    monkeypatch.setattr(fq, "_CT_BLOCKWISE_SPLIT", split)
+    _assert_same_cast_transpose_dbias(wide_range(shape, dtype, device), E4M3, 16, True, 0.0)
+
+
+def test_cast_transpose_blockwise_dbias_sums_integers_exactly(monkeypatch, device):
+    # small integers sum exactly in float32 in any order: every element counted once, masked lanes 0;
+    # 300 rows = two full 128-row tiles and a ragged one, strided rows of 67 columns (two column tiles
+    # of the split kernel), more tiles than the interpreter's programs (each program loops)
+    wide = torch.randint(-8, 9, (300, 72)).to(torch.bfloat16).to(device)
+    x = wide[:, 2:69]
+    for split in (True, False):
+        monkeypatch.setattr(fq, "_CT_BLOCKWISE_SPLIT", split)
+        dbias = fq.cast_transpose_blockwise_dbias(x, E4M3, 128, True, 0.0)[4]
+        assert torch.equal(dbias.cpu(), x.cpu().double().sum(0).float())
+
+
+def test_cast_transpose_blockwise_dbias_non_finite_and_empty(device):
+    x = randn(40, 5)
+    x[3, 0] = math.nan
+    x[5, 1] = math.inf
+    x[6, 2], x[36, 2] = math.inf, -math.inf  # in two 32-row tiles: inf - inf = NaN
+    x = x.to(device)
+    dbias = fq.cast_transpose_blockwise_dbias(x, E5M2, 32, False, 0.0)[4].cpu()
+    assert torch.isnan(dbias[0]) and dbias[1].item() == math.inf and torch.isnan(dbias[2])
+    assert math.isfinite(dbias[3].item()) and math.isfinite(dbias[4].item())
+    for shape in ((0, 5), (5, 0)):
+        q, scale_inv, q_t, scale_inv_t, dbias = fq.cast_transpose_blockwise_dbias(torch.empty(shape, device=device), E4M3, 16, True, 0.0)
+        assert q.shape == shape and q_t.shape == shape[::-1] and dbias.dtype == torch.float32
+        assert dbias.cpu().tolist() == [0.0] * shape[1]
 
 
 def _edge_tiles(dtype, device):
@@ -201,6 +248,7 @@ def test_supports_accepts_every_kernel_tile(device):
         assert fq.SUPPORTS["quantize_blockwise"](x, E4M3, 1, b, False, 0.0) is True
         assert fq.SUPPORTS["quantize_blockwise"](x, E4M3, b, b, True, 1e-12) is True
         assert fq.SUPPORTS["cast_transpose_blockwise"](x, E5M2, b, False, 0.0) is True
+        assert fq.SUPPORTS["cast_transpose_blockwise_dbias"](x, E5M2, b, False, 0.0) is True
 
 
 def test_errors(device):
@@ -227,6 +275,10 @@ def test_dispatch_runs_flagos_and_falls_back_for_other_tiles(monkeypatch, device
     assert impl.impl_id == reference.IMPL_ID and scale_inv.shape == (20, 2)
     _, impl = manager.dispatcher("cast_transpose_blockwise").traced(x, E4M3, 16, False, 0.0)
     assert impl.impl_id == flagos.IMPL_ID
+    _, impl = manager.dispatcher("cast_transpose_blockwise_dbias").traced(x, E4M3, 16, False, 0.0)
+    assert impl.impl_id == flagos.IMPL_ID
+    _, impl = manager.dispatcher("cast_transpose_blockwise_dbias").traced(x, E4M3, 20, False, 0.0)
+    assert impl.impl_id == reference.IMPL_ID
 
 
 # ---------------------------------------------------------------- on the GPU, at training shapes
@@ -251,6 +303,13 @@ def test_cast_transpose_blockwise_gpu(dtype, fp8_dtype):
     # float32 full tiles included: Triton once transposed 8-bit tiles of 32-bit loads wrongly on the H200
     _assert_same_cast_transpose(wide_range((4096, 4096), dtype, "cuda"), fp8_dtype, 128, True, 0.0)
     _assert_same_cast_transpose(wide_range((2049, 4097), dtype, "cuda"), fp8_dtype, 128, False, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_cast_transpose_blockwise_dbias_gpu(dtype):
+    _assert_same_cast_transpose_dbias(wide_range((4096, 4096), dtype, "cuda"), E4M3, 128, True, 0.0)
+    _assert_same_cast_transpose_dbias(wide_range((2049, 4097), dtype, "cuda"), E5M2, 128, False, 1e-6)
 
 
 @pytest.mark.gpu

@@ -331,6 +331,14 @@ def test_cast_transpose_blockwise_quantizes_each_direction_on_its_own(shape, pow
         assert not torch.equal(q_t.view(torch.uint8), q.t().view(torch.uint8))
 
 
+def test_cast_transpose_blockwise_dbias_adds_the_float32_column_sums():
+    x = _wide_range((257, 131), torch.bfloat16)
+    *casts, dbias = ref.cast_transpose_blockwise_dbias(x, E4M3, 128, True, 0.0)
+    for got, want in zip(casts, ref.cast_transpose_blockwise(x, E4M3, 128, True, 0.0)):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got, want.view(torch.uint8) if want.dtype == E4M3 else want)
+    assert dbias.dtype == torch.float32 and torch.equal(dbias, x.sum(0, dtype=torch.float32))
+
+
 # ---------------------------------------------------------------- delayed scaling
 
 

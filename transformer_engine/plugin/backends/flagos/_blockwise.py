@@ -213,6 +213,7 @@ def _cast_transpose_blockwise_kernel(
     s_ptr,  # *float32 scale_inv storage [cdiv(N, B), M], contiguous (unused without ROWS)
     qt_ptr,  # *uint8 view of q_t [N, M], contiguous
     st_ptr,  # *float32 scale_inv_t storage [cdiv(M, B), N], contiguous
+    dbias_ptr,  # *float32 column sums of each tile row [cdiv(M, B), N], contiguous (written with DBIAS)
     M,  # rows of x
     N,  # columns of x
     stride_xm,  # elements between rows of x
@@ -220,6 +221,7 @@ def _cast_transpose_blockwise_kernel(
     TILE_N: tl.constexpr,  # columns per tile (a multiple of B with ROWS)
     B: tl.constexpr,  # block length: rows per tile
     ROWS: tl.constexpr,  # also write (q, scale_inv) from the same tile (fused); False: only the columns (split)
+    DBIAS: tl.constexpr,  # also write each tile's float32 column sums (the bias gradient's partial rows)
     TRANSPOSE_CODES: tl.constexpr,  # True: quantize the columns in place, transpose the codes; False: transpose x
     POW2: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -227,7 +229,7 @@ def _cast_transpose_blockwise_kernel(
     EBIAS: tl.constexpr,
     HW_CAST: tl.constexpr,
 ):
-    """cast_transpose_blockwise: [B, TILE_N] tiles quantized as x^T (and as x with ROWS), persistent.
+    """cast_transpose_blockwise(_dbias): [B, TILE_N] tiles quantized as x^T (and as x with ROWS), persistent.
 
     Program p takes tiles p, p + P, p + 2P, ... and loads each next tile before it quantizes the
     current one, so a tile's loads are in flight while the previous one is reduced and stored.
@@ -241,6 +243,8 @@ def _cast_transpose_blockwise_kernel(
         )
         if ROWS:
             _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
+        if DBIAS:  # masked lanes hold 0
+            tl.store(dbias_ptr + (row0 // B) * N + cols, tl.sum(x.to(tl.float32), axis=0), mask=cols < N)
         if TRANSPOSE_CODES:
             code = _quantize_columns(x, row0, col0, N, st_ptr, eps_bits, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
             tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))

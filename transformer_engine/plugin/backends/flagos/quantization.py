@@ -34,11 +34,15 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     quantize_blockwise(x, 1 x B) and quantize_blockwise(x^T, 1 x B): the 1 x B kernel,
                     then one over [B, C] tiles quantizing their columns (or one fused kernel doing
                     both from one read; q_t has its own scales: it is not q^T)
+    cast_transpose_blockwise_dbias
+                    the same plus dbias[j] = sum_i x[i, j] in float32: the [B, C] tile kernel also
+                    writes its tile's column sums, column_sums adds the partial rows
 
 There is no VJP: these are casts (the module layer treats them as straight-through). The cast is
 ``_fp8_encode`` (bit-identical to torch's saturating round-to-nearest-even cast, see _common.py).
-Every kernel handles one block (or tile) per program, so the hardware keeps every SM full whatever
-a kernel's register count; a program reduces max |x| over its block and commits it with one relaxed
+Every kernel but the [B, C] tile kernel of the block cast-transpose (persistent, see _blockwise.py)
+handles one block (or tile) per program, so the hardware keeps every SM full whatever a kernel's
+register count; a program reduces max |x| over its block and commits it with one relaxed
 atomic (a fire-and-forget RED: no fence, nothing waits on it).
 """
 
@@ -89,6 +93,7 @@ from ._launch import cached_launch
 __all__ = [
     "quantize", "dequantize", "cast_transpose", "quantize_transposed", "cast_transpose_dbias", "fp8_transpose",
     "compute_amax", "current_scale", "delayed_scaling_update", "delayed_scaling_update_", "quantize_blockwise", "cast_transpose_blockwise",
+    "cast_transpose_blockwise_dbias",
 ]
 
 _BLOCK = 8192  # elements per program of the 1-D kernels (32 per thread at 8 warps; measured best, benchmarks/sweep_fp8_casts.py)
@@ -760,6 +765,27 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     Raises:
         TypeError / ValueError: as :func:`quantize_blockwise`.
     """
+    return _launch_cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias=False)[:4]
+
+
+def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+    """:func:`cast_transpose_blockwise` plus the bias gradient dbias[j] = sum_i x[i, j] in float32.
+
+    The column kernel also writes each B-row tile's column sums; ``column_sums`` adds the cdiv(M, B)
+    partial rows in a fixed order (deterministic, no atomics).
+
+    Returns:
+        (q, scale_inv, q_t, scale_inv_t, dbias float32 [N]); NaN / inf propagate into dbias.
+
+    Raises:
+        TypeError / ValueError: as :func:`quantize_blockwise`.
+    """
+    *casts, partials = _launch_cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias=True)
+    return (*casts, column_sums(partials, torch.float32)[0])
+
+
+def _launch_cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias: bool):
+    """(q, scale_inv, q_t, scale_inv_t, float32 column sums of each B-row tile [cdiv(M, B), N] or None)."""
     eps_bits = _check_blockwise(x, fp8_dtype, 1, block_len, amax_epsilon)
     x = _rows_contiguous(x)
     m, n = x.shape
@@ -769,17 +795,19 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
         _launch_quantize_blockwise(x, q, scale_inv, False, block_len, power_2_scale, eps_bits)
     q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     scale_inv_t = _column_major_scales(cdiv(m, block_len), n, x.device)
+    partials = torch.empty((cdiv(m, block_len), n), dtype=torch.float32, device=x.device) if dbias else None  # every tile writes its row
     tile_n = _ct_blockwise_tile_n(n, block_len)
     if q.numel():
         with device_guard(x):
             tiles = cdiv(m, block_len) * cdiv(n, tile_n)
             _cast_transpose_blockwise_kernel[(min(tiles, num_programs_hint(x.device, _CT_BLOCKWISE_PROGRAMS_PER_SM)),)](
-                x, q.view(torch.uint8), scale_inv, q_t.view(torch.uint8), scale_inv_t, m, n, x.stride(0), eps_bits,
-                TILE_N=tile_n, B=block_len, ROWS=not _CT_BLOCKWISE_SPLIT, TRANSPOSE_CODES=_transpose_codes(x),
-                POW2=bool(power_2_scale), num_warps=_blockwise_warps(block_len * tile_n, _CT_BLOCKWISE_PER_THREAD),
+                x, q.view(torch.uint8), scale_inv, q_t.view(torch.uint8), scale_inv_t, scale_inv_t if partials is None else partials,
+                m, n, x.stride(0), eps_bits, TILE_N=tile_n, B=block_len, ROWS=not _CT_BLOCKWISE_SPLIT, DBIAS=dbias,
+                TRANSPOSE_CODES=_transpose_codes(x), POW2=bool(power_2_scale),
+                num_warps=_blockwise_warps(block_len * tile_n, _CT_BLOCKWISE_PER_THREAD),
                 **fp8_format(fp8_dtype).constexprs(hw_fp8_cast(x.device)),
             )  # fmt: skip
-    return q, scale_inv, q_t, scale_inv_t
+    return q, scale_inv, q_t, scale_inv_t, partials
 
 
 def _scale_on_device(x, scale, fp8_dtype, amax_out=None):
@@ -836,4 +864,5 @@ SUPPORTS = {
     "delayed_scaling_update_": _scales_with_history,
     "quantize_blockwise": _supported_tiles,
     "cast_transpose_blockwise": _supported_block_len,
+    "cast_transpose_blockwise_dbias": _supported_block_len,
 }

@@ -48,6 +48,7 @@ __all__ = [
     "scale_from_amax",
     "quantize_blockwise",
     "cast_transpose_blockwise",
+    "cast_transpose_blockwise_dbias",
     "dequantize_blockwise",
     "delayed_scaling_update",
     "delayed_scaling_update_",
@@ -245,6 +246,18 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     q, scale_inv = quantize_blockwise(x, fp8_dtype, 1, block_len, power_2_scale, amax_epsilon)
     q_t, scale_inv_t = quantize_blockwise(x.t(), fp8_dtype, 1, block_len, power_2_scale, amax_epsilon)
     return q, scale_inv, q_t, scale_inv_t
+
+
+def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+    """:func:`cast_transpose_blockwise` plus the bias gradient dbias[j] = sum_i x[i, j], accumulated in float32.
+
+    Returns:
+        (q, scale_inv, q_t, scale_inv_t, dbias float32 [N]); NaN / inf in x propagate into dbias.
+
+    Raises:
+        TypeError / ValueError: as :func:`quantize_blockwise`.
+    """
+    return (*cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon), x.sum(dim=0, dtype=torch.float32))
 
 
 def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
