@@ -80,7 +80,7 @@ def sweep_quantize_blockwise(x, q, s):
     for cols, elements, warps in configs:
         def run(cols=cols, block_m=elements // cols, warps=warps):
             fq._quantize_blockwise_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, cols),)](
-                x, q, s, m, n, x.stride(0), 0, BLOCK_M=block_m, GROUPS=cols // B, B=B, SQUARE=False, POW2=True,
+                x, q, s, m, n, x.stride(0), 0, BLOCK_M=block_m, GROUPS=cols // B, B=B, SQUARE=False, TRANSPOSED=False, POW2=True,
                 num_warps=warps, **_fmt())
         label = (f"_BLOCKWISE_ROW={cols} _BLOCKWISE_ROW_TILE={elements} "
                  f"_BLOCKWISE_ROW_PER_THREAD={elements // (32 * warps)} ({warps} warps)")

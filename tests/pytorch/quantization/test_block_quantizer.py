@@ -72,6 +72,18 @@ def test_2d_tiles_transpose_exactly():
     torch.testing.assert_close(both.transpose_only().dequantize(torch.float32), operand.dequantize(torch.float32))
 
 
+def test_transposed_cast_keeps_only_the_column_wise_copy():
+    w = randn(300, 260)
+    square = Float8BlockQuantizer(E4M3, 2, POW2)
+    direct, via_transpose = square.quantize_transposed(w), square.quantize(w, columnwise=True).transpose_only()
+    assert direct.data is None and direct.block == (128, 128)
+    assert torch.equal(direct.data_t.view(torch.uint8), via_transpose.data_t.view(torch.uint8))
+    assert torch.equal(direct.scale_inv_t, via_transpose.scale_inv_t)
+    torch.testing.assert_close(direct.dequantize(torch.float32), square.quantize(w).dequantize(torch.float32))
+    rows = Float8BlockQuantizer(E4M3, 1, POW2).quantize_transposed(w)  # 1-D tiles: x^T quantized along the tokens
+    assert rows.data is None and rows.block_t == (1, 128) and rows.data_t.shape == (260, 300)
+
+
 def test_sharded_tensors_are_gathered_before_the_cast():
     quantizer = Float8BlockQuantizer(E4M3, 1, POW2)
     assert not quantizer.gathers_quantized and quantizer.for_sharded_tensor(lambda amax: amax) is quantizer

@@ -286,6 +286,16 @@ class Float8BlockQuantizer(Quantizer):
         operand = Float8BlockwiseTensor(q, scale_inv, block=self.block)
         return operand.with_transpose() if columnwise else operand
 
+    def quantize_transposed(self, x: torch.Tensor) -> Float8BlockwiseTensor:
+        """2-D tiles: x^T alone, its tiles read from x and stored transposed in one pass (a weight's W^T for
+        dgrad; ``ops.quantize_blockwise`` of the column-major view x.t()); 1-D tiles: the cast with its transpose."""
+        rows, block_len = self.block
+        if rows == 1:
+            return super().quantize_transposed(x)
+        power_2, eps = self.qparams.power_2_scale, self.qparams.amax_epsilon
+        q_t, scale_inv_t = ops.quantize_blockwise(x.t(), self.fp8_dtype, rows, block_len, power_2, eps)
+        return Float8BlockwiseTensor(None, None, q_t, scale_inv_t, block=self.block)
+
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8BlockQuantizer":
         """Self: sharded tensors are gathered in high precision and cast whole (``gathers_quantized``)."""
         return self

@@ -64,6 +64,20 @@ def test_cast_transpose_blockwise_bit_exact(block_len, shape, dtype, fp8_dtype, 
     _assert_same_cast_transpose(wide_range(shape, dtype, device), fp8_dtype, block_len, power_2_scale, amax_epsilon)
 
 
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 37), (131, 67), (40, 200)])
+@pytest.mark.parametrize("block_len", [16, 128])
+def test_square_tiles_of_a_transposed_view(block_len, shape, dtype, device):
+    # x = w^T (column-major): read from w, stored transposed; w with strided rows too
+    w = wide_range(shape, dtype, device)
+    for x in (w.t(), wide_range((shape[0], shape[1] + 3), dtype, device)[:, 1 : shape[1] + 1].t()):
+        for fp8_dtype, power_2_scale, amax_epsilon in SETTINGS[:2]:
+            args = (fp8_dtype, block_len, block_len, power_2_scale, amax_epsilon)
+            q, scale_inv = fq.quantize_blockwise(x, *args)
+            _assert_same_blockwise((q, scale_inv), ref.quantize_blockwise(x, *args))
+            assert q.is_contiguous() and scale_inv.is_contiguous()
+
+
 @pytest.mark.parametrize("shape", [(70, 64), (64, 200)])
 @pytest.mark.parametrize("block_len", [32, 64, 256])
 def test_other_block_lengths(block_len, shape, device):
@@ -310,6 +324,14 @@ def test_cast_transpose_blockwise_gpu(dtype, fp8_dtype):
 def test_cast_transpose_blockwise_dbias_gpu(dtype):
     _assert_same_cast_transpose_dbias(wide_range((4096, 4096), dtype, "cuda"), E4M3, 128, True, 0.0)
     _assert_same_cast_transpose_dbias(wide_range((2049, 4097), dtype, "cuda"), E5M2, 128, False, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_square_tiles_of_a_transposed_view_gpu(dtype):
+    for shape, args in (((4096, 4096), (E4M3, 128, 128, True, 0.0)), ((2049, 4097), (E5M2, 128, 128, False, 1e-6))):
+        x = wide_range(shape, dtype, "cuda").t()
+        _assert_same_blockwise(fq.quantize_blockwise(x, *args), ref.quantize_blockwise(x, *args))
 
 
 @pytest.mark.gpu

@@ -129,20 +129,54 @@ def _quantize_tile_store(
     tl.store(s_ptr + s_offs, scale_inv, mask=s_mask)
 
 
+@triton.jit
+def _quantize_square_transposed_store(
+    x,  # [B, B] tile of a matrix [M, N] (loaded with 0 in its masked lanes)
+    row0,  # row of the matrix where the tile starts (a multiple of B)
+    col0,  # column where the tile starts (a multiple of B)
+    M,  # rows of the matrix
+    N,  # columns of the matrix
+    q_ptr,  # *uint8 view of q [N, M] (the matrix's transpose), contiguous
+    s_ptr,  # *float32 scale_inv [cdiv(N, B), cdiv(M, B)], contiguous
+    eps_bits,  # int32 bit pattern of amax_epsilon as float32
+    POW2: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EBIAS: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):
+    """Quantize a B x B tile with its one scale and store it as the tile (col0, row0) of the transpose.
+
+    A square tile of x^T holds the same values as the tile of x it transposes: the same amax and scale,
+    the codes transposed. So the quantization of x^T is read from x row by row (coalesced) and only the
+    stores are transposed."""
+    B: tl.constexpr = x.shape[0]
+    xs = x.to(tl.float32)
+    amax_bits = tl.max(tl.max(_abs_bits(xs), axis=1), axis=0)
+    scale, scale_inv = _tile_scales(amax_bits, eps_bits, FP8_MAX, POW2)
+    code = _fp8_encode(xs * scale, FP8_MAX, MBITS, EBIAS, HW_CAST)
+    rows = (row0 + tl.arange(0, B)).to(tl.int64)
+    cols = (col0 + tl.arange(0, B)).to(tl.int64)
+    mask = (cols < N)[:, None] & (rows < M)[None, :]
+    tl.store(q_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=mask)
+    tl.store(s_ptr + (col0 // B) * tl.cdiv(M, B) + row0 // B, scale_inv)
+
+
 @cached_launch
 @triton.jit
 def _quantize_blockwise_kernel(
     x_ptr,  # *x [M, N], row stride stride_xm, unit column stride
-    q_ptr,  # *uint8 view of q [M, N], contiguous
-    s_ptr,  # *float32 scale_inv storage: [cdiv(N, B), M] (1 x B), [cdiv(M, B), cdiv(N, B)] (SQUARE)
+    q_ptr,  # *uint8 view of q [M, N], contiguous ([N, M] with TRANSPOSED)
+    s_ptr,  # *float32 scale_inv storage: [cdiv(N, B), M] (1 x B), [cdiv(M, B), cdiv(N, B)] (SQUARE; transposed with TRANSPOSED)
     M,  # rows of x
     N,  # columns of x
     stride_xm,  # elements between rows of x
     eps_bits,  # int32 bit pattern of amax_epsilon as float32
     BLOCK_M: tl.constexpr,  # rows per program (B when SQUARE)
-    GROUPS: tl.constexpr,  # blocks side by side per program
+    GROUPS: tl.constexpr,  # blocks side by side per program (1 with TRANSPOSED)
     B: tl.constexpr,  # block length
     SQUARE: tl.constexpr,  # True: B x B tiles; False: 1 x B blocks
+    TRANSPOSED: tl.constexpr,  # SQUARE only: write the quantization of x^T (see _quantize_square_transposed_store)
     POW2: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MBITS: tl.constexpr,
@@ -158,7 +192,10 @@ def _quantize_blockwise_kernel(
     cols = col0 + tl.arange(0, GROUPS * B)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, SQUARE, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
+    if TRANSPOSED:
+        _quantize_square_transposed_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
+    else:
+        _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, SQUARE, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
 
 
 @triton.jit

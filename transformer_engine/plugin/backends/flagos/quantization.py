@@ -668,10 +668,13 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
     rounded down to a power of two with ``power_2_scale``; bit-identical to the reference backend.
     1 x B tiles: a program quantizes W = _BLOCKWISE_ROW columns (fewer for a narrow x) of
     _BLOCKWISE_ROW_TILE / W rows, wide rows for long contiguous runs; B x B tiles: as many side by
-    side as fill _BLOCKWISE_TILE values (at least one).
+    side as fill _BLOCKWISE_TILE values (at least one). B x B tiles of a column-major x (x = w^T, e.g.
+    a weight's transpose for dgrad) are read from w row by row, one tile per program, and stored
+    transposed: no copy of x, no separate FP8 transpose.
 
     Args:
-        x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride).
+        x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride; any other
+            layout is copied first, except the column-major x of B x B tiles).
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
         block_rows, block_cols: 1 x B or B x B, B a power of two in [16, 256].
         power_2_scale: round each scale down to a power of two.
@@ -686,26 +689,30 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
         a bad fp8_dtype or a negative amax_epsilon.
     """
     eps_bits = _check_blockwise(x, fp8_dtype, block_rows, block_cols, amax_epsilon)
-    x = _rows_contiguous(x)
-    (m, n), b = x.shape, block_cols
+    square, b = block_rows != 1, block_cols
+    m, n = x.shape
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
-    if block_rows != 1:
+    if square:
         scale_inv = torch.empty((cdiv(m, b), cdiv(n, b)), dtype=torch.float32, device=x.device)
     else:
         scale_inv = _column_major_scales(cdiv(n, b), m, x.device)
-    _launch_quantize_blockwise(x, q, scale_inv, block_rows != 1, b, power_2_scale, eps_bits)
+    if square and x.stride(0) == 1 and x.stride(1) >= m and n > 1:  # x = w^T of a row-major w: read w
+        _launch_quantize_blockwise(x.t(), q, scale_inv, square, b, power_2_scale, eps_bits, transposed=True)
+    else:
+        _launch_quantize_blockwise(_rows_contiguous(x), q, scale_inv, square, b, power_2_scale, eps_bits)
     return q, scale_inv
 
 
-def _launch_quantize_blockwise(x, q, scale_inv, square: bool, block_len: int, power_2_scale, eps_bits: int) -> None:
+def _launch_quantize_blockwise(x, q, scale_inv, square: bool, block_len: int, power_2_scale, eps_bits: int, transposed: bool = False) -> None:
     """Run _quantize_blockwise_kernel on x [M, N] (unit column stride) into q [M, N] and scale_inv.
 
     scale_inv as quantize_blockwise returns it (storage [cdiv(N, B), M] for 1 x B, [cdiv(M, B), cdiv(N, B)]
-    for B x B); the tile per program as quantize_blockwise describes.
+    for B x B); the tile per program as quantize_blockwise describes. ``transposed`` (B x B only): q [N, M]
+    and scale_inv [cdiv(N, B), cdiv(M, B)] receive the quantization of x^T, one tile per program.
     """
     (m, n), b = x.shape, block_len
     if square:
-        groups = max(1, min(_BLOCKWISE_TILE // (b * b), next_power_of_2(cdiv(n, b))))
+        groups = 1 if transposed else max(1, min(_BLOCKWISE_TILE // (b * b), next_power_of_2(cdiv(n, b))))
         block_m, per_thread = b, _BLOCKWISE_PER_THREAD
     else:
         groups = max(b, min(_BLOCKWISE_ROW, next_power_of_2(n))) // b
@@ -715,7 +722,7 @@ def _launch_quantize_blockwise(x, q, scale_inv, square: bool, block_len: int, po
         with device_guard(x):
             _quantize_blockwise_kernel[(cdiv(m, block_m) * cdiv(n, groups * b),)](
                 x, q.view(torch.uint8), scale_inv, m, n, x.stride(0), eps_bits,
-                BLOCK_M=block_m, GROUPS=groups, B=b, SQUARE=square, POW2=bool(power_2_scale),
+                BLOCK_M=block_m, GROUPS=groups, B=b, SQUARE=square, TRANSPOSED=transposed, POW2=bool(power_2_scale),
                 num_warps=_blockwise_warps(block_m * groups * b, per_thread),
                 **fp8_format(q.dtype).constexprs(hw_fp8_cast(x.device)),
             )  # fmt: skip
