@@ -4,9 +4,11 @@
     bias_dropout_add(x, b, r) = r + drop_path(dropout(x + b))
 
 In training with p > 0 and no drop_path, bias-dropout-add is one op, ``bias_dropout_add_fwd``
-(b [H] or None, r like x, one dtype), and its VJP is dx = dropout_bwd(dout, m, p),
-db = sum over rows of dx, dr = dout. The keep mask m is drawn from the default generator of x's
-device, so ``torch.manual_seed`` and the RNG replay of ``te.checkpoint`` reproduce it.
+(b [H] or None, r like x, one dtype), and its VJP is dx = dropout_bwd(dout, m, p), db = sum over
+rows of dx, dr = dout; when b needs a gradient, ``dropout_bwd_dbias`` gives dx and db in one pass (db
+summed in float32 from the unrounded products, rounded once to b's dtype). The keep mask m is drawn
+from the default generator of x's device, so ``torch.manual_seed`` and the RNG replay of
+``te.checkpoint`` reproduce it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from typing import Callable, Optional
 import torch
 
 from transformer_engine.plugin import ops
-
-from .module._common import bias_grad
 
 __all__ = ["dropout", "bias_dropout_add"]
 
@@ -56,7 +56,7 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 class _BiasDropoutAddFunction(torch.autograd.Function):
-    """out, m = bias_dropout_add_fwd(x, b, r, p); dx = dropout_bwd(dout, m, p), db = sum_rows dx, dr = dout."""
+    """out, m = bias_dropout_add_fwd(x, b, r, p); (dx, db) = dropout_bwd_dbias(dout, m, p) (db rounded to b's dtype), dr = dout."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float):
@@ -71,10 +71,12 @@ class _BiasDropoutAddFunction(torch.autograd.Function):
         (keep,) = ctx.saved_tensors
         dout = dout.contiguous()
         need_dx, need_dbias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = ops.dropout_bwd(dout, keep, ctx.p) if need_dx or need_dbias else None
-        dbias = None
-        if need_dbias:
-            dbias = bias_grad(dx.reshape(-1, dx.shape[-1]), ctx.bias_dtype)
+        dx = dbias = None
+        if need_dbias:  # one pass: dx and its float32 column sums
+            dx, dbias = ops.dropout_bwd_dbias(dout, keep, ctx.p)
+            dbias = dbias.to(ctx.bias_dtype)
+        elif need_dx:
+            dx = ops.dropout_bwd(dout, keep, ctx.p)
         return dx if need_dx else None, dbias, dout, None
 
 

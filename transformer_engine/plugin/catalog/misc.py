@@ -18,12 +18,22 @@ def dropout_bwd(dy, mask, p):
 
 
 @declare
+def dropout_bwd_dbias(dy, mask, p):
+    """``dropout_bwd`` plus the bias gradient of bias-dropout-add, from one read of dy.
+
+    dx = dy * m / (1 - p) in dy's dtype,  dbias[j] = sum over the rows of dy [..., H] of dy * m / (1 - p),
+    accumulated in float32 from the unrounded products. Returns: (dx like dy, dbias float32 [H]).
+    """
+
+
+@declare
 def bias_dropout_add_fwd(x, bias, residual, p):
     """out = residual + (x + bias) * m / (1 - p), m ~ Bernoulli(1 - p) from the device's default generator.
 
     ``bias`` is [H] (H = x's last dim, broadcast over the rows) or None; ``residual`` has x's shape.
-    Math in float32, ``out`` in x's dtype. The backward is :func:`dropout_bwd` with the same m:
-    dx = dout * m / (1 - p), dbias = sum over rows of dx, dresidual = dout.
+    Math in float32, ``out`` in x's dtype. The backward is :func:`dropout_bwd` (or, with a bias,
+    :func:`dropout_bwd_dbias`) with the same m: dx = dout * m / (1 - p), dbias = sum over rows of dx,
+    dresidual = dout.
     Returns: (out like x, m packed as in :func:`dropout_fwd`).
     """
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_close, flagos_and_reference
+from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_close, assert_dbias_close, flagos_and_reference
 from tests.utils import randn
 from transformer_engine.plugin.backends import flagos, reference
 from transformer_engine.plugin.backends._dropout_mask import pack_keep, packed_bytes, unpack_keep
@@ -139,6 +139,55 @@ def test_bias_dropout_add_row_aligned_quarters(monkeypatch, hidden, device):
     assert torch.equal(out, residual + (x + bias) * keep * 2)
 
 
+def _check_dropout_bwd_dbias(dy, p, device):
+    """dx bit-identical to dropout_bwd's, dbias within the float32 bound of the float64 column sums (and the reference's)."""
+    keep = (torch.rand(dy.shape) >= p).to(device)
+    mask = pack_keep(keep)
+    dx, dbias = fm.dropout_bwd_dbias(dy, mask, p)
+    assert torch.equal(dx, fm.dropout_bwd(dy, mask, p))
+    products = (dy.double() * keep / (1 - p)).reshape(-1, dy.shape[-1])
+    assert_dbias_close(dbias, products.sum(0), products)
+    ref_dx, ref_dbias = ref.dropout_bwd_dbias(dy, mask, p)
+    assert_close(dx, ref_dx)
+    assert_dbias_close(dbias, ref_dbias, products)
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(8,), (3, 1000), (300, 72), (2, 129, 264)])  # rows past one 128-row chunk
+def test_dropout_bwd_dbias_matches_dropout_bwd_and_the_column_sums(shape, dtype, device):
+    _check_dropout_bwd_dbias(randn(*shape, dtype=dtype, device=device), 0.3, device)
+
+
+def test_dropout_bwd_dbias_declines_rows_not_byte_aligned(monkeypatch, device):
+    dy = randn(13, 67, device=device)
+    mask = pack_keep(torch.ones(13, 67, dtype=torch.bool, device=device))
+    verdict = fm.SUPPORTS["dropout_bwd_dbias"](dy, mask, 0.5)
+    assert not verdict and "multiple of 8" in verdict.reason
+    with pytest.raises(NotImplementedError, match="multiple of 8"):
+        fm.dropout_bwd_dbias(dy, mask, 0.5)
+    (dx, dbias), impl = flagos_and_reference(monkeypatch, device).dispatcher("dropout_bwd_dbias").traced(dy, mask, 0.5)
+    assert impl.impl_id == reference.IMPL_ID and torch.equal(dx, dy * 2)
+
+
+def test_dropout_bwd_dbias_sums_integers_exactly_and_edges(monkeypatch, device):
+    # small integers times 2 (p = 0.5) sum exactly in any order: every element counted once, masked lanes 0;
+    # several chunks and column tiles, a ragged last of each
+    monkeypatch.setattr(fm, "_DBIAS_ROWS", 32)
+    monkeypatch.setattr(fm, "_DBIAS_BYTES", 4)
+    dy = torch.randint(-8, 9, (100, 72)).to(torch.bfloat16).to(device)
+    keep = (torch.rand(dy.shape) >= 0.5).to(device)
+    dx, dbias = fm.dropout_bwd_dbias(dy, pack_keep(keep), 0.5)
+    assert torch.equal(dx, dy * keep * 2) and torch.equal(dbias.cpu(), (dy.cpu().double() * keep.cpu() * 2).sum(0).float())
+    dx, dbias = fm.dropout_bwd_dbias(dy, pack_keep(keep), 1.0)  # p = 1 keeps nothing
+    assert not bool(dx.any()) and not bool(dbias.any())
+    dx, dbias = fm.dropout_bwd_dbias(randn(0, 8, device=device), pack_keep(torch.zeros(0, 8, dtype=torch.bool, device=device)), 0.5)
+    assert dx.shape == (0, 8) and dbias.dtype == torch.float32 and dbias.cpu().tolist() == [0.0] * 8
+    with pytest.raises(ValueError, match="last dim"):
+        fm.dropout_bwd_dbias(randn(1, device=device)[0], pack_keep(torch.ones(1, dtype=torch.bool, device=device)), 0.5)
+    with pytest.raises(ValueError, match="3 bytes"):
+        fm.dropout_bwd_dbias(randn(4, 6, device=device), pack_keep(torch.ones(4, 6, dtype=torch.bool, device=device))[:2], 0.5)
+
+
 def test_dropout_errors_and_supports(device):
     x = randn(4, 6, device=device)
     for bad in (-0.1, 1.5):
@@ -173,6 +222,8 @@ def test_dispatch_runs_flagos(monkeypatch, device):
     assert impl.impl_id == flagos.IMPL_ID and mask.shape == (packed_bytes(x.numel()),)
     _, impl = manager.dispatcher("dropout_fwd").traced(x.double(), 0.5)  # declined: the reference runs
     assert impl.impl_id == reference.IMPL_ID
+    _, impl = manager.dispatcher("dropout_bwd_dbias").traced(x, mask, 0.5)
+    assert impl.impl_id == flagos.IMPL_ID
 
 
 @pytest.mark.gpu
@@ -186,6 +237,12 @@ def test_dropout_large_gpu():
     assert_close(fm.dropout_bwd(dy, mask, 0.1), (dy.double() * keep / 0.9).to(torch.bfloat16))
     y, mask = fm.dropout_fwd(x, 0.5)
     assert torch.equal(y, x * unpack_keep(mask, x.shape) * 2)
+
+
+@pytest.mark.gpu
+def test_dropout_bwd_dbias_large_gpu():
+    _check_dropout_bwd_dbias(randn(8192, 4096, dtype=torch.bfloat16, device="cuda"), 0.1, "cuda")
+    _check_dropout_bwd_dbias(randn(4, 2048, 4104, dtype=torch.float16, device="cuda"), 0.1, "cuda")
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ from transformer_engine.plugin.backends.reference.misc import (
     cross_entropy_bwd,
     cross_entropy_fwd,
     dropout_bwd,
+    dropout_bwd_dbias,
     dropout_fwd,
 )
 
@@ -40,6 +41,18 @@ def test_packed_mask_round_trip(numel):
     assert mask.dtype == torch.uint8 and mask.shape == (packed_bytes(numel),)
     assert torch.equal(unpack_keep(mask, (numel,)), keep)
     assert int(mask[0]) == sum(int(keep[j]) << j for j in range(min(8, numel)))  # bit j = element j, LSB first
+
+
+@pytest.mark.parametrize("shape", [(5,), (7, 13), (2, 3, 8)])
+def test_dropout_bwd_dbias_sums_the_unrounded_products(shape):
+    dy = randn(*shape, dtype=torch.bfloat16)
+    keep = torch.rand(shape) >= 0.3
+    dx, dbias = dropout_bwd_dbias(dy, pack_keep(keep), 0.3)
+    assert torch.equal(dx, dropout_bwd(dy, pack_keep(keep), 0.3))
+    products = dy.float() * keep * (1 / 0.7)  # the op multiplies by the scale
+    assert dbias.dtype == torch.float32 and torch.equal(dbias, products.reshape(-1, shape[-1]).sum(0))
+    with pytest.raises(ValueError, match="last dim"):
+        dropout_bwd_dbias(dy.reshape(-1)[0], pack_keep(keep.reshape(-1)[:1]), 0.3)
 
 
 def test_dropout_edge_probabilities_and_generator():

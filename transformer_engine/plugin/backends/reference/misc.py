@@ -5,7 +5,7 @@ Dropout, with keep mask m ~ Bernoulli(1 - p) drawn from the default generator of
     backward  dx = dy * m / (1 - p)
 (p = 1 keeps nothing and gives zeros.) Bias-dropout-add, bias b [H] broadcast over the rows:
     forward   out = r + (x + b) * m / (1 - p)
-    backward  dx = dout * m / (1 - p) (dropout_bwd), db = sum over rows of dx, dr = dout
+    backward  dx = dout * m / (1 - p) (dropout_bwd), db = sum over rows of dx (dropout_bwd_dbias), dr = dout
 
 Cross entropy of one row z [V] against target t with label smoothing eps:
     lse = log sum_j exp(z_j)
@@ -19,7 +19,7 @@ import torch
 from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_mask, dropout_scale
 from transformer_engine.plugin.backends._dropout_mask import pack_keep, unpack_keep
 
-__all__ = ["dropout_fwd", "dropout_bwd", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
+__all__ = ["dropout_fwd", "dropout_bwd", "dropout_bwd_dbias", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
 
 
 def _keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -55,6 +55,21 @@ def dropout_bwd(dy, mask, p):
     scale = dropout_scale(p)
     check_dropout_mask(dy, mask)
     return (dy.float() * unpack_keep(mask, dy.shape) * scale).to(dy.dtype)
+
+
+def dropout_bwd_dbias(dy, mask, p):
+    """(dx, dbias): :func:`dropout_bwd` and the float32 sum over the rows of dy [..., H] of its unrounded products.
+
+    Raises:
+        ValueError: as :func:`dropout_bwd`, or dy without a last dim.
+        TypeError: as :func:`dropout_bwd`.
+    """
+    scale = dropout_scale(p)
+    check_dropout_mask(dy, mask)
+    if dy.dim() < 1:
+        raise ValueError("dy must have a last dim H (the bias length), got a 0-d tensor")
+    dx = dy.float() * unpack_keep(mask, dy.shape) * scale
+    return dx.to(dy.dtype), dx.flatten(0, -2).sum(0) if dy.dim() > 1 else dx
 
 
 def bias_dropout_add_fwd(x, bias, residual, p):
