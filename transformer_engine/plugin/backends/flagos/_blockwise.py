@@ -83,18 +83,23 @@ def _quantize_tile_store(
     col0,  # column where the tile starts (a multiple of B)
     M,  # rows of the matrix
     N,  # columns of the matrix
-    q_ptr,  # *uint8 view of q [M, N], contiguous
-    s_ptr,  # *float32 scale_inv storage: [cdiv(N, B), M] (1 x B), [cdiv(M, B), cdiv(N, B)] (SQUARE)
+    q_ptr,  # *uint8 view of q [M, N], contiguous ([N, M] with TRANSPOSED)
+    s_ptr,  # *float32 scale_inv storage: [cdiv(N, B), M] (1 x B), [cdiv(M, B), cdiv(N, B)] (SQUARE; transposed with TRANSPOSED)
     eps_bits,  # int32 bit pattern of amax_epsilon as float32
     B: tl.constexpr,  # block length
     SQUARE: tl.constexpr,  # True: B x B tiles (R == B), one scale per tile; False: 1 x B blocks
+    TRANSPOSED: tl.constexpr,  # SQUARE with G = 1 only: store the tile as the tile (col0, row0) of the transpose
     POW2: tl.constexpr,  # round scales down to powers of two
     FP8_MAX: tl.constexpr,
     MBITS: tl.constexpr,
     EBIAS: tl.constexpr,
     HW_CAST: tl.constexpr,
 ):
-    """Quantize one tile with its block scales and store its codes and scale_inv entries."""
+    """Quantize one tile with its block scales and store its codes and scale_inv entries.
+
+    TRANSPOSED: a square tile of x^T holds the values of the tile of x it transposes (the same amax and
+    scale, the codes transposed), so the quantization of x^T is read from x row by row (coalesced) and
+    only the stores are transposed."""
     R: tl.constexpr = x.shape[0]
     G: tl.constexpr = x.shape[1] // B
     rows = (row0 + tl.arange(0, R)).to(tl.int64)
@@ -107,7 +112,10 @@ def _quantize_tile_store(
         amax_bits = tl.max(_abs_bits(xs), axis=2)  # [R, G]: one per row of each block
     if SQUARE:
         amax_bits = tl.max(amax_bits, axis=0, keep_dims=True)  # [1, G]: one per tile
-        s_offs = (row0 // B) * tl.cdiv(N, B) + blocks[None, :]
+        if TRANSPOSED:
+            s_offs = blocks[None, :] * tl.cdiv(M, B) + row0 // B
+        else:
+            s_offs = (row0 // B) * tl.cdiv(N, B) + blocks[None, :]
         s_mask = blocks[None, :] < tl.cdiv(N, B)
     else:
         s_offs = blocks[None, :] * M + rows[:, None]  # column-major: runs of R contiguous scales
@@ -125,41 +133,11 @@ def _quantize_tile_store(
         cols = blocks[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
         offs = rows[:, None, None] * N + cols[None, :, :]
         mask = (rows < M)[:, None, None] & (cols < N)[None, :, :]
-    tl.store(q_ptr + offs, code, mask=mask)
+    if TRANSPOSED:
+        tl.store(q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
+    else:
+        tl.store(q_ptr + offs, code, mask=mask)
     tl.store(s_ptr + s_offs, scale_inv, mask=s_mask)
-
-
-@triton.jit
-def _quantize_square_transposed_store(
-    x,  # [B, B] tile of a matrix [M, N] (loaded with 0 in its masked lanes)
-    row0,  # row of the matrix where the tile starts (a multiple of B)
-    col0,  # column where the tile starts (a multiple of B)
-    M,  # rows of the matrix
-    N,  # columns of the matrix
-    q_ptr,  # *uint8 view of q [N, M] (the matrix's transpose), contiguous
-    s_ptr,  # *float32 scale_inv [cdiv(N, B), cdiv(M, B)], contiguous
-    eps_bits,  # int32 bit pattern of amax_epsilon as float32
-    POW2: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EBIAS: tl.constexpr,
-    HW_CAST: tl.constexpr,
-):
-    """Quantize a B x B tile with its one scale and store it as the tile (col0, row0) of the transpose.
-
-    A square tile of x^T holds the same values as the tile of x it transposes: the same amax and scale,
-    the codes transposed. So the quantization of x^T is read from x row by row (coalesced) and only the
-    stores are transposed."""
-    B: tl.constexpr = x.shape[0]
-    xs = x.to(tl.float32)
-    amax_bits = tl.max(tl.max(_abs_bits(xs), axis=1), axis=0)
-    scale, scale_inv = _tile_scales(amax_bits, eps_bits, FP8_MAX, POW2)
-    code = _fp8_encode(xs * scale, FP8_MAX, MBITS, EBIAS, HW_CAST)
-    rows = (row0 + tl.arange(0, B)).to(tl.int64)
-    cols = (col0 + tl.arange(0, B)).to(tl.int64)
-    mask = (cols < N)[:, None] & (rows < M)[None, :]
-    tl.store(q_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=mask)
-    tl.store(s_ptr + (col0 // B) * tl.cdiv(M, B) + row0 // B, scale_inv)
 
 
 @cached_launch
@@ -176,7 +154,7 @@ def _quantize_blockwise_kernel(
     GROUPS: tl.constexpr,  # blocks side by side per program (1 with TRANSPOSED)
     B: tl.constexpr,  # block length
     SQUARE: tl.constexpr,  # True: B x B tiles; False: 1 x B blocks
-    TRANSPOSED: tl.constexpr,  # SQUARE only: write the quantization of x^T (see _quantize_square_transposed_store)
+    TRANSPOSED: tl.constexpr,  # SQUARE only: write the quantization of x^T (see _quantize_tile_store)
     POW2: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MBITS: tl.constexpr,
@@ -192,10 +170,7 @@ def _quantize_blockwise_kernel(
     cols = col0 + tl.arange(0, GROUPS * B)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    if TRANSPOSED:
-        _quantize_square_transposed_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
-    else:
-        _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, SQUARE, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
+    _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, SQUARE, TRANSPOSED, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
 
 
 @triton.jit
@@ -279,7 +254,7 @@ def _cast_transpose_blockwise_kernel(
             x_ptr, tile + step, tiles, M, N, stride_xm, TILE_N, B
         )
         if ROWS:
-            _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
+            _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, False, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
         if DBIAS:  # masked lanes hold 0
             tl.store(dbias_ptr + (row0 // B) * N + cols, tl.sum(x.to(tl.float32), axis=0), mask=cols < N)
         if TRANSPOSE_CODES:
@@ -287,6 +262,6 @@ def _cast_transpose_blockwise_kernel(
             tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
         else:  # [TILE_N, B]: one block per row, the 2-D path
             _quantize_tile_store(
-                tl.trans(x), col0, row0, N, M, qt_ptr, st_ptr, eps_bits, B, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST
+                tl.trans(x), col0, row0, N, M, qt_ptr, st_ptr, eps_bits, B, False, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST
             )
         x, mask, row0, col0, rows, cols = x_next, mask_next, row0_next, col0_next, rows_next, cols_next
