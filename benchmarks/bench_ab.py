@@ -18,7 +18,7 @@ Cases (a step is fwd+bwd, gradients cleared; FP8 = DelayedScaling HYBRID, histor
 - ``norms`` (GPU): ``te.LayerNorm`` / ``te.RMSNorm`` / ``nn.LayerNorm`` on [16384, 4096] bf16;
 - ``large`` (GPU): ``te.Linear`` 8192^3 FP8 and the headline ``te.TransformerLayer`` FP8, each step
   waited for (as ``bench_linear.py`` and ``bench_transformer_layer.py`` time them);
-- ``block`` (GPU): the same two under ``Float8BlockScaling``.
+- ``block`` / ``current`` (GPU): the same two under ``Float8BlockScaling`` / ``Float8CurrentScaling``.
 
     git archive <rev> transformer_engine | tar -x -C /tmp/base     # the base tree
     python benchmarks/bench_ab.py --base-tree /tmp/base --json ab.json
@@ -42,13 +42,13 @@ import torch
 from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = ("small", "norms", "large", "block")
+GROUPS = ("small", "norms", "large", "block", "current")
 
 
 def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int, bool]]:
     """{name: (step, steps per chunk, wait for each step)} of the chosen groups that run on ``device``."""
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Format
+    from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 
     from bench_host_overhead import FEATURES, TOKENS
     from bench_transformer_layer import LayerShape, _te_layer
@@ -74,7 +74,8 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
         dy = torch.randn_like(x)
         for name, cls in (("te.LayerNorm", te.LayerNorm), ("te.RMSNorm", te.RMSNorm), ("nn.LayerNorm", torch.nn.LayerNorm)):
             cases[f"{name} [16384, 4096]"] = (fwd_bwd_step(cls(4096, device=device, dtype=bf16), x, dy, none), 50, False)
-    for group, label, recipe in (("large", "FP8", fp8), ("block", "FP8 block", Float8BlockScaling())):
+    recipes = (("large", "FP8", fp8), ("block", "FP8 block", Float8BlockScaling()), ("current", "FP8 current", Float8CurrentScaling()))
+    for group, label, recipe in recipes:
         if group not in groups:
             continue
         context = functools.partial(te.autocast, recipe=recipe)

@@ -48,6 +48,22 @@ def test_current_scaling_quantizer(dtype):
     assert sqnr(x.float(), out.dequantize(torch.float32)) >= 25.0
 
 
+def test_current_scaling_casts_max_into_the_amax_of_their_scale(monkeypatch):
+    # each cast gets the amax its scale came from as amax_out (no zeroed amax buffer of its own), and
+    # leaves it unchanged: it already holds max|x|
+    seen = []
+    for name in ("quantize", "cast_transpose", "cast_transpose_dbias"):
+        op = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *args, _op=op: seen.append(args[3]) or _op(*args))
+    x = randn(16, 32, scale=5.0, dtype=torch.bfloat16)
+    quantizer = RecipeState.create(Float8CurrentScaling(), mode="backward", num_gemms=1, device="cpu").make_quantizers()[0]
+    quantizer.quantize(x)
+    quantizer.quantize(x, columnwise=True)
+    quantizer.quantize_with_dbias(x)
+    quantizer.quantize_weight(x)
+    assert len(seen) == 4 and all(a is not None and a.item() == x.float().abs().max().item() for a in seen)
+
+
 def test_observer_records_and_returns_input():
     state = _delayed_state()
     observer = state.make_observers()[1]

@@ -219,25 +219,31 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.qparams = qparams
         self.reduce_amax = reduce_amax
 
-    def _scale_of(self, x: torch.Tensor) -> torch.Tensor:
-        """scale = fp8_max / max|x| (``ops.current_scale``: amax and scale in one launch where the backend
-        can), the amax MAX-reduced over the ranks first for a sharded tensor."""
+    def _scale_and_amax(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale, amax): scale = fp8_max / amax, amax = max|x| (``ops.current_scale``: both in one launch
+        where the backend can), MAX-reduced over the ranks first for a sharded tensor.
+
+        The cast that follows takes this amax as its ``amax_out``: it already holds max|x|, so the cast
+        leaves it as it is and needs no zeroed amax buffer of its own (a fill launch per cast)."""
         eps, power_2 = self.qparams.amax_epsilon, self.qparams.power_2_scale
         if self.reduce_amax is None:
-            return ops.current_scale(x, self.fp8_dtype, eps, power_2)[0]
-        return ops.scale_from_amax(self.reduce_amax(ops.compute_amax(x)), self.fp8_dtype, eps, power_2)
+            return ops.current_scale(x, self.fp8_dtype, eps, power_2)
+        amax = self.reduce_amax(ops.compute_amax(x))
+        return ops.scale_from_amax(amax, self.fp8_dtype, eps, power_2), amax
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
-        return _cast(x, self._scale_of(x), self.fp8_dtype, columnwise)[0]
+        scale, amax = self._scale_and_amax(x)
+        return _cast(x, scale, self.fp8_dtype, columnwise, amax)[0]
 
     def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
         """The cast with w's scale; W^T is cast again with that scale (no second amax pass)."""
-        scale = self._scale_of(w)
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, None)
+        scale, amax = self._scale_and_amax(w)
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, amax)
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
-        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, self._scale_of(x), self.fp8_dtype)
+        scale, amax = self._scale_and_amax(x)
+        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax)
         return Float8Tensor(q, scale_inv, q_t), dbias
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8CurrentScalingQuantizer":
