@@ -25,6 +25,7 @@ __all__ = [
     "check_softmax_mask",
     "dropout_scale",
     "check_dropout_mask",
+    "check_dropout_dbias",
     "check_amax_epsilon",
     "check_bias_dropout_add",
     "check_delayed_scaling_update",
@@ -105,6 +106,13 @@ def check_dropout_mask(dy: torch.Tensor, mask) -> None:
             f"dropout mask has shape {tuple(mask.shape)}; the packed mask of a gradient of {dy.numel()} elements "
             f"has {packed_bytes(dy.numel())} bytes"
         )
+
+
+def check_dropout_dbias(dy: torch.Tensor, mask) -> None:
+    """dropout_bwd_dbias: :func:`check_dropout_mask`, and a dy with a last dim H (the bias length)."""
+    check_dropout_mask(dy, mask)
+    if dy.dim() < 1:
+        raise ValueError("dy must have a last dim H (the bias length), got a 0-d tensor")
 
 
 def check_bias_dropout_add(x: torch.Tensor, bias, residual) -> None:

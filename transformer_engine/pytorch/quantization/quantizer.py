@@ -269,7 +269,11 @@ class Float8BlockQuantizer(Quantizer):
         self.fp8_dtype = fp8_dtype
         self.block = (1 if block_dim == 1 else block_len, block_len)
         self.qparams = qparams
-        self.fuses_dbias = block_dim == 1  # the 1-D cast with its transpose sums the columns on the way
+
+    @property
+    def fuses_dbias(self) -> bool:
+        """1-D tiles: the cast with its transpose sums the columns on the way."""
+        return self.block[0] == 1
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """1-D tiles: x and x^T cast and the float32 column sums, from the same reads (``ops.cast_transpose_blockwise_dbias``)."""

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_mask, dropout_scale
+from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_dbias, check_dropout_mask, dropout_scale
 from transformer_engine.plugin.backends._dropout_mask import packed_bytes
 from transformer_engine.plugin.core import Reject
 
@@ -257,9 +257,7 @@ def dropout_bwd_dbias(dy, mask, p):
         TypeError: mask is not a uint8 tensor. NotImplementedError: H is not a multiple of 8.
     """
     scale = dropout_scale(p)
-    check_dropout_mask(dy, mask)
-    if dy.dim() < 1:
-        raise ValueError("dy must have a last dim H (the bias length), got a 0-d tensor")
+    check_dropout_dbias(dy, mask)
     h = dy.shape[-1]
     if h % 8:
         raise NotImplementedError(f"flagos dropout_bwd_dbias: {_UNALIGNED.format(h)}; use another backend for this call")

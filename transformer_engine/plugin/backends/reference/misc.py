@@ -16,7 +16,7 @@ Rows whose target is ``ignore_index`` have loss 0 and gradient 0. Math in float3
 
 import torch
 
-from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_mask, dropout_scale
+from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_dbias, check_dropout_mask, dropout_scale
 from transformer_engine.plugin.backends._dropout_mask import pack_keep, unpack_keep
 
 __all__ = ["dropout_fwd", "dropout_bwd", "dropout_bwd_dbias", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
@@ -54,7 +54,7 @@ def dropout_bwd(dy, mask, p):
     """
     scale = dropout_scale(p)
     check_dropout_mask(dy, mask)
-    return (dy.float() * unpack_keep(mask, dy.shape) * scale).to(dy.dtype)
+    return _dropped(dy, mask, scale).to(dy.dtype)
 
 
 def dropout_bwd_dbias(dy, mask, p):
@@ -65,11 +65,14 @@ def dropout_bwd_dbias(dy, mask, p):
         TypeError: as :func:`dropout_bwd`.
     """
     scale = dropout_scale(p)
-    check_dropout_mask(dy, mask)
-    if dy.dim() < 1:
-        raise ValueError("dy must have a last dim H (the bias length), got a 0-d tensor")
-    dx = dy.float() * unpack_keep(mask, dy.shape) * scale
+    check_dropout_dbias(dy, mask)
+    dx = _dropped(dy, mask, scale)
     return dx.to(dy.dtype), dx.flatten(0, -2).sum(0) if dy.dim() > 1 else dx
+
+
+def _dropped(dy, mask, scale: float) -> torch.Tensor:
+    """dy * m * scale in float32, m the packed keep mask."""
+    return dy.float() * unpack_keep(mask, dy.shape) * scale
 
 
 def bias_dropout_add_fwd(x, bias, residual, p):
