@@ -18,6 +18,7 @@ the PyTorch modules, so their checks report False with that reason.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Optional, Tuple, Union
@@ -59,7 +60,14 @@ def fp8_emulation_requested() -> bool:
 def _cuda_capability() -> Optional[Tuple[int, int]]:
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_capability()
+    return _capability_of(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> Tuple[int, int]:
+    """(major, minor) of CUDA device ``index``, asked once: ``te.autocast`` checks it on every entry, and
+    ``torch.cuda.get_device_capability`` builds the device's properties object each time (tens of us)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def get_device_compute_capability() -> Tuple[int, int]:

@@ -26,6 +26,18 @@ def test_arg_key_separates_what_triton_specializes():
     assert key(x) == key(x[8:]) != key(x[1:]) != key(x.float())  # 16-byte alignment, dtype
 
 
+def test_empty_launch_hook_chains_are_skipped():
+    """Triton's hook chains exist even when empty: those reach the launcher as None (no launch
+    metadata built, nothing called); a chain with a hook, or a plain callable, is passed on."""
+    knobs = pytest.importorskip("triton.knobs")
+    if not hasattr(knobs, "HookChain"):
+        pytest.skip("this Triton keeps launch hooks as plain callables")
+    chain = knobs.HookChain()
+    assert _launch._hooks(chain) is None and _launch._hooks(None) is None
+    chain.add(print)
+    assert _launch._hooks(chain) is chain and _launch._hooks(print) is print
+
+
 def _probe_kernel_source():
     import triton
     import triton.language as tl
@@ -66,3 +78,28 @@ def test_cached_launch_matches_triton_launch():
             key = cached.launch_key(x, y_fast, n, k, alpha, BLOCK=block, SHIFT=shift)
             assert kernels.setdefault(key, compiled) is compiled, "one launch key, two compiled kernels"
     assert len(cached._compiled) == len(kernels)
+
+
+@pytest.mark.gpu
+def test_cached_launch_calls_registered_launch_hooks():
+    """A hook added to Triton's launch chain (a profiler's, say) runs on the cached path too."""
+    knobs = pytest.importorskip("triton.knobs")
+    if not hasattr(knobs, "HookChain"):
+        pytest.skip("this Triton keeps launch hooks as plain callables")
+    cached = _launch.CachedLaunch(_probe_kernel_source())
+    x = torch.randn(256, device="cuda")
+    y = torch.empty_like(x)
+    cached[(4,)](x, y, 256, 3, 0.5, BLOCK=64, SHIFT=0)  # first call: Triton's path, compiles
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        cached[(4,)](x, y, 256, 3, 0.5, BLOCK=64, SHIFT=0)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    cached[(4,)](x, y, 256, 3, 0.5, BLOCK=64, SHIFT=0)  # removed again: not called
+    assert seen == ["_probe_kernel"]

@@ -20,7 +20,8 @@ kernel from Triton):
 
 A key seen for the first time goes through Triton's own path (which compiles or finds the kernel,
 launches it and returns it); later calls with that key call the compiled kernel's launcher with the
-arguments in the kernel's parameter order, as Triton's path does. The launcher is generated per
+arguments in the kernel's parameter order, as Triton's path does (launch hooks that have nothing
+to call are passed as None, so the launcher builds no launch metadata for them). The launcher is generated per
 kernel with its parameters (as :mod:`dataclasses` generates ``__init__``): arguments bind natively
 and each key part is an inline expression. Every call takes Triton's path for a grid given as a
 callable, or when the compiled kernel lacks the launcher attributes of the Triton versions this was
@@ -71,12 +72,21 @@ def launch(_grid, {params}, **_options):
     if _kernel is None or _kernel is False:
         return _first(_grid, _key, _kernel, ({args},), _options)
     _stream = _stream_of(_key[0])
-    _enter = _runtime.launch_enter_hook
-    _meta = None if _enter is None else _kernel.launch_metadata(_grid, _stream, {args})
+    _enter, _exit = _hooks(_runtime.launch_enter_hook), _hooks(_runtime.launch_exit_hook)
+    _meta = None if _enter is None and _exit is None else _kernel.launch_metadata(_grid, _stream, {args})
     _g0, _g1, _g2 = (*_grid, 1, 1)[:3]
-    _kernel.run(_g0, _g1, _g2, _stream, _kernel.function, _kernel.packed_metadata, _meta, _enter, _runtime.launch_exit_hook, {args})
+    _kernel.run(_g0, _g1, _g2, _stream, _kernel.function, _kernel.packed_metadata, _meta, _enter, _exit, {args})
     return _kernel
 """
+
+
+def _hooks(hook: Any) -> Any:
+    """A launch hook as the compiled launcher should get it: None when there is nothing to call.
+
+    Triton >= 3.5 keeps its launch hooks as chains (``knobs.HookChain``) that exist even when empty;
+    the launcher then builds the launch metadata and calls the empty chains on every launch (a few
+    microseconds). An empty chain is passed as None, which the launcher skips."""
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 # _arg_key of one runtime argument, its tensor case inlined for exact torch.Tensor arguments (the common
 # case, without a call); a subclass such as nn.Parameter goes through _arg_key, which keys it alike
@@ -106,6 +116,7 @@ class CachedLaunch:
             "_first": self._first,
             "_Tensor": torch.Tensor,
             "_arg_key": _arg_key,
+            "_hooks": _hooks,
             "_defaults": defaults,
         }
         source = _TEMPLATE.format(
