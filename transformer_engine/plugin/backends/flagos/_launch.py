@@ -20,8 +20,8 @@ kernel from Triton):
 
 A key seen for the first time goes through Triton's own path (which compiles or finds the kernel,
 launches it and returns it); later calls with that key call the compiled kernel's launcher with the
-arguments in the kernel's parameter order, as Triton's path does (launch hooks that have nothing
-to call are passed as None, so the launcher builds no launch metadata for them). The launcher is generated per
+arguments in the kernel's parameter order, as Triton's path does (launch hooks with nothing to
+call are passed as None, so no launch metadata is built for them). The launcher is generated per
 kernel with its parameters (as :mod:`dataclasses` generates ``__init__``): arguments bind natively
 and each key part is an inline expression. Every call takes Triton's path for a grid given as a
 callable, or when the compiled kernel lacks the launcher attributes of the Triton versions this was
@@ -87,6 +87,7 @@ def _hooks(hook: Any) -> Any:
     the launcher then builds the launch metadata and calls the empty chains on every launch (a few
     microseconds). An empty chain is passed as None, which the launcher skips."""
     return None if hook is None or getattr(hook, "calls", True) == [] else hook
+
 
 # _arg_key of one runtime argument, its tensor case inlined for exact torch.Tensor arguments (the common
 # case, without a call); a subclass such as nn.Parameter goes through _arg_key, which keys it alike
