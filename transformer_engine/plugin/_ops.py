@@ -4,7 +4,10 @@
     y, mean, rstd = ops.layernorm_fwd(x, weight, bias, 1e-5, False, None, None)
 
 Each attribute is the op's dispatcher, built on first access (``ops.gemm.spec`` is its declaration, ``ops.gemm.traced``
-also returns the impl that ran). Nothing is imported or registered until the first call.
+also returns the impl that ran). Nothing is imported or registered until the first call. The default
+namespace's dispatchers also trace under ``torch.compile``, each as one custom op (:mod:`._compile`);
+:func:`prepare_for_compile` builds them all ahead (a dispatcher first built inside a traced function
+would be traced too).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Callable, List
 
 from .core.catalog import list_specs
 from .core.manager import get_default_manager
+from .core.types import BackendImplKind
 
 __all__ = ["OpNamespace"]
 
@@ -22,9 +26,26 @@ class OpNamespace:
 
     def __init__(self, manager=None):
         self._manager = manager
+        self._prepared = False
 
     def _dispatcher(self, name: str) -> Callable:
-        return (self._manager or get_default_manager()).dispatcher(name)
+        if self._manager is not None:
+            return self._manager.dispatcher(name)
+        manager = get_default_manager()
+        dispatcher = manager.dispatcher(name)
+        from ._compile import traceable  # imports torch: only once an op is used
+
+        manager.ensure_initialized()
+        reference = [impl.fn for impl in manager.registry.get_implementations(name) if impl.kind is BackendImplKind.REFERENCE]
+        return traceable(dispatcher.spec, dispatcher, reference[0] if reference else None)
+
+    def prepare_for_compile(self) -> None:
+        """Build every op's dispatcher now (each is otherwise built on its first use); once per namespace."""
+        if self._prepared:
+            return
+        for spec in list_specs():
+            getattr(self, spec.name)
+        self._prepared = True
 
     def __getattr__(self, name: str) -> Callable:
         # built on first use and then kept as an instance attribute (no cost at import)

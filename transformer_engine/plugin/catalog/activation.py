@@ -12,131 +12,135 @@ sreglu srelu. clamped_swiglu (GPT-OSS): a' = min(a, limit), b' = clip(b, -limit,
 y = a' * sigmoid(alpha * a') * (b' + 1); gradients through a clamp are zero where it clamps.
 """
 
-from transformer_engine.plugin.core.catalog import declare
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
 @declare
-def gelu(x):
+def gelu(x: Tensor) -> Tensor:
     """y = gelu_tanh(x)."""
 
 
 @declare
-def dgelu(dy, x):
+def dgelu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = dy * gelu_tanh'(x)."""
 
 
 @declare
-def qgelu(x):
+def qgelu(x: Tensor) -> Tensor:
     """y = x * sigmoid(1.702 x)."""
 
 
 @declare
-def dqgelu(dy, x):
+def dqgelu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = dy * (s + 1.702 x s (1 - s)), s = sigmoid(1.702 x)."""
 
 
 @declare
-def relu(x):
+def relu(x: Tensor) -> Tensor:
     """y = max(x, 0)."""
 
 
 @declare
-def drelu(dy, x):
+def drelu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = dy * [x > 0]."""
 
 
 @declare
-def srelu(x):
+def srelu(x: Tensor) -> Tensor:
     """y = max(x, 0)^2."""
 
 
 @declare
-def dsrelu(dy, x):
+def dsrelu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = dy * 2 max(x, 0)."""
 
 
 @declare
-def silu(x):
+def silu(x: Tensor) -> Tensor:
     """y = x * sigmoid(x)."""
 
 
 @declare
-def dsilu(dy, x):
+def dsilu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = dy * (s + x s (1 - s)), s = sigmoid(x)."""
 
 
 @declare
-def glu(x):
+def glu(x: Tensor) -> Tensor:
     """y = sigmoid(a) * b."""
 
 
 @declare
-def dglu(dy, x):
+def dglu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = [dy * b * s (1 - s), dy * s], s = sigmoid(a)."""
 
 
 @declare
-def geglu(x):
+def geglu(x: Tensor) -> Tensor:
     """y = gelu_tanh(a) * b."""
 
 
 @declare
-def dgeglu(dy, x):
+def dgeglu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = [dy * b * gelu_tanh'(a), dy * gelu_tanh(a)]."""
 
 
 @declare
-def qgeglu(x):
+def qgeglu(x: Tensor) -> Tensor:
     """y = qgelu(a) * b."""
 
 
 @declare
-def dqgeglu(dy, x):
+def dqgeglu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = [dy * b * qgelu'(a), dy * qgelu(a)]."""
 
 
 @declare
-def reglu(x):
+def reglu(x: Tensor) -> Tensor:
     """y = relu(a) * b."""
 
 
 @declare
-def dreglu(dy, x):
+def dreglu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = [dy * b * [a > 0], dy * relu(a)]."""
 
 
 @declare
-def sreglu(x):
+def sreglu(x: Tensor) -> Tensor:
     """y = relu(a)^2 * b."""
 
 
 @declare
-def dsreglu(dy, x):
+def dsreglu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = [dy * b * 2 relu(a), dy * relu(a)^2]."""
 
 
 @declare
-def swiglu(x):
+def swiglu(x: Tensor) -> Tensor:
     """y = silu(a) * b."""
 
 
 @declare
-def dswiglu(dy, x):
+def dswiglu(dy: Tensor, x: Tensor) -> Tensor:
     """dx = [dy * b * silu'(a), dy * silu(a)]."""
 
 
 @declare
-def clamped_swiglu(x, limit=7.0, alpha=1.702):
+def clamped_swiglu(x: Tensor, limit: float = 7.0, alpha: float = 1.702) -> Tensor:
     """y = a' sigmoid(alpha a') (b' + 1), a' = min(a, limit), b' = clip(b, -limit, limit)."""
 
 
 @declare
-def clamped_dswiglu(dy, x, limit=7.0, alpha=1.702):
+def clamped_dswiglu(dy: Tensor, x: Tensor, limit: float = 7.0, alpha: float = 1.702) -> Tensor:
     """dx = [dy (b' + 1) (s + alpha a' s (1 - s)) [a <= limit], dy a' s [|b| <= limit]], s = sigmoid(alpha a')."""
 
 
-@declare
-def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
+@declare(mutates=("amax_out",))
+def activation_quantize(x: Tensor, activation: str, fp8_scale: Tensor, fp8_dtype: dtype, limit: float = 7.0, alpha: float = 1.702, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """y = act(x) for ``activation`` (one of the twelve forward op names above), quantized per tensor.
 
     Returns: (q, scale_inv, amax) as ``quantize(act(x), fp8_scale, fp8_dtype, amax_out)``; ``limit``
@@ -144,8 +148,8 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     """
 
 
-@declare
-def dactivation_(dy, x, activation, limit=7.0, alpha=1.702):
+@declare(mutates=("x",))
+def dactivation_(dy: Tensor, x: Tensor, activation: str, limit: float = 7.0, alpha: float = 1.702) -> Tensor:
     """x <- the backward of ``activation`` (one of the twelve forward op names) written over its input x.
 
     x = d<activation>(dy, x) in place (``clamped_dswiglu`` for clamped_swiglu), for a backward that

@@ -1,10 +1,14 @@
 """Matrix multiplication with optional FP8 operands."""
 
-from transformer_engine.plugin.core.catalog import declare
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
-@declare
-def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
+@declare(mutates=("out",))
+def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, a_scale_inv: Optional[Tensor] = None, b_scale_inv: Optional[Tensor] = None, trans_a: bool = False, trans_b: bool = False, out_dtype: Optional[dtype] = None, out: Optional[Tensor] = None, accumulate: bool = False, use_split_accumulator: bool = True) -> Tensor:
     """D = op(a) @ op(b) + bias, with op(t) = t^T when its ``trans_*`` flag is set; row-major 2-D operands.
 
     FP8 operands carry their per-tensor ``*_scale_inv``: D = (a_s * a_scale_inv) @ (b_s * b_scale_inv).
@@ -18,8 +22,8 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
     """
 
 
-@declare
-def gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, bias=None, out=None, accumulate=False):
+@declare(mutates=("out",))
+def gemm_blockwise(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, a_block: Tuple[int, int], b_block: Tuple[int, int], out_dtype: dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """D = A @ B^T + bias on block-scaled FP8 operands (Float8BlockScaling), both read along K ("TN").
 
     A[i, k] = a[i, k] * a_scale_inv[i // a_block[0], k // a_block[1]] and likewise B from b;

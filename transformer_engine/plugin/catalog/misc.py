@@ -1,10 +1,14 @@
 """Dropout, the fused bias-dropout-add, and cross entropy."""
 
-from transformer_engine.plugin.core.catalog import declare
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
 @declare
-def dropout_fwd(x, p):
+def dropout_fwd(x: Tensor, p: float) -> Tuple[Tensor, Tensor]:
     """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the device's default generator.
 
     Returns: (y like x, m packed: uint8 [ceil(numel / 8)], element i kept where bit i % 8 of byte i // 8
@@ -13,12 +17,12 @@ def dropout_fwd(x, p):
 
 
 @declare
-def dropout_bwd(dy, mask, p):
+def dropout_bwd(dy: Tensor, mask: Tensor, p: float) -> Tensor:
     """dx = dy * m / (1 - p), ``mask`` the packed m of the forward (see :func:`dropout_fwd`)."""
 
 
 @declare
-def dropout_bwd_dbias(dy, mask, p):
+def dropout_bwd_dbias(dy: Tensor, mask: Tensor, p: float) -> Tuple[Tensor, Tensor]:
     """``dropout_bwd`` plus the bias gradient of bias-dropout-add, from one read of dy.
 
     dx = dy * m / (1 - p) in dy's dtype,  dbias[j] = sum over the rows of dy [..., H] of dy * m / (1 - p),
@@ -27,7 +31,7 @@ def dropout_bwd_dbias(dy, mask, p):
 
 
 @declare
-def bias_dropout_add_fwd(x, bias, residual, p):
+def bias_dropout_add_fwd(x: Tensor, bias: Optional[Tensor], residual: Tensor, p: float) -> Tuple[Tensor, Tensor]:
     """out = residual + (x + bias) * m / (1 - p), m ~ Bernoulli(1 - p) from the device's default generator.
 
     ``bias`` is [H] (H = x's last dim, broadcast over the rows) or None; ``residual`` has x's shape.
@@ -39,7 +43,7 @@ def bias_dropout_add_fwd(x, bias, residual, p):
 
 
 @declare
-def cross_entropy_fwd(logits, target, label_smoothing=0.0, ignore_index=-100):
+def cross_entropy_fwd(logits: Tensor, target: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100) -> Tuple[Tensor, Tensor]:
     """Per-row cross entropy of logits [N, V] (any float dtype) against int64 target [N].
 
     lse = log sum_j exp(z_j); loss = (1 - eps) (lse - z_t) + eps (lse - mean_j z_j), eps =
@@ -49,7 +53,7 @@ def cross_entropy_fwd(logits, target, label_smoothing=0.0, ignore_index=-100):
 
 
 @declare
-def cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing=0.0, ignore_index=-100):
+def cross_entropy_bwd(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100) -> Tensor:
     """dz_j = grad_loss * (softmax(z)_j - (1 - eps) [j == t] - eps / V), 0 for ignored rows.
 
     Returns: dlogits with logits' shape and dtype.

@@ -7,11 +7,15 @@ row of x viewed as [M, H] (H = last dim). With ``fp8_scale`` given, y is returne
 (default x's dtype), scale_inv and amax are None and ``amax_out`` must be None.
 """
 
-from transformer_engine.plugin.core.catalog import declare
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
-@declare
-def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
+@declare(mutates=("amax_out",))
+def layernorm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float, zero_centered_gamma: bool = False, fp8_scale: Optional[Tensor] = None, fp8_dtype: Optional[dtype] = None, out_dtype: Optional[dtype] = None, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """mean = E[x], rstd = 1 / sqrt(Var[x] + eps), y = (x - mean) * rstd * gamma_eff + beta.
 
     Returns: (y, mean [M], rstd [M], scale_inv, amax).
@@ -19,7 +23,7 @@ def layernorm_fwd(x, weight, bias, eps, zero_centered_gamma=False, fp8_scale=Non
 
 
 @declare
-def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
+def layernorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, zero_centered_gamma: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """x_hat = (x - mean) * rstd, g = dy * gamma_eff,
     dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)),
     dgamma = sum_rows(dy * x_hat), dbeta = sum_rows(dy).
@@ -28,8 +32,8 @@ def layernorm_bwd(dy, x, mean, rstd, weight, zero_centered_gamma=False):
     """
 
 
-@declare
-def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=None, amax_out=None):
+@declare(mutates=("amax_out",))
+def rmsnorm_fwd(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool = False, fp8_scale: Optional[Tensor] = None, fp8_dtype: Optional[dtype] = None, out_dtype: Optional[dtype] = None, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * gamma_eff.
 
     Returns: (y, rstd [M], scale_inv, amax).
@@ -37,7 +41,7 @@ def rmsnorm_fwd(x, weight, eps, zero_centered_gamma=False, fp8_scale=None, fp8_d
 
 
 @declare
-def rmsnorm_bwd(dy, x, rstd, weight, zero_centered_gamma=False):
+def rmsnorm_bwd(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor, zero_centered_gamma: bool = False) -> Tuple[Tensor, Tensor]:
     """x_hat = x * rstd, g = dy * gamma_eff, dx = rstd * (g - x_hat * mean(g * x_hat)),
     dgamma = sum_rows(dy * x_hat).
 

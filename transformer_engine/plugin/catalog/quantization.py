@@ -1,10 +1,14 @@
 """FP8 quantization ops: per-tensor casts, transposes, amax, block scaling, delayed-scaling update."""
 
-from transformer_engine.plugin.core.catalog import declare
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
-@declare
-def quantize(x, scale, fp8_dtype, amax_out=None):
+@declare(mutates=("amax_out",))
+def quantize(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Per-tensor saturating cast to FP8.
 
     q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)),  scale_inv = 1 / scale,  amax = max|x| (finite x)
@@ -18,15 +22,15 @@ def quantize(x, scale, fp8_dtype, amax_out=None):
 
 
 @declare
-def dequantize(q, scale_inv, out_dtype):
+def dequantize(q: Tensor, scale_inv: Tensor, out_dtype: dtype) -> Tensor:
     """x = q * scale_inv, computed in float32 and cast to ``out_dtype``.
 
     Returns: x with q's shape.
     """
 
 
-@declare
-def cast_transpose(x, scale, fp8_dtype, amax_out=None):
+@declare(mutates=("amax_out",))
+def cast_transpose(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Quantize a 2-D tensor and also write its transpose (the layout the wgrad/dgrad GEMMs need).
 
     q = quantize(x),  q_t = q^T (contiguous)
@@ -34,8 +38,8 @@ def cast_transpose(x, scale, fp8_dtype, amax_out=None):
     """
 
 
-@declare
-def quantize_transposed(x, scale, fp8_dtype, amax_out=None):
+@declare(mutates=("amax_out",))
+def quantize_transposed(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Only the transposed half of ``cast_transpose``, for an operand that only a transposed GEMM reads
     (a weight's W^T for dgrad): the row-major q is not written.
 
@@ -44,8 +48,8 @@ def quantize_transposed(x, scale, fp8_dtype, amax_out=None):
     """
 
 
-@declare
-def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
+@declare(mutates=("amax_out",))
+def cast_transpose_dbias(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cast_transpose`` of the output gradient plus the bias gradient, from one read of x.
 
     (q, q_t, scale_inv, amax) = cast_transpose(x),  dbias[j] = sum_i x[i, j] accumulated in float32
@@ -55,17 +59,17 @@ def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
 
 
 @declare
-def fp8_transpose(q):
+def fp8_transpose(q: Tensor) -> Tensor:
     """Contiguous transpose of a 2-D FP8 tensor (no rescaling): q_t[j, i] = q[i, j]."""
 
 
 @declare
-def compute_amax(x):
+def compute_amax(x: Tensor) -> Tensor:
     """amax = max|x| over the finite elements of x, as a 0-d float32 tensor (0 for an empty x)."""
 
 
 @declare
-def scale_from_amax(amax, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
+def scale_from_amax(amax: Tensor, fp8_dtype: dtype, amax_epsilon: float = 0.0, power_2_scale: bool = False) -> Tensor:
     """Current scaling's scale from an amax: scale = fp8_max / max(amax, amax_epsilon).
 
     1 where amax is 0, inf or NaN; float32 max where the quotient overflows; with ``power_2_scale``
@@ -75,7 +79,7 @@ def scale_from_amax(amax, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
 
 
 @declare
-def current_scale(x, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
+def current_scale(x: Tensor, fp8_dtype: dtype, amax_epsilon: float = 0.0, power_2_scale: bool = False) -> Tuple[Tensor, Tensor]:
     """(scale, amax) of x for current scaling: amax = compute_amax(x), scale = scale_from_amax(amax, ...).
 
     The cast that follows (``quantize`` and the others) takes this scale; the backends may compute both
@@ -84,7 +88,7 @@ def current_scale(x, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
 
 
 @declare
-def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax_epsilon):
+def quantize_blockwise(x: Tensor, fp8_dtype: dtype, block_rows: int, block_cols: int, power_2_scale: bool, amax_epsilon: float) -> Tuple[Tensor, Tensor]:
     """Block-scaled FP8 cast of a 2-D tensor: one scale per ``block_rows x block_cols`` tile.
 
     For each tile T: a = max(max|T|, amax_epsilon); scale = fp8_max / a (1 if a == 0 or not finite);
@@ -98,7 +102,7 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
 
 
 @declare
-def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+def cast_transpose_blockwise(x: Tensor, fp8_dtype: dtype, block_len: int, power_2_scale: bool, amax_epsilon: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """1 x ``block_len`` block-scaled FP8 casts of x along both dimensions, from one read of x.
 
     (q, scale_inv) = quantize_blockwise(x, fp8_dtype, 1, block_len, power_2_scale, amax_epsilon)
@@ -111,7 +115,7 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
 
 
 @declare
-def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+def cast_transpose_blockwise_dbias(x: Tensor, fp8_dtype: dtype, block_len: int, power_2_scale: bool, amax_epsilon: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cast_transpose_blockwise`` of the output gradient plus the bias gradient, from the same reads of x.
 
     (q, scale_inv, q_t, scale_inv_t) = cast_transpose_blockwise(x, ...),  dbias[j] = sum_i x[i, j] in float32
@@ -121,7 +125,7 @@ def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_
 
 
 @declare
-def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
+def dequantize_blockwise(q: Tensor, scale_inv: Tensor, block_rows: int, block_cols: int, out_dtype: dtype) -> Tensor:
     """x[i, j] = q[i, j] * scale_inv[i // block_rows, j // block_cols], cast to ``out_dtype``."""
 
 
@@ -139,13 +143,15 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     """
 
 
-@declare(key="amax_history", inplace=True)
-def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo):
+@declare(key="amax_history", inplace=True, mutates=("amax_history", "scale", "scale_inv"))
+def delayed_scaling_update_(amax_history: Tensor, scale: Tensor, scale_inv: Tensor, fp8_max: float, margin: float,
+                            amax_compute_algo: str) -> None:
     """``delayed_scaling_update`` in place on the columns that were cast this step, plus scale_inv.
 
     active[n] = H[0, n] != 0 (NaN counts as active); (H_new, s_new) = delayed_scaling_update(H, s, ...);
     H[:, n], s[n] = H_new[:, n], s_new[n] where active[n], else unchanged;  scale_inv = 1 / s (all n).
     Args: amax_history H float32 [L, N], scale s float32 [N], scale_inv float32 [N] (all on one device,
-    any strides, updated in place); fp8_max, margin, amax_compute_algo as in ``delayed_scaling_update``.
+    any strides, updated in place); fp8_max, margin, amax_compute_algo as in ``delayed_scaling_update``
+    (fp8_max a float when traced by torch.compile, whose custom op takes no tensor for it).
     Returns: None. Bit-identical to delayed_scaling_update, two ``where`` and ``reciprocal``.
     """

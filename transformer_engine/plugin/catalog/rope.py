@@ -11,14 +11,18 @@ boundary); ``cp_size``/``cp_rank`` select this rank's chunks under context paral
 split into 2 * cp_size chunks, rank r holding chunks r and 2 * cp_size - 1 - r).
 """
 
-from transformer_engine.plugin.core.catalog import declare
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
 @declare
-def fused_rope_forward(t, freqs, tensor_format="sbhd", interleaved=False, start_positions=None, cu_seqlens=None, cp_size=1, cp_rank=0):
+def fused_rope_forward(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", interleaved: bool = False, start_positions: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
     """out = rope(t, freqs); same shape and dtype as t."""
 
 
 @declare
-def fused_rope_backward(grad_out, freqs, tensor_format="sbhd", interleaved=False, start_positions=None, cu_seqlens=None, cp_size=1, cp_rank=0):
+def fused_rope_backward(grad_out: Tensor, freqs: Tensor, tensor_format: str = "sbhd", interleaved: bool = False, start_positions: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
     """grad_t = rope^-1(grad_out, freqs)."""

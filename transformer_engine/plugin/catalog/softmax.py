@@ -7,44 +7,48 @@ or -inf above the diagonal (upper-triangular, top-left aligned; aligned-causal i
 aligned: position j is masked for row i when j > i + sk - sq). Fully masked rows give zeros.
 """
 
-from transformer_engine.plugin.core.catalog import declare
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
 @declare
-def scaled_softmax_forward(x, scale):
+def scaled_softmax_forward(x: Tensor, scale: float) -> Tensor:
     """y = softmax(scale * x)."""
 
 
 @declare
-def scaled_softmax_backward(dy, y, scale):
+def scaled_softmax_backward(dy: Tensor, y: Tensor, scale: float) -> Tensor:
     """dx = scale * y * (dy - sum(dy * y))."""
 
 
 @declare
-def scaled_masked_softmax_forward(x, mask, scale):
+def scaled_masked_softmax_forward(x: Tensor, mask: Tensor, scale: float) -> Tensor:
     """y = softmax(scale * x - 10000 * mask)."""
 
 
 @declare
-def scaled_masked_softmax_backward(dy, y, scale):
+def scaled_masked_softmax_backward(dy: Tensor, y: Tensor, scale: float) -> Tensor:
     """dx = scale * y * (dy - sum(dy * y))."""
 
 
 @declare
-def scaled_upper_triang_masked_softmax_forward(x, scale):
+def scaled_upper_triang_masked_softmax_forward(x: Tensor, scale: float) -> Tensor:
     """y = softmax(scale * x with x[.., i, j > i] = -inf); x is [b*h, sq, sk]."""
 
 
 @declare
-def scaled_upper_triang_masked_softmax_backward(dy, y, scale):
+def scaled_upper_triang_masked_softmax_backward(dy: Tensor, y: Tensor, scale: float) -> Tensor:
     """dx = scale * y * (dy - sum(dy * y))."""
 
 
 @declare
-def scaled_aligned_causal_masked_softmax_forward(x, scale):
+def scaled_aligned_causal_masked_softmax_forward(x: Tensor, scale: float) -> Tensor:
     """y = softmax(scale * x with x[.., i, j > i + sk - sq] = -inf); x is [b, h, sq, sk]."""
 
 
 @declare
-def scaled_aligned_causal_masked_softmax_backward(dy, y, scale):
+def scaled_aligned_causal_masked_softmax_backward(dy: Tensor, y: Tensor, scale: float) -> Tensor:
     """dx = scale * y * (dy - sum(dy * y))."""

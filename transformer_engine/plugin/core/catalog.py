@@ -7,6 +7,11 @@ enforces it at registration so a drifting signature fails loudly, once.
 
 The built-in declarations live in :mod:`transformer_engine.plugin.catalog`; an out-of-tree plugin
 may declare new ops with :func:`declare` before registering impls for them.
+
+A stub may also carry type annotations, written as strings over the names ``Tensor`` and ``dtype``
+(this module's markers: the catalog imports no torch), ``Optional``, ``Tuple``, ``int``, ``float``,
+``bool`` and ``str``, and name the tensor arguments it writes in place (``mutates``). An op so
+described traces under ``torch.compile`` as one custom op (:mod:`transformer_engine.plugin._compile`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,15 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
-__all__ = ["OpSpec", "declare", "get_spec", "list_specs", "CatalogError"]
+__all__ = ["OpSpec", "Tensor", "declare", "dtype", "get_spec", "list_specs", "CatalogError"]
+
+
+class Tensor:
+    """Annotation marker for a ``torch.Tensor`` in the catalog's stubs."""
+
+
+class dtype:  # noqa: N801 - spelled as torch.dtype, which it stands for
+    """Annotation marker for a ``torch.dtype`` in the catalog's stubs."""
 
 
 class CatalogError(ValueError):
@@ -34,6 +47,8 @@ class OpSpec:
         key_param: parameter whose device and dtype select the implementation (default: the first).
         inplace: the op mutates its arguments; after an exception its state may be dirty, so the
             manager never retries it on another implementation.
+        mutates: the tensor parameters the op writes in place when they are given (``amax_out``,
+            ``out``, ...); what a traced custom op declares (``torch.library.custom_op``'s ``mutates_args``).
     """
 
     name: str
@@ -41,6 +56,7 @@ class OpSpec:
     doc: str
     key_param: str
     inplace: bool = False
+    mutates: Tuple[str, ...] = ()
 
     @property
     def key_index(self) -> int:
@@ -74,8 +90,8 @@ def _reinit_lock_after_fork() -> None:
     _LOCK = threading.Lock()
 
 
-def declare(fn: Optional[Callable] = None, *, key: Optional[str] = None, inplace: bool = False):
-    """Declare an op from a stub function; usable as ``@declare`` or ``@declare(key=..., inplace=...)``.
+def declare(fn: Optional[Callable] = None, *, key: Optional[str] = None, inplace: bool = False, mutates: Tuple[str, ...] = ()):
+    """Declare an op from a stub function; usable as ``@declare`` or ``@declare(key=..., inplace=..., mutates=...)``.
 
     Declaring the same name twice with the same signature is a no-op; with another one it raises.
     """
@@ -88,10 +104,13 @@ def declare(fn: Optional[Callable] = None, *, key: Optional[str] = None, inplace
         key_param = key or params[0]
         if key_param not in params:
             raise CatalogError(f"op {stub.__name__!r}: key parameter {key_param!r} is not a parameter")
-        spec = OpSpec(stub.__name__, sig, inspect.getdoc(stub) or "", key_param, inplace)
+        unknown = [name for name in mutates if name not in params]
+        if unknown:
+            raise CatalogError(f"op {stub.__name__!r}: mutates names {unknown}, which are not parameters")
+        spec = OpSpec(stub.__name__, sig, inspect.getdoc(stub) or "", key_param, inplace, tuple(mutates))
         with _LOCK:
             old = _SPECS.get(spec.name)
-            if old is not None and (_shape(old.signature) != _shape(sig) or old.inplace != inplace):
+            if old is not None and (_shape(old.signature) != _shape(sig) or (old.inplace, old.mutates) != (inplace, spec.mutates)):
                 raise CatalogError(f"op {spec.name!r} is already declared with signature {old.signature}")
             _SPECS.setdefault(spec.name, spec)
         return _SPECS[spec.name]

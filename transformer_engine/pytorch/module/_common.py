@@ -139,7 +139,10 @@ def backward_frees_graph() -> bool:
     case): the tensors a node saved are then used once, so its backward may overwrite or free them as
     soon as it is done with them, before the node ends (which would free them only then). False
     outside a backward, under ``retain_graph=True``, where torch cannot tell, and while a CUDA graph
-    is being captured (its private pool keeps the memory anyway: freeing buys nothing there)."""
+    is being captured (its private pool keeps the memory anyway: freeing buys nothing there), and while
+    ``torch.compile`` traces (the compiled graph plans its own buffers)."""
+    if torch.compiler.is_compiling():
+        return False
     keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     if keep_graph is None or keep_graph():
         return False

@@ -62,6 +62,8 @@ def _stack(module, names):
     tensors = [getattr(module, n) for n in names]
     if len(tensors) == 1:
         return tensors[0]
+    if torch.compiler.is_compiling():  # storage addresses are not traceable; the compiler plans the copy
+        return torch.cat(tensors)
     return _ConcatView.apply(*tensors) if _back_to_back(tensors) else torch.cat(tensors)
 
 

@@ -26,6 +26,8 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
+from transformer_engine.plugin import ops
+
 from ..quantization.autocast import current_config, register_states
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.model_init import keep_high_precision_init_val, model_init_config
@@ -95,7 +97,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def __init__(self, num_gemms: int, get_rng_state_tracker=None, rng_tracker_name: Optional[str] = None,
                  name: Optional[str] = None):
         super().__init__()
+        ops.prepare_for_compile()  # every op traceable before torch.compile can meet one
         self.fp8_meta = new_fp8_meta(num_gemms)
+        self._high_precision = high_precision(num_gemms)  # the quantization of a call outside FP8: made once
         self.quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}
         self.name = name
         self._param_init: Dict[str, Callable[[torch.Tensor], None]] = {}
@@ -219,12 +223,14 @@ class TransformerEngineBaseModule(torch.nn.Module):
         config = current_config()
         n = self.fp8_meta["num_gemms"]
         if not config.active:
-            return high_precision(n)
+            return self._high_precision
         self._check_recipe_match(config.recipe)
         if config.enabled:
             for what, shape in shapes:
                 check_fp8_shape(what, shape)
-        if ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__):
+        if torch.compiler.is_compiling() and config.recipe.delayed() and self._lacks_states(config.recipe):
+            self._build_states_eagerly(config.recipe, device)
+        elif ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__):
             self._states_installed()
         fwd_state, bwd_state = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
         if not config.enabled:  # calibration: high precision, amaxes recorded
@@ -236,6 +242,21 @@ class TransformerEngineBaseModule(torch.nn.Module):
             backward_update=register_states(fwd_state, bwd_state),
             for_training=torch.is_grad_enabled(),
         )
+
+    def _lacks_states(self, recipe) -> bool:
+        """True when this module has no scaling states of ``recipe``'s type yet."""
+        state = self.fp8_meta["scaling_fwd"]
+        return state is None or type(state.recipe) is not type(recipe)
+
+    @torch.compiler.disable
+    def _build_states_eagerly(self, recipe, device: torch.device) -> None:
+        """Delayed-scaling states made outside the graph that torch.compile traces (one graph break, on the
+        first traced FP8 call of a module that never ran under this recipe's type). Tensors a graph made
+        would be its outputs, and the grad casts write their amax histories in the backward graph, which
+        AOTAutograd allows for graph inputs only; the next trace takes them as inputs. Code compiled with
+        ``fullgraph=True`` must therefore run one eager FP8 step of the model first."""
+        if ensure_states(self.fp8_meta, self.quantizers, recipe, device, type(self).__name__):
+            self._states_installed()
 
     def _states_installed(self) -> None:
         """After new scaling states and quantizers: forget the weights they cast, group the quantizers per GEMM

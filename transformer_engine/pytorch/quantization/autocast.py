@@ -63,14 +63,18 @@ class _UpdateGroups:
     """Delayed-scaling states waiting for their update, grouped per (recipe, amax_reduction_group)."""
 
     def __init__(self):
-        self._groups: Dict[Tuple[Recipe, int], Tuple[Recipe, Any, Dict[int, Any]]] = {}
+        self._groups: Dict[Tuple[Recipe, Any], Tuple[Recipe, Any, Dict[Any, Any]]] = {}
 
     def add(self, state, group) -> None:
-        entry = self._groups.setdefault((state.recipe, id(group)), (state.recipe, group, {}))
-        entry[2][id(state)] = state
+        entry = self._groups.setdefault((state.recipe, group), (state.recipe, group, {}))
+        entry[2][state] = state  # states and groups hash by identity
 
     def run(self) -> None:
-        groups, self._groups = self._groups, {}
+        """Update every queued state (the queue is emptied; a backward traced by torch.compile, which may
+        not change Python state, leaves it: its autocast's queue is not used again)."""
+        groups = self._groups
+        if not torch.compiler.is_compiling():
+            self._groups = {}
         for recipe, group, states in groups.values():
             reduce_and_update(list(states.values()), recipe, group)
 
@@ -170,8 +174,6 @@ def _check_runnable(recipe: Recipe) -> None:
             f"backward_override={recipe.backward_override!r} is not implemented yet in TransformerEngine-FL; "
             "unset NVTE_BACKWARD_OVERRIDE"
         )
-    if recipe.delayed() and torch.compiler.is_compiling():
-        raise RuntimeError("DelayedScaling is not supported under torch.compile; use Float8CurrentScaling")
     available, reason = check_fp8_support()
     if not available:
         raise RuntimeError(reason)
@@ -203,8 +205,7 @@ class autocast:
 
     Raises:
         RuntimeError: on entry, if FP8 cannot run on this GPU (sm < 8.9 without
-            ``TE_FL_FP8_EMULATION=1``) or the recipe is DelayedScaling under torch.compile; if this
-            instance is already active.
+            ``TE_FL_FP8_EMULATION=1``); if this instance is already active.
         NotImplementedError: for a recipe not implemented yet (MXFP8, NVFP4, custom).
         ValueError: Float8BlockScaling with E5M2 gradients (HYBRID) on a CUDA GPU.
 

@@ -111,6 +111,9 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> N
     states' tensors (several states), which stay the same objects.
     """
     reduce = _reduces(recipe, group)
+    if torch.compiler.is_compiling():
+        _update_traced(states, recipe, group if reduce else None)
+        return
     plan = _plan(states)
     for held in _HOLDERS:
         held.append(plan)
@@ -120,6 +123,17 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> N
             torch.distributed.all_reduce(part.amax, op=torch.distributed.ReduceOp.MAX, group=group)
         _update(part, recipe)
         part.write_back()
+
+
+def _update_traced(states: Sequence, recipe: DelayedScaling, group) -> None:
+    """:func:`reduce_and_update` as torch.compile traces it: each state on its own tensors, without the
+    cached side-by-side buffers (the same math per slot; the compiler plans the buffers). ``group``:
+    MAX-reduce the amaxes over it first (None: no reduction)."""
+    for state in states:
+        part = _Group(state.amax_history, state.amax_history[0], state.scale, state.scale_inv, state.fp8_max)
+        if group is not None:
+            torch.distributed.all_reduce(part.amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        _update(part, recipe)
 
 
 def _reduces(recipe: DelayedScaling, group) -> bool:

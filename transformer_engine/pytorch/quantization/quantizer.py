@@ -153,8 +153,12 @@ class Float8Quantizer(Quantizer):
 
     def _views(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(scale[i], amax_history[0, i]) as 0-d views, taken again only when the state replaced a tensor
-        (history length change, ``.to(device)``): the update writes both in place."""
+        (history length change, ``.to(device)``): the update writes both in place. A traced call takes them
+        afresh (views cost nothing in a compiled graph, and a backward traced by torch.compile may not
+        change Python state)."""
         state = self.state
+        if torch.compiler.is_compiling():
+            return state.scale[self.index], state.amax_history[0, self.index]
         if not self._viewed or self._viewed[0] is not state.scale or self._viewed[1] is not state.amax_history:
             self._viewed = (state.scale, state.amax_history)
             self._scale, self._slot = state.scale[self.index], state.amax_history[0, self.index]
@@ -170,29 +174,46 @@ class Float8Quantizer(Quantizer):
         slot = self._views()[1]
         torch.maximum(slot, amax, out=slot)  # in place: one kernel
 
-    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
+    def _recording(self, cast: Callable):
+        """``cast(scale, amax_out)`` with this quantizer's scale, its amax max-accumulated into the history slot.
+
+        The cast writes the slot itself (``amax_out``). Traced by torch.compile it writes a zeroed scratch
+        slot instead, which one ``maximum`` then folds into the history: AOTAutograd keeps a write into a
+        forward input inside the backward graph only as a plain tensor op, not as a custom op's
+        mutation (and the grad casts run in backward)."""
         scale, slot = self._views()
-        return _cast(x, scale, self.fp8_dtype, columnwise, slot)[0]
+        if not torch.compiler.is_compiling():
+            return cast(scale, slot)
+        scratch = torch.zeros_like(slot)
+        result = cast(scale, scratch)
+        slot.copy_(torch.maximum(slot, scratch))
+        return result
+
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
+        return self._recording(lambda scale, amax_out: _cast(x, scale, self.fp8_dtype, columnwise, amax_out)[0])
 
     def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
         """The cast with this step's scale, amax recorded; W^T is cast again with that scale and records
         nothing. The update after forward changes the state's scale in place, so forward saves the
         deferred cast with a copy of it (``DeferredTranspose.snapshot``, after the GEMMs are queued)."""
-        scale, slot = self._views()
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, slot)
+        return self._recording(lambda scale, amax_out: _fixed_scale_weight(w, scale, self.fp8_dtype, amax_out))
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
-        scale, slot = self._views()
-        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, slot)
-        return Float8Tensor(q, scale_inv, q_t), dbias
+        def cast(scale, amax_out):
+            q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out)
+            return Float8Tensor(q, scale_inv, q_t), dbias
+
+        return self._recording(cast)
 
     def produce(self, run: ProducerFn, columnwise: bool = False):
         """Fused cast: the producer writes FP8 with this scale and records the amax of its output
         (row-major only: ``transpose_only`` makes the transpose for backward)."""
-        scale, slot = self._views()
-        q, scale_inv, _, extras = run(scale, self.fp8_dtype, slot)
-        return Float8Tensor(q, scale_inv), extras
+        def cast(scale, amax_out):
+            q, scale_inv, _, extras = run(scale, self.fp8_dtype, amax_out)
+            return Float8Tensor(q, scale_inv), extras
+
+        return self._recording(cast)
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8Quantizer":
         """Self: the scale comes from the state, the same on every rank once their amaxes are MAX-reduced.
@@ -330,7 +351,10 @@ class FixedScaleQuantizer(Quantizer):
     def snapshot(self) -> "FixedScaleQuantizer":
         """A quantizer casting with a copy of the scale taken now (in-place updates of the scale later do
         not reach it). One kernel makes [scale, 0] = scale * [1, 0]: the copy and the amax scratch slot
-        (a device-to-device copy of one element costs the host several kernel launches; scale is finite)."""
+        (a device-to-device copy of one element costs the host several kernel launches; scale is finite).
+        Traced by torch.compile: a clone and a zero slot, which the compiler fuses as it likes."""
+        if torch.compiler.is_compiling():
+            return FixedScaleQuantizer(self.scale.clone(), self.fp8_dtype, torch.zeros_like(self.scale))
         copy, scratch = torch.mul(self.scale, _one_zero(self.scale.device)).unbind()
         return FixedScaleQuantizer(copy, self.fp8_dtype, scratch)
 
@@ -347,7 +371,7 @@ class FixedScaleQuantizer(Quantizer):
 def _one_zero(device: torch.device) -> torch.Tensor:
     """The float32 constant [1, 0] on ``device``, made by kernels alone (no host-to-device copy, which a
     CUDA-graph capture would reject if the first use falls inside one)."""
-    one_zero = torch.zeros(2, device=device)
+    one_zero = torch.zeros(2, dtype=torch.float32, device=device)  # float32 whatever the default dtype
     one_zero[0] = 1.0
     return one_zero
 

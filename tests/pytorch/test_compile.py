@@ -1,0 +1,190 @@
+"""torch.compile over the TE modules: no graph breaks, and compiled steps equal eager ones bit for bit.
+
+The compiled runs use ``backend="aot_eager"`` (Dynamo + AOTAutograd, eager kernels): the catalog ops run
+as the custom ops of ``transformer_engine.plugin._compile``, so a compiled step must give exactly the
+eager step's outputs, gradients and scaling state (amax histories, scales) after several optimizer steps.
+Delayed scaling builds its scaling state outside the graph on a module's first traced FP8 call (one
+graph break, see ``TransformerEngineBaseModule._build_states_eagerly``), so fullgraph runs start from
+one eager step, as a model does that ran before it was compiled.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+
+RECIPES = {
+    "bf16": None,
+    "delayed": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
+    "current": Float8CurrentScaling(),
+    "block": Float8BlockScaling(),
+}
+MODULES = {
+    "Linear": lambda: te.Linear(64, 32),
+    "LayerNormLinear": lambda: te.LayerNormLinear(64, 48),
+    "LayerNormMLP": lambda: te.LayerNormMLP(64, 128),
+    "LayerNormMLP_swiglu_rms": lambda: te.LayerNormMLP(64, 128, activation="swiglu", normalization="RMSNorm"),
+    "LayerNorm": lambda: te.LayerNorm(64),
+    "RMSNorm": lambda: te.RMSNorm(64),
+}
+
+
+def _step_fn(module, recipe):
+    def step(x):
+        if recipe is None:
+            return module(x)
+        with te.autocast(recipe=recipe):
+            return module(x)
+
+    return step
+
+
+def _train(step, module, xs):
+    """Forward + backward + SGD on each input; returns the outputs and input gradients."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    outs = []
+    for x in xs:
+        x = x.clone().requires_grad_(True)
+        y = step(x)
+        y.float().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append((y.detach(), x.grad))
+    return outs
+
+
+def _scaling_state(module):
+    state = {}
+    for role in ("scaling_fwd", "scaling_bwd"):
+        meta = module.fp8_meta.get(role)
+        if meta is not None and getattr(meta, "has_amax_history", False):
+            state[role] = (meta.amax_history.clone(), meta.scale.clone(), meta.scale_inv.clone())
+    return state
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("module_name", list(MODULES))
+def test_no_graph_breaks(module_name, recipe_name):
+    module, recipe = MODULES[module_name](), RECIPES[recipe_name]
+    step = _step_fn(module, recipe)
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    step(x).float().sum().backward()  # delayed scaling: the state exists before tracing
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("module_name", list(MODULES))
+def test_compiled_training_equals_eager(module_name, recipe_name):
+    """Three SGD steps, eager against fullgraph-compiled from the same weights and state: bit-identical
+    outputs, input gradients, weights and scaling state."""
+    torch._dynamo.reset()
+    recipe = RECIPES[recipe_name]
+    eager = MODULES[module_name]()
+    xs = [torch.randn(16, 2, 64) for _ in range(4)]
+    _train(_step_fn(eager, recipe), eager, xs[:1])  # state and warm-up, then the two copies diverge
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(_step_fn(compiled, recipe), fullgraph=True, backend="aot_eager")
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs[1:]), _train(step, compiled, xs[1:])):
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_e, rtol=0, atol=0)
+    for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(p_c, p_e, rtol=0, atol=0, msg=name)
+    expected, actual = _scaling_state(eager), _scaling_state(compiled)
+    assert actual.keys() == expected.keys()
+    for role in expected:
+        for a, e in zip(actual[role], expected[role]):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, msg=role)
+    if recipe is not None and recipe.delayed() and module_name not in ("LayerNorm", "RMSNorm"):
+        assert expected["scaling_bwd"][0].abs().sum() > 0  # the backward amaxes were recorded
+
+
+def test_first_traced_delayed_step_builds_state_eagerly():
+    """A module that never ran FP8: its first compiled step (default fullgraph=False) gives the eager
+    result, with one graph break for the state; later steps trace whole."""
+    torch._dynamo.reset()
+    recipe = RECIPES["delayed"]
+    eager = te.Linear(64, 32)
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(_step_fn(compiled, recipe), backend="aot_eager")
+    xs = [torch.randn(32, 64) for _ in range(3)]
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs), _train(step, compiled, xs)):
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_e, rtol=0, atol=0)
+    for a, e in zip(_scaling_state(compiled)["scaling_bwd"], _scaling_state(eager)["scaling_bwd"]):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe_name", ["bf16", "delayed", "current"])
+def test_dynamic_shapes(recipe_name):
+    """dynamic=True: one graph for every token count, results equal to eager."""
+    torch._dynamo.reset()
+    recipe = RECIPES[recipe_name]
+    eager = te.LayerNormMLP(64, 128)
+    _train(_step_fn(eager, recipe), eager, [torch.randn(16, 64)])
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(_step_fn(compiled, recipe), fullgraph=True, dynamic=True, backend="aot_eager")
+    xs = [torch.randn(rows, 64) for rows in (16, 48, 32)]
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs), _train(step, compiled, xs)):
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_e, rtol=0, atol=0)
+
+
+def test_recompiles_on_recipe_change_only():
+    """The call that builds a module's scaling state changes what the next trace sees (one recompile);
+    after it, identical steps reuse the graph and only another recipe recompiles."""
+    torch._dynamo.reset()
+    module = te.Linear(64, 32)
+    recipe = {"r": RECIPES["current"]}
+
+    def step(x):
+        with te.autocast(recipe=recipe["r"]):
+            return module(x)
+
+    counting = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(step, backend=counting, fullgraph=True)
+    x = torch.randn(16, 64)
+    compiled(x)  # builds the state inside the graph
+    compiled(x)
+    frames = counting.frame_count
+    compiled(x)
+    compiled(torch.randn(16, 64))
+    assert counting.frame_count == frames
+    recipe["r"] = Float8CurrentScaling(fp8_format=Format.E4M3)
+    compiled(x)
+    assert counting.frame_count == frames + 1
+
+
+def test_catalog_ops_are_custom_ops():
+    """Every annotated catalog op traces as torch.ops.te_fl.<name>, whose fake implementation gives the
+    shapes and dtypes of the real one."""
+    from transformer_engine.plugin import ops
+
+    ops.prepare_for_compile()
+    x, scale, amax = torch.randn(8, 32), torch.tensor(4.0), torch.zeros(())
+
+    def cast(x):
+        q, q_t, scale_inv, amax_out = ops.cast_transpose(x, scale, torch.float8_e4m3fn, amax)
+        return q.float() * scale_inv, q_t, amax_out
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(cast, backend=backend, fullgraph=True)
+    expected = cast(x)
+    amax.zero_()
+    actual = compiled(x)
+    targets = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert "te_fl.cast_transpose.default" in targets
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        torch.testing.assert_close(a.float(), e.float(), rtol=0, atol=0)
+    assert amax == x.abs().max()

@@ -1,0 +1,183 @@
+"""Catalog ops as torch custom ops: what ``torch.compile`` sees of a dispatched op.
+
+Eagerly, ``ops.<name>(...)`` is the dispatcher (:mod:`.core._dispatch`): a few dict lookups and the
+implementation's call. Under ``torch.compile`` Dynamo cannot trace that path (a ``ContextVar`` for the
+scoped policy, locks on a cache miss, Triton's launch machinery inside the flagos kernels), so each
+op whose stub is annotated (see :mod:`.core.catalog`) is also registered as the custom op
+``torch.ops.te_fl.<name>``, and :func:`traceable` returns a function that calls the dispatcher when
+eager and that custom op while compiling. The graph then holds one node per op:
+
+- its eager implementation is the default manager's dispatcher, so a compiled graph runs the same
+  kernel, chosen by the same policy and fallback rules, as eager code (bit for bit);
+- its fake implementation (shapes, dtypes and devices for tracing) is the ``reference`` backend's
+  implementation run on fake tensors: the oracle states every op's output contract;
+- it declares the arguments it writes in place (the stub's ``mutates``: ``amax_out``, ``out``), so
+  functionalization orders the amax-history writes of delayed scaling like any in-place op.
+
+A custom op returns new tensors only, while a catalog op may return None (``layernorm_fwd``'s
+``scale_inv`` without FP8) or one of its arguments (``amax`` is ``amax_out`` when given). Both
+travel as a *marker*, an empty bool tensor of shape [0, code, *view_shape]: code 0 stands for None,
+code i + 1 for a view of the op's i-th argument (one it writes). Its shape is fixed when traced, so
+:func:`_decode` restores the catalog's result there.
+
+Ops whose stubs carry no annotations (attention, whose context object is backend-specific, and the
+multi-tensor optimizer ops) stay eager: under ``torch.compile`` they end the graph (a graph break).
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .core.catalog import OpSpec
+
+__all__ = ["LIBRARY", "custom_op", "traceable"]
+
+LIBRARY = "te_fl"
+_MARKER_DTYPE = torch.bool
+_NAMES = {"Tensor": torch.Tensor, "dtype": torch.dtype, "Optional": Optional, "Tuple": Tuple, "List": List,
+          "int": int, "float": float, "bool": bool, "str": str}
+_CUSTOM_OPS: Dict[str, Any] = {}
+
+
+def _annotation(text: str, where: str) -> Any:
+    try:
+        return eval(text, {"__builtins__": {}}, _NAMES)  # noqa: S307 - the catalog's own annotation strings
+    except Exception as exc:  # noqa: BLE001 - re-raised with the op's name
+        raise TypeError(f"{where}: cannot read the annotation {text!r}: {exc}") from None
+
+
+def _schema_type(hint: Any) -> Any:
+    """The custom-op parameter type for a catalog annotation (tuples of ints travel as lists)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        return List[args[0]]
+    return hint
+
+
+def _result_count(spec: OpSpec) -> int:
+    """How many items the op returns (a tuple's length, else one)."""
+    hint = _annotation(spec.signature.return_annotation, f"op {spec.name!r}, return")
+    return len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else 1
+
+
+def _prototype(spec: OpSpec) -> Optional[Callable]:
+    """A function with the custom op's signature (every parameter annotated, returning one tensor per
+    result), or None when the stub is not fully annotated."""
+    params = []
+    for p in spec.signature.parameters.values():
+        if p.annotation is p.empty:
+            return None
+        hint = _schema_type(_annotation(p.annotation, f"op {spec.name!r}, parameter {p.name!r}"))
+        params.append(p.replace(annotation=hint, kind=p.POSITIONAL_OR_KEYWORD))
+    if spec.signature.return_annotation is inspect.Signature.empty:
+        return None
+
+    def prototype(*args):
+        raise NotImplementedError
+
+    count = _result_count(spec)
+    returns = torch.Tensor if count == 1 else Tuple[(torch.Tensor,) * count]
+    prototype.__signature__ = inspect.Signature(params, return_annotation=returns)
+    return prototype
+
+
+def _marker(code: int, like: torch.Tensor, shape: Sequence[int] = ()) -> torch.Tensor:
+    return torch.empty((0, code, *shape), dtype=_MARKER_DTYPE, device=like.device)
+
+
+def _encode(result: Any, args: Sequence[Any], mutated: Sequence[int], like: torch.Tensor) -> Any:
+    """The op's result as the custom op returns it: new tensors, markers for None and for views of the
+    arguments it writes (``mutated``: their indices)."""
+    items = result if isinstance(result, tuple) else (result,)
+    out = []
+    for item in items:
+        if item is None:
+            out.append(_marker(0, like))
+            continue
+        owner = next((i for i in mutated if args[i] is not None and torch._C._is_alias_of(item, args[i])), None)
+        out.append(item if owner is None else _marker(owner + 1, like, item.shape))
+    return tuple(out) if isinstance(result, tuple) else out[0]
+
+
+def _decode(result: Any, args: Sequence[Any], single: bool) -> Any:
+    """The catalog's result from what the custom op returned (markers read from their static shapes:
+    [0, 0] is None, [0, i + 1, *shape] the view ``args[i].view(shape)``)."""
+    items = []
+    for t in ((result,) if single else result):
+        if t.dtype == _MARKER_DTYPE and t.dim() >= 2 and t.shape[0] == 0:
+            code = t.shape[1]
+            items.append(None if code == 0 else args[code - 1].view(t.shape[2:]))
+        else:
+            items.append(t)
+    return items[0] if single else tuple(items)
+
+
+def custom_op(spec: OpSpec, run: Callable, fake: Callable) -> Optional[Any]:
+    """``torch.ops.te_fl.<name>`` for ``spec`` (registered once per process), or None when its stub is not annotated.
+
+    Args:
+        spec: the op's declaration.
+        run: the eager implementation (the default manager's dispatcher).
+        fake: the implementation run on fake tensors (the reference backend's).
+    """
+    if spec.name in _CUSTOM_OPS:
+        return _CUSTOM_OPS[spec.name]
+    prototype = _prototype(spec)
+    if prototype is None:
+        _CUSTOM_OPS[spec.name] = None
+        return None
+    tuples = [i for i, p in enumerate(prototype.__signature__.parameters.values()) if typing.get_origin(p.annotation) is list
+              and typing.get_args(p.annotation)[0] is int]
+    key = spec.key_index
+    mutated = [list(spec.signature.parameters).index(name) for name in spec.mutates]
+
+    def encoded(impl: Callable) -> Callable:
+        def call(args: tuple):
+            if tuples:  # the custom op took them as lists
+                args = tuple(tuple(a) if i in tuples else a for i, a in enumerate(args))
+            return _encode(impl(*args), args, mutated, args[key])
+
+        return _with_signature(spec, "call", "return _call(({args},))", _call=call)
+
+    schema = torch.library.infer_schema(prototype, mutates_args=spec.mutates)
+    op = torch.library.custom_op(f"{LIBRARY}::{spec.name}", encoded(run), mutates_args=spec.mutates, schema=schema)
+    op.register_fake(encoded(fake))
+    _CUSTOM_OPS[spec.name] = op
+    return op
+
+
+def _with_signature(spec: OpSpec, name: str, body: str, **namespace) -> Callable:
+    """A function ``name`` with the op's parameters (and defaults) whose body is ``body``, formatted with
+    ``{args}`` = the parameter names in order; ``namespace`` holds the globals the body reads."""
+    params = list(spec.signature.parameters.values())
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    header = ", ".join(f"{p.name}=_defaults[{p.name!r}]" if p.name in defaults else p.name for p in params)
+    source = f"def {name}({header}):\n    " + body.format(args=", ".join(p.name for p in params)).replace("\n", "\n    ")
+    namespace = dict(namespace, _defaults=defaults)
+    exec(compile(source, f"<te-fl {name} of {spec.name}>", "exec"), namespace)  # noqa: S102 - generated above
+    return namespace[name]
+
+
+_TRACEABLE_BODY = """if _is_compiling():
+    return _decode(_op({args}), ({args},), _single)
+return _dispatch({args})"""
+
+
+def traceable(spec: OpSpec, dispatcher: Callable, fake: Optional[Callable]) -> Callable:
+    """``dispatcher`` when ``spec`` has no custom op, else a function with the op's signature that calls
+    ``dispatcher`` eagerly and the op's custom op while ``torch.compile`` traces it."""
+    op = custom_op(spec, dispatcher, fake) if fake is not None else None
+    if op is None:
+        return dispatcher
+    single = _result_count(spec) == 1 and typing.get_origin(_annotation(spec.signature.return_annotation, spec.name)) is not tuple
+    fn = _with_signature(spec, spec.name, _TRACEABLE_BODY, _is_compiling=torch.compiler.is_compiling, _decode=_decode,
+                         _op=op, _single=single, _dispatch=dispatcher)
+    fn.__doc__, fn.__signature__, fn.__wrapped__ = dispatcher.__doc__, spec.signature, dispatcher
+    for attr in ("spec", "traced"):
+        if hasattr(dispatcher, attr):
+            setattr(fn, attr, getattr(dispatcher, attr))
+    return fn
