@@ -64,9 +64,17 @@ def _result_count(spec: OpSpec) -> int:
     return len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else 1
 
 
+def _returned_count(spec: OpSpec) -> int:
+    """How many tensors the custom op returns: one per result, at least two for an op that may write its
+    arguments (a lone tensor would do, but Inductor 2.11-2.13 indexes the result of such an op once
+    functionalized, which only a tuple survives; the extra one is a None marker, dropped by :func:`_decode`)."""
+    count = _result_count(spec)
+    return 2 if count == 1 and spec.mutates else count
+
+
 def _prototype(spec: OpSpec) -> Optional[Callable]:
-    """A function with the custom op's signature (every parameter annotated, returning one tensor per
-    result), or None when the stub is not fully annotated."""
+    """A function with the custom op's signature (every parameter annotated, returning a tuple of one
+    tensor per result), or None when the stub is not fully annotated."""
     params = []
     for p in spec.signature.parameters.values():
         if p.annotation is p.empty:
@@ -79,8 +87,7 @@ def _prototype(spec: OpSpec) -> Optional[Callable]:
     def prototype(*args):
         raise NotImplementedError
 
-    count = _result_count(spec)
-    returns = torch.Tensor if count == 1 else Tuple[(torch.Tensor,) * count]
+    returns = Tuple[(torch.Tensor,) * _returned_count(spec)]
     prototype.__signature__ = inspect.Signature(params, return_annotation=returns)
     return prototype
 
@@ -89,9 +96,9 @@ def _marker(code: int, like: torch.Tensor, shape: Sequence[int] = ()) -> torch.T
     return torch.empty((0, code, *shape), dtype=_MARKER_DTYPE, device=like.device)
 
 
-def _encode(result: Any, args: Sequence[Any], mutated: Sequence[int], like: torch.Tensor) -> Any:
-    """The op's result as the custom op returns it: new tensors, markers for None and for views of the
-    arguments it writes (``mutated``: their indices)."""
+def _encode(result: Any, args: Sequence[Any], mutated: Sequence[int], like: torch.Tensor, returned: int) -> Tuple:
+    """The op's result as the custom op returns it: ``returned`` new tensors, markers for None (also
+    padding the tuple) and for views of the arguments it writes (``mutated``: their indices)."""
     items = result if isinstance(result, tuple) else (result,)
     out = []
     for item in items:
@@ -100,20 +107,20 @@ def _encode(result: Any, args: Sequence[Any], mutated: Sequence[int], like: torc
             continue
         owner = next((i for i in mutated if args[i] is not None and torch._C._is_alias_of(item, args[i])), None)
         out.append(item if owner is None else _marker(owner + 1, like, item.shape))
-    return tuple(out) if isinstance(result, tuple) else out[0]
+    return tuple(out) + (_marker(0, like),) * (returned - len(out))
 
 
 def _decode(result: Any, args: Sequence[Any], single: bool) -> Any:
     """The catalog's result from what the custom op returned (markers read from their static shapes:
     [0, 0] is None, [0, i + 1, *shape] the view ``args[i].view(shape)``)."""
     items = []
-    for t in ((result,) if single else result):
+    for t in result:
         if t.dtype == _MARKER_DTYPE and t.dim() >= 2 and t.shape[0] == 0:
             code = t.shape[1]
             items.append(None if code == 0 else args[code - 1].view(t.shape[2:]))
         else:
             items.append(t)
-    return items[0] if single else tuple(items)
+    return items[0] if single else tuple(items)  # single: the rest is padding
 
 
 def custom_op(spec: OpSpec, run: Callable, fake: Callable) -> Optional[Any]:
@@ -134,12 +141,13 @@ def custom_op(spec: OpSpec, run: Callable, fake: Callable) -> Optional[Any]:
               and typing.get_args(p.annotation)[0] is int]
     key = spec.key_index
     mutated = [list(spec.signature.parameters).index(name) for name in spec.mutates]
+    returned = _returned_count(spec)
 
     def encoded(impl: Callable) -> Callable:
         def call(args: tuple):
             if tuples:  # the custom op took them as lists
                 args = tuple(tuple(a) if i in tuples else a for i, a in enumerate(args))
-            return _encode(impl(*args), args, mutated, args[key])
+            return _encode(impl(*args), args, mutated, args[key], returned)
 
         return _with_signature(spec, "call", "return _call(({args},))", _call=call)
 

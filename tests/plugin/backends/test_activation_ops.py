@@ -18,7 +18,7 @@ def test_every_op_has_the_catalog_signature_and_docstring():
     table = _table([])
     assert sorted(table) == sorted(ACTIVATION_OP_NAMES) and len(table) == 24
     for name, fn in table.items():
-        assert inspect.signature(fn) == get_spec(name).signature, name
+        get_spec(name).check_impl(fn, "activation_ops")  # names, kinds and defaults, as registration checks them
         assert fn.__name__ == name and fn.__doc__ == get_spec(name).doc
 
 

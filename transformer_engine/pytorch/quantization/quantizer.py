@@ -245,12 +245,16 @@ class Float8CurrentScalingQuantizer(Quantizer):
         where the backend can), MAX-reduced over the ranks first for a sharded tensor.
 
         The cast that follows takes this amax as its ``amax_out``: it already holds max|x|, so the cast
-        leaves it as it is and needs no zeroed amax buffer of its own (a fill launch per cast)."""
+        leaves it as it is and needs no zeroed amax buffer of its own (a fill launch per cast). Traced by
+        torch.compile the cast gets None instead (the amax is the compiler's buffer, and AOTAutograd
+        cannot always functionalize one custom op writing another's output): the same values."""
         eps, power_2 = self.qparams.amax_epsilon, self.qparams.power_2_scale
         if self.reduce_amax is None:
-            return ops.current_scale(x, self.fp8_dtype, eps, power_2)
-        amax = self.reduce_amax(ops.compute_amax(x))
-        return ops.scale_from_amax(amax, self.fp8_dtype, eps, power_2), amax
+            scale, amax = ops.current_scale(x, self.fp8_dtype, eps, power_2)
+        else:
+            amax = self.reduce_amax(ops.compute_amax(x))
+            scale = ops.scale_from_amax(amax, self.fp8_dtype, eps, power_2)
+        return scale, None if torch.compiler.is_compiling() else amax
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
         scale, amax = self._scale_and_amax(x)

@@ -1,0 +1,220 @@
+"""FP8 at the sizes people train: one layer at hidden 1024 / 2048 / 4096, eager against torch.compile.
+
+The layer (ISSUE "Speed at the sizes people train"): sequence 512 x batch 16 (8192 tokens), FFN 4h,
+heads h / 64, causal, dropout 0.1, bf16 parameters, fwd+bwd with a random dy. Variants, each a ratio
+against the plain PyTorch layer (nn.LayerNorm, nn.Linear, SDPA) measured eager in the same process:
+
+- ``plain``: the baseline, eager and ``torch.compile``-d;
+- ``te-blocks``: the same block from ``te.LayerNormLinear`` + ``te.Linear`` + ``te.LayerNormMLP`` with SDPA
+  (what traces whole under torch.compile today), bf16 / FP8 delayed / FP8 current, eager and compiled;
+- ``te-layer``: ``te.TransformerLayer`` with FP8 delayed scaling, eager and in CUDA graphs
+  (``te.make_graphed_callables``); its attention does not trace under torch.compile yet.
+
+Columns: median ms of a step (CUDA events), the ratio against plain eager, host ms (the CPU time to issue
+one step from an idle GPU), peak memory, and the graph count of the compiled forward. Also the
+small-layer case: ``te.Linear(256, 256)`` on 16 tokens against ``nn.Linear``, eager and compiled.
+Writes JSON (``--json``) and a PNG of speed-up against hidden size (``--plot``).
+
+Usage: python benchmarks/bench_sizes.py [--hidden 1024,2048,4096] [--json out.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from _harness import base_parser, peak_memory, print_table, time_fn, write_json
+from bench_transformer_layer import FusedModulesLayer, LayerShape, PlainLayer
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    build: Callable[[LayerShape], nn.Module]
+    recipe: Optional[Callable[[], object]] = None  # recipe factory, None: high precision
+    mode: str = "eager"  # eager | compile | graphs
+
+
+def _recipes():
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+    return {
+        "delayed": lambda: DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16),
+        "current": lambda: Float8CurrentScaling(),
+    }
+
+
+def _variants(device: str) -> List[Variant]:
+    import transformer_engine.pytorch as te
+
+    recipes = _recipes()
+    plain = lambda s: PlainLayer(s, device=device)  # noqa: E731
+    blocks = lambda s: FusedModulesLayer(s, te, device=device)  # noqa: E731
+    layer = lambda s: te.TransformerLayer(s.hidden, s.ffn, s.heads, params_dtype=torch.bfloat16, device=device,  # noqa: E731
+                                          self_attn_mask_type="causal")
+    out = [Variant("plain", plain), Variant("plain", plain, mode="compile")]
+    for name, recipe in [("bf16", None), ("fp8 delayed", recipes["delayed"]), ("fp8 current", recipes["current"])]:
+        out += [Variant(f"te-blocks {name}", blocks, recipe), Variant(f"te-blocks {name}", blocks, recipe, "compile")]
+    out += [Variant("te-layer fp8 delayed", layer, recipes["delayed"]),
+            Variant("te-layer fp8 delayed", layer, recipes["delayed"], "graphs")]
+    return out
+
+
+def _forward(module: nn.Module, recipe) -> Callable:
+    import transformer_engine.pytorch as te
+
+    if recipe is None:
+        return module
+
+    def forward(x):
+        with te.autocast(recipe=recipe):
+            return module(x)
+
+    return forward
+
+
+def _step(variant: Variant, s: LayerShape, device: str) -> Dict[str, object]:
+    """Build the variant, run one eager step (FP8 state, warm caches), then wrap it as the mode asks."""
+    import transformer_engine.pytorch as te
+
+    module = variant.build(s)
+    recipe = variant.recipe() if variant.recipe else None
+    x = torch.randn(s.seq, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    forward = _forward(module, recipe)
+    forward(x).backward(dy)
+    graphs = None
+    if variant.mode == "compile":
+        torch._dynamo.reset()
+        forward = torch.compile(forward)
+        graphs = torch._dynamo.explain(_forward(module, recipe))(x).graph_count
+    elif variant.mode == "graphs":
+        kwargs = {} if recipe is None else {"fp8_enabled": True, "fp8_recipe": recipe}
+        forward = te.make_graphed_callables(module, (x,), **kwargs)
+
+    def step():
+        forward(x).backward(dy)
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return {"step": step, "graphs": graphs}
+
+
+def host_ms(step: Callable[[], None], device: str, iters: int = 10) -> float:
+    """Median CPU milliseconds to issue one step, starting each from an idle GPU."""
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def layer_sweep(hiddens: List[int], device: str, iters: int) -> List[Dict[str, object]]:
+    rows = []
+    for hidden in hiddens:
+        s = LayerShape(hidden=hidden, ffn=4 * hidden, heads=max(1, hidden // 64), seq=512, batch=16)
+        base_ms = None
+        for variant in _variants(device):
+            row = {"hidden": hidden, "variant": variant.name, "mode": variant.mode}
+            try:
+                built = _step(variant, s, device)
+                row["ms"] = time_fn(built["step"], warmup=5, iters=iters, device=torch.device(device))
+                row["host_ms"] = host_ms(built["step"], device)
+                row["peak_bytes"] = None if variant.mode == "graphs" else peak_memory(built["step"])
+                row["graphs"] = built["graphs"]
+            except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            if variant.name == "plain" and variant.mode == "eager":
+                base_ms = row.get("ms")
+            row["ratio"] = row["ms"] / base_ms if base_ms and "ms" in row else None
+            rows.append(row)
+            print(row, flush=True)
+            torch._dynamo.reset()
+    return rows
+
+
+def small_linear(device: str, iters: int) -> List[Dict[str, object]]:
+    """te.Linear(256, 256) on 16 tokens, fwd+bwd, against nn.Linear, eager and compiled."""
+    import transformer_engine.pytorch as te
+
+    recipes = _recipes()
+    rows, base = [], None
+    cases = [("nn.Linear", lambda: nn.Linear(256, 256, device=device, dtype=torch.bfloat16), None),
+             ("te.Linear bf16", lambda: te.Linear(256, 256, device=device, params_dtype=torch.bfloat16), None),
+             ("te.Linear fp8 delayed", lambda: te.Linear(256, 256, device=device, params_dtype=torch.bfloat16), recipes["delayed"])]
+    for name, build, recipe in cases:
+        for mode in ("eager", "compile"):
+            module = build()
+            x = torch.randn(16, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+            forward = _forward(module, recipe() if recipe else None)
+            forward(x).sum().backward()
+            if mode == "compile":
+                torch._dynamo.reset()
+                forward = torch.compile(forward)
+
+            def step(forward=forward, module=module, x=x):
+                forward(x).sum().backward()
+                module.zero_grad(set_to_none=True)
+                x.grad = None
+
+            us = time_fn(step, warmup=10, iters=200, device=torch.device(device)) * 1e3
+            base = us if (name, mode) == ("nn.Linear", "eager") else base
+            rows.append({"case": name, "mode": mode, "us": us, "ratio": us / base})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def plot(rows: List[Dict[str, object]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r["variant"], r["mode"]) for r in rows if r.get("ratio")})
+    for variant, mode in keys:
+        points = [(r["hidden"], 1 / r["ratio"]) for r in rows if (r["variant"], r["mode"]) == (variant, mode) and r.get("ratio")]
+        ax.plot(*zip(*points), marker="o", label=f"{variant} ({mode})")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("hidden size (8192 tokens, FFN 4h)")
+    ax.set_ylabel("speed-up over plain PyTorch bf16 eager")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--hidden", default="1024,2048,4096", help="comma-separated hidden sizes")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--plot", default=None, help="write the speed-up plot (PNG) here")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hiddens = [int(h) for h in args.hidden.split(",")]
+    rows = layer_sweep(hiddens, device, args.iters)
+    print_table("one layer, 8192 tokens, fwd+bwd (ratio: against plain eager)",
+                ["hidden", "variant", "mode", "ms", "ratio", "host ms", "peak GiB", "graphs"],
+                [[r["hidden"], r["variant"], r["mode"], f"{r['ms']:.2f}" if "ms" in r else r.get("error", ""),
+                  f"{r['ratio']:.2f}x" if r.get("ratio") else "", f"{r['host_ms']:.2f}" if "host_ms" in r else "",
+                  f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "", r.get("graphs") or ""] for r in rows])
+    small = small_linear(device, args.iters)
+    print_table("te.Linear(256, 256), 16 tokens, fwd+bwd", ["case", "mode", "us", "ratio"],
+                [[r["case"], r["mode"], f"{r['us']:.0f}", f"{r['ratio']:.2f}x"] for r in small])
+    if args.plot:
+        plot(rows, args.plot)
+    write_json(args.json, {"layer": rows, "small_linear": small})
+
+
+if __name__ == "__main__":
+    main()
