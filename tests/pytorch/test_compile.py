@@ -188,3 +188,63 @@ def test_catalog_ops_are_custom_ops():
         assert a.shape == e.shape and a.dtype == e.dtype
         torch.testing.assert_close(a.float(), e.float(), rtol=0, atol=0)
     assert amax == x.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("module_name", ["Linear", "LayerNormLinear", "LayerNormMLP", "LayerNormMLP_swiglu_rms"])
+def test_inductor_on_gpu_matches_eager(module_name, recipe_name):
+    """Inductor on the GPU, fullgraph, the flagos and vendor kernels inside their custom ops: the same
+    outputs, gradients and scaling state as eager over three steps (Inductor's own kernels for the glue
+    may round differently: bf16 tolerances)."""
+    torch._dynamo.reset()
+    recipe = RECIPES[recipe_name]
+    with torch.device("cuda"):
+        eager = MODULES[module_name]().to(torch.bfloat16)
+        xs = [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(4)]
+    _train(_step_fn(eager, recipe), eager, xs[:1])
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(_step_fn(compiled, recipe), fullgraph=True)
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs[1:]), _train(step, compiled, xs[1:])):
+        torch.testing.assert_close(y_c, y_e)
+        torch.testing.assert_close(dx_c, dx_e)
+    expected, actual = _scaling_state(eager), _scaling_state(compiled)
+    for role in expected:
+        torch.testing.assert_close(actual[role][0], expected[role][0], rtol=0.02, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", ["bf16", "current", "delayed"])
+def test_reduce_overhead_training_step_on_gpu(recipe_name):
+    """mode="reduce-overhead" (CUDA graphs through Inductor) on a training step, dynamic token counts
+    off: the loss follows eager's over several SGD steps."""
+    torch._dynamo.reset()
+    recipe = RECIPES[recipe_name]
+    with torch.device("cuda"):
+        eager = te.LayerNormMLP(64, 256, params_dtype=torch.bfloat16)
+        xs = [torch.randn(128, 64, dtype=torch.bfloat16) for _ in range(6)]
+    _train(_step_fn(eager, recipe), eager, xs[:1])
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(_step_fn(compiled, recipe), mode="reduce-overhead", fullgraph=True)
+    for (y_e, _), (y_c, _) in zip(_train(_step_fn(eager, recipe), eager, xs[1:]), _train(step, compiled, xs[1:])):
+        torch.testing.assert_close(y_c, y_e, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.gpu
+def test_dynamic_shapes_on_gpu_use_the_fast_kernels():
+    """dynamic=True on the GPU: the flagos / vendor kernels run inside the custom ops at every token
+    count (the reference backend is not what runs)."""
+    from transformer_engine.plugin import ops
+
+    torch._dynamo.reset()
+    module = te.Linear(64, 64, device="cuda", params_dtype=torch.bfloat16)
+    recipe = RECIPES["delayed"]
+    step = _step_fn(module, recipe)
+    step(torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)).sum().backward()
+    compiled = torch.compile(step, dynamic=True, fullgraph=True)
+    for rows in (32, 96, 160):
+        x = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(x), step(x))
+    x = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
+    _, impl = ops.quantize.traced(x, torch.ones((), device="cuda"), torch.float8_e4m3fn)
+    assert impl.kind.value != "reference"
