@@ -123,8 +123,9 @@ def _decode(result: Any, args: Sequence[Any], single: bool) -> Any:
     return items[0] if single else tuple(items)  # single: the rest is padding
 
 
-def custom_op(spec: OpSpec, run: Callable, fake: Callable) -> Optional[Any]:
-    """``torch.ops.te_fl.<name>`` for ``spec`` (registered once per process), or None when its stub is not annotated.
+def custom_op(spec: OpSpec, run: Callable, fake: Callable) -> Optional[Tuple[Any, Optional[Any]]]:
+    """(``torch.ops.te_fl.<name>``, its twin without the optional arguments it writes or None) for ``spec``
+    (registered once per process), or None when its stub is not annotated.
 
     Args:
         spec: the op's declaration.
@@ -143,34 +144,63 @@ def custom_op(spec: OpSpec, run: Callable, fake: Callable) -> Optional[Any]:
     mutated = [list(spec.signature.parameters).index(name) for name in spec.mutates]
     returned = _returned_count(spec)
 
-    def encoded(impl: Callable) -> Callable:
+    def encoded(impl: Callable, dropped: Tuple[str, ...] = ()) -> Callable:
+        """``impl`` as a custom op calls it: lists back to tuples, the result encoded; ``dropped``: parameters
+        the custom op lacks (passed to ``impl`` as None)."""
         def call(args: tuple):
             if tuples:  # the custom op took them as lists
                 args = tuple(tuple(a) if i in tuples else a for i, a in enumerate(args))
             return _encode(impl(*args), args, mutated, args[key], returned)
 
-        return _with_signature(spec, "call", "return _call(({args},))", _call=call)
+        return _with_signature(spec, "call", "return _call(({args},))", dropped, _call=call)
 
-    schema = torch.library.infer_schema(prototype, mutates_args=spec.mutates)
-    op = torch.library.custom_op(f"{LIBRARY}::{spec.name}", encoded(run), mutates_args=spec.mutates, schema=schema)
-    op.register_fake(encoded(fake))
-    _CUSTOM_OPS[spec.name] = op
-    return op
+    def register(name: str, dropped: Tuple[str, ...] = ()):
+        writes = tuple(n for n in spec.mutates if n not in dropped)
+        proto = _without(prototype, dropped)
+        op = torch.library.custom_op(f"{LIBRARY}::{name}", encoded(run, dropped), mutates_args=writes,
+                                     schema=torch.library.infer_schema(proto, mutates_args=writes))
+        op.register_fake(encoded(fake, dropped))
+        return op
+
+    # an optional argument the op writes gets a second custom op without it, used when it is None (the
+    # common case: no amax_out, no out): torch 2.11 cannot trace a None given for a written argument
+    optional = tuple(n for n in spec.mutates if spec.signature.parameters[n].default is None)
+    ops = (register(spec.name), register(f"{spec.name}_without_{'_'.join(optional)}", optional) if optional else None)
+    _CUSTOM_OPS[spec.name] = ops
+    return ops
 
 
-def _with_signature(spec: OpSpec, name: str, body: str, **namespace) -> Callable:
-    """A function ``name`` with the op's parameters (and defaults) whose body is ``body``, formatted with
-    ``{args}`` = the parameter names in order; ``namespace`` holds the globals the body reads."""
+def _without(prototype: Callable, dropped: Tuple[str, ...]) -> Callable:
+    """``prototype`` with the parameters ``dropped`` removed."""
+    if not dropped:
+        return prototype
+    sig = prototype.__signature__
+
+    def smaller(*args):
+        raise NotImplementedError
+
+    smaller.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in dropped])
+    return smaller
+
+
+def _with_signature(spec: OpSpec, name: str, body: str, dropped: Tuple[str, ...] = (), **namespace) -> Callable:
+    """A function ``name`` with the op's parameters (and defaults) but ``dropped`` whose body is ``body``,
+    formatted with ``{args}`` = every parameter name in order (None for the dropped ones) and ``{given}`` =
+    those of the function; ``namespace`` holds the globals the body reads."""
     params = list(spec.signature.parameters.values())
     defaults = {p.name: p.default for p in params if p.default is not p.empty}
-    header = ", ".join(f"{p.name}=_defaults[{p.name!r}]" if p.name in defaults else p.name for p in params)
-    source = f"def {name}({header}):\n    " + body.format(args=", ".join(p.name for p in params)).replace("\n", "\n    ")
+    header = ", ".join(f"{p.name}=_defaults[{p.name!r}]" if p.name in defaults else p.name for p in params if p.name not in dropped)
+    args = ", ".join("None" if p.name in dropped else p.name for p in params)
+    given = ", ".join(p.name for p in params if p.name not in dropped)
+    source = f"def {name}({header}):\n    " + body.format(args=args, given=given).replace("\n", "\n    ")
     namespace = dict(namespace, _defaults=defaults)
     exec(compile(source, f"<te-fl {name} of {spec.name}>", "exec"), namespace)  # noqa: S102 - generated above
     return namespace[name]
 
 
 _TRACEABLE_BODY = """if _is_compiling():
+    if {none_check}:
+        return _decode(_op_without({without}), ({args},), _single)
     return _decode(_op({args}), ({args},), _single)
 return _dispatch({args})"""
 
@@ -178,12 +208,17 @@ return _dispatch({args})"""
 def traceable(spec: OpSpec, dispatcher: Callable, fake: Optional[Callable]) -> Callable:
     """``dispatcher`` when ``spec`` has no custom op, else a function with the op's signature that calls
     ``dispatcher`` eagerly and the op's custom op while ``torch.compile`` traces it."""
-    op = custom_op(spec, dispatcher, fake) if fake is not None else None
-    if op is None:
+    ops = custom_op(spec, dispatcher, fake) if fake is not None else None
+    if ops is None:
         return dispatcher
+    op, op_without = ops
+    optional = tuple(n for n in spec.mutates if spec.signature.parameters[n].default is None) if op_without else ()
+    body = _TRACEABLE_BODY.format(
+        none_check=" and ".join(f"{n} is None" for n in optional) or "False",
+        without=", ".join(n for n in spec.signature.parameters if n not in optional), args="{args}")
     single = _result_count(spec) == 1 and typing.get_origin(_annotation(spec.signature.return_annotation, spec.name)) is not tuple
-    fn = _with_signature(spec, spec.name, _TRACEABLE_BODY, _is_compiling=torch.compiler.is_compiling, _decode=_decode,
-                         _op=op, _single=single, _dispatch=dispatcher)
+    fn = _with_signature(spec, spec.name, body, _is_compiling=torch.compiler.is_compiling, _decode=_decode,
+                         _op=op, _op_without=op_without, _single=single, _dispatch=dispatcher)
     fn.__doc__, fn.__signature__, fn.__wrapped__ = dispatcher.__doc__, spec.signature, dispatcher
     for attr in ("spec", "traced"):
         if hasattr(dispatcher, attr):
