@@ -12,7 +12,8 @@ would be traced too).
 
 from __future__ import annotations
 
-from typing import Callable, List
+import sys
+from typing import Callable, List, Tuple
 
 from .core.catalog import list_specs
 from .core.manager import get_default_manager
@@ -28,16 +29,20 @@ class OpNamespace:
         self._manager = manager
         self._prepared = False
 
-    def _dispatcher(self, name: str) -> Callable:
+    def _dispatcher(self, name: str) -> Tuple[Callable, bool]:
+        """(the op's callable, whether it is final): the default namespace's is traceable once torch is
+        imported; before, the plain dispatcher (so that naming an op imports no framework), not kept."""
         if self._manager is not None:
-            return self._manager.dispatcher(name)
+            return self._manager.dispatcher(name), True
         manager = get_default_manager()
         dispatcher = manager.dispatcher(name)
-        from ._compile import traceable  # imports torch: only once an op is used
+        if "torch" not in sys.modules:
+            return dispatcher, False
+        from ._compile import traceable
 
         manager.ensure_initialized()
         reference = [impl.fn for impl in manager.registry.get_implementations(name) if impl.kind is BackendImplKind.REFERENCE]
-        return traceable(dispatcher.spec, dispatcher, reference[0] if reference else None)
+        return traceable(dispatcher.spec, dispatcher, reference[0] if reference else None), True
 
     def prepare_for_compile(self) -> None:
         """Build every op's dispatcher now (each is otherwise built on its first use); once per namespace."""
@@ -52,10 +57,11 @@ class OpNamespace:
         if name.startswith("_"):
             raise AttributeError(name)
         try:
-            fn = self._dispatcher(name)
+            fn, final = self._dispatcher(name)
         except KeyError as exc:
             raise AttributeError(exc.args[0]) from None
-        setattr(self, name, fn)
+        if final:
+            setattr(self, name, fn)
         return fn
 
     def __dir__(self) -> List[str]:

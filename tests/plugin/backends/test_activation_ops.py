@@ -1,6 +1,5 @@
 """The shared table of activation op functions: names, signatures, delegation, missing names."""
 
-import inspect
 
 import pytest
 

@@ -73,8 +73,13 @@ class OpSpec:
         if _shape(actual) != _shape(expected):
             raise CatalogError(
                 f"{impl_id}: the impl of op {self.name!r} has signature {actual}, "
-                f"but the catalog declares {self.name}{expected}"
+                f"but the catalog declares {self.name}{_unannotated(expected)}"
             )
+
+
+def _unannotated(sig: inspect.Signature) -> inspect.Signature:
+    """``sig`` without its annotations (what an implementation must match)."""
+    return sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()], return_annotation=sig.empty)
 
 
 def _shape(sig: inspect.Signature) -> Tuple:
