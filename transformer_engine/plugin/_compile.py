@@ -106,7 +106,12 @@ def _encode(result: Any, args: Sequence[Any], mutated: Sequence[int], like: torc
             out.append(_marker(0, like))
             continue
         owner = next((i for i in mutated if args[i] is not None and torch._C._is_alias_of(item, args[i])), None)
-        out.append(item if owner is None else _marker(owner + 1, like, item.shape))
+        if owner is not None:
+            out.append(_marker(owner + 1, like, item.shape))
+        elif any(torch._C._is_alias_of(item, earlier) for earlier in out):
+            out.append(item.clone())  # results sharing one buffer (flagos current_scale): a custom op's may not
+        else:
+            out.append(item)
     return tuple(out) + (_marker(0, like),) * (returned - len(out))
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..quantization.quantizer import IDENTITY
-from ..parallel.linear_comm import NO_COMM, LinearComm
+from ..parallel.linear_comm import LinearComm
 from ._common import (
     Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, rows_of, save, saved,
     unflatten, without_operands,
@@ -41,7 +41,7 @@ class LayerNormLinearArgs:
     wgrad: WgradTarget
     norm: NormConfig
     return_layernorm_output: bool
-    comm: LinearComm = NO_COMM
+    comm: LinearComm
 
 
 def norm_then_quantize(x, gamma, beta, norm: NormConfig, quantizer, dtype, return_hp: bool, columnwise: bool,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ._activation import ActivationConfig
-from ..parallel.linear_comm import NO_COMM, LinearComm
+from ..parallel.linear_comm import LinearComm
 from ._common import (
     Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, release, rows_of, save, saved,
     unflatten, without_operands,
@@ -44,9 +44,9 @@ class LayerNormMLPArgs:
     fc2_wgrad: WgradTarget
     norm: NormConfig
     activation: ActivationConfig
+    fc1_comm: LinearComm  # no default: torch 2.11's Dynamo cannot rebuild an object default of a dataclass made in a traced call
+    fc2_comm: LinearComm
     return_layernorm_output: bool = False
-    fc1_comm: LinearComm = NO_COMM
-    fc2_comm: LinearComm = NO_COMM
 
 
 class LayerNormMLPFunction(torch.autograd.Function):

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..parallel.linear_comm import NO_COMM, LinearComm
+from ..parallel.linear_comm import LinearComm
 from ._common import (
     Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, rows_of, save, saved,
     unflatten, without_operands,
@@ -38,14 +38,14 @@ class LinearArgs:
         quantization: the quantizers of this call.
         weight_operand: W as GEMM operand (FP8 or the high-precision weight).
         wgrad: where dW goes.
-        comm: the tensor-parallel communication (none by default).
+        comm: the tensor-parallel communication (``NO_COMM`` without tensor parallelism).
     """
 
     dtype: torch.dtype
     quantization: ForwardQuantization
     weight_operand: Operand
     wgrad: WgradTarget
-    comm: LinearComm = NO_COMM
+    comm: LinearComm
 
 
 class LinearFunction(torch.autograd.Function):
