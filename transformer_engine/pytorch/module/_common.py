@@ -8,6 +8,7 @@ no reference cycles) and :func:`saved` rebuilds them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Callable, ContextManager, List, Optional, Sequence, Union
 
@@ -106,6 +107,8 @@ def without_operands(args, *fields: str):
     Backward reads the operands it needs from :func:`saved` (FP8 weights as W^T only); keeping the
     forward's operands on ctx would hold their row-major FP8 copies until backward ends.
     """
+    if torch.compiler.is_compiling():  # traced: host time is not paid per call, and Dynamo 2.11 cannot trace the copy below
+        return dataclasses.replace(args, **dict.fromkeys(fields))
     new = object.__new__(type(args))  # a shallow copy: dataclasses.replace (which re-runs __init__) costs 4x the host time
     new.__dict__.update(args.__dict__, **dict.fromkeys(fields))
     return new
