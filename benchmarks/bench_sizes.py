@@ -6,7 +6,8 @@ against the plain PyTorch layer (nn.LayerNorm, nn.Linear, SDPA) measured eager i
 
 - ``plain``: the baseline, eager and ``torch.compile``-d;
 - ``te-blocks``: the same block from ``te.LayerNormLinear`` + ``te.Linear`` + ``te.LayerNormMLP`` with SDPA
-  (what traces whole under torch.compile today), bf16 / FP8 delayed / FP8 current, eager and compiled;
+  (what traces whole under torch.compile today), bf16 / FP8 delayed / FP8 current, eager, compiled and
+  compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graphs);
 - ``te-layer``: ``te.TransformerLayer`` with FP8 delayed scaling, eager and in CUDA graphs
   (``te.make_graphed_callables``); its attention does not trace under torch.compile yet.
 
@@ -36,7 +37,7 @@ class Variant:
     name: str
     build: Callable[[LayerShape], nn.Module]
     recipe: Optional[Callable[[], object]] = None  # recipe factory, None: high precision
-    mode: str = "eager"  # eager | compile | graphs
+    mode: str = "eager"  # eager | compile | compile-graphs (mode="reduce-overhead") | graphs (te.make_graphed_callables)
 
 
 def _recipes():
@@ -56,9 +57,9 @@ def _variants(device: str) -> List[Variant]:
     blocks = lambda s: FusedModulesLayer(s, te, device=device)  # noqa: E731
     layer = lambda s: te.TransformerLayer(s.hidden, s.ffn, s.heads, params_dtype=torch.bfloat16, device=device,  # noqa: E731
                                           self_attn_mask_type="causal")
-    out = [Variant("plain", plain), Variant("plain", plain, mode="compile")]
+    out = [Variant("plain", plain), Variant("plain", plain, mode="compile"), Variant("plain", plain, mode="compile-graphs")]
     for name, recipe in [("bf16", None), ("fp8 delayed", recipes["delayed"]), ("fp8 current", recipes["current"])]:
-        out += [Variant(f"te-blocks {name}", blocks, recipe), Variant(f"te-blocks {name}", blocks, recipe, "compile")]
+        out += [Variant(f"te-blocks {name}", blocks, recipe, mode) for mode in ("eager", "compile", "compile-graphs")]
     out += [Variant("te-layer fp8 delayed", layer, recipes["delayed"]),
             Variant("te-layer fp8 delayed", layer, recipes["delayed"], "graphs")]
     return out
@@ -88,9 +89,9 @@ def _step(variant: Variant, s: LayerShape, device: str) -> Dict[str, object]:
     forward = _forward(module, recipe)
     forward(x).backward(dy)
     graphs = None
-    if variant.mode == "compile":
+    if variant.mode.startswith("compile"):
         torch._dynamo.reset()
-        forward = torch.compile(forward)
+        forward = torch.compile(forward, mode="reduce-overhead" if variant.mode == "compile-graphs" else None)
         graphs = torch._dynamo.explain(_forward(module, recipe))(x).graph_count
     elif variant.mode == "graphs":
         kwargs = {} if recipe is None else {"fp8_enabled": True, "fp8_recipe": recipe}

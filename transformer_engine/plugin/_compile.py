@@ -41,6 +41,14 @@ _MARKER_DTYPE = torch.bool
 _NAMES = {"Tensor": torch.Tensor, "dtype": torch.dtype, "Optional": Optional, "Tuple": Tuple, "List": List,
           "int": int, "float": float, "bool": bool, "str": str}
 _CUSTOM_OPS: Dict[str, Any] = {}
+_LIBRARIES: List[Any] = []
+
+
+def _library():
+    """The ``torch.library.Library`` that defines the te_fl ops (made on first use, kept for the process)."""
+    if not _LIBRARIES:
+        _LIBRARIES.append(torch.library.Library(LIBRARY, "DEF"))
+    return _LIBRARIES[0]
 
 
 def _annotation(text: str, where: str) -> Any:
@@ -108,8 +116,10 @@ def _encode(result: Any, args: Sequence[Any], mutated: Sequence[int], like: torc
         owner = next((i for i in mutated if args[i] is not None and torch._C._is_alias_of(item, args[i])), None)
         if owner is not None:
             out.append(_marker(owner + 1, like, item.shape))
-        elif any(torch._C._is_alias_of(item, earlier) for earlier in out):
-            out.append(item.clone())  # results sharing one buffer (flagos current_scale): a custom op's may not
+        elif (item.storage_offset() * item.element_size()) % 16 or any(torch._C._is_alias_of(item, e) for e in out):
+            # results sharing one buffer, or a view not 16-byte aligned (flagos current_scale): a custom op's
+            # results must be separate, and Inductor expects them aligned as fresh buffers are
+            out.append(item.clone())
         else:
             out.append(item)
     return tuple(out) + (_marker(0, like),) * (returned - len(out))
@@ -161,11 +171,14 @@ def custom_op(spec: OpSpec, run: Callable, fake: Callable) -> Optional[Tuple[Any
 
     def register(name: str, dropped: Tuple[str, ...] = ()):
         writes = tuple(n for n in spec.mutates if n not in dropped)
-        proto = _without(prototype, dropped)
-        op = torch.library.custom_op(f"{LIBRARY}::{name}", encoded(run, dropped), mutates_args=writes,
-                                     schema=torch.library.infer_schema(proto, mutates_args=writes))
-        op.register_fake(encoded(fake, dropped))
-        return op
+        schema = torch.library.infer_schema(_without(prototype, dropped), mutates_args=writes)
+        _library().define(name + schema)
+        # one kernel for every device, called by the dispatcher directly (torch.library.custom_op would wrap
+        # it in Python autograd and view-tracking layers: tens of microseconds per call); the ops run inside
+        # the module Functions and compiled graphs, where autograd does not look into them
+        _library().impl(name, encoded(run, dropped), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{LIBRARY}::{name}", encoded(fake, dropped), lib=_library())
+        return getattr(getattr(torch.ops, LIBRARY), name).default
 
     # an optional argument the op writes gets a second custom op without it, used when it is None (the
     # common case: no amax_out, no out): torch 2.11 cannot trace a None given for a written argument
