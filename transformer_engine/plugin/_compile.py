@@ -119,7 +119,11 @@ def _encode(result: Any, args: Sequence[Any], mutated: Sequence[int], like: torc
         elif (item.storage_offset() * item.element_size()) % 16 or any(torch._C._is_alias_of(item, e) for e in out):
             # results sharing one buffer, or a view not 16-byte aligned (flagos current_scale): a custom op's
             # results must be separate, and Inductor expects them aligned as fresh buffers are
-            out.append(item.clone())
+            out.append(item.contiguous().clone() if item.is_contiguous() else item.contiguous())
+        elif not item.is_contiguous():
+            # the layout of a result is the backend's (flagos writes block scales column-major), but Inductor
+            # takes the fake's (the reference backend's) as given: both travel contiguous
+            out.append(item.contiguous())
         else:
             out.append(item)
     return tuple(out) + (_marker(0, like),) * (returned - len(out))

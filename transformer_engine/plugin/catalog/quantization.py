@@ -130,7 +130,8 @@ def dequantize_blockwise(q: Tensor, scale_inv: Tensor, block_rows: int, block_co
 
 
 @declare(key="amax_history")
-def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo):
+def delayed_scaling_update(amax_history: Tensor, scale: Tensor, fp8_max: float, margin: float,
+                           amax_compute_algo: str) -> Tuple[Tensor, Tensor]:
     """One delayed-scaling step for N tensors (TE's recipe contract).
 
     H = amax_history [L, N] whose row 0 holds this step's amaxes; s = scale [N].
@@ -138,7 +139,8 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     s_new = (fp8_max / amax) / 2^margin where amax is finite and > 0, else the old s;
     an infinite s_new (tiny amax) becomes float32 max;
     H_new = roll(H, -1, dim 0) with row 0 zeroed.
-    Args: fp8_max: float or float32 [N]; margin: float; amax_compute_algo: "max" or "most_recent".
+    Args: fp8_max: float or float32 [N] (a float when traced by torch.compile); margin: float;
+    amax_compute_algo: "max" or "most_recent".
     Returns: (H_new [L, N], s_new [N]), both new float32 tensors.
     """
 

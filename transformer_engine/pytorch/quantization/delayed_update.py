@@ -127,13 +127,15 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> N
 
 def _update_traced(states: Sequence, recipe: DelayedScaling, group) -> None:
     """:func:`reduce_and_update` as torch.compile traces it: each state on its own tensors, without the
-    cached side-by-side buffers (the same math per slot; the compiler plans the buffers). ``group``:
-    MAX-reduce the amaxes over it first (None: no reduction)."""
+    cached side-by-side buffers (the same math per slot; the compiler plans the buffers), and the new
+    H, s and scale_inv written by plain tensor ops rather than the in-place catalog op, whose writes
+    Inductor may order after a later read of the old scale (the copy a backward cast keeps).
+    ``group``: MAX-reduce the amaxes over it first (None: no reduction)."""
     for state in states:
         part = _Group(state.amax_history, state.amax_history[0], state.scale, state.scale_inv, state.fp8_max)
         if group is not None:
             torch.distributed.all_reduce(part.amax, op=torch.distributed.ReduceOp.MAX, group=group)
-        _update(part, recipe)
+        _update(part, recipe, in_place_op=False)
 
 
 def _reduces(recipe: DelayedScaling, group) -> bool:
@@ -143,11 +145,12 @@ def _reduces(recipe: DelayedScaling, group) -> bool:
     return torch.distributed.get_world_size(group) > 1
 
 
-def _update(part: _Group, recipe: DelayedScaling) -> None:
+def _update(part: _Group, recipe: DelayedScaling, in_place_op: bool = True) -> None:
     """One step in place on the plan's H, s and scale_inv: one ``ops.delayed_scaling_update_`` call for the
-    built-in algorithms; with a recipe callable, :func:`_step`, the idle rule, scale_inv = 1 / s."""
+    built-in algorithms; with a recipe callable (or without ``in_place_op``), :func:`_step`, the idle
+    rule, scale_inv = 1 / s: the same values (the op's contract)."""
     algo, margin = recipe.amax_compute_algo, float(recipe.margin)
-    if not callable(algo) and recipe.scaling_factor_compute_algo is None:
+    if in_place_op and not callable(algo) and recipe.scaling_factor_compute_algo is None:
         ops.delayed_scaling_update_(part.history, part.scale, part.scale_inv, part.fp8_max, margin, algo)
         return
     new_history, new_scale = _step(part.history, part.scale, part.fp8_max, recipe)
@@ -213,6 +216,8 @@ def _step(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(H_new, s_new) of a recipe with a callable amax_compute_algo or scaling_factor_compute_algo."""
     algo, scale_fn, margin = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, float(recipe.margin)
+    if not callable(algo) and scale_fn is None:  # the built-in algorithms: the catalog op
+        return ops.delayed_scaling_update(history, scale, fp8_max, margin, algo)
     if callable(algo):
         amax = algo(history)
     else:
