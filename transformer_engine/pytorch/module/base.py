@@ -272,11 +272,13 @@ class TransformerEngineBaseModule(torch.nn.Module):
         None: quantize, no cache; with autograd on, backward casts W^T (the dgrad layout) again from
         the weight (``quantize_weight``), so no FP8 copy of W lives from forward to backward. True:
         quantize and cache. False: reuse the cache (the weight's amax is then not recorded), quantizing
-        only if there is none yet. A cached copy carries W^T too, written in the same pass.
+        only if there is none yet. A cached copy carries W^T too, written in the same pass. Traced by
+        torch.compile, W^T is cast in forward with W (as with a cache): a backward cast would read the
+        scale that AOTAutograd's partitioner may take from the state after the forward's update.
         """
         if not quantizer.is_fp8:
             return quantizer.quantize(weight)
-        if is_first_microbatch is None and torch.is_grad_enabled():
+        if is_first_microbatch is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return quantizer.quantize_weight(weight.detach())
         cached = self._weight_cache.get(key)
         if is_first_microbatch is False and cached is not None:
