@@ -227,10 +227,10 @@ _TRACEABLE_BODY = """if _is_compiling():
 return _dispatch({args})"""
 
 
-def traceable(spec: OpSpec, dispatcher: Callable, fake: Optional[Callable]) -> Callable:
+def traceable(spec: OpSpec, dispatcher: Callable, fake: Callable) -> Callable:
     """``dispatcher`` when ``spec`` has no custom op, else a function with the op's signature that calls
     ``dispatcher`` eagerly and the op's custom op while ``torch.compile`` traces it."""
-    ops = custom_op(spec, dispatcher, fake) if fake is not None else None
+    ops = custom_op(spec, dispatcher, fake)
     if ops is None:
         return dispatcher
     op, op_without = ops

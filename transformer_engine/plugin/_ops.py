@@ -40,9 +40,16 @@ class OpNamespace:
             return dispatcher, False
         from ._compile import traceable
 
-        manager.ensure_initialized()
-        reference = [impl.fn for impl in manager.registry.get_implementations(name) if impl.kind is BackendImplKind.REFERENCE]
-        return traceable(dispatcher.spec, dispatcher, reference[0] if reference else None), True
+        def reference(*args):
+            """The reference backend's implementation (looked up on its first fake call: building a
+            dispatcher loads no backend)."""
+            manager.ensure_initialized()
+            impls = [impl.fn for impl in manager.registry.get_implementations(name) if impl.kind is BackendImplKind.REFERENCE]
+            if not impls:
+                raise NotImplementedError(f"op {name!r} has no reference implementation to trace it with under torch.compile")
+            return impls[0](*args)
+
+        return traceable(dispatcher.spec, dispatcher, reference), True
 
     def prepare_for_compile(self) -> None:
         """Build every op's dispatcher now (each is otherwise built on its first use); once per namespace."""

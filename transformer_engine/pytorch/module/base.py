@@ -229,7 +229,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             for what, shape in shapes:
                 check_fp8_shape(what, shape)
         if torch.compiler.is_compiling() and config.recipe.delayed() and self._lacks_states(config.recipe):
-            self._build_states_eagerly(config.recipe, device)
+            torch.compiler.disable(self._build_states_eagerly)(config.recipe, device)  # (wrapped here: the decorator imports Dynamo)
         elif ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__):
             self._states_installed()
         fwd_state, bwd_state = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
@@ -248,7 +248,6 @@ class TransformerEngineBaseModule(torch.nn.Module):
         state = self.fp8_meta["scaling_fwd"]
         return state is None or type(state.recipe) is not type(recipe)
 
-    @torch.compiler.disable
     def _build_states_eagerly(self, recipe, device: torch.device) -> None:
         """Delayed-scaling states made outside the graph that torch.compile traces (one graph break, on the
         first traced FP8 call of a module that never ran under this recipe's type). Tensors a graph made
