@@ -71,9 +71,34 @@ class _FusedAttnFunc(torch.autograd.Function):
 
 
 def _attend(q, k, v, attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig, rng_ctx: Callable):
-    """The checkpointable core: the fused op under the dropout RNG context."""
+    """The checkpointable core: the fused op under the dropout RNG context (traced by torch.compile:
+    PyTorch's SDPA where it expresses the call, see :func:`_traced_sdpa`)."""
     with rng_ctx():
+        if torch.compiler.is_compiling() and _sdpa_expresses(attn_bias, softmax_offset, extras, config):
+            return _traced_sdpa(q, k, v, config)
         return _FusedAttnFunc.apply(q, k, v, attn_bias, softmax_offset, extras, config)
+
+
+def _sdpa_expresses(attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig) -> bool:
+    """True for a "bshd" call without bias, window, extra masks or softmax offset, causal (top-left) or not."""
+    return (config.qkv_format == "bshd" and config.mask_type in ("no_mask", "causal") and not config.has_window
+            and config.bias_type == "no_bias" and config.softmax_type == "vanilla" and attn_bias is None
+            and softmax_offset is None and extras.attn_mask is None and extras.alibi_slopes is None)
+
+
+def _traced_sdpa(q, k, v, config: AttentionConfig) -> torch.Tensor:
+    """The attention of a call that torch.compile traces, as ``F.scaled_dot_product_attention``.
+
+    The catalog's attention ops return a context object that only their own backend reads, which a
+    compiled graph cannot carry; SDPA is the same math (for these calls), and Inductor lowers it to the
+    cuDNN / flash kernels the vendor backend calls, with dropout from the device generator. q, k, v are
+    [b, s, h, d] ("bshd"); so is the result.
+    """
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=config.dropout_p,
+        is_causal=config.mask_type == "causal", scale=config.softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
 
 
 @dataclass(frozen=True, eq=False)

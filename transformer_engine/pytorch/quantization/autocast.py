@@ -19,6 +19,7 @@ Update schedule (delayed scaling, TE's):
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 import warnings
@@ -80,11 +81,25 @@ class _UpdateGroups:
 
 
 class BackwardUpdate:
-    """The backward states of one outermost autocast; called at the end of its first module's backward."""
+    """The backward states of one outermost autocast; called at the end of its first module's backward.
+
+    Traced by torch.compile, a module's backward is traced when its forward is, before the modules after
+    it have queued their states: each state then gets an update of its own (:meth:`claim_state`), run
+    at the end of the backward of the first call that queued it (the last of its backwards to run, the
+    last to read its scale), which gives the grouped update's values.
+    """
 
     def __init__(self):
         self.groups = _UpdateGroups()
         self._claimed = False
+        self._states_claimed = set()
+
+    def claim_state(self, state, group) -> Optional[Callable[[], None]]:
+        """The update of ``state`` alone for its first caller, None afterwards."""
+        if state in self._states_claimed:
+            return None
+        self._states_claimed.add(state)
+        return functools.partial(reduce_and_update, [state], state.recipe, group)
 
     def claim(self) -> Optional["BackwardUpdate"]:
         """Self for the first caller (the first module to run forward), None afterwards."""
@@ -131,12 +146,14 @@ def current_config() -> QuantizationConfig:
     return _STATE.config
 
 
-def register_states(fwd_state, bwd_state) -> Optional[BackwardUpdate]:
+def register_states(fwd_state, bwd_state) -> Optional[Callable[[], None]]:
     """Queue a module's delayed-scaling states for their updates (call once per FP8 forward).
 
     Returns:
         The backward update that this module must run at the end of its backward, if it is the first
-        module of the outermost autocast to run forward with grad enabled; else None.
+        module of the outermost autocast to run forward with grad enabled; else None. Traced by
+        torch.compile: the update of this module's own backward state, for its first call (see
+        :class:`BackwardUpdate`).
     """
     config = _STATE.config
     if not (config.enabled and fwd_state.has_amax_history):
@@ -147,6 +164,8 @@ def register_states(fwd_state, bwd_state) -> Optional[BackwardUpdate]:
     _STATE.forward.add(fwd_state, config.amax_reduction_group)
     if not torch.is_grad_enabled():
         return None
+    if torch.compiler.is_compiling():
+        return _STATE.backward.claim_state(bwd_state, config.amax_reduction_group)
     _STATE.backward.groups.add(bwd_state, config.amax_reduction_group)
     return _STATE.backward.claim()
 
