@@ -5,11 +5,9 @@ heads h / 64, causal, dropout 0.1, bf16 parameters, fwd+bwd with a random dy. Va
 against the plain PyTorch layer (nn.LayerNorm, nn.Linear, SDPA) measured eager in the same process:
 
 - ``plain``: the baseline, eager and ``torch.compile``-d;
-- ``te-blocks``: the same block from ``te.LayerNormLinear`` + ``te.Linear`` + ``te.LayerNormMLP`` with SDPA
-  (what traces whole under torch.compile today), bf16 / FP8 delayed / FP8 current, eager, compiled and
-  compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graphs);
-- ``te-layer``: ``te.TransformerLayer`` with FP8 delayed scaling, eager and in CUDA graphs
-  (``te.make_graphed_callables``); its attention does not trace under torch.compile yet.
+- ``te-layer``: ``te.TransformerLayer``, bf16 / FP8 delayed / FP8 current, eager, ``torch.compile``-d
+  and compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graphs); FP8 delayed also captured
+  with ``te.make_graphed_callables``.
 
 Columns: median ms of a step (CUDA events), the ratio against plain eager, host ms (the CPU time to issue
 one step from an idle GPU), step memory (the peak a step adds over what was allocated before it), and
@@ -30,7 +28,7 @@ import torch
 from torch import nn
 
 from _harness import base_parser, peak_memory, print_table, time_fn, write_json
-from bench_transformer_layer import FusedModulesLayer, LayerShape, PlainLayer
+from bench_transformer_layer import LayerShape, PlainLayer
 
 
 @dataclass(frozen=True)
@@ -55,14 +53,12 @@ def _variants(device: str) -> List[Variant]:
 
     recipes = _recipes()
     plain = lambda s: PlainLayer(s, device=device)  # noqa: E731
-    blocks = lambda s: FusedModulesLayer(s, te, device=device)  # noqa: E731
     layer = lambda s: te.TransformerLayer(s.hidden, s.ffn, s.heads, params_dtype=torch.bfloat16, device=device,  # noqa: E731
                                           self_attn_mask_type="causal")
-    out = [Variant("plain", plain), Variant("plain", plain, mode="compile"), Variant("plain", plain, mode="compile-graphs")]
+    out = [Variant("plain", plain, mode=mode) for mode in ("eager", "compile", "compile-graphs")]
     for name, recipe in [("bf16", None), ("fp8 delayed", recipes["delayed"]), ("fp8 current", recipes["current"])]:
-        out += [Variant(f"te-blocks {name}", blocks, recipe, mode) for mode in ("eager", "compile", "compile-graphs")]
-    out += [Variant("te-layer fp8 delayed", layer, recipes["delayed"]),
-            Variant("te-layer fp8 delayed", layer, recipes["delayed"], "graphs")]
+        out += [Variant(f"te-layer {name}", layer, recipe, mode) for mode in ("eager", "compile", "compile-graphs")]
+    out.append(Variant("te-layer fp8 delayed", layer, recipes["delayed"], "graphs"))
     return out
 
 
