@@ -111,6 +111,14 @@ class RecipeState:
         """Keep the state's tensors on ``device`` (a module moved after its first FP8 step)."""
 
 
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """``t`` marked as a static address for torch.compile (Dynamo guards on it: a new tensor recompiles)."""
+    from torch._dynamo import mark_static_address  # imported on the first FP8 step, not with the library
+
+    mark_static_address(t)
+    return t
+
+
 class DelayedScalingRecipeState(RecipeState):
     """Delayed scaling: ``scale``, ``scale_inv`` [N] and ``amax_history`` [L, N] (see the module docstring)."""
 
@@ -121,6 +129,13 @@ class DelayedScalingRecipeState(RecipeState):
         self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
         self.scale_inv = torch.ones(num_quantizers, dtype=torch.float32, device=device)
         self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=device)
+
+    # The state tensors are written in place by every step, inside the graphs torch.compile makes too.
+    # Marked as static addresses (as parameters and buffers are), they let Inductor's CUDA graphs
+    # (mode="reduce-overhead") keep graphs that write them; any other written input makes it skip them.
+    scale = property(lambda self: self._scale, lambda self, t: setattr(self, "_scale", _static(t)))
+    scale_inv = property(lambda self: self._scale_inv, lambda self, t: setattr(self, "_scale_inv", _static(t)))
+    amax_history = property(lambda self: self._amax_history, lambda self, t: setattr(self, "_amax_history", _static(t)))
 
     @property
     def fp8_max(self) -> float:
