@@ -187,11 +187,14 @@ def plot(rows: List[Dict[str, object]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     keys = sorted({(r["variant"], r["mode"]) for r in rows if r.get("ratio")})
-    for variant, mode in keys:
+    variants = sorted({variant for variant, _ in keys})
+    styles = {"eager": "-", "compile": "--", "compile-graphs": ":", "graphs": "-."}
+    for variant, mode in keys:  # one colour per variant, one line style per mode
         points = [(r["hidden"], 1 / r["ratio"]) for r in rows if (r["variant"], r["mode"]) == (variant, mode) and r.get("ratio")]
-        ax.plot(*zip(*points), marker="o", label=f"{variant} ({mode})")
+        ax.plot(*zip(*points), marker="o", color=f"C{variants.index(variant)}", linestyle=styles.get(mode, "-"),
+                label=f"{variant} ({mode})")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("hidden size (8192 tokens, FFN 4h)")
