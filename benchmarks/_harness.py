@@ -19,7 +19,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["fwd_bwd_step", "time_fn", "time_back_to_back", "peak_memory", "print_table", "write_json", "base_parser", "environment", "backend_policy"]
+__all__ = ["fwd_bwd_step", "time_fn", "time_back_to_back", "host_ms", "peak_memory", "print_table", "write_json", "base_parser",
+           "environment", "backend_policy", "under_autocast"]
 
 
 def fwd_bwd_step(module: torch.nn.Module, x: torch.Tensor, dy: Optional[torch.Tensor],
@@ -80,6 +81,33 @@ def time_back_to_back(fn: Callable[[], object], warmup: int = 5, iters: int = 20
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def host_ms(step: Callable[[], object], device: str, repeats: int = 10) -> float:
+    """Median CPU milliseconds to issue one ``step()``, starting each from an idle GPU."""
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def under_autocast(module: Callable, recipe) -> Callable:
+    """``module`` itself for recipe None, else a function calling it inside ``te.autocast(recipe=recipe)``."""
+    if recipe is None:
+        return module
+    import transformer_engine.pytorch as te
+
+    def forward(*args):
+        with te.autocast(recipe=recipe):
+            return module(*args)
+
+    return forward
 
 
 def peak_memory(fn: Callable[[], object], device: Optional[torch.device] = None) -> Optional[int]:

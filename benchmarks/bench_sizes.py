@@ -20,14 +20,13 @@ Usage: python benchmarks/bench_sizes.py [--hidden 1024,2048,4096] [--json out.js
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from _harness import base_parser, peak_memory, print_table, time_fn, write_json
+from _harness import base_parser, host_ms, peak_memory, print_table, time_fn, under_autocast, write_json
 from bench_transformer_layer import LayerShape, PlainLayer
 
 
@@ -62,19 +61,6 @@ def _variants(device: str) -> List[Variant]:
     return out
 
 
-def _forward(module: nn.Module, recipe) -> Callable:
-    import transformer_engine.pytorch as te
-
-    if recipe is None:
-        return module
-
-    def forward(x):
-        with te.autocast(recipe=recipe):
-            return module(x)
-
-    return forward
-
-
 def _step(variant: Variant, s: LayerShape, device: str) -> Dict[str, object]:
     """Build the variant, run one eager step (FP8 state, warm caches), then wrap it as the mode asks."""
     import transformer_engine.pytorch as te
@@ -83,13 +69,13 @@ def _step(variant: Variant, s: LayerShape, device: str) -> Dict[str, object]:
     recipe = variant.recipe() if variant.recipe else None
     x = torch.randn(s.seq, s.batch, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    forward = _forward(module, recipe)
+    forward = under_autocast(module, recipe)
     forward(x).backward(dy)
     graphs = None
     if variant.mode.startswith("compile"):
         torch._dynamo.reset()
         forward = torch.compile(forward, mode="reduce-overhead" if variant.mode == "compile-graphs" else None)
-        graphs = torch._dynamo.explain(_forward(module, recipe))(x).graph_count
+        graphs = torch._dynamo.explain(under_autocast(module, recipe))(x).graph_count
     elif variant.mode == "graphs":
         kwargs = {} if recipe is None else {"fp8_enabled": True, "fp8_recipe": recipe}
         forward = te.make_graphed_callables(module, (x,), **kwargs)
@@ -110,20 +96,6 @@ def step_memory(step: Callable[[], None]) -> Optional[int]:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     return peak_memory(step) - before
-
-
-def host_ms(step: Callable[[], None], device: str, iters: int = 10) -> float:
-    """Median CPU milliseconds to issue one step, starting each from an idle GPU."""
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
 
 
 def layer_sweep(hiddens: List[int], device: str, iters: int) -> List[Dict[str, object]]:
@@ -163,7 +135,7 @@ def small_linear(device: str, iters: int) -> List[Dict[str, object]]:
         for mode in ("eager", "compile"):
             module = build()
             x = torch.randn(16, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-            forward = _forward(module, recipe() if recipe else None)
+            forward = under_autocast(module, recipe() if recipe else None)
             forward(x).sum().backward()
             if mode == "compile":
                 torch._dynamo.reset()

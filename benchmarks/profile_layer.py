@@ -27,7 +27,6 @@ under ``torch.profiler`` and prints
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections import Counter, defaultdict
 from typing import Callable, Dict, Tuple
@@ -35,7 +34,7 @@ from typing import Callable, Dict, Tuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, time_back_to_back, time_fn, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, host_ms, print_table, time_back_to_back, time_fn, write_json
 from bench_transformer_layer import SMALL, LayerShape, PlainLayer, _te_layer
 
 STEPS = 3
@@ -120,20 +119,6 @@ def idle_gaps(spans: list, top: int) -> Tuple[float, list]:
         if last_end is None or end > last_end:
             last_end, last_name = end, name
     return sum(g[0] for g in gaps) / STEPS, sorted(gaps, reverse=True)[:top]
-
-
-def host_ms(step: Callable, device: str, repeats: int = 5) -> float:
-    """Median time the host takes to enqueue one step, starting each from an idle GPU."""
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
 
 
 def sync_points(step: Callable, device: str) -> Counter:

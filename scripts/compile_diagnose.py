@@ -19,20 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import torch  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
+from _harness import under_autocast  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 RECIPES = {"bf16": None, "delayed": DelayedScaling(), "current": Float8CurrentScaling(), "block": Float8BlockScaling()}
-
-
-def _forward(module, recipe):
-    if recipe is None:
-        return module
-
-    def forward(x):
-        with te.autocast(recipe=recipe):
-            return module(x)
-
-    return forward
 
 
 def _modules(hidden: int, device: str):
@@ -75,7 +65,7 @@ def main() -> None:
             torch._dynamo.reset()
             module, recipe = build(), RECIPES[recipe_name]
             x = torch.randn(*shape, device=args.device, dtype=torch.bfloat16, requires_grad=True)
-            forward = _forward(module, recipe)
+            forward = under_autocast(module, recipe)
             forward(x).float().sum().backward()
             explained = torch._dynamo.explain(forward)(x)
             reasons = collections.Counter(

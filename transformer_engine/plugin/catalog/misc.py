@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
+from transformer_engine.plugin.core.catalog import Tensor, declare
 
 
 @declare

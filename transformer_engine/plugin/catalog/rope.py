@@ -13,9 +13,9 @@ split into 2 * cp_size chunks, rank r holding chunks r and 2 * cp_size - 1 - r).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
-from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
+from transformer_engine.plugin.core.catalog import Tensor, declare
 
 
 @declare

@@ -9,9 +9,7 @@ aligned: position j is masked for row i when j > i + sk - sq). Fully masked rows
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
-from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
+from transformer_engine.plugin.core.catalog import Tensor, declare
 
 
 @declare
