@@ -185,6 +185,22 @@ def test_inductor_training_equals_eager(module_name, recipe_name):
         torch.testing.assert_close(dx_c, dx_e)
 
 
+def test_deprecated_fp8_autocast_traces_without_breaks():
+    """``te.fp8_autocast`` (what HF Accelerate wraps each forward in) traces whole; it warns only eagerly."""
+    module, recipe = te.Linear(64, 32), RECIPES["delayed"]
+
+    def step(x):
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            return module(x)
+
+    x = torch.randn(16, 64)
+    with pytest.warns(DeprecationWarning):
+        step(x).sum().backward()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
 def test_first_traced_delayed_step_builds_state_eagerly():
     """A module that never ran FP8: its first compiled step (default fullgraph=False) gives the eager
     result, with one graph break for the state; later steps trace whole."""

@@ -269,11 +269,15 @@ class autocast:
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
                  fp8_group=None, _graph: bool = False) -> autocast:
-    """Deprecated alias of :class:`autocast` (``fp8_recipe`` -> ``recipe``, ``fp8_group`` -> ``amax_reduction_group``)."""
-    warnings.warn(
-        "fp8_autocast is deprecated; use transformer_engine.pytorch.autocast(enabled, calibrating, recipe, "
-        "amax_reduction_group)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    """Deprecated alias of :class:`autocast` (``fp8_recipe`` -> ``recipe``, ``fp8_group`` -> ``amax_reduction_group``).
+
+    The deprecation warning is given eagerly only: clients that still call it (HF Accelerate wraps every
+    forward in it) must trace under torch.compile without a graph break."""
+    if not torch.compiler.is_compiling():
+        warnings.warn(
+            "fp8_autocast is deprecated; use transformer_engine.pytorch.autocast(enabled, calibrating, recipe, "
+            "amax_reduction_group)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group, _graph=_graph)
