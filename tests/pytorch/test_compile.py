@@ -185,6 +185,39 @@ def test_inductor_training_equals_eager(module_name, recipe_name):
         torch.testing.assert_close(dx_c, dx_e)
 
 
+def test_delayed_state_tensors_are_static_addresses():
+    """The state tensors carry what torch._dynamo.mark_static_address sets (set without importing Dynamo)."""
+    from transformer_engine.pytorch.quantization.recipe_state import _static
+
+    marked = torch.zeros(2)
+    torch._dynamo.mark_static_address(marked, guard=False)
+    assert _static(torch.zeros(2))._dynamo_static_input_type == marked._dynamo_static_input_type
+    module = te.Linear(64, 32)
+    with te.autocast(recipe=RECIPES["delayed"]):
+        module(torch.randn(16, 64))
+    state = module.fp8_meta["scaling_bwd"]
+    assert all(t._dynamo_static_input_type == "unguarded" for t in (state.scale, state.scale_inv, state.amax_history))
+
+
+def test_fresh_module_traces_whole_under_delayed_scaling():
+    """A module that never ran FP8, compiled with fullgraph under DelayedScaling of the default history
+    length: its scaling tensors were reserved at construction, so the first traced step needs no graph
+    break, and the steps equal eager ones."""
+    torch._dynamo.reset()
+    recipe = DelayedScaling()
+    eager = te.LayerNormMLP(64, 128)
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(_step_fn(compiled, recipe), fullgraph=True, backend="aot_eager")
+    xs = [torch.randn(32, 64) for _ in range(3)]
+    big = {"loss": lambda y: y.float().square().sum(), "lr": 1e-3}
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs, **big), _train(step, compiled, xs, **big)):
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_e, rtol=0, atol=0)
+    for key, tensors in _scaling_state(eager).items():
+        for a, e in zip(_scaling_state(compiled)[key], tensors):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
 def test_deprecated_fp8_autocast_traces_without_breaks():
     """``te.fp8_autocast`` (what HF Accelerate wraps each forward in) traces whole; it warns only eagerly."""
     module, recipe = te.Linear(64, 32), RECIPES["delayed"]

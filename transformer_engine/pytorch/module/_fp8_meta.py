@@ -78,12 +78,13 @@ def install_states(fp8_meta: Dict, quantizers: Dict, fwd: RecipeState, bwd: Reci
     quantizers["scaling_bwd"] = bwd.make_quantizers()
 
 
-def ensure_states(fp8_meta: Dict, quantizers: Dict, recipe: Recipe, device, owner: str) -> bool:
+def ensure_states(fp8_meta: Dict, quantizers: Dict, recipe: Recipe, device, owner: str, reserved: Optional[Dict] = None) -> bool:
     """Bring the states in line with ``recipe``; returns True when they were (re)built.
 
     A new recipe *type* rebuilds them (with a "Recipe type changed" UserWarning if there were any);
     the same type keeps the scales and histories (moved to ``device`` if the module moved), adopting the
-    recipe's fields (the history is resized in place when ``amax_history_len`` changed).
+    recipe's fields (the history is resized in place when ``amax_history_len`` changed). ``reserved``:
+    tensors allocated ahead per mode ("forward", "backward"), taken (popped) by new delayed-scaling states.
     """
     old = fp8_meta["scaling_fwd"]
     if old is not None and type(old.recipe) is type(recipe):
@@ -103,7 +104,8 @@ def ensure_states(fp8_meta: Dict, quantizers: Dict, recipe: Recipe, device, owne
             stacklevel=4,
         )
     n = fp8_meta["num_gemms"]
-    fwd = RecipeState.create(recipe, mode="forward", num_gemms=n, device=device)
-    bwd = RecipeState.create(recipe, mode="backward", num_gemms=n, device=device)
+    reserved = reserved if reserved is not None else {}
+    fwd = RecipeState.create(recipe, mode="forward", num_gemms=n, device=device, reserved=reserved.pop("forward", None))
+    bwd = RecipeState.create(recipe, mode="backward", num_gemms=n, device=device, reserved=reserved.pop("backward", None))
     install_states(fp8_meta, quantizers, fwd, bwd)
     return True

@@ -26,13 +26,15 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
+from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import ops
 
 from ..quantization.autocast import current_config, register_states
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.model_init import keep_high_precision_init_val, model_init_config
 from ..quantization.quantizer import IDENTITY, Quantizer
-from ..quantization.recipe_state import RecipeState
+from ..quantization.recipe_state import RecipeState, reserve_delayed_tensors
+from ..quantization.roles import BWD_ROLES, FWD_ROLES
 from ..parallel.linear_comm import LinearComm, linear_comm
 from ..parallel.tensor_parallel import ParallelConfig, initialize
 from . import _extra_state
@@ -100,6 +102,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         ops.prepare_for_compile()  # every op traceable before torch.compile can meet one
         self.fp8_meta = new_fp8_meta(num_gemms)
         self._high_precision = high_precision(num_gemms)  # the quantization of a call outside FP8: made once
+        self._reserved_states: Dict[str, Tuple[torch.Tensor, ...]] = {}  # see _reserve_states
         self.quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}
         self.name = name
         self._param_init: Dict[str, Callable[[torch.Tensor], None]] = {}
@@ -173,6 +176,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if self._keep_init_val:
                 keep_high_precision_init_val(param)
         self._weight_cache.clear()
+        self._reserve_states()
 
     def _materialize(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=default_device()),
@@ -230,7 +234,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 check_fp8_shape(what, shape)
         if torch.compiler.is_compiling() and config.recipe.delayed() and self._lacks_states(config.recipe):
             torch.compiler.disable(self._build_states_eagerly)(config.recipe, device)  # (wrapped here: the decorator imports Dynamo)
-        elif ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__):
+        elif ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__, self._reserved_states):
             self._states_installed()
         fwd_state, bwd_state = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
         if not config.enabled:  # calibration: high precision, amaxes recorded
@@ -244,9 +248,24 @@ class TransformerEngineBaseModule(torch.nn.Module):
         )
 
     def _lacks_states(self, recipe) -> bool:
-        """True when this module has no scaling states of ``recipe``'s type yet."""
+        """True when this module has no scaling states of ``recipe``'s type yet, and no tensors reserved for
+        them that fit ``recipe`` (:meth:`_reserve_states`)."""
         state = self.fp8_meta["scaling_fwd"]
-        return state is None or type(state.recipe) is not type(recipe)
+        if state is not None and type(state.recipe) is type(recipe):
+            return False
+        reserved = self._reserved_states.get("forward")
+        return reserved is None or reserved[2].shape[0] != recipe.amax_history_len
+
+    def _reserve_states(self) -> None:
+        """Allocate the delayed-scaling tensors (default history length) on the parameters' device now, so
+        that a first FP8 step traced by torch.compile finds them as inputs and traces whole. A state of
+        another history length (or device) is made when first needed, which costs one graph break."""
+        n, device = self.fp8_meta["num_gemms"], self._state_device()
+        if n == 0 or device.type == "meta" or self.fp8_meta["scaling_fwd"] is not None:
+            return
+        length = DelayedScaling.__dataclass_fields__["amax_history_len"].default
+        self._reserved_states = {mode: reserve_delayed_tensors(n * roles, length, device)
+                                 for mode, roles in (("forward", len(FWD_ROLES)), ("backward", len(BWD_ROLES)))}
 
     def _build_states_eagerly(self, recipe, device: torch.device) -> None:
         """Delayed-scaling states made outside the graph that torch.compile traces (one graph break, on the
@@ -254,7 +273,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         would be its outputs, and the grad casts write their amax histories in the backward graph, which
         AOTAutograd allows for graph inputs only; the next trace takes them as inputs. Code compiled with
         ``fullgraph=True`` must therefore run one eager FP8 step of the model first."""
-        if ensure_states(self.fp8_meta, self.quantizers, recipe, device, type(self).__name__):
+        if ensure_states(self.fp8_meta, self.quantizers, recipe, device, type(self).__name__, self._reserved_states):
             self._states_installed()
 
     def _states_installed(self) -> None:

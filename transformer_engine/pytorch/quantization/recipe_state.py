@@ -18,7 +18,7 @@ cast computes its own scale (per tensor, or per tile).
 from __future__ import annotations
 
 import warnings
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -84,12 +84,13 @@ class RecipeState:
         self.fp8_dtype = forward if self.mode == "forward" else backward
 
     @staticmethod
-    def create(recipe: Recipe, *, mode: str, num_gemms: int, device) -> "RecipeState":
-        """The state of ``num_gemms`` GEMMs for ``recipe`` in direction ``mode``."""
+    def create(recipe: Recipe, *, mode: str, num_gemms: int, device, reserved: Optional[Tuple[torch.Tensor, ...]] = None) -> "RecipeState":
+        """The state of ``num_gemms`` GEMMs for ``recipe`` in direction ``mode``; ``reserved``: delayed scaling's
+        (scale, scale_inv, amax_history) allocated ahead (see :func:`reserve_delayed_tensors`), taken when they fit."""
         check_recipe_implemented(recipe)
         n = num_gemms * (len(FWD_ROLES) if mode == "forward" else len(BWD_ROLES))
         if isinstance(recipe, DelayedScaling):
-            return DelayedScalingRecipeState(recipe, mode, n, device)
+            return DelayedScalingRecipeState(recipe, mode, n, device, reserved)
         if isinstance(recipe, Float8BlockScaling):
             return Float8BlockScalingRecipeState(recipe, mode, n)
         return Float8CurrentScalingRecipeState(recipe, mode, n)
@@ -111,11 +112,26 @@ class RecipeState:
         """Keep the state's tensors on ``device`` (a module moved after its first FP8 step)."""
 
 
-def _static(t: torch.Tensor) -> torch.Tensor:
-    """``t`` marked as a static address for torch.compile (Dynamo guards on it: a new tensor recompiles)."""
-    from torch._dynamo import mark_static_address  # imported on the first FP8 step, not with the library
+def reserve_delayed_tensors(num_quantizers: int, history_len: int, device) -> Tuple[torch.Tensor, ...]:
+    """(scale, scale_inv, amax_history) of a fresh delayed-scaling state: ones, ones, zeros [L, N].
 
-    mark_static_address(t)
+    Modules allocate them ahead, at construction, for the default history length: a state whose
+    tensors exist before torch.compile traces the first FP8 step is traced whole (tensors the graph
+    made itself could not be written by the backward graph), see ``TransformerEngineBaseModule``."""
+    def ones():
+        return torch.ones(num_quantizers, dtype=torch.float32, device=device)
+
+    return ones(), ones(), torch.zeros(history_len, num_quantizers, dtype=torch.float32, device=device)
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """``t`` marked as a static address for torch.compile (a new tensor in its place: CUDA graphs re-record).
+
+    What ``torch._dynamo.mark_static_address(t, guard=False)`` does, without importing Dynamo (1.6 s) with
+    the first FP8 state (``tests/pytorch/test_compile.py`` checks that the two agree). A tensor made
+    inside a traced call is the graph's own: nothing to mark."""
+    if not torch.compiler.is_compiling():
+        t._dynamo_static_input_type = "unguarded"
     return t
 
 
@@ -124,11 +140,13 @@ class DelayedScalingRecipeState(RecipeState):
 
     has_amax_history = True
 
-    def __init__(self, recipe: DelayedScaling, mode: str, num_quantizers: int, device):
+    def __init__(self, recipe: DelayedScaling, mode: str, num_quantizers: int, device,
+                 reserved: Optional[Tuple[torch.Tensor, ...]] = None):
         super().__init__(recipe, mode, num_quantizers)
-        self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
-        self.scale_inv = torch.ones(num_quantizers, dtype=torch.float32, device=device)
-        self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=device)
+        fits = reserved is not None and reserved[2].shape == (recipe.amax_history_len, num_quantizers) and \
+            reserved[2].device == torch.device(device)
+        self.scale, self.scale_inv, self.amax_history = reserved if fits else reserve_delayed_tensors(
+            num_quantizers, recipe.amax_history_len, device)
 
     # The state tensors are written in place by every step, inside the graphs torch.compile makes too.
     # Marked as static addresses (as parameters and buffers are), they let Inductor's CUDA graphs
