@@ -24,13 +24,16 @@ __all__ = ["ForwardQuantization", "GemmQuantizers", "ensure_states", "high_preci
 
 @dataclass(frozen=True)
 class GemmQuantizers:
-    """The quantizers of the five tensor roles of one GEMM (identity in high precision)."""
+    """The quantizers of the five tensor roles of one GEMM (:data:`HIGH_PRECISION_GEMM`: identity for each).
 
-    input: Quantizer = IDENTITY
-    weight: Quantizer = IDENTITY
-    output: Quantizer = IDENTITY
-    grad_output: Quantizer = IDENTITY
-    grad_input: Quantizer = IDENTITY
+    No field has a default: torch 2.11's Dynamo cannot rebuild an object default of a dataclass made in a
+    traced call (a module's first FP8 step builds these while torch.compile traces it)."""
+
+    input: Quantizer
+    weight: Quantizer
+    output: Quantizer
+    grad_output: Quantizer
+    grad_input: Quantizer
 
     @staticmethod
     def from_slots(fwd: List[Quantizer], bwd: List[Quantizer], num_gemms: int) -> Tuple["GemmQuantizers", ...]:
@@ -39,6 +42,9 @@ class GemmQuantizers:
             GemmQuantizers(*(fwd[slot(g, r)] for r in FWD_ROLES), *(bwd[slot(g, r)] for r in BWD_ROLES))
             for g in range(num_gemms)
         )
+
+
+HIGH_PRECISION_GEMM = GemmQuantizers(IDENTITY, IDENTITY, IDENTITY, IDENTITY, IDENTITY)
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class ForwardQuantization:
 @functools.lru_cache(maxsize=None)
 def high_precision(num_gemms: int) -> ForwardQuantization:
     """No quantization for ``num_gemms`` GEMMs."""
-    return ForwardQuantization(gemms=(GemmQuantizers(),) * num_gemms)
+    return ForwardQuantization(gemms=(HIGH_PRECISION_GEMM,) * num_gemms)
 
 
 def new_fp8_meta(num_gemms: int) -> Dict:
