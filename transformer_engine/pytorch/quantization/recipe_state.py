@@ -69,7 +69,7 @@ class RecipeState:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'forward' or 'backward', got {mode!r}")
         self.mode = mode
-        self.recipe = recipe
+        self._adopt(recipe)  # not the property setter: torch 2.11's Dynamo loses what a setter sets on an object made in a trace
         self.num_quantizers = num_quantizers
 
     @property
@@ -79,6 +79,9 @@ class RecipeState:
 
     @recipe.setter
     def recipe(self, recipe: Recipe) -> None:
+        self._adopt(recipe)
+
+    def _adopt(self, recipe: Recipe) -> None:
         forward, backward = fp8_dtypes(recipe.fp8_format)
         self._recipe = recipe
         self.fp8_dtype = forward if self.mode == "forward" else backward
@@ -145,8 +148,8 @@ class DelayedScalingRecipeState(RecipeState):
         super().__init__(recipe, mode, num_quantizers)
         fits = reserved is not None and reserved[2].shape == (recipe.amax_history_len, num_quantizers) and \
             reserved[2].device == torch.device(device)
-        self.scale, self.scale_inv, self.amax_history = reserved if fits else reserve_delayed_tensors(
-            num_quantizers, recipe.amax_history_len, device)
+        scale, scale_inv, amax_history = reserved if fits else reserve_delayed_tensors(num_quantizers, recipe.amax_history_len, device)
+        self._scale, self._scale_inv, self._amax_history = _static(scale), _static(scale_inv), _static(amax_history)  # (as _adopt)
 
     # The state tensors are written in place by every step, inside the graphs torch.compile makes too.
     # Marked as static addresses (as parameters and buffers are), they let Inductor's CUDA graphs
