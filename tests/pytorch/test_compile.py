@@ -218,6 +218,23 @@ def test_fresh_module_traces_whole_under_delayed_scaling():
             torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
+def test_reserved_state_on_another_device_is_not_taken_while_traced():
+    """Reserved tensors left on another device (a module moved after construction) do not fit: the first
+    traced step builds the state outside the graph (one break) instead of inside it (which AOTAutograd
+    rejects), and the steps equal eager ones."""
+    torch._dynamo.reset()
+    recipe = DelayedScaling()
+    eager = te.Linear(64, 32)
+    compiled = copy.deepcopy(eager)
+    compiled._reserved_states = {mode: tuple(t.to("meta") for t in tensors) for mode, tensors in compiled._reserved_states.items()}
+    step = torch.compile(_step_fn(compiled, recipe), backend="aot_eager")
+    xs = [torch.randn(32, 64) for _ in range(3)]
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs), _train(step, compiled, xs)):
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_e, rtol=0, atol=0)
+    assert compiled.fp8_meta["scaling_fwd"].amax_history.device.type == "cpu"
+
+
 def test_deprecated_fp8_autocast_traces_without_breaks():
     """``te.fp8_autocast`` (what HF Accelerate wraps each forward in) traces whole; it warns only eagerly."""
     module, recipe = te.Linear(64, 32), RECIPES["delayed"]

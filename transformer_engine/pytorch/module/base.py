@@ -33,13 +33,16 @@ from ..quantization.autocast import current_config, register_states
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.model_init import keep_high_precision_init_val, model_init_config
 from ..quantization.quantizer import IDENTITY, Quantizer
-from ..quantization.recipe_state import RecipeState, reserve_delayed_tensors
+from ..quantization.recipe_state import RecipeState, reserve_delayed_tensors, reserved_fit
 from ..quantization.roles import BWD_ROLES, FWD_ROLES
 from ..parallel.linear_comm import LinearComm, linear_comm
 from ..parallel.tensor_parallel import ParallelConfig, initialize
 from . import _extra_state
 from ._common import Operand
 from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
+
+#: the two directions of a module's scaling state and the tensor roles of each
+_MODE_ROLES = (("forward", FWD_ROLES), ("backward", BWD_ROLES))
 
 __all__ = ["ParallelConfig", "TransformerEngineBaseModule", "check_fp8_shape", "check_unsupported", "default_device", "resolve_params_dtype", "te_outputs"]
 
@@ -232,7 +235,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if config.enabled:
             for what, shape in shapes:
                 check_fp8_shape(what, shape)
-        if torch.compiler.is_compiling() and config.recipe.delayed() and self._lacks_states(config.recipe):
+        if torch.compiler.is_compiling() and config.recipe.delayed() and self._lacks_states(config.recipe, device):
             torch.compiler.disable(self._build_states_eagerly)(config.recipe, device)  # (wrapped here: the decorator imports Dynamo)
         elif ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__, self._reserved_states):
             self._states_installed()
@@ -247,14 +250,14 @@ class TransformerEngineBaseModule(torch.nn.Module):
             for_training=torch.is_grad_enabled(),
         )
 
-    def _lacks_states(self, recipe) -> bool:
+    def _lacks_states(self, recipe, device: torch.device) -> bool:
         """True when this module has no scaling states of ``recipe``'s type yet, and no tensors reserved for
-        them that fit ``recipe`` (:meth:`_reserve_states`)."""
+        them that fit ``recipe`` on ``device`` (:meth:`_reserve_states`)."""
         state = self.fp8_meta["scaling_fwd"]
         if state is not None and type(state.recipe) is type(recipe):
             return False
-        reserved = self._reserved_states.get("forward")
-        return reserved is None or reserved[2].shape[0] != recipe.amax_history_len
+        n = self.fp8_meta["num_gemms"]
+        return not all(reserved_fit(self._reserved_states.get(mode), recipe, n * len(roles), device) for mode, roles in _MODE_ROLES)
 
     def _reserve_states(self) -> None:
         """Allocate the delayed-scaling tensors (default history length) on the parameters' device now, so
@@ -264,8 +267,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if n == 0 or device.type == "meta" or self.fp8_meta["scaling_fwd"] is not None:
             return
         length = DelayedScaling.__dataclass_fields__["amax_history_len"].default
-        self._reserved_states = {mode: reserve_delayed_tensors(n * roles, length, device)
-                                 for mode, roles in (("forward", len(FWD_ROLES)), ("backward", len(BWD_ROLES)))}
+        self._reserved_states = {mode: reserve_delayed_tensors(n * len(roles), length, device) for mode, roles in _MODE_ROLES}
 
     def _build_states_eagerly(self, recipe, device: torch.device) -> None:
         """Delayed-scaling states made outside the graph that torch.compile traces (one graph break, on the

@@ -127,6 +127,13 @@ def reserve_delayed_tensors(num_quantizers: int, history_len: int, device) -> Tu
     return ones(), ones(), torch.zeros(history_len, num_quantizers, dtype=torch.float32, device=device)
 
 
+def reserved_fit(reserved: Optional[Tuple[torch.Tensor, ...]], recipe: DelayedScaling, num_quantizers: int, device) -> bool:
+    """True when tensors from :func:`reserve_delayed_tensors` can be the state of ``recipe`` on ``device``
+    (same history length and slot count: a module moved after construction keeps them on the old device)."""
+    return (reserved is not None and reserved[2].shape == (recipe.amax_history_len, num_quantizers)
+            and reserved[2].device == torch.device(device))
+
+
 def _static(t: torch.Tensor) -> torch.Tensor:
     """``t`` marked as a static address for torch.compile (a new tensor in its place: CUDA graphs re-record).
 
@@ -146,8 +153,7 @@ class DelayedScalingRecipeState(RecipeState):
     def __init__(self, recipe: DelayedScaling, mode: str, num_quantizers: int, device,
                  reserved: Optional[Tuple[torch.Tensor, ...]] = None):
         super().__init__(recipe, mode, num_quantizers)
-        fits = reserved is not None and reserved[2].shape == (recipe.amax_history_len, num_quantizers) and \
-            reserved[2].device == torch.device(device)
+        fits = reserved_fit(reserved, recipe, num_quantizers, device)
         scale, scale_inv, amax_history = reserved if fits else reserve_delayed_tensors(num_quantizers, recipe.amax_history_len, device)
         self._scale, self._scale_inv, self._amax_history = _static(scale), _static(scale_inv), _static(amax_history)  # (as _adopt)
 
