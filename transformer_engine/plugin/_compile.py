@@ -116,14 +116,12 @@ def _encode(result: Any, args: Sequence[Any], mutated: Sequence[int], like: torc
         owner = next((i for i in mutated if args[i] is not None and torch._C._is_alias_of(item, args[i])), None)
         if owner is not None:
             out.append(_marker(owner + 1, like, item.shape))
-        elif (item.storage_offset() * item.element_size()) % 16 or any(torch._C._is_alias_of(item, e) for e in out):
-            # results sharing one buffer, or a view not 16-byte aligned (flagos current_scale): a custom op's
-            # results must be separate, and Inductor expects them aligned as fresh buffers are
-            out.append(item.contiguous().clone() if item.is_contiguous() else item.contiguous())
-        elif not item.is_contiguous():
-            # the layout of a result is the backend's (flagos writes block scales column-major), but Inductor
-            # takes the fake's (the reference backend's) as given: both travel contiguous
-            out.append(item.contiguous())
+        elif (not item.is_contiguous() or (item.storage_offset() * item.element_size()) % 16
+              or any(torch._C._is_alias_of(item, e) for e in out)):
+            # a custom op's results are separate buffers laid out as the fake's (the reference backend's):
+            # Inductor takes them as given. Copied: results sharing one buffer or not 16-byte aligned (flagos
+            # current_scale), and layouts of the backend's own (flagos writes block scales column-major)
+            out.append(item.clone(memory_format=torch.contiguous_format))
         else:
             out.append(item)
     return tuple(out) + (_marker(0, like),) * (returned - len(out))
@@ -186,10 +184,15 @@ def custom_op(spec: OpSpec, run: Callable, fake: Callable) -> Optional[Tuple[Any
 
     # an optional argument the op writes gets a second custom op without it, used when it is None (the
     # common case: no amax_out, no out): torch 2.11 cannot trace a None given for a written argument
-    optional = tuple(n for n in spec.mutates if spec.signature.parameters[n].default is None)
+    optional = _optional_writes(spec)
     ops = (register(spec.name), register(f"{spec.name}_without_{'_'.join(optional)}", optional) if optional else None)
     _CUSTOM_OPS[spec.name] = ops
     return ops
+
+
+def _optional_writes(spec: OpSpec) -> Tuple[str, ...]:
+    """The arguments the op writes that may be None (``amax_out``, ``out``)."""
+    return tuple(n for n in spec.mutates if spec.signature.parameters[n].default is None)
 
 
 def _without(prototype: Callable, dropped: Tuple[str, ...]) -> Callable:
@@ -207,14 +210,13 @@ def _without(prototype: Callable, dropped: Tuple[str, ...]) -> Callable:
 
 def _with_signature(spec: OpSpec, name: str, body: str, dropped: Tuple[str, ...] = (), **namespace) -> Callable:
     """A function ``name`` with the op's parameters (and defaults) but ``dropped`` whose body is ``body``,
-    formatted with ``{args}`` = every parameter name in order (None for the dropped ones) and ``{given}`` =
-    those of the function; ``namespace`` holds the globals the body reads."""
+    formatted with ``{args}`` = every parameter name in order (None for the dropped ones); ``namespace``
+    holds the globals the body reads."""
     params = list(spec.signature.parameters.values())
     defaults = {p.name: p.default for p in params if p.default is not p.empty}
     header = ", ".join(f"{p.name}=_defaults[{p.name!r}]" if p.name in defaults else p.name for p in params if p.name not in dropped)
     args = ", ".join("None" if p.name in dropped else p.name for p in params)
-    given = ", ".join(p.name for p in params if p.name not in dropped)
-    source = f"def {name}({header}):\n    " + body.format(args=args, given=given).replace("\n", "\n    ")
+    source = f"def {name}({header}):\n    " + body.format(args=args).replace("\n", "\n    ")
     namespace = dict(namespace, _defaults=defaults)
     exec(compile(source, f"<te-fl {name} of {spec.name}>", "exec"), namespace)  # noqa: S102 - generated above
     return namespace[name]
@@ -234,11 +236,11 @@ def traceable(spec: OpSpec, dispatcher: Callable, fake: Callable) -> Callable:
     if ops is None:
         return dispatcher
     op, op_without = ops
-    optional = tuple(n for n in spec.mutates if spec.signature.parameters[n].default is None) if op_without else ()
+    optional = _optional_writes(spec)
     body = _TRACEABLE_BODY.format(
         none_check=" and ".join(f"{n} is None" for n in optional) or "False",
         without=", ".join(n for n in spec.signature.parameters if n not in optional), args="{args}")
-    single = _result_count(spec) == 1 and typing.get_origin(_annotation(spec.signature.return_annotation, spec.name)) is not tuple
+    single = typing.get_origin(_annotation(spec.signature.return_annotation, spec.name)) is not tuple
     fn = _with_signature(spec, spec.name, body, _is_compiling=torch.compiler.is_compiling, _decode=_decode,
                          _op=op, _op_without=op_without, _single=single, _dispatch=dispatcher)
     fn.__doc__, fn.__signature__, fn.__wrapped__ = dispatcher.__doc__, spec.signature, dispatcher
