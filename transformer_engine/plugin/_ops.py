@@ -41,7 +41,7 @@ class OpNamespace:
         from ._compile import traceable
 
         def reference(*args):
-            """The reference backend's implementation (looked up on its first fake call: building a
+            """The reference backend's implementation, looked up when a traced call needs it (building a
             dispatcher loads no backend)."""
             manager.ensure_initialized()
             impls = [impl.fn for impl in manager.registry.get_implementations(name) if impl.kind is BackendImplKind.REFERENCE]

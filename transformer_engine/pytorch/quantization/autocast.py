@@ -71,11 +71,7 @@ class _UpdateGroups:
         entry[2][state] = state  # states and groups hash by identity
 
     def run(self) -> None:
-        """Update every queued state (the queue is emptied; a backward traced by torch.compile, which may
-        not change Python state, leaves it: its autocast's queue is not used again)."""
-        groups = self._groups
-        if not torch.compiler.is_compiling():
-            self._groups = {}
+        groups, self._groups = self._groups, {}
         for recipe, group, states in groups.values():
             reduce_and_update(list(states.values()), recipe, group)
 

@@ -214,7 +214,8 @@ def _fp8_max(states: Sequence):
 def _step(
     history: torch.Tensor, scale: torch.Tensor, fp8_max: Union[float, torch.Tensor], recipe: DelayedScaling
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(H_new, s_new) of a recipe with a callable amax_compute_algo or scaling_factor_compute_algo."""
+    """(H_new, s_new): the catalog's ``delayed_scaling_update`` for the built-in algorithms, else the recipe's
+    callable amax_compute_algo or scaling_factor_compute_algo."""
     algo, scale_fn, margin = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, float(recipe.margin)
     if not callable(algo) and scale_fn is None:  # the built-in algorithms: the catalog op
         return ops.delayed_scaling_update(history, scale, fp8_max, margin, algo)
