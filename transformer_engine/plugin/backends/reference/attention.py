@@ -111,8 +111,9 @@ def _require(name: str, value, needed: bool, rule: str) -> None:
         raise ValueError(f"{name} was given but is not used unless {rule}; pass None or change the config")
 
 
-def _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes) -> _Operands:
-    """Validate the optional tensors against ``config`` and the score shape; shape them for broadcasting."""
+def _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes, device) -> _Operands:
+    """Validate the optional tensors against ``config`` and the score shape; shape them for broadcasting
+    (the zero offset of ``softmax_type='off-by-one'`` made on ``device``)."""
     b, h = shape[0], shape[1]
     _require("attn_bias", attn_bias, config.bias_type in _BIASED, f"bias_type is one of {_BIASED}")
     _require("alibi_slopes", alibi_slopes, config.bias_type == "alibi", "bias_type='alibi'")
@@ -127,7 +128,7 @@ def _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes)
         raise ValueError(f"softmax_offset has {softmax_offset.numel()} values; it needs one per head ({h})")
     alpha = None
     if config.softmax_type != "vanilla":
-        alpha = softmax_offset.float().reshape(1, h, 1, 1) if learnable else torch.zeros(1, h, 1, 1)
+        alpha = softmax_offset.float().reshape(1, h, 1, 1) if learnable else torch.zeros(1, h, 1, 1, dtype=torch.float32, device=device)
     return _Operands(
         attn_mask=None if attn_mask is None else _as_4d("attn_mask", attn_mask, shape),
         attn_bias=None if attn_bias is None else _as_4d("attn_bias", attn_bias, shape),
@@ -269,7 +270,7 @@ def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offs
         ValueError / TypeError: inconsistent shapes, or optional tensors missing or given against the config.
     """
     shape = _check_qkv(q, k, v, config, cu_seqlens_q, cu_seqlens_kv)
-    operands = _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes)
+    operands = _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes, q.device)
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     keep_masks = []
     for seg in _segments(config, cu_seqlens_q, cu_seqlens_kv):
@@ -304,10 +305,10 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
     if not isinstance(ctx, _AttentionCtx) or ctx.config != config:
         raise ValueError("ctx must come from the reference fused_attn_fwd called with the same config")
     shape = _check_qkv(q, k, v, config, cu_seqlens_q, cu_seqlens_kv)
-    operands = _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes)
+    operands = _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes, q.device)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dbias = None if attn_bias is None else torch.zeros(operands.attn_bias.shape, device=q.device)
-    dalpha = torch.zeros(shape[1], device=q.device) if config.softmax_type == "learnable" else None
+    dbias = None if attn_bias is None else torch.zeros(operands.attn_bias.shape, dtype=torch.float32, device=q.device)
+    dalpha = torch.zeros(shape[1], dtype=torch.float32, device=q.device) if config.softmax_type == "learnable" else None
     bias_factor = config.softmax_scale if config.bias_type == "pre_scale_bias" else 1.0
     for seg, keep in zip(_segments(config, cu_seqlens_q, cu_seqlens_kv), ctx.keep_masks):
         grads = _segment_bwd(dout, q, k, v, seg, config, operands, keep)

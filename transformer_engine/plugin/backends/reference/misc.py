@@ -24,7 +24,7 @@ __all__ = ["dropout_fwd", "dropout_bwd", "dropout_bwd_dbias", "bias_dropout_add_
 
 def _keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     """m ~ Bernoulli(1 - p) of x's shape, from the default generator of x's device (True = kept)."""
-    return torch.rand(x.shape, device=x.device) >= p
+    return torch.rand(x.shape, dtype=torch.float32, device=x.device) >= p
 
 
 def dropout_fwd(x, p):
