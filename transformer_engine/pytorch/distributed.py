@@ -22,17 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
+from ._fp8_recompute import ScaleRecord, activation_recompute_forward
 from .parallel.comm import gather_saved_activation, group_size, split_saved_activation
-from .quantization import autocast, current_config
+from .quantization import FP8GlobalStateManager, autocast, current_config
 
-__all__ = ["CudaRNGStatesTracker", "checkpoint"]
+__all__ = [
+    "CudaRNGStatesTracker", "activation_recompute_forward", "checkpoint", "get_all_rng_states", "in_fp8_activation_recompute_phase",
+    "is_fp8_activation_recompute_enabled", "set_all_rng_states",
+]
 
-_FP8_STATE_TENSORS = ("scale", "scale_inv", "amax_history")
+is_fp8_activation_recompute_enabled = FP8GlobalStateManager.is_fp8_activation_recompute_enabled
+in_fp8_activation_recompute_phase = FP8GlobalStateManager.in_fp8_activation_recompute_phase
 
 
 def _rng_device_type() -> str:
@@ -72,6 +78,7 @@ class CudaRNGStatesTracker:
     def __init__(self):
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_: set = set()
+        _TRACKERS.add(self)
 
     def is_initialized(self) -> bool:
         """True once a stream has been added."""
@@ -131,6 +138,29 @@ class CudaRNGStatesTracker:
             _set_rng_state(device_type, saved)
 
 
+_TRACKERS: "weakref.WeakSet[CudaRNGStatesTracker]" = weakref.WeakSet()
+
+
+def get_all_rng_states() -> Dict[str, torch.Tensor]:
+    """The generator state of every named stream of every live :class:`CudaRNGStatesTracker` (name -> state),
+    as its tracker last left it (TE's query for code that saves and restores all streams at once)."""
+    return {name: state for tracker in list(_TRACKERS) for name, state in tracker.states_.items()}
+
+
+def set_all_rng_states(states: Dict[str, torch.Tensor]) -> None:
+    """Give each named stream of the live trackers the state ``states`` holds for its name.
+
+    Raises:
+        ValueError: a name in ``states`` is a stream of no live tracker (nothing is changed then).
+    """
+    trackers = list(_TRACKERS)
+    unknown = [name for name in states if not any(name in t.states_ for t in trackers)]
+    if unknown:
+        raise ValueError(f"no CudaRNGStatesTracker has the streams {unknown}; add them first")
+    for tracker in trackers:
+        tracker.states_.update({name: state for name, state in states.items() if name in tracker.states_})
+
+
 class _RngSnapshot:
     """Generator states at one moment: the tracker's streams, and the CPU / CUDA default generators."""
 
@@ -160,68 +190,22 @@ class _RngSnapshot:
             now.restore()
 
 
-def _fwd_scaling_state(module: torch.nn.Module):
-    """The forward delayed-scaling state of a TE module (``fp8_meta["scaling_fwd"]``), or None."""
-    meta = getattr(module, "fp8_meta", None)
-    state = meta.get("scaling_fwd") if isinstance(meta, dict) else None
-    return state if state is not None and getattr(state, "scale", None) is not None else None
+class _Fp8Replay(ScaleRecord):
+    """The FP8 side of a checkpointed region: its autocast setting and the scales its modules cast with.
 
-
-def _copy_state(state) -> Dict[str, torch.Tensor]:
-    return {name: getattr(state, name).clone() for name in _FP8_STATE_TENSORS if getattr(state, name, None) is not None}
-
-
-def _load_state(state, values: Dict[str, torch.Tensor]) -> None:
-    for name, value in values.items():
-        getattr(state, name).copy_(value)
-
-
-class _Fp8Replay:
-    """The FP8 side of a checkpointed region: the autocast setting and the scales its modules cast with.
-
-    ``recording()`` wraps the first run: a global forward hook notes, for every module with
-    delayed-scaling state, the scale it used. ``replaying()`` wraps the second run: it re-enters the
-    recorded autocast setting (without its end-of-step update) and swaps each module's recorded scale
-    in just before the module runs; on exit every touched state gets back what it held before.
+    ``recording()`` wraps the first run; ``replaying()`` wraps the second: it re-enters the recorded
+    autocast setting (without its end-of-step update) and replays the scales (:class:`ScaleRecord`).
     """
 
     def __init__(self):
+        super().__init__()
         self.config = current_config()
-        self.used: Dict[int, Tuple[Any, Dict[str, torch.Tensor]]] = {}
-
-    def _note(self, module, args, output) -> None:
-        state = _fwd_scaling_state(module)
-        if state is not None and id(state) not in self.used:
-            self.used[id(state)] = (state, {k: v for k, v in _copy_state(state).items() if k != "amax_history"})
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        handle = torch.nn.modules.module.register_module_forward_hook(self._note)
-        try:
-            yield
-        finally:
-            handle.remove()
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
-        saved: List[Tuple[Any, Dict[str, torch.Tensor]]] = []
-
-        def swap_in(module, args) -> None:
-            state = _fwd_scaling_state(module)
-            entry = self.used.get(id(state)) if state is not None else None
-            if entry is not None and all(s is not state for s, _ in saved):
-                saved.append((state, _copy_state(state)))
-                _load_state(state, entry[1])
-
         cfg = self.config
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(swap_in)
-        try:
-            with autocast(cfg.enabled, cfg.calibrating, cfg.recipe, cfg.amax_reduction_group, _graph=True):
-                yield
-        finally:
-            handle.remove()
-            for state, values in saved:
-                _load_state(state, values)
+        with super().replaying(), autocast(cfg.enabled, cfg.calibrating, cfg.recipe, cfg.amax_reduction_group, _graph=True):
+            yield
 
 
 def _detach_inputs(args: Tuple) -> Tuple:

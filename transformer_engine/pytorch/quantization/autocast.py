@@ -34,7 +34,8 @@ from .delayed_update import reduce_and_update
 from .recipe_state import check_recipe_implemented
 
 __all__ = [
-    "BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "fp8_autocast", "isolated_stack", "register_states",
+    "BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "fp8_autocast", "isolated_stack", "recompute_region",
+    "register_states",
 ]
 
 
@@ -109,12 +110,15 @@ class BackwardUpdate:
 
 
 class _GlobalState:
-    """The autocast stack: current setting, depth, the updates pending for the outermost autocast, and
-    the callback that sees each registered state (set by :func:`isolated_stack`)."""
+    """The autocast stack: current setting, depth, the updates pending for the outermost autocast, the
+    callback that sees each registered state (set by :func:`isolated_stack`) and the activation-recompute
+    flags (set by :func:`recompute_region`)."""
 
     def __init__(self):
         self.config = QuantizationConfig()
         self.depth = 0
+        self.recompute_enabled = False
+        self.recompute_phase = False
         self.forward = _UpdateGroups()
         self.backward = BackwardUpdate()
         self.on_register: Optional[Callable[[Any], None]] = None
@@ -157,13 +161,28 @@ def register_states(fwd_state, bwd_state) -> Optional[Callable[[], None]]:
     if _STATE.on_register is not None:
         _STATE.on_register(fwd_state)
         _STATE.on_register(bwd_state)
-    _STATE.forward.add(fwd_state, config.amax_reduction_group)
+    if not _STATE.recompute_phase:  # a recomputation casts with the first run's scales: no second forward update
+        _STATE.forward.add(fwd_state, config.amax_reduction_group)
     if not torch.is_grad_enabled():
         return None
     if torch.compiler.is_compiling():
         return _STATE.backward.claim_state(bwd_state, config.amax_reduction_group)
     _STATE.backward.groups.add(bwd_state, config.amax_reduction_group)
     return _STATE.backward.claim()
+
+
+@contextmanager
+def recompute_region(phase: bool) -> Iterator[None]:
+    """Mark the body as a region run twice for activation recomputation: its first run (``phase``
+    False) or its recomputation (``phase`` True). Modules that run FP8 in a recomputation queue no
+    forward update (their forward states were queued by the first run); the previous flags come back
+    on exit."""
+    saved = _STATE.recompute_enabled, _STATE.recompute_phase
+    _STATE.recompute_enabled, _STATE.recompute_phase = True, phase
+    try:
+        yield
+    finally:
+        _STATE.recompute_enabled, _STATE.recompute_phase = saved
 
 
 @contextmanager

@@ -48,6 +48,16 @@ class FP8GlobalStateManager:
         return _STATE.depth
 
     @classmethod
+    def is_fp8_activation_recompute_enabled(cls) -> bool:
+        """True inside ``activation_recompute_forward(activation_recompute=True)`` (either phase)."""
+        return _STATE.recompute_enabled
+
+    @classmethod
+    def in_fp8_activation_recompute_phase(cls) -> bool:
+        """True while a recomputed region runs its second time (``recompute_phase=True``)."""
+        return _STATE.recompute_phase
+
+    @classmethod
     def with_fp8_parameters(cls) -> bool:
         """True inside ``quantized_model_init(enabled=True)``."""
         return model_init_config().enabled
