@@ -14,7 +14,7 @@ changes no global PyTorch state.
 
 from transformer_engine.common import recipe
 
-from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .quantization import (
     autocast,
     fp8_autocast,
@@ -36,6 +36,7 @@ from .transformer import TransformerLayer
 __all__ = [
     "CudaRNGStatesTracker",
     "DotProductAttention",
+    "GroupedLinear",
     "InferenceParams",
     "MultiheadAttention",
     "RotaryPositionEmbedding",

@@ -1,0 +1,287 @@
+"""te.GroupedLinear against n separate te.Linear modules (bit for bit, in bf16 and every recipe), its options,
+errors and torch.compile."""
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from tests.utils import randn
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
+
+RECIPES = {
+    "bf16": None,
+    "delayed": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
+    "current": Float8CurrentScaling(),
+    "block": Float8BlockScaling(),
+}
+SPLITS = [32, 0, 48, 16]  # uneven, one empty; each a multiple of 8 (TE's FP8 shape rule per split)
+IN, OUT = 64, 32
+
+
+def _run(module, x, recipe, **kwargs):
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        return module(x, **kwargs)
+
+
+def _grouped_and_linears(dtype, bias=True, **kwargs):
+    """A GroupedLinear and n te.Linear holding the same weights and (non-zero) biases."""
+    grouped = GroupedLinear(len(SPLITS), IN, OUT, bias=bias, params_dtype=dtype, **kwargs)
+    linears = [te.Linear(IN, OUT, bias=bias, params_dtype=dtype, **kwargs) for _ in SPLITS]
+    with torch.no_grad():
+        for i, linear in enumerate(linears):
+            linear.weight.copy_(getattr(grouped, f"weight{i}"))
+            if bias:
+                getattr(grouped, f"bias{i}").normal_()
+                linear.bias.copy_(getattr(grouped, f"bias{i}"))
+    return grouped, linears
+
+
+def _linears_step(linears, x, recipe, **kwargs):
+    """The split i of x through linear i, each in its own autocast (each is then the first module of its
+    autocast and updates its backward scales in its own backward, as the one grouped module does)."""
+    return torch.cat([_run(linear, part, recipe, **kwargs) for linear, part in zip(linears, x.split(SPLITS))])
+
+
+def _sgd(params, lr=0.1):
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None
+
+
+def _state(module_or_modules, key):
+    """(amax_history, scale) of ``key`` ("scaling_fwd" / "scaling_bwd"), the separate modules' slots side by side."""
+    states = [m.fp8_meta[key] for m in module_or_modules]
+    return torch.cat([s.amax_history for s in states], dim=1), torch.cat([s.scale for s in states])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_equals_separate_linears(recipe_name, dtype):
+    """Outputs, input / weight / bias gradients and the delayed-scaling state over three SGD steps: bit for bit."""
+    torch.manual_seed(0)
+    recipe = RECIPES[recipe_name]
+    grouped, linears = _grouped_and_linears(dtype)
+    for _ in range(3):
+        x, dy = randn(sum(SPLITS) // 2, 2, IN, dtype=dtype), randn(sum(SPLITS) // 2, 2, OUT, dtype=dtype)
+        x_g, x_l = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_g = _run(grouped, x_g, recipe, m_splits=SPLITS)
+        y_l = _linears_step(linears, x_l.view(-1, IN), recipe).view(y_g.shape)
+        y_g.backward(dy)
+        y_l.backward(dy)
+        assert y_g.dtype == dtype and torch.equal(y_g, y_l)
+        assert torch.equal(x_g.grad, x_l.grad)
+        for i, linear in enumerate(linears):
+            assert torch.equal(getattr(grouped, f"weight{i}").grad, linear.weight.grad), i
+            assert torch.equal(getattr(grouped, f"bias{i}").grad, linear.bias.grad), i
+        assert not getattr(grouped, "weight1").grad.any() and not getattr(grouped, "bias1").grad.any()  # the empty split
+        _sgd(grouped.parameters())
+        _sgd([p for linear in linears for p in linear.parameters()])
+    if recipe is not None and recipe.delayed():
+        for key in ("scaling_fwd", "scaling_bwd"):
+            history, scale = _state([grouped], key)
+            assert history.shape[1] == len(SPLITS) * (3 if key == "scaling_fwd" else 2)
+            expected = _state(linears, key)
+            assert torch.equal(history, expected[0]) and torch.equal(scale, expected[1]), key
+            assert history.abs().sum() > 0
+
+
+def test_parameters_and_bias_options():
+    layer = GroupedLinear(3, 16, 8)
+    assert [(n, tuple(p.shape)) for n, p in layer.named_parameters()] == [
+        ("weight0", (8, 16)), ("bias0", (8,)), ("weight1", (8, 16)), ("bias1", (8,)), ("weight2", (8, 16)), ("bias2", (8,))]
+    assert all(not getattr(layer, f"bias{i}").any() for i in range(3))
+    no_bias = GroupedLinear(3, 16, 8, bias=False)
+    assert [n for n, _ in no_bias.named_parameters()] == ["weight0", "weight1", "weight2"] and no_bias.bias1 is None
+    column = GroupedLinear(2, 16, 8, tp_size=2, parallel_mode="column", bias=False)
+    row = GroupedLinear(2, 16, 8, tp_size=2, parallel_mode="row", bias=False)
+    assert column.weight1.shape == (4, 16) and column.weight1.partition_dim == 0
+    assert row.weight1.shape == (8, 8) and row.weight1.partition_dim == 1
+
+
+def test_return_bias():
+    """(y without the biases, [b_i] in the activation dtype), bit for bit as te.Linear(return_bias=True)."""
+    grouped, linears = _grouped_and_linears(torch.float32, return_bias=True)
+    x = randn(sum(SPLITS), IN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, biases = grouped(x, SPLITS)
+        expected = [linear(part) for linear, part in zip(linears, x.split(SPLITS))]
+    assert torch.equal(y, torch.cat([out for out, _ in expected]))
+    assert len(biases) == len(SPLITS) and all(torch.equal(b, e) and b.dtype == torch.bfloat16 for b, (_, e) in zip(biases, expected))
+    _, none = GroupedLinear(2, 16, 8, bias=False, return_bias=True)(randn(8, 16), [3, 5])
+    assert none == [None, None]
+
+
+@pytest.mark.parametrize("placeholder", [False, True])
+def test_fuse_wgrad_accumulation_into_main_grad(placeholder):
+    layer = GroupedLinear(3, 16, 8, fuse_wgrad_accumulation=True)
+    for i in range(3):
+        weight = getattr(layer, f"weight{i}")
+        weight.main_grad = torch.zeros(8, 16)
+        if placeholder:
+            weight.grad_added_to_main_grad = False
+            weight.zero_out_wgrad = True
+    splits = [4, 0, 6]
+    x, dy = randn(10, 16), randn(10, 8)
+    for _ in range(2):
+        layer(x, splits).backward(dy)
+    for i, (x_i, dy_i) in enumerate(zip(x.split(splits), dy.split(splits))):
+        weight = getattr(layer, f"weight{i}")
+        torch.testing.assert_close(weight.main_grad, 2 * dy_i.t() @ x_i, rtol=1e-5, atol=1e-5)
+        if placeholder:
+            assert weight.grad_added_to_main_grad and torch.equal(weight.grad, torch.zeros(8, 16))
+        else:
+            assert weight.grad is None
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
+def test_is_first_microbatch_caches_the_fp8_weights(recipe_name):
+    """True casts and caches each W_i; False reuses the casts (weights changed since are not seen); None casts again."""
+    recipe = RECIPES[recipe_name]
+    layer = GroupedLinear(2, 32, 16)
+    x, splits = randn(32, 32), [16, 16]
+    with te.autocast(recipe=recipe):
+        first = layer(x, splits, is_first_microbatch=True)
+        with torch.no_grad():
+            layer.weight0.add_(1.0)
+            layer.weight1.add_(1.0)
+        cached = layer(x, splits, is_first_microbatch=False)
+        fresh = layer(x, splits, is_first_microbatch=None)
+    assert torch.equal(first, cached) and not torch.equal(first, fresh)
+
+
+def test_cached_weights_record_no_amax():
+    """Delayed scaling: a call with is_first_microbatch=False records the inputs' amaxes, not the weights'."""
+    layer = GroupedLinear(2, 32, 16)
+    x, splits = randn(32, 32), [16, 16]
+    _run(layer, x, RECIPES["delayed"], m_splits=splits, is_first_microbatch=True)
+    with te.autocast(recipe=RECIPES["delayed"]):
+        layer(x, splits, is_first_microbatch=False)
+        newest = layer.fp8_meta["scaling_fwd"].amax_history[0]
+        assert newest[0::3].all() and not newest[1::3].any()
+
+
+def test_m_splits_as_a_tensor_and_a_3d_input():
+    layer = GroupedLinear(2, 16, 8)
+    x = randn(3, 4, 16)
+    y = layer(x, torch.tensor([5, 7]))
+    assert y.shape == (3, 4, 8) and torch.equal(y, layer(x, [5, 7]))
+
+
+def test_checkpoint_round_trip_of_the_delayed_scaling_state():
+    recipe = RECIPES["delayed"]
+    layer = GroupedLinear(3, 32, 16)
+    x = randn(48, 32)
+    _run(layer, x, recipe, m_splits=[16, 8, 24]).sum().backward()
+    restored = GroupedLinear(3, 32, 16)
+    restored.load_state_dict(layer.state_dict())
+    for key in ("scaling_fwd", "scaling_bwd"):
+        assert all(torch.equal(a, b) for a, b in zip(_state([layer], key), _state([restored], key)))
+    assert torch.equal(_run(layer, x, recipe, m_splits=[16, 8, 24]), _run(restored, x, recipe, m_splits=[16, 8, 24]))
+
+
+def test_te_flags_used_by_megatron_core():
+    layer = GroupedLinear(2, 16, 16)
+    assert not layer.fp8 and not layer.fp8_calibration
+    with te.autocast(recipe=RECIPES["current"]):
+        assert layer.fp8
+    with te.autocast(enabled=False, calibrating=True, recipe=RECIPES["delayed"]):
+        assert layer.fp8_calibration and not layer.fp8
+    layer.init_fp8_metadata(num_gemms=2)
+    with pytest.raises(ValueError, match="num_gemms=3"):
+        layer.init_fp8_metadata(num_gemms=3)
+
+
+@pytest.mark.parametrize("m_splits, match", [
+    ([8, 8, 8], "3 entries but GroupedLinear has num_gemms=2"),
+    ([8, 7], "sums to 15"),
+    ([20, -4], "non-negative ints"),
+    ([8.0, 8], "non-negative ints"),
+])
+def test_bad_m_splits(m_splits, match):
+    with pytest.raises(ValueError, match=match):
+        GroupedLinear(2, 16, 8)(randn(16, 16), m_splits)
+
+
+def test_fp8_shape_rule_applies_to_each_split():
+    with pytest.raises(ValueError, match="input split 0"):
+        _run(GroupedLinear(2, 16, 8), randn(16, 16), RECIPES["current"], m_splits=[4, 12])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"delay_wgrad_compute": True}, NotImplementedError, "delay_wgrad_compute"),
+    ({"save_original_input": True}, NotImplementedError, "save_original_input"),
+    ({"single_grouped_weight": True}, NotImplementedError, "single_grouped_weight"),
+    ({"single_grouped_bias": True}, NotImplementedError, "single_grouped_bias"),
+    ({"ub_overlap_ag": True}, ValueError, "Userbuffer overlap"),
+    ({"ub_overlap_rs": True}, ValueError, "Userbuffer overlap"),
+    ({"tp_size": 2, "parallel_mode": "column"}, ValueError, "bias with tp_size=2"),
+    ({"use_grouped_tensor": "yes"}, TypeError, "use_grouped_tensor"),
+    ({"parallel_mode": "diagonal"}, ValueError, "parallel_mode"),
+])
+def test_unsupported_constructor_options(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GroupedLinear(2, 16, 8, **kwargs)
+
+
+@pytest.mark.parametrize("buffer", ["out", "dgrad_out"])
+def test_unsupported_forward_buffers(buffer):
+    with pytest.raises(NotImplementedError, match=f"preallocated {buffer} buffer"):
+        GroupedLinear(2, 16, 8)(randn(16, 16), [8, 8], **{buffer: torch.empty(16, 8 if buffer == "out" else 16)})
+
+
+def _compile_step(module, recipe):
+    def step(x):
+        return _run(module, x, recipe, m_splits=SPLITS)
+
+    return step
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_no_graph_breaks(recipe_name):
+    recipe = RECIPES[recipe_name]
+    step = _compile_step(GroupedLinear(len(SPLITS), IN, OUT), recipe)
+    x = randn(sum(SPLITS), IN).requires_grad_()
+    step(x).float().sum().backward()  # delayed scaling: the state exists before tracing
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_compiled_training_equals_eager(recipe_name):
+    """Three SGD steps, eager against fullgraph-compiled (aot_eager) from the same weights and state: bit-identical
+    outputs, input gradients, weights and scaling state."""
+    torch._dynamo.reset()
+    recipe = RECIPES[recipe_name]
+    eager = GroupedLinear(len(SPLITS), IN, OUT)
+    xs = [randn(sum(SPLITS), IN) for _ in range(4)]
+    results = {}
+
+    def train(step, module, inputs):
+        outs = []
+        for x in inputs:
+            x = x.clone().requires_grad_()
+            y = step(x)
+            y.float().square().mean().backward()
+            _sgd(module.parameters(), lr=0.01)
+            outs.append((y.detach(), x.grad))
+        return outs
+
+    train(_compile_step(eager, recipe), eager, xs[:1])  # state and warm-up, then the two copies diverge
+    compiled = copy.deepcopy(eager)
+    results["eager"] = train(_compile_step(eager, recipe), eager, xs[1:])
+    results["compiled"] = train(torch.compile(_compile_step(compiled, recipe), fullgraph=True, backend="aot_eager"), compiled, xs[1:])
+    for (y_e, dx_e), (y_c, dx_c) in zip(results["eager"], results["compiled"]):
+        assert torch.equal(y_c, y_e) and torch.equal(dx_c, dx_e)
+    for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(p_c, p_e), name
+    if recipe is not None and recipe.delayed():
+        for key in ("scaling_fwd", "scaling_bwd"):
+            for a, e in zip(_state([compiled], key), _state([eager], key)):
+                assert torch.equal(a, e), key

@@ -1,0 +1,107 @@
+"""The autograd Function of ``GroupedLinear``: y_i = x_i @ W_i^T + b_i over the row splits x = [x_0; ...; x_{n-1}].
+
+The rows of x [M, K] are split by ``m_splits`` (M = sum m_i); split i is the linear of GEMM i, with GEMM i's
+quantizers, exactly as a ``Linear`` holding W_i would run it on x_i:
+
+    fprop  y_i  = x_i @ W_i^T + b_i          y  = [y_0; ...; y_{n-1}]   [M, N]
+    dgrad  dx_i = dy_i @ W_i                 dx = [dx_0; ...; dx_{n-1}] [M, K]
+    wgrad  dW_i = dy_i^T @ x_i,  db_i = sum_rows(dy_i)
+
+An empty split (m_i = 0) gives no rows of y and zero dW_i, db_i. One autograd node covers the n GEMMs;
+the delayed-scaling update of the gradients' scales runs once, after the last split's backward.
+Saved for backward, per split: x_i^T (FP8 under autocast) and W_i (see ``_linear_function``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..parallel.linear_comm import NO_COMM
+from ._common import (
+    Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, rows_of, save, saved,
+    unflatten, without_operands,
+)
+from ._fp8_meta import ForwardQuantization
+from ._gemm import WgradTarget, fprop, linear_backward
+
+__all__ = ["GroupedLinearArgs", "GroupedLinearFunction"]
+
+
+def _no_gather(x: Operand) -> Operand:
+    """The input's all-gather of :func:`quantize_operand`: none (the MoE dispatcher moved the rows already)."""
+    return x
+
+
+@dataclass(frozen=True)
+class GroupedLinearArgs:
+    """Non-tensor arguments of :class:`GroupedLinearFunction`.
+
+    Attributes:
+        dtype: activation dtype (of the GEMM outputs).
+        quantization: the quantizers of this call (GEMM i's for split i).
+        m_splits: rows of each split (non-negative, summing to the input's rows).
+        weight_operands: W_i as GEMM operands (FP8 or the high-precision weights).
+        wgrads: where each dW_i goes.
+    """
+
+    dtype: torch.dtype
+    quantization: ForwardQuantization
+    m_splits: Tuple[int, ...]
+    weight_operands: Tuple[Operand, ...]
+    wgrads: Tuple[WgradTarget, ...]
+
+
+def _row_splits(rows: torch.Tensor, m_splits: Sequence[int]):
+    """The views rows[o_i : o_i + m_i] of a contiguous [M, *] tensor (each contiguous)."""
+    return rows.split(list(m_splits))
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """y_i = x_i @ W_i^T + b_i over the row splits; see the module docstring.
+
+    ``apply(inp, args, *weights, *biases)``: n weights, then n biases (None where there is none).
+    """
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, args: GroupedLinearArgs, *params: Optional[torch.Tensor]):
+        q, n = args.quantization, len(args.m_splits)
+        weights, biases = params[:n], params[n:]
+        x_ops, w_ops, ys = [], [], []
+        with no_torch_autocast(inp.device):
+            for i, x_i in enumerate(_row_splits(cast(rows_of(inp), args.dtype), args.m_splits)):
+                need_dw = weights[i].requires_grad and q.for_training
+                x_op = quantize_operand(q.gemms[i].input, x_i, _no_gather, False, need_dw)
+                w_op = cast(args.weight_operands[i], args.dtype)
+                ys.append(fprop(x_op, w_op, cast(biases[i], args.dtype), args.dtype, q.split_accumulator[0]))
+                x_ops.append(for_backward(x_op) if need_dw else None)
+                w_ops.append(for_backward(w_op) if inp.requires_grad and q.for_training else None)
+            save(ctx, *x_ops, *w_ops)
+        ctx.args = without_operands(args, "weight_operands")
+        ctx.inp_meta = (inp.shape, inp.dtype)
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in biases)
+        return unflatten(torch.cat(ys), inp.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        args, (inp_shape, inp_dtype) = ctx.args, ctx.inp_meta
+        q, n = args.quantization, len(args.m_splits)
+        operands = saved(ctx)
+        need_dx, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
+        frees_graph = backward_frees_graph()
+        dxs, dws, dbs = [], [], []
+        with no_torch_autocast(dy.device):
+            for i, dy_i in enumerate(_row_splits(cast(rows_of(dy), args.dtype), args.m_splits)):
+                db_dtype = ctx.bias_dtypes[i] if need_b[i] else None
+                dy_op, db, _ = grad_output_operand(q.gemms[i].grad_output, dy_i, NO_COMM, need_w[i], db_dtype)
+                dx_i, dw = linear_backward(dy_op, operands[i], operands[n + i], (need_dx, need_w[i]), args.wgrads[i],
+                                           q.split_accumulator, args.dtype, release_wgrad_operands=frees_graph)
+                dxs.append(dx_i)
+                dws.append(dw)
+                dbs.append(cast(db, db_dtype))
+        if q.backward_update is not None:
+            q.backward_update()
+        dx = cast(torch.cat(dxs).view(*inp_shape), inp_dtype) if need_dx else None
+        return (dx, None, *dws, *dbs)

@@ -1,0 +1,196 @@
+"""``GroupedLinear``: y_i = x_i W_i^T + b_i over the row splits of x, TE's grouped linear for mixture-of-experts."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..parallel.tensor_parallel import local_features, megatron_attributes
+from ..quantization.autocast import current_config
+from ._common import cast
+from ._gemm import WgradTarget
+from ._grouped_linear_function import GroupedLinearArgs, GroupedLinearFunction
+from ._params import default_init_method
+from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype
+
+__all__ = ["GroupedLinear"]
+
+
+def _zeros(t: torch.Tensor) -> None:
+    t.zero_()
+
+
+class GroupedLinear(TransformerEngineBaseModule):
+    """Applies y_i = x_i W_i^T + b_i to the splits x = [x_0; ...; x_{n-1}] of the input rows (n = num_gemms).
+
+    Split i runs as a ``Linear`` holding ``weight{i}`` / ``bias{i}`` would run it, bit for bit, under
+    ``te.autocast`` with GEMM i's quantizers (FP8 state: 3n forward slots, input / weight / output per
+    GEMM, and 2n backward slots, grad output / grad input per GEMM).
+
+    Args (TE's, in TE's order):
+        num_gemms: n, the number of splits (experts).
+        in_features, out_features: sizes of each GEMM's input and output features.
+        sequence_parallel: stored (only with tp_size > 1).
+        fuse_wgrad_accumulation: accumulate dW_i into ``weight{i}.main_grad`` (fp32) instead of ``.grad``.
+        tp_group, tp_size: the tensor-parallel group and size; as in TE, only the parameter shapes follow
+            them (the MoE dispatcher does the communication). A bias needs tp_size 1.
+        get_rng_state_tracker, rng_tracker_name: RNG tracker whose ``fork`` wraps initialization.
+        init_method: callable(weight) initializing each weight; default normal with std 0.023.
+        bias: add a learnable bias per GEMM.
+        return_bias: return (y, [b_0, ..., b_{n-1}]) with the biases not added (cast to the activation
+            dtype; None entries with ``bias=False``).
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+        parallel_mode: None, "column" (out_features divided by tp_size) or "row" (in_features divided).
+        device: parameter device; None = current CUDA device if any, else CPU; "meta" defers init.
+        ub_name: stored.
+        name: debug name.
+        use_grouped_tensor: None or a bool, stored: the split path (a GEMM per split) always runs, as
+            TE falls back to it for per-GEMM parameters.
+        ub_overlap_rs, ub_overlap_ag: unsupported, as in TE (ValueError).
+        delay_wgrad_compute, save_original_input, single_grouped_weight, single_grouped_bias: not
+            implemented yet (must stay False).
+
+    Parameters: ``weight0`` .. ``weight{n-1}`` [out, in] and ``bias0`` .. ``bias{n-1}`` [out] (None
+    without bias).
+
+    Forward: ``forward(inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None)``; ``m_splits``
+    is a list of n non-negative ints summing to the rows of ``inp`` (a tensor is accepted in eager mode;
+    torch.compile needs the list). ``out`` / ``dgrad_out`` buffers are not implemented yet (must be None).
+
+    Example:
+        >>> import torch
+        >>> from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
+        >>> layer = GroupedLinear(3, 32, 16)
+        >>> layer(torch.randn(10, 32), [4, 0, 6]).shape
+        torch.Size([10, 16])
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        rng_tracker_name: Optional[str] = None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        ub_overlap_rs: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_name: Optional[str] = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
+        name: Optional[str] = None,
+        use_grouped_tensor: Optional[bool] = None,
+    ):
+        super().__init__(num_gemms, get_rng_state_tracker, rng_tracker_name, name)
+        if ub_overlap_rs or ub_overlap_ag:
+            raise ValueError("GroupedLinear does not support Userbuffer overlap (ub_overlap_rs / ub_overlap_ag); leave them False")
+        check_unsupported(delay_wgrad_compute=delay_wgrad_compute, save_original_input=save_original_input,
+                          single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias)
+        if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+            raise TypeError(f"use_grouped_tensor must be a bool or None, got {type(use_grouped_tensor).__name__}")
+        self.parallel = ParallelConfig(tp_group, tp_size, sequence_parallel, parallel_mode, ub_name=ub_name)
+        if self.tp_size > 1 and bias:
+            raise ValueError(
+                f"GroupedLinear does not support a bias with tp_size={self.tp_size} (the tensor-parallel communication "
+                "happens outside the module); pass bias=False"
+            )
+        self.num_gemms, self.use_grouped_tensor = num_gemms, use_grouped_tensor
+        self.in_features, self.out_features = local_features(in_features, out_features, parallel_mode, self.tp_size)
+        self.use_bias, self.return_bias = bias, return_bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.params_dtype = resolve_params_dtype(params_dtype, None)
+        device = default_device(device)
+        self._add_params(init_method or default_init_method, device)
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    def _add_params(self, init_method: Callable, device: torch.device) -> None:
+        """Register ``weight{i}`` [out, in] and ``bias{i}`` [out] (or None) for each GEMM."""
+        tp_attrs = megatron_attributes(self.parallel_mode)
+        shape = (self.out_features, self.in_features)
+        for i in range(self.num_gemms):
+            self._register(f"weight{i}", shape, init_method, self.params_dtype, device, **tp_attrs)
+            if self.use_bias:
+                self._register(f"bias{i}", shape[:1], _zeros, self.params_dtype, device)
+            else:
+                self.register_parameter(f"bias{i}", None)
+        self._weight_names = tuple(f"weight{i}" for i in range(self.num_gemms))
+        self._bias_names = tuple(f"bias{i}" for i in range(self.num_gemms))
+
+    # ----------------------------------------------------------------------------- TE's module API (Megatron-Core)
+    @property
+    def fp8(self) -> bool:
+        """True inside an ``autocast`` that quantizes (TE's flag)."""
+        return current_config().enabled
+
+    @property
+    def fp8_calibration(self) -> bool:
+        """True inside an ``autocast`` that only records amaxes (TE's flag)."""
+        config = current_config()
+        return config.calibrating and not config.enabled
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """TE's hook before loading a checkpoint: the scaling state is built when it is first needed, so
+        this only checks the GEMM count.
+
+        Raises:
+            ValueError: ``num_gemms`` differs from the module's.
+        """
+        if num_gemms != self.num_gemms:
+            raise ValueError(f"init_fp8_metadata(num_gemms={num_gemms}) on a GroupedLinear of {self.num_gemms} GEMMs")
+
+    # ----------------------------------------------------------------------------- forward
+    def _check_splits(self, inp: torch.Tensor, m_splits) -> Tuple[int, ...]:
+        """``m_splits`` as a tuple of ints, checked against the GEMM count and the input's rows."""
+        if isinstance(m_splits, torch.Tensor):
+            m_splits = m_splits.tolist()
+        splits = tuple(m_splits)
+        if len(splits) != self.num_gemms:
+            raise ValueError(f"m_splits has {len(splits)} entries but GroupedLinear has num_gemms={self.num_gemms}")
+        if any(not isinstance(m, int) or m < 0 for m in splits):
+            raise ValueError(f"m_splits must be non-negative ints, got {list(splits)}")
+        rows = math.prod(inp.shape[:-1])
+        if sum(splits) != rows:
+            raise ValueError(
+                f"m_splits {list(splits)} sums to {sum(splits)}, but the input of shape {tuple(inp.shape)} has {rows} rows "
+                f"(the product of all dimensions but the last)"
+            )
+        return splits
+
+    def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor], is_first_microbatch: Optional[bool] = None,
+                out: Optional[torch.Tensor] = None, dgrad_out: Optional[torch.Tensor] = None):
+        """y_i = x_i W_i^T + b_i for the row splits x_i of ``inp``; returns y, or (y, [b_i]) with ``return_bias``."""
+        for what, buffer in (("out", out), ("dgrad_out", dgrad_out)):
+            if buffer is not None:
+                raise NotImplementedError(f"GroupedLinear: the preallocated {what} buffer is not implemented yet; pass {what}=None")
+        weights = [getattr(self, name) for name in self._weight_names]
+        biases = [getattr(self, name) for name in self._bias_names]
+        act_dtype = self._activation_dtype(inp, weights[0].dtype)
+        self._check_features(inp, self.in_features)
+        splits = self._check_splits(inp, m_splits)
+        shapes = [(f"input split {i}", (m, self.in_features)) for i, m in enumerate(splits)]
+        q = self._prepare_quantization(inp.device, shapes + [("weight", weights[0].shape)])
+        args = GroupedLinearArgs(
+            dtype=act_dtype,
+            quantization=q,
+            m_splits=splits,
+            weight_operands=tuple(self._weight_operand(name, w, g.weight, is_first_microbatch)
+                                  for name, w, g in zip(self._weight_names, weights, q.gemms)),
+            wgrads=tuple(WgradTarget(w.dtype, (w,) if self.fuse_wgrad_accumulation else ()) for w in weights),
+        )
+        out = GroupedLinearFunction.apply(inp, args, *weights, *([None] * self.num_gemms if self.return_bias else biases))
+        if self.return_bias:
+            return out, [cast(b, act_dtype) for b in biases]
+        return out
