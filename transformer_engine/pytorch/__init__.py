@@ -32,6 +32,7 @@ from .attention import DotProductAttention, InferenceParams, MultiheadAttention,
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
 from .transformer import TransformerLayer
+from . import ops, router  # noqa: E402 - TE's submodules, reached as te.ops / te.router
 
 __all__ = [
     "CudaRNGStatesTracker",
@@ -58,6 +59,8 @@ __all__ = [
     "is_mxfp8_available",
     "is_nvfp4_available",
     "make_graphed_callables",
+    "ops",
     "quantized_model_init",
     "recipe",
+    "router",
 ]
