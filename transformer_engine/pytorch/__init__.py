@@ -31,11 +31,18 @@ from .quantization import (
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
+from .tensor import DType, Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, Quantizer
 from .transformer import TransformerLayer
 from . import ops, router  # noqa: E402 - TE's submodules, reached as te.ops / te.router
 
 __all__ = [
     "CudaRNGStatesTracker",
+    "DType",
+    "Float8CurrentScalingQuantizer",
+    "Float8Quantizer",
+    "Float8Tensor",
+    "QuantizedTensor",
+    "Quantizer",
     "DotProductAttention",
     "GroupedLinear",
     "InferenceParams",

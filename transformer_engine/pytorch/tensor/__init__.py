@@ -1,0 +1,26 @@
+"""TE's public quantized-tensor API: ``QuantizedTensor``, ``Quantizer``, ``Float8Tensor`` and its quantizers, ``DType``.
+
+These are the user-facing classes of NVIDIA TE's ``transformer_engine.pytorch.tensor``: ``torch.Tensor``
+subclasses that behave like high-precision tensors (ops they have no rule for dequantize and run in
+high precision) and can be saved, loaded, viewed, copied into and re-quantized in place.
+
+They are not the classes of the same names in :mod:`transformer_engine.pytorch.quantization`: those
+are plain containers the modules build per GEMM (no subclassing, no dispatch, minimal host cost). Both
+cast through the same catalog ops and hold the same values: a public ``Float8Tensor`` ``x`` has the
+FP8 data ``x._data`` (torch float8; ``x._data.view(torch.uint8)`` is TE's byte buffer), its transpose
+``x._transpose`` and ``x._scale_inv``, which are exactly the internal container's ``data``, ``data_t``
+and ``scale_inv``.
+"""
+
+from .dtype import DType
+from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .quantized_tensor import QuantizedTensor, Quantizer
+
+__all__ = [
+    "DType",
+    "Float8CurrentScalingQuantizer",
+    "Float8Quantizer",
+    "Float8Tensor",
+    "QuantizedTensor",
+    "Quantizer",
+]
