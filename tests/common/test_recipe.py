@@ -80,10 +80,17 @@ def test_pure_e5m2_rejected(cls):
         cls(fp8_format=Format.E5M2)
 
 
-@pytest.mark.parametrize("field", ["interval", "override_linear_precision"])
-def test_removed_fields_say_removed(field):
-    with pytest.raises(TypeError, match=f"'{field}'.*removed"):
-        DelayedScaling(**{field: 1})
+@pytest.mark.parametrize("field, value", [("interval", 2), ("override_linear_precision", (False, False, True))])
+def test_removed_fields_say_removed(field, value):
+    with pytest.raises(TypeError, match=f"{field}=.*removed"):
+        DelayedScaling(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("interval", 1), ("override_linear_precision", (False, False, False)),
+                                          ("override_linear_precision", [False, False, False])])
+def test_removed_fields_accept_the_honoured_value(field, value):
+    """Megatron-Core passes override_linear_precision=(False, False, not fp8_wgrad): all-FP8 is what runs."""
+    assert DelayedScaling(amax_history_len=8, **{field: value}) == DelayedScaling(amax_history_len=8)
 
 
 @pytest.mark.parametrize(

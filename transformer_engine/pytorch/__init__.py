@@ -33,7 +33,7 @@ from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
 from .tensor import DType, Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, Quantizer
 from .transformer import TransformerLayer
-from . import ops, router  # noqa: E402 - TE's submodules, reached as te.ops / te.router
+from . import ops, optimizers, router  # noqa: E402 - TE's submodules, reached as te.ops / te.optimizers / te.router
 
 __all__ = [
     "CudaRNGStatesTracker",
@@ -67,6 +67,7 @@ __all__ = [
     "is_nvfp4_available",
     "make_graphed_callables",
     "ops",
+    "optimizers",
     "quantized_model_init",
     "recipe",
     "router",

@@ -10,8 +10,9 @@ A recipe says how tensors are quantized inside ``transformer_engine.pytorch.auto
 - :class:`CustomRecipe`: quantizers from a user factory.
 
 Recipes are frozen dataclasses validated once at construction; equal fields mean equal recipes.
-Fields removed from NVIDIA TE (``interval``, ``override_linear_precision``) raise a ``TypeError``
-that says so.
+Fields removed from NVIDIA TE (``interval``, ``override_linear_precision``) are accepted with the value
+every recipe honours (1; (False, False, False), as Megatron-Core passes it) and raise a ``TypeError``
+that says so for any other.
 
 Example:
     >>> from transformer_engine.common.recipe import DelayedScaling, Format
@@ -24,10 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 __all__ = [
     "CustomRecipe",
@@ -45,11 +49,50 @@ __all__ = [
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 _NVFP4_4OVER6_TARGETS = ("none", "weights", "activations", "all")
 _NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
-# Fields that NVIDIA TE removed; passing them is an error that names the release.
+# Fields that NVIDIA TE removed (its pydantic recipes still accept and drop them; Megatron-Core passes
+# override_linear_precision): the value that states what every recipe does is accepted, any other is an
+# error that names the release.
 _REMOVED_FIELDS = {
-    "interval": "was deprecated in TE 2.0 and removed in TE 2.2 (the scale is updated every step)",
-    "override_linear_precision": "was removed in TE 2.0 (every GEMM of a linear runs in FP8)",
+    "interval": (1, "was deprecated in TE 2.0 and removed in TE 2.2 (the scale is updated every step: only interval=1)"),
+    "override_linear_precision": ((False, False, False), "was removed in TE 2.0 (every GEMM of a linear runs in FP8: only "
+                                  "(False, False, False), no GEMM in high precision)"),
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_ignored(recipe: str, names: Tuple[str, ...]) -> None:
+    warnings.warn(f"{recipe} ignores the arguments {list(names)}: they are not fields of the recipe (NVIDIA TE's "
+                  "recipes drop unknown arguments too); check their spelling", UserWarning, stacklevel=3)
+
+
+def _recipe(cls):
+    """``@dataclass(frozen=True)`` for a recipe, whose ``__init__`` also takes keyword arguments that are no
+    field of it, as NVIDIA TE's (pydantic) recipes do (Megatron-Core's ``TEDelayedScaling`` passes its
+    module arguments ``params_dtype`` / ``device`` on to ``super().__init__``):
+
+    - a removed field given the value every recipe honours is dropped; any other value is a TypeError;
+    - any other unknown argument is dropped with a warning that names it (once per class and names).
+    """
+    cls = dataclass(frozen=True)(cls)
+    init = cls.__init__
+    fields = {f.name for f in dataclasses.fields(cls)}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for name, (honoured, why) in _REMOVED_FIELDS.items():
+            if name in kwargs:
+                value = kwargs.pop(name)
+                if (tuple(value) if isinstance(value, (tuple, list)) else value) != honoured:
+                    raise TypeError(f"{cls.__name__}: the argument {name}={value!r} {why}; remove it from the call")
+        unknown = tuple(sorted(name for name in kwargs if name not in fields))
+        if unknown:
+            _warn_ignored(cls.__name__, unknown)
+            for name in unknown:
+                del kwargs[name]
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
 
 
 class _FormatHelper(NamedTuple):
@@ -123,14 +166,9 @@ class Recipe:
     """Base class of the recipes; the classmethod predicates tell recipes apart.
 
     Raises:
-        TypeError: for a field that NVIDIA TE removed (``interval``, ``override_linear_precision``).
+        TypeError: for a field that NVIDIA TE removed (``interval``, ``override_linear_precision``) given
+            another value than the one every recipe honours (1, (False, False, False)).
     """
-
-    def __new__(cls, *args, **kwargs):
-        for name, why in _REMOVED_FIELDS.items():
-            if name in kwargs:
-                raise TypeError(f"{cls.__name__}: the argument {name!r} {why}; remove it from the call")
-        return super().__new__(cls)
 
     @classmethod
     def nvfp4(cls) -> bool:
@@ -178,7 +216,7 @@ class Recipe:
         _check_choice(self, "backward_override", _BACKWARD_OVERRIDES)
 
 
-@dataclass(frozen=True)
+@_recipe
 class DelayedScaling(Recipe):
     """Per-tensor FP8 scaling from the amax history of earlier iterations (TE's default recipe).
 
@@ -225,7 +263,7 @@ class DelayedScaling(Recipe):
                   "delayed scaling; unset NVTE_BACKWARD_OVERRIDE or use Float8CurrentScaling")
 
 
-@dataclass(frozen=True)
+@_recipe
 class Float8CurrentScaling(Recipe):
     """Per-tensor FP8 scaling computed from each tensor when it is cast ("just in time").
 
@@ -260,7 +298,7 @@ class Float8CurrentScaling(Recipe):
             _check_type(self, name, MMParams, "an MMParams")
 
 
-@dataclass(frozen=True)
+@_recipe
 class MXFP8BlockScaling(Recipe):
     """MXFP8: blocks of 32 consecutive elements share one E8M0 (power-of-two) scale.
 
@@ -281,7 +319,7 @@ class MXFP8BlockScaling(Recipe):
         _check_type(self, "enable_2d_quantization", bool, "a bool")
 
 
-@dataclass(frozen=True)
+@_recipe
 class Float8BlockScaling(Recipe):
     """DeepSeek-style block FP8: 1x128 tiles (dim 1) or 128x128 tiles (dim 2), FP32 scales.
 
@@ -329,7 +367,7 @@ class Float8BlockScaling(Recipe):
         return QParams(power_2_scale=not self.use_f32_scales)
 
 
-@dataclass(frozen=True)
+@_recipe
 class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 data in blocks of 16 elements, each with an E4M3 scale, plus an FP32 global scale.
 
@@ -381,7 +419,7 @@ class NVFP4BlockScaling(Recipe):
         )
 
 
-@dataclass(frozen=True)
+@_recipe
 class CustomRecipe(Recipe):
     """Experimental: ``qfactory(role)`` returns the quantizer (or request) of each tensor role."""
 

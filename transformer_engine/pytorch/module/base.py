@@ -21,6 +21,7 @@ stays NaN, so it propagates to the output as it would in high precision.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
@@ -127,6 +128,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
     @property
     def tp_size(self) -> int:
         return self.parallel.tp_size
+
+    @tp_size.setter
+    def tp_size(self, value: int) -> None:
+        """TE keeps tp_size as a plain attribute, which clients set (Megatron-Core's wrappers, before calling
+        the constructor with the same size); checked against the group as the constructor checks it."""
+        self.parallel = dataclasses.replace(self.parallel, tp_size=value)
 
     @property
     def sequence_parallel(self) -> bool:

@@ -1,0 +1,160 @@
+"""Megatron-Core (megatron-core from PyPI, unchanged) as a client: its GPT built from the Transformer Engine
+layer spec runs on our package.
+
+On the CPU with gloo ranks: the TE-spec GPT computes the loss of the same GPT built from Megatron's local
+(non-TE) spec holding the same weights, trains alongside it, trains under FP8 (emulated), and at tensor
+parallelism 2 computes what it computes on one rank. (Megatron's local core attention allocates its
+buffers on CUDA, so the local spec here takes the TE core attention: the comparison covers the linear
+and norm layers, Megatron's own against ours.)
+"""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+
+from tests.pytorch.parallel._ranks import close_pools, get_pool
+
+VOCAB, SEQ, BATCH, HIDDEN, HEADS = 128, 16, 2, 64, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pools():
+    yield
+    close_pools()
+
+
+def test_import_megatron_core_with_te():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        importlib.import_module("megatron.core")
+        extension = importlib.import_module("megatron.core.extensions.transformer_engine")
+    assert extension.HAVE_TE
+    assert extension.fused_topk_with_score_function is not None  # our router, taken since TE >= 2.7
+
+
+# ---------------------------------------------------------------------------------------------- on the ranks
+def _config(tp: int, fp8=None):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+                             params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, fp8=fp8,
+                             fp8_amax_history_len=4, fp8_amax_compute_algo="max", tensor_model_parallel_size=tp)
+
+
+def _gpt(spec: str, tp: int, fp8=None):
+    """A fresh GPT (TE or local layer spec) in a model-parallel state of tensor-parallel size ``tp``."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(1234)  # the CPU initialization draws from the default generator
+    model_parallel_cuda_manual_seed(1234, te_rng_tracker=True)
+    if spec == "te":
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        layer_spec = get_gpt_layer_local_spec()
+        layer_spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+    return GPTModel(config=_config(tp=tp, fp8=fp8), transformer_layer_spec=layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def _batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    mask = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).triu(diagonal=1)  # True: masked out
+    return ids, positions, mask
+
+
+def _loss(model, step: int, fp8=False):
+    from megatron.core.fp8_utils import get_fp8_context
+
+    ids, positions, mask = _batch(step)
+    context = get_fp8_context(model.config) if fp8 else torch.enable_grad()
+    with context:
+        per_token = model(ids, positions, mask, labels=torch.roll(ids, -1, dims=1))
+    return per_token.float().mean()
+
+
+def _train(model, steps: int, fp8=False):
+    """Losses of ``steps`` SGD steps on one batch (learnable: the model memorizes it)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = _loss(model, step=0, fp8=fp8)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+#: local-spec name -> TE-spec name, where the TE spec fuses the norm into the next linear
+_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+def _te_name(local_name: str) -> str:
+    for local, te in _NORMS.items():
+        local_prefix = local + ("weight" if local_name.endswith("weight") else "bias")
+        if local_name.endswith(local_prefix):
+            return local_name[: -len(local_prefix)] + te + local_prefix.rsplit(".", 1)[1]
+    return local_name
+
+
+def te_spec_tracks_local_spec(steps: int):
+    """(local losses, TE losses, TE FP8 losses) of three copies of one GPT trained on the same batches."""
+    local = _gpt("local", tp=1)
+    weights = {_te_name(name): p.detach().clone() for name, p in local.named_parameters()}
+    models = {}
+    for name, fp8 in (("te", None), ("te_fp8", "hybrid")):
+        models[name] = _gpt("te", tp=1, fp8=fp8)
+        params = dict(models[name].named_parameters())
+        assert params.keys() == weights.keys(), sorted(set(params) ^ set(weights))
+        with torch.no_grad():
+            for key, value in weights.items():
+                params[key].copy_(value)
+    return _train(local, steps), _train(models["te"], steps), _train(models["te_fp8"], steps, fp8=True)
+
+
+def te_spec_loss_at(tp: int, full_weights=None):
+    """(loss, full weights) of the TE-spec GPT at tensor-parallel size ``tp``; ``full_weights`` (the TP=1
+    model's) are sharded into it along each parameter's ``partition_dim``."""
+    from megatron.core import parallel_state
+
+    model = _gpt("te", tp=tp)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    if full_weights is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                full = full_weights[name]
+                if getattr(p, "tensor_model_parallel", False):
+                    full = full.chunk(tp, dim=p.partition_dim)[rank]
+                assert full.shape == p.shape, (name, full.shape, p.shape)
+                p.copy_(full)
+    loss = _loss(model, step=0)
+    return loss.item(), {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------- the tests
+def test_te_spec_gpt_tracks_the_local_spec():
+    local, te, te_fp8 = get_pool(1).run(te_spec_tracks_local_spec, 12, timeout=300)[0]
+    # same weights, same math in float32: the TE layers compute Megatron's own layers' losses, step after step
+    torch.testing.assert_close(torch.tensor(te), torch.tensor(local), rtol=1e-4, atol=1e-5)
+    # FP8 (E4M3 forward, E5M2 gradients, delayed scaling): the first loss is float32's to FP8 precision, and
+    # it learns as float32 does (12 steps of SGD on one batch; the trajectories part after a few steps)
+    assert te_fp8[0] == pytest.approx(local[0], rel=0.01)
+    assert min(te_fp8[-4:]) < local[0] - 1.0 and min(local[-4:]) < local[0] - 1.0
+
+
+def test_te_spec_gpt_at_tensor_parallel_2_matches_one_rank():
+    pool = get_pool(2)
+    (loss_tp1, weights), _ = pool.run(te_spec_loss_at, 1, timeout=300)
+    losses = [loss for loss, _ in pool.run(te_spec_loss_at, 2, weights, timeout=300)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert losses[0] == pytest.approx(loss_tp1, rel=1e-5)
