@@ -49,9 +49,10 @@ def _quiet_cpu_autocast():
         yield
 
 
-def test_trainer_default_transformer_engine_precision_trains_in_fp8():
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_trainer_default_transformer_engine_precision_trains_in_fp8(accelerator):
     model = _Regressor()
-    trainer = L.Trainer(precision="transformer-engine", max_steps=12, accelerator="cpu", logger=False,
+    trainer = L.Trainer(precision="transformer-engine", max_steps=12, accelerator=accelerator, devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, torch.utils.data.DataLoader(_data(), batch_size=16))
     linears = [m for m in model.net if isinstance(m, te.Linear)]

@@ -1,11 +1,11 @@
 """Megatron-Core (megatron-core from PyPI, unchanged) as a client: its GPT built from the Transformer Engine
 layer spec runs on our package.
 
-On the CPU with gloo ranks: the TE-spec GPT computes the loss of the same GPT built from Megatron's local
+On the CPU with gloo ranks (and on GPUs with nccl ranks, ``gpu`` tests): the TE-spec GPT computes the loss of the same GPT built from Megatron's local
 (non-TE) spec holding the same weights, trains alongside it, trains under FP8 (emulated), and at tensor
 parallelism 2 computes what it computes on one rank. (Megatron's local core attention allocates its
-buffers on CUDA, so the local spec here takes the TE core attention: the comparison covers the linear
-and norm layers, Megatron's own against ours.)
+buffers on CUDA, so on the CPU the local spec takes the TE core attention: the comparison covers the linear
+and norm layers, Megatron's own against ours; on a GPU it covers the attention too.)
 """
 
 import importlib
@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from tests.pytorch.parallel._ranks import close_pools, get_pool
+from tests.pytorch.parallel._ranks import close_pools, device, get_pool
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS = 128, 16, 2, 64, 4
 
@@ -35,10 +35,16 @@ def test_import_megatron_core_with_te():
 
 
 # ---------------------------------------------------------------------------------------------- on the ranks
+def _device() -> str:
+    """This rank's device: the GPU under nccl (ranks of the ``gpu`` tests), else the CPU."""
+    return str(device())
+
+
 def _config(tp: int, fp8=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+    return TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                             use_cpu_initialization=_device() == "cpu",
                              params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, fp8=fp8,
                              fp8_amax_history_len=4, fp8_amax_compute_algo="max", tensor_model_parallel_size=tp)
 
@@ -57,11 +63,13 @@ def _gpt(spec: str, tp: int, fp8=None):
     if spec == "te":
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
         layer_spec = get_gpt_layer_local_spec()
-        layer_spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
-    return GPTModel(config=_config(tp=tp, fp8=fp8), transformer_layer_spec=layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+        if _device() == "cpu":  # Megatron's own core attention allocates on CUDA
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+            layer_spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+    model = GPTModel(config=_config(tp=tp, fp8=fp8), transformer_layer_spec=layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    return model.to(_device())  # as Megatron's training loop does (its plain torch layers start on the CPU)
 
 
 def _batch(step: int):
@@ -69,7 +77,7 @@ def _batch(step: int):
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
     mask = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).triu(diagonal=1)  # True: masked out
-    return ids, positions, mask
+    return ids.to(_device()), positions.to(_device()), mask.to(_device())
 
 
 def _loss(model, step: int, fp8=False):
@@ -132,18 +140,19 @@ def te_spec_loss_at(tp: int, full_weights=None):
     if full_weights is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
-                full = full_weights[name]
+                full = full_weights[name].to(p.device)
                 if getattr(p, "tensor_model_parallel", False):
                     full = full.chunk(tp, dim=p.partition_dim)[rank]
                 assert full.shape == p.shape, (name, full.shape, p.shape)
                 p.copy_(full)
     loss = _loss(model, step=0)
-    return loss.item(), {name: p.detach().clone() for name, p in model.named_parameters()}
+    return loss.item(), {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------------------------- the tests
-def test_te_spec_gpt_tracks_the_local_spec():
-    local, te, te_fp8 = get_pool(1).run(te_spec_tracks_local_spec, 12, timeout=300)[0]
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_te_spec_gpt_tracks_the_local_spec(backend):
+    local, te, te_fp8 = get_pool(1, backend).run(te_spec_tracks_local_spec, 12, timeout=300)[0]
     # same weights, same math in float32: the TE layers compute Megatron's own layers' losses, step after step
     torch.testing.assert_close(torch.tensor(te), torch.tensor(local), rtol=1e-4, atol=1e-5)
     # FP8 (E4M3 forward, E5M2 gradients, delayed scaling): the first loss is float32's to FP8 precision, and
@@ -152,8 +161,11 @@ def test_te_spec_gpt_tracks_the_local_spec():
     assert min(te_fp8[-4:]) < local[0] - 1.0 and min(local[-4:]) < local[0] - 1.0
 
 
-def test_te_spec_gpt_at_tensor_parallel_2_matches_one_rank():
-    pool = get_pool(2)
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_te_spec_gpt_at_tensor_parallel_2_matches_one_rank(backend):
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("tensor parallelism 2 over nccl needs 2 GPUs")
+    pool = get_pool(2, backend)
     (loss_tp1, weights), _ = pool.run(te_spec_loss_at, 1, timeout=300)
     losses = [loss for loss, _ in pool.run(te_spec_loss_at, 2, weights, timeout=300)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)

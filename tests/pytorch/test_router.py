@@ -382,8 +382,7 @@ def _aux_loss_call(logits, bias):
 @pytest.mark.parametrize("fn", [_topk_call, _softmax_call, _aux_scores_call, _aux_loss_call],
                          ids=["topk_sigmoid_grouped", "topk_softmax_bitmap", "aux_scores", "aux_loss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiles_without_graph_breaks_and_matches_eager(fn, dtype):
-    torch._dynamo.reset()
+def test_compiles_without_graph_breaks_and_matches_eager(fn, dtype, fresh_dynamo):
     logits = _leaf((9, 16), dtype)
     bias = randn(16, scale=0.1)
     explanation = torch._dynamo.explain(fn)(logits, bias)

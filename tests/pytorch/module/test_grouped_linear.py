@@ -59,15 +59,18 @@ def _state(module_or_modules, key):
     return torch.cat([s.amax_history for s in states], dim=1), torch.cat([s.scale for s in states])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-def test_equals_separate_linears(recipe_name, dtype):
-    """Outputs, input / weight / bias gradients and the delayed-scaling state over three SGD steps: bit for bit."""
+def test_equals_separate_linears(recipe_name, dtype, device):
+    """Outputs, input / weight / bias gradients and the delayed-scaling state over three SGD steps: bit for bit
+    (on a GPU through the flagos and vendor kernels, as te.Linear runs them)."""
     torch.manual_seed(0)
     recipe = RECIPES[recipe_name]
-    grouped, linears = _grouped_and_linears(dtype)
+    grouped, linears = _grouped_and_linears(dtype, device=device)
     for _ in range(3):
-        x, dy = randn(sum(SPLITS) // 2, 2, IN, dtype=dtype), randn(sum(SPLITS) // 2, 2, OUT, dtype=dtype)
+        x = randn(sum(SPLITS) // 2, 2, IN, dtype=dtype, device=device)
+        dy = randn(sum(SPLITS) // 2, 2, OUT, dtype=dtype, device=device)
         x_g, x_l = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_g = _run(grouped, x_g, recipe, m_splits=SPLITS)
         y_l = _linears_step(linears, x_l.view(-1, IN), recipe).view(y_g.shape)
@@ -242,7 +245,7 @@ def _compile_step(module, recipe):
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-def test_no_graph_breaks(recipe_name):
+def test_no_graph_breaks(recipe_name, fresh_dynamo):
     recipe = RECIPES[recipe_name]
     step = _compile_step(GroupedLinear(len(SPLITS), IN, OUT), recipe)
     x = randn(sum(SPLITS), IN).requires_grad_()
@@ -254,7 +257,7 @@ def test_no_graph_breaks(recipe_name):
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-def test_compiled_training_equals_eager(recipe_name):
+def test_compiled_training_equals_eager(recipe_name, fresh_dynamo):
     """Three SGD steps, eager against fullgraph-compiled (aot_eager) from the same weights and state: bit-identical
     outputs, input gradients, weights and scaling state."""
     torch._dynamo.reset()

@@ -309,7 +309,7 @@ def test_forward_errors():
 
 # ------------------------------------------------------------------------------------------------- torch.compile
 @pytest.mark.parametrize("recipe_name", ["bf16", "delayed"])
-def test_no_graph_breaks(recipe_name):
+def test_no_graph_breaks(recipe_name, fresh_dynamo):
     recipe = _recipe(recipe_name)
     seq = te_ops.Sequential(te_ops.LayerNorm(64, device=CPU), te_ops.Linear(64, 128, device=CPU), te_ops.GELU(),
                             te_ops.Linear(128, 64, device=CPU))

@@ -27,7 +27,7 @@ def _params(dtype=torch.float32, seed=0):
 def _set_grads(params, step, dtype=None):
     gen = torch.Generator().manual_seed(1000 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen).to(dtype or p.dtype)
+        p.grad = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=dtype or p.dtype)
 
 
 def _reference(params, adam_w_mode, weight_decay):
@@ -235,3 +235,26 @@ def test_megatron_state_accessors():
     opt.set_scaled_state(params[1], "master_param", master)
     assert torch.equal(opt.get_unscaled_state(params[1], "master_param"), master)
     copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_on_gpu_matches_torch(master_weights):
+    """On a GPU the step runs the flagos multi-tensor kernel: the same values as torch's AdamW."""
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    ours = [torch.nn.Parameter(p.detach().cuda()) for p in _params(dtype)]
+    ref = [torch.nn.Parameter(p.detach().float().cuda()) for p in _params(dtype)]
+    opt = FusedAdam(ours, weight_decay=0.1, master_weights=master_weights, **HYPER)
+    ref_opt = torch.optim.AdamW(ref, weight_decay=0.1, foreach=False, **HYPER)
+    for step in range(STEPS):
+        _set_grads(ours, step)
+        for p, r in zip(ours, ref):
+            r.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        if master_weights:
+            torch.testing.assert_close(opt.state[p]["master_param"], r.detach(), **FP32_TOL)
+            torch.testing.assert_close(p.detach(), r.detach().to(torch.bfloat16), **BF16_TOL)
+        else:
+            torch.testing.assert_close(p.detach(), r.detach(), **FP32_TOL)

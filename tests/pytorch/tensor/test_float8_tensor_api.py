@@ -317,3 +317,18 @@ def test_make_empty():
     assert x._transpose.shape == (8, 3)
     x.copy_(torch.ones(3, 8))
     assert torch.equal(x.dequantize(), torch.ones(3, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_on_gpu_same_codes_as_the_cpu(current):
+    """The GPU casts (flagos) give the CPU reference's FP8 codes and scales, and the ops keep the device."""
+    x = _uniform((64, 48), torch.bfloat16)
+    quantizers = [Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device) if current
+                  else Float8Quantizer(torch.full((1,), 3.0, device=device), torch.zeros(1, device=device), torch.float8_e4m3fn)
+                  for device in ("cpu", "cuda")]
+    on_cpu, on_gpu = quantizers[0](x), quantizers[1](x.cuda())
+    assert on_gpu.device.type == "cuda" and on_gpu._data.is_cuda
+    assert torch.equal(on_gpu._data.cpu().view(torch.uint8), on_cpu._data.view(torch.uint8))
+    assert torch.equal(on_gpu._scale_inv.cpu(), on_cpu._scale_inv)
+    torch.testing.assert_close((on_gpu * 2).cpu(), on_cpu * 2, rtol=0, atol=0)
