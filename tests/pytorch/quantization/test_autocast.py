@@ -157,6 +157,21 @@ def test_global_state_manager_queries():
         assert FP8GlobalStateManager.is_fp8_calibration() and not FP8GlobalStateManager.is_fp8_enabled()
 
 
+def test_global_state_manager_meta_key_and_reset():
+    assert FP8GlobalStateManager.get_meta_tensor_key(forward=True) == "scaling_fwd"
+    assert FP8GlobalStateManager.get_meta_tensor_key(forward=False) == "scaling_bwd"
+    layer = te.Linear(16, 16)
+    context = te.autocast(recipe=DelayedScaling(amax_history_len=2))
+    context.__enter__()  # left open, as a test that failed inside an autocast leaves it
+    layer(torch.randn(8, 16))
+    assert FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.get_autocast_depth() == 1
+    FP8GlobalStateManager.reset()
+    assert not FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.get_autocast_depth() == 0
+    history = layer.fp8_meta["scaling_fwd"].amax_history.clone()
+    FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True)  # the dropped update does not run
+    assert torch.equal(layer.fp8_meta["scaling_fwd"].amax_history, history)
+
+
 def test_isolated_stack_runs_an_inner_autocast_as_the_outermost():
     """Inside isolated_stack (CUDA-graph capture) an autocast's updates run at its own exit and backward,
     the callback sees each state before its update, and the caller's stack comes back unchanged."""

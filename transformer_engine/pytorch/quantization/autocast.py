@@ -35,7 +35,7 @@ from .recipe_state import check_recipe_implemented
 
 __all__ = [
     "BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "fp8_autocast", "isolated_stack", "recompute_region",
-    "register_states",
+    "register_states", "reset_autocast_state",
 ]
 
 
@@ -169,6 +169,11 @@ def register_states(fwd_state, bwd_state) -> Optional[Callable[[], None]]:
         return _STATE.backward.claim_state(bwd_state, config.amax_reduction_group)
     _STATE.backward.groups.add(bwd_state, config.amax_reduction_group)
     return _STATE.backward.claim()
+
+
+def reset_autocast_state() -> None:
+    """Drop the autocast stack, the pending updates and the recompute flags (a fresh process's state)."""
+    vars(_STATE).update(vars(_GlobalState()))
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import torch
 from transformer_engine.common.recipe import Recipe
 
 from . import availability
-from .autocast import _STATE, current_config
+from .autocast import _STATE, current_config, reset_autocast_state
 from .model_init import model_init_config
 
 __all__ = ["FP8GlobalStateManager"]
@@ -91,6 +91,17 @@ class FP8GlobalStateManager:
     def is_nvfp4_available(cls) -> Tuple[bool, str]:
         """(available, reason) for NVFP4."""
         return availability.check_nvfp4_support()
+
+    @staticmethod
+    def get_meta_tensor_key(forward: bool = True) -> str:
+        """The key of a module's forward ("scaling_fwd") or backward ("scaling_bwd") state in ``fp8_meta``."""
+        return "scaling_fwd" if forward else "scaling_bwd"
+
+    @classmethod
+    def reset(cls) -> None:
+        """Back to the state of a fresh process: no autocast active, no update pending, no recompute flags
+        (TE's tests call it between cases; a model's own scaling state is not touched)."""
+        reset_autocast_state()
 
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
