@@ -12,7 +12,8 @@ with 3 slots per GEMM forward (input, weight, output) and 2 backward (grad outpu
                  rows 1..L-1 hold the last L-1 amaxes, the newest in row L-1
 
 :class:`Float8CurrentScalingRecipeState` and :class:`Float8BlockScalingRecipeState` hold nothing: each
-cast computes its own scale (per tensor, or per tile).
+cast computes its own scale (per tensor, or per tile). :class:`CustomRecipeState` holds what the user's
+quantizers hold (``CustomRecipe.qfactory``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
+from transformer_engine.common.recipe import CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 
 from .quantizer import IDENTITY, AmaxObserver, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
 from .roles import BWD_ROLES, FWD_ROLES, Role
@@ -32,22 +33,23 @@ __all__ = [
     "DelayedScalingRecipeState",
     "Float8BlockScalingRecipeState",
     "Float8CurrentScalingRecipeState",
+    "CustomRecipeState",
     "RecipeState",
     "check_recipe_implemented",
 ]
 
-_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
+_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, CustomRecipe)
 _MODES = ("forward", "backward")
 
 
 def check_recipe_implemented(recipe: Recipe) -> None:
-    """Raise NotImplementedError for a recipe the PyTorch modules cannot run yet (MXFP8, NVFP4, custom)."""
+    """Raise NotImplementedError for a recipe the PyTorch modules cannot run yet (MXFP8, NVFP4)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a transformer_engine.common.recipe recipe, got {type(recipe).__name__}")
     if not isinstance(recipe, _IMPLEMENTED):
         raise NotImplementedError(
             f"{type(recipe).__name__} is not implemented yet in TransformerEngine-FL's PyTorch modules; "
-            "use DelayedScaling, Float8CurrentScaling or Float8BlockScaling"
+            "use DelayedScaling, Float8CurrentScaling, Float8BlockScaling or CustomRecipe"
         )
 
 
@@ -96,6 +98,8 @@ class RecipeState:
             return DelayedScalingRecipeState(recipe, mode, n, device, reserved)
         if isinstance(recipe, Float8BlockScaling):
             return Float8BlockScalingRecipeState(recipe, mode, n)
+        if isinstance(recipe, CustomRecipe):
+            return CustomRecipeState(recipe, mode, n)
         return Float8CurrentScalingRecipeState(recipe, mode, n)
 
     @property
@@ -234,3 +238,35 @@ class Float8BlockScalingRecipeState(RecipeState):
 
     def make_quantizers(self) -> List[Quantizer]:
         return [Float8BlockQuantizer(self.fp8_dtype, *self._block_dim_and_qparams(i)) for i in range(self.num_quantizers)]
+
+
+#: TE's role names of the slots, per GEMM, that ``CustomRecipe.qfactory`` is asked for
+_CUSTOM_ROLES = {"forward": ("linear_input", "linear_weight", "linear_output"), "backward": ("linear_grad_output", "linear_grad_input")}
+
+
+class CustomRecipeState(RecipeState):
+    """CustomRecipe: slot i casts with the quantizer ``recipe.qfactory(role)`` returns for its role
+    ("linear_input", "linear_weight", "linear_output"; backward "linear_grad_output", "linear_grad_input").
+
+    The factory returns TE's public quantizers (``Float8Quantizer``: its scale, amax max-accumulated into
+    its amax; ``Float8CurrentScalingQuantizer``: its rule); each gives the module-side quantizer that casts
+    alike (``module_quantizer()``). No state of its own: nothing for autocast to update.
+    """
+
+    @property
+    def split_accumulator(self) -> Tuple[bool, bool, bool]:
+        return (False, True, True)  # TE's defaults where a recipe names none
+
+    def make_quantizers(self) -> List[Quantizer]:
+        roles = _CUSTOM_ROLES[self.mode]
+        return [self._module_quantizer(roles[i % len(roles)]) for i in range(self.num_quantizers)]
+
+    def _module_quantizer(self, role: str) -> Quantizer:
+        made = self.recipe.qfactory(role)
+        convert = getattr(made, "module_quantizer", None)
+        if convert is None:
+            raise TypeError(
+                f"CustomRecipe.qfactory({role!r}) returned {type(made).__name__}; return a Float8Quantizer or "
+                "Float8CurrentScalingQuantizer of transformer_engine.pytorch (other quantizers are not implemented yet)"
+            )
+        return convert()

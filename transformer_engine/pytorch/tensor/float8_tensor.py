@@ -24,7 +24,11 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
+from transformer_engine.common.recipe import QParams
 from transformer_engine.plugin import ops
+
+from ..quantization.quantizer import FixedScaleQuantizer
+from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
 
 from .dtype import DType, fp8_torch_dtype
 from .quantized_tensor import QuantizedTensor, Quantizer, _default_device, _IdentityFunc
@@ -181,6 +185,11 @@ class Float8Quantizer(_PerTensorQuantizer):
     def _scale_and_amax_out(self, x):
         return self.scale, self.amax
 
+    def module_quantizer(self) -> FixedScaleQuantizer:
+        """The quantizer the modules cast with under a ``CustomRecipe`` that returns this one: the same
+        scale, the amax max-accumulated into ``amax``."""
+        return FixedScaleQuantizer(self.scale.view(()), fp8_torch_dtype(self.dtype), self.amax.view(()))
+
     def calibrate(self, tensor: torch.Tensor) -> None:
         """amax = max|tensor| (finite elements), without casting."""
         self.amax.copy_(ops.compute_amax(tensor.detach()).reshape(self.amax.shape))
@@ -217,6 +226,11 @@ class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
     def _scale_and_amax_out(self, x):
         """The amax ``ops.current_scale`` returns already holds max|x|: the cast leaves it as it is."""
         return ops.current_scale(x, fp8_torch_dtype(self.dtype), self.amax_epsilon, self.force_pow_2_scales)
+
+    def module_quantizer(self) -> ModuleCurrentScalingQuantizer:
+        """The quantizer the modules cast with under a ``CustomRecipe`` that returns this one (the same rule)."""
+        qparams = QParams(power_2_scale=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
+        return ModuleCurrentScalingQuantizer(fp8_torch_dtype(self.dtype), qparams)
 
 
 class Float8Tensor(QuantizedTensor):
