@@ -31,6 +31,13 @@ from .quantization import (
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
+from .permutation import (
+    moe_permute,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
+)
 from .tensor import DType, Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, Quantizer
 from .transformer import TransformerLayer
 from . import ops, optimizers, router  # noqa: E402 - TE's submodules, reached as te.ops / te.optimizers / te.router
@@ -66,6 +73,11 @@ __all__ = [
     "is_mxfp8_available",
     "is_nvfp4_available",
     "make_graphed_callables",
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+    "moe_unpermute",
     "ops",
     "optimizers",
     "quantized_model_init",
