@@ -14,7 +14,7 @@ changes no global PyTorch state.
 
 from transformer_engine.common import recipe
 
-from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .module import Fp8Padding, Fp8Unpadding, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .quantization import (
     autocast,
     fp8_autocast,
@@ -31,6 +31,7 @@ from .quantization import (
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
+from .cross_entropy import parallel_cross_entropy
 from .permutation import (
     moe_permute,
     moe_permute_with_probs,
@@ -51,6 +52,8 @@ __all__ = [
     "QuantizedTensor",
     "Quantizer",
     "DotProductAttention",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "GroupedLinear",
     "InferenceParams",
     "MultiheadAttention",
@@ -79,6 +82,7 @@ __all__ = [
     "moe_sort_chunks_by_index_with_probs",
     "moe_unpermute",
     "ops",
+    "parallel_cross_entropy",
     "optimizers",
     "quantized_model_init",
     "recipe",

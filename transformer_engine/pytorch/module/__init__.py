@@ -5,6 +5,7 @@ Each fused module runs one ``torch.autograd.Function`` whose forward and backwar
 """
 
 from .base import TransformerEngineBaseModule
+from .fp8_padding import Fp8Padding, Fp8Unpadding
 from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm
 from .layernorm_linear import LayerNormLinear
@@ -12,4 +13,4 @@ from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .rmsnorm import RMSNorm
 
-__all__ = ["GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "TransformerEngineBaseModule"]
+__all__ = ["Fp8Padding", "Fp8Unpadding", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "TransformerEngineBaseModule"]
