@@ -33,7 +33,7 @@ def _info_json(capsys, *extra):
 
 def test_json_report_has_every_section(capsys):
     info = _info_json(capsys)
-    assert set(info) == {"versions", "devices", "recipes", "backends", "policy", "dispatch"}
+    assert set(info) == {"versions", "devices", "recipes", "backends", "policy", "settings", "dispatch"}
     versions = info["versions"]
     assert versions["te_fl"] == __version__ and versions["python"] == platform.python_version()
     torch = pytest.importorskip("torch")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -201,6 +203,57 @@ def test_errors():
         te.TransformerLayer(HIDDEN, FFN, HEADS, parallel_attention_mlp=True, output_layernorm=True)
     with pytest.raises(TypeError, match="bool"):
         te.TransformerLayer(HIDDEN, FFN, HEADS, self_attn_mask_type="padding")(randn(S, B, HIDDEN), attention_mask=torch.zeros(B, 1, 1, S))
+
+
+def test_drop_path_rate_one_is_accepted_and_drops_every_residual_branch_in_training():
+    """TE accepts drop_path_rate=1.0; every branch is dropped in training, so the layer is the identity there
+    (TE's x / keep * mask would give NaN at keep = 0: here the branch contributes zeros and zero gradients)."""
+    drop = DropPath(1.0).train()
+    x = randn(6, 3, 4)
+    torch.testing.assert_close(drop(x), torch.zeros_like(x), rtol=0, atol=0)
+    torch.testing.assert_close(drop.eval()(x), x, rtol=0, atol=0)
+    layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, drop_path_rate=1.0)
+    xs = randn(S, B, HIDDEN).requires_grad_(True)
+    out = layer.train()(xs)
+    torch.testing.assert_close(out, xs, rtol=0, atol=0)
+    out.sum().backward()
+    torch.testing.assert_close(xs.grad, torch.ones_like(xs), rtol=0, atol=0)
+    fc1 = layer.layernorm_mlp.fc1_weight.grad
+    assert fc1 is not None and torch.count_nonzero(fc1) == 0, "the dropped branch stays in the graph with zero gradients"
+    assert not torch.allclose(layer.eval()(xs), xs), "in eval the branches run"
+
+
+@pytest.mark.parametrize("name", ["drop_path_rate", "hidden_dropout", "attention_dropout"])
+@pytest.mark.parametrize("p", [-0.1, 1.5])
+def test_rates_outside_zero_one_are_refused(name, p):
+    with pytest.raises(ValueError, match=re.escape(f"TransformerLayer: {name}={p!r} must be a probability in [0, 1]")):
+        te.TransformerLayer(HIDDEN, FFN, HEADS, **{name: p})
+
+
+@pytest.mark.parametrize("eps", [-1e-5, float("inf")])
+def test_layernorm_epsilon_must_be_finite_and_not_negative(eps):
+    with pytest.raises(ValueError, match=re.escape(f"TransformerLayer: layernorm_epsilon={eps!r} must be a finite number >= 0")):
+        te.TransformerLayer(HIDDEN, FFN, HEADS, layernorm_epsilon=eps)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(num_attention_heads=0), ValueError, "TransformerLayer: num_attention_heads=0 must be a positive integer (>= 1)"),
+        (dict(hidden_size=100, num_attention_heads=3), ValueError,
+         "TransformerLayer: hidden_size=100 is not divisible by num_attention_heads=3 (the heads would cover only 99 of the 100 features)"),
+        (dict(num_gqa_groups=0), ValueError, "TransformerLayer: num_gqa_groups=0 must be a positive integer (>= 1)"),
+        (dict(num_gqa_groups=3), ValueError, "TransformerLayer: num_gqa_groups=3 must divide num_attention_heads=4"),
+        (dict(ffn_hidden_size=0), ValueError, "TransformerLayer: ffn_hidden_size=0 must be a positive integer (>= 1)"),
+        (dict(hidden_size=0), ValueError, "TransformerLayer: hidden_size=0 must be a positive integer (>= 1)"),
+        (dict(kv_channels=-1), ValueError, "TransformerLayer: kv_channels=-1 must be a positive integer (>= 1)"),
+    ],
+    ids=["zero-heads", "indivisible", "zero-groups", "groups-not-dividing", "zero-ffn", "zero-hidden", "negative-kv"],
+)
+def test_bad_sizes_and_head_counts_are_named_before_any_work(kwargs, error, message):
+    args = dict(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS) | kwargs
+    with pytest.raises(error, match=re.escape(message)):
+        te.TransformerLayer(**args)
 
 
 @pytest.mark.gpu

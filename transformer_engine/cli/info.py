@@ -2,7 +2,8 @@
 
 Prints: the TE-FL, Python, PyTorch and Triton versions; the devices (CPU, and each CUDA GPU with its
 compute capability); which FP8 recipes can run and why not; the backends and plugins that were
-loaded, with their load errors; the active selection policy; and, for the CPU and (when present)
+loaded, with their load errors; the active selection policy; every ``TE_FL_*`` setting declared in
+the variable registry (value or default, meaning; unknown ones flagged); and, for the CPU and (when present)
 the first CUDA GPU, the per-op dispatch table: the implementation chosen and why each other one was
 passed over. ``--json`` prints the same information as JSON. Tables use ``rich`` when it is
 installed, plain text otherwise.
@@ -69,6 +70,7 @@ def collect(op_names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "recipes": _recipes(),
         "backends": [dataclasses.asdict(record) for record in manager.plugin_records],
         "policy": _policy(),
+        "settings": _settings(),
         "dispatch": _dispatch(manager, devices, op_names),
     }
 
@@ -133,8 +135,15 @@ def _policy() -> Dict[str, Any]:
         "per_op": {op: list(tokens) for op, tokens in policy.per_op_order},
         "allow_vendors": sorted(policy.allow_vendors) if policy.allow_vendors is not None else None,
         "deny_vendors": sorted(policy.deny_vendors),
-        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TE_FL_") or k == "TEFL_LOG_LEVEL"},
+        "environment": {row["set_as"]: row["value"] for row in _settings() if row["set_as"]},
     }
+
+
+def _settings() -> List[Dict[str, Any]]:
+    """Every declared ``TE_FL_*`` variable (value, default, meaning), then the unknown ones that are set."""
+    from transformer_engine.plugin.core.envvars import describe
+
+    return describe(os.environ)
 
 
 def _dispatch(manager, devices: List[Dict[str, Any]], op_names: Optional[Sequence[str]]) -> Dict[str, Any]:
@@ -181,6 +190,7 @@ def _sections(info: Dict[str, Any]) -> List[_Section]:
             for b in info["backends"]
         ]),
         _Section("Policy", ("setting", "value"), _policy_rows(info["policy"])),
+        _Section("Settings (environment)", ("variable", "value", "meaning"), [_setting_row(row) for row in info["settings"]]),
     ]
     for device, table in info["dispatch"].items():
         sections.append(_Section(f"Dispatch on {device}", ("op", "runs", "passed over"), [_dispatch_row(op, entry) for op, entry in table.items()]))
@@ -196,7 +206,14 @@ def _policy_rows(policy: Dict[str, Any]) -> List[Tuple[str, str]]:
         ("allowed vendors", "all" if policy["allow_vendors"] is None else ", ".join(policy["allow_vendors"]) or "none"),
         ("denied vendors", ", ".join(policy["deny_vendors"]) or "none"),
     ]
-    return rows + [(name, value) for name, value in policy["environment"].items()]
+    return rows
+
+
+def _setting_row(row: Dict[str, Any]) -> Tuple[str, str, str]:
+    name = row["name"] if row["set_as"] in (None, row["name"]) else f"{row['name']} (set as {row['set_as']}, deprecated)"
+    value = row["value"] if row["value"] is not None else f"unset ({row['default']})"
+    scope = "" if row["scope"] in ("library", "unknown") else f" [{row['scope']} only]"
+    return name, value, row["description"] + scope
 
 
 def _dispatch_row(op: str, entry: Dict[str, Any]) -> Tuple[str, str, str]:

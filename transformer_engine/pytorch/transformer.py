@@ -23,6 +23,8 @@ import torch
 
 from ._dropout import bias_dropout_add
 from .attention import MultiheadAttention
+from .attention._checks import check_heads, head_size
+from .module._checks import check_eps, check_probability, check_sizes
 from .module import LayerNorm, LayerNormMLP, RMSNorm
 from .module.base import default_device, resolve_params_dtype
 from .parallel.tensor_parallel import resolve_tp_size, set_tensor_parallel_group
@@ -40,18 +42,36 @@ class DropPath(torch.nn.Module):
 
     def __init__(self, drop_prob: float = 0.0):
         super().__init__()
-        if not 0.0 <= drop_prob < 1.0:
-            raise ValueError(f"drop_path_rate={drop_prob} must be in [0, 1)")
+        check_probability("TransformerLayer", "drop_path_rate", drop_prob)
         self.drop_prob = drop_prob
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
-        """x / keep * floor(keep + U[0, 1)) per index of dim 0 (identity in eval or for rate 0)."""
+        """x / keep * floor(keep + U[0, 1)) per index of dim 0 (identity in eval or for rate 0).
+
+        Rate 1 drops every sample in training: the branch contributes zeros (still in the graph, so its
+        parameters get zero gradients). TE accepts rate 1 too, but its x / 0 * 0 gives NaN.
+        """
         if self.drop_prob == 0.0 or not self.training:
             return hidden_state
+        if self.drop_prob >= 1.0:
+            return hidden_state * 0.0
         keep = 1.0 - self.drop_prob
         shape = (hidden_state.shape[0],) + (1,) * (hidden_state.dim() - 1)
         mask = torch.floor(keep + torch.rand(shape, dtype=hidden_state.dtype, device=hidden_state.device))
         return hidden_state / keep * mask
+
+
+def _check_sizes(hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups, kv_channels, tp_size) -> int:
+    """Sizes and head counts (see attention/_checks.py for the rules); returns the head size."""
+    check_sizes("TransformerLayer", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+    check_heads("TransformerLayer", num_attention_heads, num_gqa_groups, tp_size)
+    return head_size("TransformerLayer", hidden_size, num_attention_heads, kv_channels)
+
+
+def _check_rates(layernorm_epsilon, hidden_dropout, attention_dropout, drop_path_rate) -> None:
+    check_eps("TransformerLayer", layernorm_epsilon, "layernorm_epsilon")
+    for name, p in (("hidden_dropout", hidden_dropout), ("attention_dropout", attention_dropout), ("drop_path_rate", drop_path_rate)):
+        check_probability("TransformerLayer", name, p)
 
 
 def _check_layer(layer_type, parallel_attention_mlp, post_ln_residual, output_layernorm, fuse_qkv_params, fuse_wgrad) -> None:
@@ -139,10 +159,12 @@ class TransformerLayer(torch.nn.Module):
         qk_norm_before_rope: bool = False,
         softmax_type: str = "vanilla",
     ) -> None:
-        super().__init__()
         tp_size = resolve_tp_size(tp_group, tp_size)  # the group's size wins (TE's rule)
+        head_dim = _check_sizes(hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups, kv_channels, tp_size)
+        _check_rates(layernorm_epsilon, hidden_dropout, attention_dropout, drop_path_rate)
         _check_layer(layer_type, parallel_attention_mlp, apply_residual_connection_post_layernorm, output_layernorm,
                      fuse_qkv_params, fuse_wgrad_accumulation)
+        super().__init__()
         self.self_attn_mask_type, self.window_size = self_attn_mask_type, window_size
         self.bottom_right_diagonal = bottom_right_diagonal
         self.enc_dec_attn_mask_type, self.enc_dec_window_size = enc_dec_attn_mask_type, enc_dec_window_size
@@ -151,7 +173,7 @@ class TransformerLayer(torch.nn.Module):
         self.output_layernorm, self.parallel_attention_mlp = output_layernorm, parallel_attention_mlp
         self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
         self.hidden_dropout, self.attn_input_format, self.name = hidden_dropout, attn_input_format, name
-        self.kv_channels = kv_channels if kv_channels else hidden_size // num_attention_heads
+        self.kv_channels = head_dim
         self.tp_size, self.seq_length, self.get_rng_state_tracker = tp_size, seq_length, get_rng_state_tracker
         self.sequence_parallel = tp_size > 1 and sequence_parallel
         params_dtype = resolve_params_dtype(params_dtype, None)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from transformer_engine.plugin.core import catalog, devices, register_capability_probe, reset_global_policy
+from transformer_engine.plugin.core import catalog, devices, envvars, register_capability_probe, reset_global_policy
 
 _ENV_VARS = (
     "TE_FL_PREFER",
@@ -11,18 +11,24 @@ _ENV_VARS = (
     "TE_FL_DENY_VENDORS",
     "TE_FL_PER_OP",
     "TE_FL_PLUGIN_MODULES",
+    "TE_FL_LOG_LEVEL",
     "TEFL_LOG_LEVEL",
 )
 
 
 @pytest.fixture(autouse=True)
 def _clean_policy(monkeypatch):
-    """Each test starts from an empty TE_FL_* environment and re-reads it; the global policy is reset after."""
+    """Each test starts from an empty TE_FL_* environment and re-reads it; the global policy is reset after.
+
+    The once-per-process configuration warnings are forgotten too, so each test sees its own.
+    """
     for name in _ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     reset_global_policy()
+    envvars._reset_warnings()
     yield
     reset_global_policy()
+    envvars._reset_warnings()
 
 
 @pytest.fixture

@@ -157,13 +157,13 @@ def test_plugin_modules_comma_list():
 
 @pytest.mark.parametrize("name, level", [("debug", logging.DEBUG), ("INFO", logging.INFO), (" Error ", logging.ERROR), ("", logging.WARNING)])
 def test_log_level_names(name, level):
-    assert load_env({"TEFL_LOG_LEVEL": name}).log_level == level
+    assert load_env({"TE_FL_LOG_LEVEL": name}).log_level == level
 
 
 @pytest.mark.parametrize("name", ["LOUD", "5", "warn"])
 def test_log_level_bad_value_warns_and_keeps_warning(name):
-    with pytest.warns(PolicyConfigWarning, match="TEFL_LOG_LEVEL"):
-        assert load_env({"TEFL_LOG_LEVEL": name}).log_level == logging.WARNING
+    with pytest.warns(PolicyConfigWarning, match=f"ignoring TE_FL_LOG_LEVEL={name!r}: expected one of"):
+        assert load_env({"TE_FL_LOG_LEVEL": name}).log_level == logging.WARNING
 
 
 def test_every_bad_value_at_once_warns_per_variable_and_never_raises():
@@ -171,13 +171,13 @@ def test_every_bad_value_at_once_warns_per_variable_and_never_raises():
         "TE_FL_PREFER": "fast",
         "TE_FL_STRICT": "sometimes",
         "TE_FL_PER_OP": "=;gemm|x;relu=nope",
-        "TEFL_LOG_LEVEL": "chatty",
+        "TE_FL_LOG_LEVEL": "chatty",
         "TE_FL_ALLOW_VENDORS": ",",
         "TE_FL_PLUGIN_MODULES": ",,",
     }
     with pytest.warns(PolicyConfigWarning) as record:
         cfg = load_env(env)
     text = "\n".join(str(w.message) for w in record)
-    for name in ("TE_FL_PREFER", "TE_FL_STRICT", "TE_FL_PER_OP", "TEFL_LOG_LEVEL"):
+    for name in ("TE_FL_PREFER", "TE_FL_STRICT", "TE_FL_PER_OP", "TE_FL_LOG_LEVEL"):
         assert name in text
     assert (cfg.prefer, cfg.strict, cfg.per_op, cfg.plugin_modules) == ("flagos", False, (), ())

@@ -1,5 +1,8 @@
 """The one loader of the ``TE_FL_*`` environment variables. Bad values warn; nothing here raises.
 
+The variables are declared in :mod:`.envvars` (the registry: names, meanings, aliases, the
+unknown-variable check and the once-per-process warnings); this module validates their values.
+
 | variable | values |
 |---|---|
 | ``TE_FL_PREFER`` | ``flagos`` (default), ``vendor`` or ``reference`` |
@@ -8,7 +11,7 @@
 | ``TE_FL_DENY_VENDORS`` | comma list of vendor names denied (deny beats allow) |
 | ``TE_FL_PER_OP`` | ``op=tok|tok;op2=tok``, tokens ``flagos``, ``vendor``, ``reference``, ``vendor:<name>``, ``impl:<id>``; a final ``only`` makes the list exclusive |
 | ``TE_FL_PLUGIN_MODULES`` | comma list of importable modules with a ``register(registry)`` hook |
-| ``TEFL_LOG_LEVEL`` | ``DEBUG``, ``INFO``, ``WARNING`` (default), ``ERROR`` |
+| ``TE_FL_LOG_LEVEL`` | ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``; ``TEFL_LOG_LEVEL`` is its deprecated alias |
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 
-__all__ = ["EnvConfig", "load_env", "parse_per_op", "parse_token", "PolicyConfigWarning", "KIND_TOKENS"]
+from .envvars import PolicyConfigWarning, check_environment, config_warning, lookup, read
+
+__all__ = ["EnvConfig", "load_env", "read_flag", "parse_per_op", "parse_token", "PolicyConfigWarning", "KIND_TOKENS"]
 
 KIND_TOKENS = ("flagos", "vendor", "reference")
 ONLY_TOKEN = "only"
@@ -28,10 +32,6 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _LOG_LEVELS = {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class PolicyConfigWarning(UserWarning):
-    """A ``TE_FL_*`` variable holds a value that is ignored; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,11 @@ class EnvConfig:
     per_op: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
     plugin_modules: Tuple[str, ...] = ()
     log_level: int = logging.WARNING
+    log_level_set: bool = False  # TE_FL_LOG_LEVEL (or its alias) holds a valid level: configure the logger
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, PolicyConfigWarning, stacklevel=3)
+    config_warning(message, PolicyConfigWarning)
 
 
 def parse_token(token: str) -> Optional[str]:
@@ -116,28 +117,48 @@ def _flag(name: str, value: Optional[str], default: bool) -> bool:
 
 
 def load_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
-    """Read and validate every ``TE_FL_*`` variable (and ``TEFL_LOG_LEVEL``) once."""
+    """Read and validate every dispatch variable once (unknown ``TE_FL_*`` names warn, see :mod:`.envvars`)."""
     env = os.environ if environ is None else environ
-    prefer = env.get("TE_FL_PREFER", "").strip().lower() or "flagos"
+    check_environment(env)
+    prefer_text = read("TE_FL_PREFER", env)
+    prefer = (prefer_text or "").strip().lower() or "flagos"
     if prefer not in KIND_TOKENS:
-        _warn(f"TE-FL: ignoring TE_FL_PREFER={env['TE_FL_PREFER']!r}: expected flagos, vendor or reference")
+        _warn(f"TE-FL: ignoring TE_FL_PREFER={prefer_text!r}: expected flagos, vendor or reference")
         prefer = "flagos"
-    allow_text = env.get("TE_FL_ALLOW_VENDORS")
+    allow_text = read("TE_FL_ALLOW_VENDORS", env)
     allow = _vendor_set(allow_text) if allow_text and allow_text.strip() else None
     if allow is not None and not allow:  # e.g. "," would otherwise silently deny every vendor
         _warn(f"TE-FL: ignoring TE_FL_ALLOW_VENDORS={allow_text!r}: it names no vendor")
         allow = None
-    level_name = env.get("TEFL_LOG_LEVEL", "WARNING").strip().upper() or "WARNING"
-    if level_name not in _LOG_LEVELS:
-        _warn(f"TE-FL: ignoring TEFL_LOG_LEVEL={level_name!r}: expected one of {sorted(_LOG_LEVELS)}")
-        level_name = "WARNING"
-    modules = tuple(m.strip() for m in env.get("TE_FL_PLUGIN_MODULES", "").split(",") if m.strip())
+    level, level_set = _log_level(env)
+    modules = tuple(m.strip() for m in (read("TE_FL_PLUGIN_MODULES", env) or "").split(",") if m.strip())
     return EnvConfig(
         prefer=prefer,
-        strict=_flag("TE_FL_STRICT", env.get("TE_FL_STRICT"), False),
+        strict=_flag("TE_FL_STRICT", read("TE_FL_STRICT", env), False),
         allow_vendors=allow,
-        deny_vendors=_vendor_set(env.get("TE_FL_DENY_VENDORS", "")),
-        per_op=parse_per_op(env.get("TE_FL_PER_OP", "")),
+        deny_vendors=_vendor_set(read("TE_FL_DENY_VENDORS", env) or ""),
+        per_op=parse_per_op(read("TE_FL_PER_OP", env) or ""),
         plugin_modules=modules,
-        log_level=getattr(logging, level_name),
+        log_level=level,
+        log_level_set=level_set,
     )
+
+
+def _log_level(env: Mapping[str, str]) -> Tuple[int, bool]:
+    """(level, whether one was set) from ``TE_FL_LOG_LEVEL`` or its deprecated alias ``TEFL_LOG_LEVEL``."""
+    text, name = lookup("TE_FL_LOG_LEVEL", env)
+    level_name = (text or "").strip().upper()
+    if not level_name:
+        return logging.WARNING, False
+    if level_name not in _LOG_LEVELS:
+        _warn(f"TE-FL: ignoring {name}={text!r}: expected one of {sorted(_LOG_LEVELS)}")
+        return logging.WARNING, False
+    return getattr(logging, level_name), True
+
+
+def read_flag(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """A declared 0/1 variable (``TE_FL_STRICT``, ``TE_FL_FP8_EMULATION``): True for 1/true/yes/on.
+
+    Any other non-empty value warns (once) and counts as 0.
+    """
+    return _flag(name, read(name, environ), False)

@@ -26,6 +26,8 @@ __all__ = ["PluginRecord", "load_plugins", "load_builtin_backends", "load_hook",
 logger = logging.getLogger("transformer_engine.plugin")
 
 ENTRY_POINT_GROUP = "te_fl.plugin"
+_SOURCE_NAMES = {"env": "TE_FL_PLUGIN_MODULES", "entry_point": "entry-point"}
+_TRACEBACK_HINT = "Set TE_FL_LOG_LEVEL=DEBUG to log the traceback; `te-fl info` lists every plugin's status"
 PLUGIN_API_VERSION = (1, 0)
 BUILTIN_BACKENDS: Tuple[str, ...] = (
     "transformer_engine.plugin.backends.reference",
@@ -91,8 +93,11 @@ def load_hook(registry, hook: Any, name: str, source: str) -> PluginRecord:
         return record
     except Exception as exc:  # noqa: BLE001 - a broken plugin is recorded, never raised
         # a built-in backend whose dependency is absent here (no triton, no GPU) is normal: INFO
-        level = logging.INFO if source == "builtin" else logging.WARNING
-        logger.log(level, "TE-FL: %s plugin %s failed to load: %s: %s", source, name, type(exc).__name__, exc)
+        if source == "builtin":
+            logger.info("TE-FL: builtin backend %s failed to load: %s: %s", name, type(exc).__name__, exc)
+        else:
+            logger.warning("TE-FL: %s plugin %s failed to register, so its ops will not run: %s: %s. %s",
+                           _SOURCE_NAMES.get(source, source), name, type(exc).__name__, exc, _TRACEBACK_HINT)
         logger.debug("%s", traceback.format_exc())
         return PluginRecord(name, source, False, f"{type(exc).__name__}: {exc}")
 
@@ -110,7 +115,12 @@ def _import_and_load(registry, module_name: str, source: str) -> PluginRecord:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001
-        logger.info("TE-FL: %s %s not loaded: %s: %s", source, module_name, type(exc).__name__, exc)
+        if source == "builtin":  # a dependency absent here (no triton, no GPU) is normal: INFO
+            logger.info("TE-FL: builtin backend %s not loaded: %s: %s", module_name, type(exc).__name__, exc)
+        else:  # the user asked for this plugin: say that it will not run, and why
+            logger.warning("TE-FL: %s plugin %s failed to import, so its ops will not run: %s: %s. %s",
+                           _SOURCE_NAMES.get(source, source), module_name, type(exc).__name__, exc, _TRACEBACK_HINT)
+        logger.debug("%s", traceback.format_exc())
         return PluginRecord(module_name, source, False, f"{type(exc).__name__}: {exc}")
     return load_hook(registry, module, module_name, source)
 
@@ -132,7 +142,9 @@ def load_plugins(registry, env_modules: Optional[Tuple[str, ...]] = None) -> Lis
         try:
             hook = ep.load()
         except Exception as exc:  # noqa: BLE001
-            logger.warning("TE-FL: entry point %s failed to import: %s: %s", ep.name, type(exc).__name__, exc)
+            logger.warning("TE-FL: entry point %s failed to import, so its ops will not run: %s: %s. %s",
+                           ep.name, type(exc).__name__, exc, _TRACEBACK_HINT)
+            logger.debug("%s", traceback.format_exc())
             records.append(PluginRecord(ep.name, "entry_point", False, f"{type(exc).__name__}: {exc}"))
             continue
         records.append(load_hook(registry, hook, ep.name, "entry_point"))

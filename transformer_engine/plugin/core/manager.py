@@ -30,7 +30,8 @@ from . import devices as _devices
 from . import policy as _policy
 from ._dispatch import OpCache, Plan
 from .catalog import OpSpec, get_spec, list_specs
-from .config import load_env
+from .config import KIND_TOKENS, load_env
+from .envvars import closest_name, config_warning, configure_logging
 from .devices import arg_key, compute_capability
 from .discovery import PluginRecord, load_builtin_backends, load_plugins
 from .registry import OpRegistry
@@ -117,8 +118,8 @@ class OpManager:
             if self._initialized:
                 return
             cfg = load_env()
-            if "TEFL_LOG_LEVEL" in os.environ:  # unset: the application's logging setup decides
-                logger.setLevel(cfg.log_level)
+            if cfg.log_level_set:  # unset: the application's logging setup decides
+                configure_logging(cfg.log_level)
             records: List[PluginRecord] = []
             if self._load_builtins:
                 records += load_builtin_backends(self.registry)
@@ -127,6 +128,7 @@ class OpManager:
             self.plugin_records = records
             self._initialized = True
             self._warn_unknown_per_op_ops(_policy.get_policy())
+            _warn_unknown_vendor_names(cfg, self.registry)
             logger.info("TE-FL dispatch ready: %d ops, backends %s", len(self.registry.list_operators()), self.registry.impl_ids())
 
     def reload(self) -> None:
@@ -147,7 +149,9 @@ class OpManager:
         known = {spec.name for spec in list_specs()}
         for op, _tokens in policy.per_op_order:
             if op not in known:
-                warnings.warn(f"TE-FL: TE_FL_PER_OP names unknown op {op!r}; it is ignored", UserWarning, stacklevel=3)
+                guess = closest_name(op, known)
+                hint = f"; did you mean {guess!r}?" if guess else ""
+                config_warning(f"TE-FL: TE_FL_PER_OP names unknown op {op!r}; it is ignored{hint}", UserWarning)
 
     # -- selection ----------------------------------------------------------------------------
     def rank(self, op_name: str, key: ArgKey, policy: Optional[_policy.SelectionPolicy] = None) -> Tuple[List[OpImpl], List[Tuple[OpImpl, str]]]:
@@ -380,6 +384,38 @@ class OpManager:
         self._init_lock = threading.RLock()
         self.registry._reinit_lock_after_fork()
         self.clear_cache()
+
+
+def _registered_vendors(registry: OpRegistry) -> List[str]:
+    vendors = {impl.vendor for op in registry.list_operators() for impl in registry.get_implementations(op)
+               if impl.kind is BackendImplKind.VENDOR and impl.vendor}
+    return sorted(vendors)
+
+
+def _warn_unknown_vendor_names(cfg, registry: OpRegistry) -> None:
+    """Warn about vendor-list entries that are backend kinds, or near misses of a registered vendor.
+
+    A name that is neither (a vendor whose plugin is not installed on this machine) stays silent:
+    one environment may serve several kinds of machine.
+    """
+    vendors = _registered_vendors(registry)
+    listed = [("TE_FL_DENY_VENDORS", sorted(cfg.deny_vendors)), ("TE_FL_ALLOW_VENDORS", sorted(cfg.allow_vendors or ()))]
+    here = f"vendors registered here: {', '.join(vendors)}" if vendors else "no vendor backend is registered here"
+    for variable, names in listed:
+        for name in names:
+            if name in vendors:
+                continue
+            if name in KIND_TOKENS:
+                effect = "denies nothing" if variable == "TE_FL_DENY_VENDORS" else "allows no vendor by that name"
+                config_warning(
+                    f"TE-FL: {variable} names {name!r}, a backend kind, not a vendor, so it {effect} ({here}). "
+                    "No variable denies a whole kind: TE_FL_PREFER picks the kind tried first, and "
+                    "TE_FL_PER_OP='<op>=flagos|vendor|only' keeps an op on the kinds it lists."
+                )
+                continue
+            guess = closest_name(name, vendors)
+            if guess:
+                config_warning(f"TE-FL: {variable} names unknown vendor {name!r}; did you mean {guess!r}? ({here})")
 
 
 def _matches(token: str, impl: OpImpl) -> bool:

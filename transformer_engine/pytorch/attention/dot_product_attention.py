@@ -26,7 +26,9 @@ from transformer_engine.plugin.catalog.attention import AttentionConfig
 
 from ..distributed import checkpoint
 from ..module.base import default_device
+from ..module._checks import check_probability
 from . import _layout, _masks
+from ._checks import check_heads, check_kv_channels
 
 __all__ = ["DotProductAttention"]
 
@@ -266,8 +268,10 @@ class DotProductAttention(torch.nn.Module):
         return_max_logit: Optional[bool] = False,
         name: Optional[str] = None,
     ) -> None:
-        super().__init__()
         _check_init(num_attention_heads, num_gqa_groups, tp_size, qkv_format, softmax_type, attention_type)
+        d_qk, d_v = check_kv_channels("DotProductAttention", kv_channels)
+        check_probability("DotProductAttention", "attention_dropout", attention_dropout)
+        super().__init__()
         if cp_group is not None or return_max_logit:
             raise NotImplementedError("context parallelism (cp_group) and return_max_logit are not supported yet")
         self.qkv_format = qkv_format
@@ -281,7 +285,6 @@ class DotProductAttention(torch.nn.Module):
         self.num_attention_heads = num_attention_heads
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         self.num_gqa_groups_per_partition = self.num_gqa_groups // tp_size
-        d_qk, d_v = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
         self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = d_qk, d_v
         self.softmax_scale = 1.0 / math.sqrt(d_qk) if softmax_scale is None else float(softmax_scale)
         self.attention_dropout = float(attention_dropout)
@@ -464,11 +467,7 @@ def _bshd_padding(spec: _masks.MaskSpec, attention_mask, seqs: _Sequences, s_q: 
 
 
 def _check_init(heads: int, groups: Optional[int], tp_size: int, qkv_format: str, softmax_type: str, attention_type: str) -> None:
-    groups = heads if groups is None else groups
-    if heads % groups or groups % tp_size or heads % tp_size:
-        raise ValueError(
-            f"num_attention_heads={heads} must be a multiple of num_gqa_groups={groups}, and both of tp_size={tp_size}"
-        )
+    check_heads("DotProductAttention", heads, groups, tp_size)
     if qkv_format not in _layout.FORMATS:
         raise ValueError(f"qkv_format={qkv_format!r} is not one of {', '.join(_layout.FORMATS)}")
     if softmax_type not in _SOFTMAX_TYPES:

@@ -26,8 +26,10 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from ..module import LayerNorm, LayerNormLinear, Linear, RMSNorm
+from ..module._checks import check_eps
 from ..module.base import default_device, resolve_params_dtype
 from ..parallel.tensor_parallel import resolve_tp_size, set_partition_sections, set_tensor_parallel_group, sum_grads_over_group
+from ._checks import check_heads, head_size
 from .dot_product_attention import DotProductAttention
 from .rope import apply_rotary_pos_emb
 
@@ -155,16 +157,16 @@ class MultiheadAttention(torch.nn.Module):
         micro_batch_size: Optional[int] = None,
         softmax_type: str = "vanilla",
     ) -> None:
-        super().__init__()
         tp_size = resolve_tp_size(tp_group, tp_size)  # the group's size wins (TE's rule)
         if attention_type not in ("self", "cross"):
             raise ValueError(f"attention_type={attention_type!r} must be 'self' or 'cross'")
-        groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
-        if num_attention_heads % groups or groups % tp_size:
-            raise ValueError(
-                f"num_attention_heads={num_attention_heads} must be a multiple of num_gqa_groups={groups}, "
-                f"which must be a multiple of tp_size={tp_size}"
-            )
+        groups = check_heads("MultiheadAttention", num_attention_heads, num_gqa_groups, tp_size)
+        head_dim = head_size("MultiheadAttention", hidden_size, num_attention_heads, kv_channels)
+        if input_layernorm:
+            check_eps("MultiheadAttention", layernorm_epsilon, "layernorm_epsilon")
+        if qk_norm_type is not None:
+            check_eps("MultiheadAttention", qk_norm_eps, "qk_norm_eps")
+        super().__init__()
         self.qkv_format, self.attn_mask_type, self.window_size = qkv_format, attn_mask_type, window_size
         self.bottom_right_diagonal = bottom_right_diagonal
         self.layer_number = 1 if layer_number is None else layer_number
@@ -176,7 +178,7 @@ class MultiheadAttention(torch.nn.Module):
         self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
         self.num_attention_heads_per_partition = num_attention_heads // tp_size
         self.num_gqa_groups_per_partition = groups // tp_size
-        self.hidden_size_per_attention_head = kv_channels if kv_channels else hidden_size // num_attention_heads
+        self.hidden_size_per_attention_head = head_dim
         self.hidden_size_q = self.hidden_size_per_attention_head * num_attention_heads
         self.hidden_size_kv = self.hidden_size_per_attention_head * groups
         self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params

@@ -9,6 +9,7 @@ import torch
 
 from ..parallel.tensor_parallel import local_features, megatron_attributes
 from ..quantization.autocast import current_config
+from ._checks import check_sizes
 from ._common import cast
 from ._gemm import WgradTarget
 from ._grouped_linear_function import GroupedLinearArgs, GroupedLinearFunction
@@ -94,6 +95,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         name: Optional[str] = None,
         use_grouped_tensor: Optional[bool] = None,
     ):
+        check_sizes("GroupedLinear", num_gemms=num_gemms, in_features=in_features, out_features=out_features)
         super().__init__(num_gemms, get_rng_state_tracker, rng_tracker_name, name)
         if ub_overlap_rs or ub_overlap_ag:
             raise ValueError("GroupedLinear does not support Userbuffer overlap (ub_overlap_rs / ub_overlap_ag); leave them False")

@@ -11,6 +11,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from ._checks import check_eps
 from ._norm import NormConfig
 from ._norm_function import NormArgs, NormFunction
 from ._params import add_norm_params
@@ -33,8 +34,7 @@ class _Normalization(TransformerEngineBaseModule):
         super().__init__(0)
         _check_kwargs(type(self).__name__, kwargs)
         self.normalized_shape = _resolve_shape(normalized_shape, hidden_size)
-        if not eps >= 0:
-            raise ValueError(f"eps={eps!r} must be >= 0")
+        check_eps(type(self).__name__, eps)
         self.eps, self.zero_centered_gamma = float(eps), zero_centered_gamma
         self.parallel = ParallelConfig(sequence_parallel=bool(sequence_parallel))
         self.norm = NormConfig(self._KIND, self.eps, zero_centered_gamma)

@@ -11,6 +11,7 @@ from ..parallel.linear_comm import share_scales
 from ._common import cast
 from ._gemm import WgradTarget
 from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
+from ._checks import check_eps, check_sizes
 from ._norm import NormConfig
 from ._params import add_linear_params, add_norm_params
 from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
@@ -78,6 +79,9 @@ class LayerNormLinear(TransformerEngineBaseModule):
         symmetric_ar_type: Optional[str] = None,
         name: Optional[str] = None,
     ):
+        check_sizes("LayerNormLinear", in_features=in_features, out_features=out_features)
+        check_eps("LayerNormLinear", eps)
+        NormConfig(normalization, eps, zero_centered_gamma)  # an unknown normalization raises here, before any work
         super().__init__(1, get_rng_state_tracker, None, name)
         check_unsupported(delay_wgrad_compute=delay_wgrad_compute)
         self.in_features, self.out_features = in_features, out_features

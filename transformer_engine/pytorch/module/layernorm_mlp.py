@@ -12,6 +12,7 @@ from ._activation import ActivationConfig
 from ._common import cast
 from ._gemm import WgradTarget
 from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
+from ._checks import check_eps, check_sizes
 from ._norm import NormConfig
 from ._params import add_linear_params, add_norm_params
 from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
@@ -86,6 +87,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
         symmetric_ar_type: Optional[str] = None,
         checkpoint: bool = False,
     ):
+        check_sizes("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_eps("LayerNormMLP", eps)
+        NormConfig(normalization, eps, zero_centered_gamma)  # an unknown normalization raises here, before any work
+        ActivationConfig.create(activation, activation_params)  # so does an unknown activation
         super().__init__(2, get_rng_state_tracker, None, name)
         check_unsupported(delay_wgrad_compute=delay_wgrad_compute, checkpoint=checkpoint)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size

@@ -10,6 +10,7 @@ from ..parallel.linear_comm import share_scales
 from ._common import cast
 from ._gemm import WgradTarget
 from ._linear_function import LinearArgs, LinearFunction
+from ._checks import check_sizes
 from ._params import add_linear_params
 from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
 
@@ -88,6 +89,7 @@ class Linear(TransformerEngineBaseModule):
         *,
         dtype: Optional[torch.dtype] = None,
     ):
+        check_sizes("Linear", in_features=in_features, out_features=out_features)
         super().__init__(1, get_rng_state_tracker, rng_tracker_name, name)
         check_unsupported(delay_wgrad_compute=delay_wgrad_compute, save_original_input=save_original_input)
         self.in_features, self.out_features = in_features, out_features

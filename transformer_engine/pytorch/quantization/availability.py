@@ -19,13 +19,12 @@ the PyTorch modules, so their checks report False with that reason.
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from typing import Optional, Tuple, Union
 
 import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from transformer_engine.plugin.core.config import read_flag
 
 __all__ = [
     "FP8_EMULATION_ENV",
@@ -48,13 +47,9 @@ _NOT_IMPLEMENTED = "{} is not implemented yet in TransformerEngine-FL's PyTorch 
 
 
 def fp8_emulation_requested() -> bool:
-    """True when ``TE_FL_FP8_EMULATION=1``: FP8 may run emulated on a GPU without FP8 hardware."""
-    value = os.environ.get(FP8_EMULATION_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value not in ("", "0", "false", "no", "off"):
-        warnings.warn(f"TE-FL: ignoring {FP8_EMULATION_ENV}={value!r}: expected 1 or 0", UserWarning, stacklevel=2)
-    return False
+    """True when ``TE_FL_FP8_EMULATION=1``: FP8 may run emulated on a GPU without FP8 hardware (read through
+    the plugin config, which warns once about a value other than 0 / 1)."""
+    return read_flag(FP8_EMULATION_ENV)
 
 
 def _cuda_capability() -> Optional[Tuple[int, int]]:
