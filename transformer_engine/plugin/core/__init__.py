@@ -76,3 +76,19 @@ __all__ = [
     "with_preference",
     "with_strict_mode",
 ]
+
+_UPSTREAM_NAMES = frozenset({
+    "get_manager", "get_registry", "reset_registry", "policy_from_env", "get_policy_epoch", "bump_policy_epoch",
+    "match_token", "discover_plugin", "get_discovered_plugin", "clear_discovered_plugin", "PLUGIN_GROUP",
+    "PLUGIN_MODULES_ENV", "PREFER_DEFAULT", "PREFER_VENDOR", "PREFER_REFERENCE", "VALID_PREFER_VALUES",
+    "UpstreamCompatWarning",
+})
+
+
+def __getattr__(name):
+    """Upstream TE-FL's names (``get_manager``, ``get_registry``, ...), served by :mod:`transformer_engine.plugin.compat`."""
+    if name in _UPSTREAM_NAMES:
+        from .. import compat
+
+        return getattr(compat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

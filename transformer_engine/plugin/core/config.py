@@ -6,6 +6,8 @@ unknown-variable check and the once-per-process warnings); this module validates
 | variable | values |
 |---|---|
 | ``TE_FL_PREFER`` | ``flagos`` (default), ``vendor`` or ``reference`` |
+| ``TE_FL_PREFER_VENDOR`` | upstream's legacy form: ``1`` = ``vendor``, ``0`` = ``flagos``; only when ``TE_FL_PREFER`` is unset |
+| ``TE_FL_SKIP_CUDA`` | ``1`` = the built-in CUDA vendor backend is not loaded |
 | ``TE_FL_STRICT`` | ``1`` = an implementation's exception propagates; ``0`` or unset = try the next one |
 | ``TE_FL_ALLOW_VENDORS`` | comma list of vendor names allowed (case-insensitive); unset = all |
 | ``TE_FL_DENY_VENDORS`` | comma list of vendor names denied (deny beats allow) |
@@ -46,6 +48,7 @@ class EnvConfig:
     plugin_modules: Tuple[str, ...] = ()
     log_level: int = logging.WARNING
     log_level_set: bool = False  # TE_FL_LOG_LEVEL (or its alias) holds a valid level: configure the logger
+    skip_cuda: bool = False  # TE_FL_SKIP_CUDA=1: the built-in vendor.cuda backend is not loaded
 
 
 def _warn(message: str) -> None:
@@ -120,11 +123,7 @@ def load_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
     """Read and validate every dispatch variable once (unknown ``TE_FL_*`` names warn, see :mod:`.envvars`)."""
     env = os.environ if environ is None else environ
     check_environment(env)
-    prefer_text = read("TE_FL_PREFER", env)
-    prefer = (prefer_text or "").strip().lower() or "flagos"
-    if prefer not in KIND_TOKENS:
-        _warn(f"TE-FL: ignoring TE_FL_PREFER={prefer_text!r}: expected flagos, vendor or reference")
-        prefer = "flagos"
+    prefer = _prefer(env)
     allow_text = read("TE_FL_ALLOW_VENDORS", env)
     allow = _vendor_set(allow_text) if allow_text and allow_text.strip() else None
     if allow is not None and not allow:  # e.g. "," would otherwise silently deny every vendor
@@ -141,7 +140,26 @@ def load_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
         plugin_modules=modules,
         log_level=level,
         log_level_set=level_set,
+        skip_cuda=_flag("TE_FL_SKIP_CUDA", read("TE_FL_SKIP_CUDA", env), False),
     )
+
+
+def _prefer(env: Mapping[str, str]) -> str:
+    """``TE_FL_PREFER``, else upstream's legacy ``TE_FL_PREFER_VENDOR`` (1 = vendor, 0 = flagos), else flagos."""
+    prefer_text = read("TE_FL_PREFER", env)
+    legacy_text = read("TE_FL_PREFER_VENDOR", env)
+    prefer = (prefer_text or "").strip().lower()
+    if prefer and prefer not in KIND_TOKENS:
+        _warn(f"TE-FL: ignoring TE_FL_PREFER={prefer_text!r}: expected flagos, vendor or reference")
+        prefer = ""
+    if legacy_text is None:
+        return prefer or "flagos"
+    legacy = "vendor" if _flag("TE_FL_PREFER_VENDOR", legacy_text, False) else "flagos"
+    if prefer:
+        if prefer != legacy:
+            _warn(f"TE-FL: TE_FL_PREFER_VENDOR={legacy_text!r} is ignored because TE_FL_PREFER={prefer_text!r} is set")
+        return prefer
+    return legacy
 
 
 def _log_level(env: Mapping[str, str]) -> Tuple[int, bool]:

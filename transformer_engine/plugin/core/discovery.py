@@ -59,7 +59,12 @@ class _StagingRegistry:
         self.staged.append((impl, override))
         return True
 
-    register_impl = register
+    def register_impl(self, impl, *, override: bool = False) -> bool:
+        """Upstream TE-FL's name: an upstream-style impl is adapted first (or skipped with a warning)."""
+        from .registry import translate_upstream
+
+        impl = translate_upstream(impl)
+        return False if impl is None else self.register(impl, override=override)
 
     def register_many(self, impls, *, override: bool = False) -> int:
         impls = list(impls)
@@ -125,9 +130,22 @@ def _import_and_load(registry, module_name: str, source: str) -> PluginRecord:
     return load_hook(registry, module, module_name, source)
 
 
-def load_builtin_backends(registry) -> List[PluginRecord]:
-    """Register the in-tree backends; one that cannot load (no torch, no triton) is recorded."""
-    return [_import_and_load(registry, name, "builtin") for name in BUILTIN_BACKENDS]
+_CUDA_BACKEND = "transformer_engine.plugin.backends.vendor.cuda"
+
+
+def load_builtin_backends(registry, skip_cuda: bool = False) -> List[PluginRecord]:
+    """Register the in-tree backends; one that cannot load (no torch, no triton) is recorded.
+
+    With ``skip_cuda`` (``TE_FL_SKIP_CUDA=1``) the CUDA vendor backend is not loaded and its record says so.
+    """
+    records = []
+    for name in BUILTIN_BACKENDS:
+        if skip_cuda and name == _CUDA_BACKEND:
+            logger.info("TE-FL: builtin backend %s skipped: TE_FL_SKIP_CUDA=1", name)
+            records.append(PluginRecord(name, "builtin", False, "skipped: TE_FL_SKIP_CUDA=1"))
+            continue
+        records.append(_import_and_load(registry, name, "builtin"))
+    return records
 
 
 def load_plugins(registry, env_modules: Optional[Tuple[str, ...]] = None) -> List[PluginRecord]:

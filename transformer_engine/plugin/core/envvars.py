@@ -73,6 +73,9 @@ class EnvVar:
 
 VARIABLES: Tuple[EnvVar, ...] = (
     EnvVar("TE_FL_PREFER", "backend kind tried first: flagos, vendor or reference", "flagos"),
+    EnvVar("TE_FL_PREFER_VENDOR", "upstream TE-FL's legacy preference: 1 = TE_FL_PREFER=vendor, 0 = flagos; "
+           "read only when TE_FL_PREFER is unset", "0"),
+    EnvVar("TE_FL_SKIP_CUDA", "1 = do not load the built-in CUDA vendor backend (upstream TE-FL: no native CUDA build)", "0"),
     EnvVar("TE_FL_STRICT", "1 = an implementation's exception propagates; 0 = fall back to the next one", "0"),
     EnvVar("TE_FL_ALLOW_VENDORS", "comma list of vendor names that may run (case-insensitive)", "all vendors"),
     EnvVar("TE_FL_DENY_VENDORS", "comma list of vendor names that may not run (deny beats allow)", "none"),

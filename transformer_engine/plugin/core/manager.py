@@ -122,7 +122,7 @@ class OpManager:
                 configure_logging(cfg.log_level)
             records: List[PluginRecord] = []
             if self._load_builtins:
-                records += load_builtin_backends(self.registry)
+                records += load_builtin_backends(self.registry, skip_cuda=cfg.skip_cuda)
             if self._discover:
                 records += load_plugins(self.registry, cfg.plugin_modules)
             self.plugin_records = records
@@ -163,6 +163,8 @@ class OpManager:
         for impl in self.registry.get_implementations(op_name):
             reason = policy.vendor_allowed(impl.vendor) if impl.kind is BackendImplKind.VENDOR else None
             reason = reason or impl.capabilities.reject_reason(key, cc)
+            if not reason and not impl.is_available():
+                reason = "not available here (its fn._is_available() returned False or raised)"
             (rejected.append((impl, reason)) if reason else eligible.append(impl))
         tokens, exclusive = policy.order_for(op_name)
         ordered: List[OpImpl] = []

@@ -18,7 +18,14 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from .catalog import CatalogError, get_spec
 from .types import OpImpl
 
-__all__ = ["OpRegistry", "RegistrationError"]
+__all__ = ["OpRegistry", "RegistrationError", "translate_upstream"]
+
+
+def translate_upstream(impl: OpImpl) -> Optional[OpImpl]:
+    """An impl registered the upstream TE-FL way, made fit for this catalog (see :mod:`transformer_engine.plugin.compat`)."""
+    from ..compat import translate  # the compatibility layer sits beside the core, loaded on first use
+
+    return translate(impl)
 
 
 class RegistrationError(ValueError):
@@ -38,7 +45,14 @@ class OpRegistry:
         """Register one impl. Returns True if stored, False if an identical one was already there."""
         return self.register_many([impl], override=override) == 1
 
-    register_impl = register  # upstream TE-FL's name
+    def register_impl(self, impl: OpImpl, *, override: bool = False) -> bool:
+        """Upstream TE-FL's name: :meth:`register`, after :func:`translate_upstream`.
+
+        An impl written for an upstream op signature is adapted onto the catalog op; one for an
+        upstream op TE-FL lacks is skipped with a warning (returns False).
+        """
+        impl = translate_upstream(impl)
+        return False if impl is None else self.register(impl, override=override)
 
     def register_many(self, impls: Iterable[OpImpl], *, override: bool = False) -> int:
         """Register a backend's impls atomically; returns how many were new or replaced."""

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, FrozenSet, Optional, Tuple
 
-__all__ = ["BackendImplKind", "Capabilities", "OpImpl", "ArgKey"]
+__all__ = ["BackendImplKind", "Capabilities", "OpImpl", "ArgKey", "parse_arch"]
 
 
 class BackendImplKind(str, enum.Enum):
@@ -98,6 +98,28 @@ class Capabilities:
         return None
 
 
+def parse_arch(arch: Any) -> Tuple[int, int]:
+    """A compute capability from upstream's ``min_arch`` spellings: ``"sm_90"``, ``"sm90a"``, ``"9.0"``, ``90``, ``(9, 0)``.
+
+    >>> parse_arch("sm_80"), parse_arch("8.9"), parse_arch(90), parse_arch((7, 5))
+    ((8, 0), (8, 9), (9, 0), (7, 5))
+    """
+    if isinstance(arch, (tuple, list)) and len(arch) == 2:
+        return int(arch[0]), int(arch[1])
+    text = str(arch).strip().lower()
+    for prefix in ("sm_", "sm"):
+        if text.startswith(prefix):
+            text = text[len(prefix):].rstrip("af")
+            break
+    if "." in text:
+        major, _, minor = text.partition(".")
+        if major.isdigit() and minor.isdigit():
+            return int(major), int(minor)
+    elif text.isdigit() and len(text) >= 2:
+        return int(text[:-1]), int(text[-1])
+    raise ValueError(f"min_arch={arch!r} is not a compute capability; use 'sm_80', '8.0', 80 or (8, 0)")
+
+
 def _short_dtype(name: Any) -> str:
     text = str(name)
     return text[len("torch."):] if text.startswith("torch.") else text
@@ -119,6 +141,10 @@ class OpImpl:
         supports: optional predicate ``supports(*args, **kwargs) -> bool`` called with the op's
             arguments before the call; returning False passes the call to the next candidate.
         description: one line shown by ``te-fl info``.
+        supported_dtypes: upstream TE-FL's field: dtype names the key argument may have; folded
+            into ``capabilities.dtypes`` (so a call outside them is passed over, with the reason).
+        min_arch: upstream TE-FL's field: the minimum compute capability, ``"sm_80"``, ``"8.0"``,
+            ``80`` or ``(8, 0)``; folded into ``capabilities.min_compute_capability``.
     """
 
     op_name: str
@@ -130,6 +156,8 @@ class OpImpl:
     capabilities: Capabilities = field(default_factory=Capabilities)
     supports: Optional[Callable[..., bool]] = None
     description: str = ""
+    supported_dtypes: Optional[FrozenSet[str]] = None
+    min_arch: Any = None
 
     def __post_init__(self):
         kind = BackendImplKind.parse(self.kind)
@@ -148,6 +176,31 @@ class OpImpl:
             object.__setattr__(self, "priority", kind.default_priority)
         if not isinstance(self.capabilities, Capabilities):
             raise TypeError("OpImpl.capabilities must be a Capabilities instance")
+        self._fold_upstream_limits()
+
+    def _fold_upstream_limits(self) -> None:
+        """Merge upstream's ``supported_dtypes`` / ``min_arch`` into :attr:`capabilities` (stricter wins)."""
+        caps = self.capabilities
+        dtypes, cc = caps.dtypes, caps.min_compute_capability
+        if self.supported_dtypes is not None:
+            names = frozenset(_short_dtype(d) for d in self.supported_dtypes)
+            object.__setattr__(self, "supported_dtypes", names)
+            dtypes = names if dtypes is None else dtypes & names
+        if self.min_arch is not None:
+            arch = parse_arch(self.min_arch)
+            cc = arch if cc is None else max(cc, arch)
+        if (dtypes, cc) != (caps.dtypes, caps.min_compute_capability):
+            object.__setattr__(self, "capabilities", Capabilities(caps.device_types, dtypes, cc))
+
+    def is_available(self) -> bool:
+        """Upstream TE-FL's probe: ``fn._is_available()`` when the function has one; raising counts as False."""
+        probe = getattr(self.fn, "_is_available", None)
+        if probe is None:
+            return True
+        try:
+            return bool(probe())
+        except Exception:  # noqa: BLE001 - a failing probe means "not available", as upstream
+            return False
 
     def same_as(self, other: "OpImpl") -> bool:
         """True when ``other`` registers the very same implementation (same fields, same function)."""
