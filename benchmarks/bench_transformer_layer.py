@@ -85,8 +85,11 @@ class PlainLayer(nn.Module):
 
 
 def _kwargs(cls, kw):
-    """TE modules name the parameter dtype ``params_dtype``; torch modules ``dtype``."""
-    return dict(device=kw["device"], params_dtype=kw["dtype"]) if cls.__module__.startswith("transformer_engine") else kw
+    """TE's linear modules name the parameter dtype ``params_dtype``; torch modules and TE's norms ``dtype``
+    (TE deprecates ``params_dtype`` on ``LayerNorm`` / ``RMSNorm``)."""
+    if cls.__module__.startswith("transformer_engine") and cls.__name__ not in ("LayerNorm", "RMSNorm"):
+        return dict(device=kw["device"], params_dtype=kw["dtype"])
+    return kw
 
 
 class FusedModulesLayer(nn.Module):
@@ -180,20 +183,32 @@ def main() -> None:
                 layer = None
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
+    print_table(f"TransformerLayer fwd+bwd {s} on {device} (backend: {args.backend})", *table(results, device == "cuda"))
+    changed = {k: (flags_before[k], flags_after[k]) for k in flags_before if flags_before[k] != flags_after[k]}
+    print("global PyTorch flags changed by the import:", changed or "none")
+    write_json(args.json, {"shape": s.__dict__, "results": results, "flags_changed_by_import": changed})
+
+
+def table(results: dict, on_gpu: bool):
+    """(headers, rows) of the results. On a CPU only time and the ratio to plain PyTorch: a tiny shape's
+    TFLOP/s rounds to 0 and peak memory is CUDA's, so those columns would say nothing."""
+    headers = ["variant", "ms", "vs plain"] + (["TFLOP/s", "peak GiB", "mem vs plain"] if on_gpu else [])
     base = results["plain PyTorch"]
     rows = []
     for name, r in results.items():
         if "error" in r:
-            rows.append([name, "n/a", "", "", "", r["error"][:80]])
+            rows.append([name, "n/a", ""] + ([""] * 3 if on_gpu else []) + [r["error"][:80]])
             continue
-        mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
-        mem_ratio = "" if r["peak_bytes"] is None or base.get("peak_bytes") is None else f"{r['peak_bytes'] / base['peak_bytes']:.2f}x"
-        rows.append([name, f"{r['ms']:.2f}", f"{r['ms'] / base['ms']:.2f}x", f"{r['tflops']:.0f}", mem, mem_ratio])
-    print_table(f"TransformerLayer fwd+bwd {s} on {device} (backend: {args.backend})",
-                ["variant", "ms", "vs plain", "TFLOP/s", "peak GiB", "mem vs plain"], rows)
-    changed = {k: (flags_before[k], flags_after[k]) for k in flags_before if flags_before[k] != flags_after[k]}
-    print("global PyTorch flags changed by the import:", changed or "none")
-    write_json(args.json, {"shape": s.__dict__, "results": results, "flags_changed_by_import": changed})
+        row = [name, f"{r['ms']:.2f}", f"{r['ms'] / base['ms']:.2f}x"]
+        if on_gpu:
+            mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
+            mem_ratio = "" if r["peak_bytes"] is None or base.get("peak_bytes") is None else f"{r['peak_bytes'] / base['peak_bytes']:.2f}x"
+            row += [f"{r['tflops']:.0f}", mem, mem_ratio]
+        rows.append(row)
+    if any("error" in r for r in results.values()):
+        headers = headers + ["error"]
+        rows = [row + [""] * (len(headers) - len(row)) for row in rows]
+    return headers, rows
 
 
 def _te_layer(te, s: LayerShape, device: str):

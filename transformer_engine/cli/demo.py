@@ -1,33 +1,64 @@
 """``te-fl demo``: train a small GPT in high precision and in FP8 from the same weights; show the curves.
 
-Writes ``<out>/demo.json`` (every number), ``<out>/loss_curves.png`` and prints a table. On CPU the
-default (size ``tiny``, 200 steps) takes about two minutes; on a GPU the default size is ``medium``.
-Ctrl-C stops training and still writes what was measured.
+Writes ``<out>/demo.json`` (every number), ``<out>/loss_curves.png`` and prints a table. The
+default ``<out>`` is ``$XDG_CACHE_HOME/te-fl/demo`` (``~/.cache/te-fl/demo``), outside any source
+tree; each run replaces the files there. A second high-precision run with another seed (``--bf16-seeds 2``,
+the default on CPU and GPU) measures the seed-to-seed spread that FP8's loss gap is judged against.
+On CPU the default (size ``tiny``, 200 steps, three runs) takes under a minute; on a GPU the
+default size is ``medium``. matplotlib (for the plot) is checked before any training; ``--no-plot``
+skips the plot. Ctrl-C stops training and still writes what was measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "default_out", "run"]
 
-_DEFAULT_OUT = "te-fl-demo"
+
+def default_out() -> Path:
+    """``$XDG_CACHE_HOME/te-fl/demo``, or ``~/.cache/te-fl/demo``: outside the repository."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "te-fl" / "demo"
+
+
+def _recipe_type(runnable, unavailable):
+    """argparse ``type`` of ``--recipe``: a runnable recipe name; the error names why another is refused."""
+
+    def parse(name: str) -> str:
+        if name in unavailable:
+            raise argparse.ArgumentTypeError(f"recipe {name!r} cannot run: {unavailable[name]}; choose from {', '.join(runnable)}")
+        if name not in runnable:
+            raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(runnable)})")
+        return name
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``te-fl demo``."""
     from transformer_engine.demo.model import SIZES
-    from transformer_engine.demo.train import RECIPES
+    from transformer_engine.demo.train import RECIPES, unavailable_recipes
 
+    unavailable = unavailable_recipes()
+    runnable = sorted(n for n in RECIPES if n not in unavailable)
+    not_offered = "; ".join(f"not offered: {n} ({why})" for n, why in unavailable.items())
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help="model size (default: tiny on CPU, medium on GPU)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 200 on CPU, 400 on GPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, data and corpus (same seed, same result)")
-    parser.add_argument("--recipe", choices=sorted(RECIPES), default="delayed", help="FP8 recipe of the FP8 run")
+    parser.add_argument("--recipe", type=_recipe_type(runnable, unavailable), default="delayed", metavar="{" + ",".join(runnable) + "}",
+                        help="FP8 recipe of the FP8 run (default: delayed)" + (f"; {not_offered}" if not_offered else ""))
+    parser.add_argument("--bf16-seeds", type=int, default=2, metavar="N",
+                        help="high-precision runs (BF16 on GPU, FP32 on CPU) with seeds SEED..SEED+N-1; N >= 2 measures "
+                             "their seed-to-seed spread of the validation loss (default: 2; 1 skips it, saving a run)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    parser.add_argument("--out", default=_DEFAULT_OUT, help=f"output folder (default: ./{_DEFAULT_OUT})")
+    parser.add_argument("--out", default=None, help=f"output folder (default: {default_out()})")
+    parser.add_argument("--no-plot", action="store_true", help="skip loss_curves.png (no matplotlib needed)")
 
 
 def _resolve_device(name):
@@ -68,17 +99,34 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else (400 if on_gpu else 200)
     if steps < 1:
         raise SystemExit(f"te-fl demo: --steps must be >= 1, got {steps}")
-    out = _writable_folder(args.out)
+    if args.bf16_seeds < 1:
+        raise SystemExit(f"te-fl demo: --bf16-seeds must be >= 1 (the high-precision baseline), got {args.bf16_seeds}")
+    out = _writable_folder(args.out or default_out())
+    if not args.no_plot:
+        _require("matplotlib", "the loss-curve plot", "pass --no-plot to skip the plot")
     cfg = DemoConfig(size=size, steps=steps, seed=args.seed, recipe=args.recipe, device=device,
-                     lr=1e-3 if size in ("medium", "large") else 3e-3, eval_every=max(1, steps // 8))
+                     lr=1e-3 if size in ("medium", "large") else 3e-3, eval_every=max(1, steps // 8),
+                     hp_seeds=args.bf16_seeds)
     _check_recipe(cfg)
     results = _train_with_progress(cfg, run_demo)
     print_summary(results, cfg)
     extra = {"interrupted": any(r.interrupted for r in results), "environment": _environment()}
-    json_path = write_json(results, cfg, out / "demo.json", extra)
-    png_path = write_plot(results, cfg, out / "loss_curves.png")
-    print(f"wrote {json_path} and {png_path}")
+    written = [write_json(results, cfg, out / "demo.json", extra)]
+    if args.no_plot:
+        print("plot skipped (--no-plot)")
+    else:
+        written.append(write_plot(results, cfg, out / "loss_curves.png"))
+    print(f"wrote {' and '.join(p.name for p in written)} in {out}")
     return 130 if extra["interrupted"] else 0
+
+
+def _require(module: str, purpose: str, alternative: str) -> None:
+    """Exit with an install hint when optional ``module`` is missing (checked before any training)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise SystemExit(f"te-fl demo: {purpose} needs {module}, which is not installed: "
+                         f"pip install {module} (or pip install -e '.[pytorch]'), or {alternative}")
 
 
 def _check_recipe(cfg) -> None:
@@ -96,11 +144,22 @@ def _check_recipe(cfg) -> None:
         raise SystemExit(f"te-fl demo: recipe {cfg.recipe!r} cannot run on {cfg.device}: {exc}")
 
 
+def _print_progress(cfg):
+    """Plain-text progress (rich missing): a line every tenth of a run."""
+    every = max(1, cfg.steps // 10)
+
+    def on_step(label, step, result):
+        if (step + 1) % every == 0 or step + 1 == cfg.steps:
+            print(f"{label}: step {step + 1}/{cfg.steps} loss {result.train_loss[-1]:.3f}", flush=True)
+
+    return on_step
+
+
 def _train_with_progress(cfg, run_demo):
     try:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     except ImportError:
-        return run_demo(cfg)
+        return run_demo(cfg, _print_progress(cfg))
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn()]
     with Progress(*columns, transient=False) as progress:
