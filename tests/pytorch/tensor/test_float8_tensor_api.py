@@ -332,3 +332,28 @@ def test_on_gpu_same_codes_as_the_cpu(current):
     assert torch.equal(on_gpu._data.cpu().view(torch.uint8), on_cpu._data.view(torch.uint8))
     assert torch.equal(on_gpu._scale_inv.cpu(), on_cpu._scale_inv)
     torch.testing.assert_close((on_gpu * 2).cpu(), on_cpu * 2, rtol=0, atol=0)
+
+
+def test_copy_between_float8_tensors_copies_the_bytes():
+    """TE's rule: dst.copy_(src) of two Float8Tensors copies src's FP8 data and scale_inv (a checkpoint loads
+    bit for bit) instead of re-quantizing with dst's quantizer; dst's transpose is made from the copied bytes."""
+    src = _delayed(scale=2.0)(_uniform((4, 6)))
+    dst = _delayed(scale=5.0)(torch.zeros(4, 6))
+    data = dst._data
+    dst.copy_(src)
+    assert dst._data is data and torch.equal(dst._data.view(torch.uint8), src._data.view(torch.uint8))
+    assert torch.equal(dst._scale_inv, src._scale_inv) and torch.equal(dst._transpose, src._data.t())
+    rowwise_only = _delayed(scale=5.0, columnwise=False)(torch.zeros(4, 6))
+    rowwise_only.copy_(src)
+    assert rowwise_only._transpose is None and torch.equal(rowwise_only.dequantize(), src.dequantize())
+    other_shape = _delayed()(torch.zeros(6, 4))
+    with pytest.raises(ValueError, match="shape"):
+        other_shape.copy_(src)
+
+
+def test_foreach_inplace_ops_requantize_each_quantized_element():
+    x_fp8 = _delayed()(torch.zeros(4, 6))
+    plain = torch.zeros(3)
+    torch._foreach_add_([x_fp8, plain], 0.5)
+    assert isinstance(x_fp8, Float8Tensor) and torch.equal(x_fp8.dequantize(), torch.full((4, 6), 0.5))
+    assert torch.equal(plain, torch.full((3,), 0.5))

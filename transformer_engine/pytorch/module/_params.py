@@ -118,12 +118,13 @@ def _split_sizes(prefix: str, out_features: int, parameters_split) -> Dict[str, 
 def add_linear_params(module, prefix: str, in_features: int, out_features: int, *, parameters_split=None,
                       bias: bool = True, init_method: Optional[Callable] = None, dtype: torch.dtype,
                       device: torch.device, parallel_mode: Optional[str] = None, tp_size: int = 1,
-                      partition_stride: int = 1) -> LinearLayout:
+                      partition_stride: int = 1, fp8_gemm: int = 0) -> LinearLayout:
     """Register a linear's parameters on ``module`` (global sizes in, local sizes registered).
 
     Names are ``<prefix>weight`` / ``<prefix>bias`` ("weight" for prefix "", "fc1_weight" for "fc1_"),
     or ``<split>_weight`` / ``<split>_bias`` with ``parameters_split``. ``partition_stride`` 2 marks a
     gated FC1 [a; b] whose column shard is [a_r; b_r] (see :mod:`..parallel.tensor_parallel`).
+    ``fp8_gemm``: the module's GEMM these weights belong to (their FP8 slot under ``quantized_model_init``).
     """
     local_in, local_out = local_features(in_features, out_features, parallel_mode, tp_size, partition_stride)
     if parameters_split is not None and parallel_mode == "column":
@@ -137,7 +138,8 @@ def add_linear_params(module, prefix: str, in_features: int, out_features: int, 
     weight_rows = torch.empty((local_out, local_in), dtype=dtype, device=device).split(list(sizes.values()))
     bias_rows = torch.empty(local_out, dtype=dtype, device=device).split(list(sizes.values())) if bias else ()
     for i, (name, rows) in enumerate(sizes.items()):
-        module._register(f"{name}weight", (rows, local_in), init, dtype, device, data=weight_rows[i], **tp_attrs)
+        module._register(f"{name}weight", (rows, local_in), init, dtype, device, data=weight_rows[i], fp8_gemm=fp8_gemm,
+                         **tp_attrs)
         weights.append(f"{name}weight")
         if bias:
             module._register(f"{name}bias", (rows,), _zeros, dtype, device, data=bias_rows[i], **bias_attrs)

@@ -8,6 +8,9 @@
   last dim % 16 == 0, for the input and each weight);
 - quantization: ``fp8_meta`` / ``quantizers`` (TE's names) kept in line with the active autocast, the
   quantizers of each forward call, and the quantized-weight cache of ``is_first_microbatch``;
+- FP8 parameters: under ``quantized_model_init`` each GEMM weight is stored as a ``Float8Tensor`` and
+  used as the fprop operand as it is (see :mod:`._fp8_params`; a branch decided at construction, so
+  other modules pay nothing per call);
 - checkpoints: ``_extra_state`` carries the delayed-scaling state without pickle (see
   :mod:`._extra_state`);
 - tensor parallelism (:mod:`..parallel`): the settings in ``self.parallel``, the communication each
@@ -32,14 +35,16 @@ from transformer_engine.plugin import ops
 
 from ..quantization.autocast import current_config, register_states
 from ..quantization.float8_tensor import Float8Tensor
-from ..quantization.model_init import keep_high_precision_init_val, model_init_config
+from ..quantization.model_init import model_init_config
 from ..quantization.quantizer import IDENTITY, Quantizer
 from ..quantization.recipe_state import RecipeState, reserve_delayed_tensors, reserved_fit
-from ..quantization.roles import BWD_ROLES, FWD_ROLES
+from ..quantization.roles import BWD_ROLES, FWD_ROLES, Role, slot
+from ..tensor.quantized_tensor import QuantizedTensor
 from ..parallel.linear_comm import LinearComm, linear_comm
 from ..parallel.tensor_parallel import ParallelConfig, initialize
 from . import _extra_state
 from ._common import Operand
+from ._fp8_params import fp8_param_operand, quantize_param, weight_param_quantizer
 from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
 
 #: the two directions of a module's scaling state and the tensor roles of each
@@ -110,6 +115,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}
         self.name = name
         self._param_init: Dict[str, Callable[[torch.Tensor], None]] = {}
+        self._fp8_weight_gemms: Dict[str, int] = {}  # GEMM weight name -> its GEMM (stored in FP8 under quantized_model_init)
         self._weight_cache: Dict[str, Float8Tensor] = {}
         self._fp8_gemms: Tuple[GemmQuantizers, ...] = ()  # self.quantizers grouped per GEMM, see _states_installed
         self._rng = (get_rng_state_tracker, rng_tracker_name)
@@ -157,14 +163,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     # ----------------------------------------------------------------------------- parameters
     def _register(self, name: str, shape: Tuple[int, ...], init_fn: Callable, dtype: torch.dtype,
-                  device: torch.device, data: Optional[torch.Tensor] = None, **attributes) -> torch.nn.Parameter:
+                  device: torch.device, data: Optional[torch.Tensor] = None, *, fp8_gemm: Optional[int] = None,
+                  **attributes) -> torch.nn.Parameter:
         """Create parameter ``name`` (uninitialized, or on ``data``: e.g. a slice of a buffer it shares with
-        other parameters) with its init function and extra attributes."""
+        other parameters) with its init function and extra attributes; ``fp8_gemm``: the GEMM whose weight
+        it is (stored in FP8 under ``quantized_model_init``)."""
         param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device) if data is None else data)
         for key, value in attributes.items():
             setattr(param, key, value)
         self.register_parameter(name, param)
         self._param_init[name] = init_fn
+        if fp8_gemm is not None:
+            self._fp8_weight_gemms[name] = fp8_gemm
         return param
 
     def _rng_context(self):
@@ -181,12 +191,31 @@ class TransformerEngineBaseModule(torch.nn.Module):
             param = getattr(self, name)
             if param.device.type == "meta":
                 param = self._materialize(name, param)
+            in_fp8 = self.primary_weights_in_fp8 and name in self._fp8_weight_gemms
+            values = _high_precision_like(param) if isinstance(param, QuantizedTensor) else param
             with torch.no_grad(), self._rng_context():
-                initialize(param, init_fn, self.parallel)  # a sharded parameter: its shard of a full-size init
-            if self._keep_init_val:
-                keep_high_precision_init_val(param)
+                initialize(values, init_fn, self.parallel)  # a sharded parameter: its shard of a full-size init
+            if in_fp8:
+                self._store_in_fp8(name, values)
         self._weight_cache.clear()
         self._reserve_states()
+
+    def _store_in_fp8(self, name: str, values: torch.Tensor) -> None:
+        """Parameter ``name`` := its initial ``values`` quantized with the weight quantizer of its GEMM under
+        the ``quantized_model_init`` recipe (a new FP8 parameter, or re-quantized in place if it is one)."""
+        recipe = self._model_init_recipe
+        if ensure_states(self.fp8_meta, self.quantizers, recipe, values.device, type(self).__name__, self._reserved_states):
+            self._states_installed()
+        index = slot(self._fp8_weight_gemms[name], Role.WEIGHT)
+        param = getattr(self, name)
+        if isinstance(param, QuantizedTensor):
+            with torch.no_grad():
+                param.copy_(values)
+            if self._keep_init_val:
+                param._high_precision_init_val = values.detach().to("cpu", copy=True)
+            return
+        quantizer = weight_param_quantizer(recipe, self.quantizers["scaling_fwd"][index], self.fp8_meta, index)
+        setattr(self, name, quantize_param(param, quantizer, self._keep_init_val))
 
     def _materialize(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=default_device()),
@@ -303,6 +332,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
         torch.compile, W^T is cast in forward with W (as with a cache): a backward cast would read the
         scale that AOTAutograd's partitioner may take from the state after the forward's update.
         """
+        if self.primary_weights_in_fp8 and isinstance(weight, QuantizedTensor):
+            operand = fp8_param_operand(weight, quantizer)
+            if operand is not None:
+                return operand
+            weight = weight._dequantize(weight.dtype)  # not an FP8 call, or not stored as the GEMM reads it: cast as usual
         if not quantizer.is_fp8:
             return quantizer.quantize(weight)
         if is_first_microbatch is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -356,3 +390,13 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def _state_device(self) -> torch.device:
         devices = [p.device for p in self.parameters() if p.device.type != "meta"]
         return devices[0] if devices else default_device()
+
+
+def _high_precision_like(param: QuantizedTensor) -> torch.Tensor:
+    """An uninitialized plain tensor of ``param``'s nominal shape, dtype and device, with its public attributes
+    (the tensor-parallel layout ``initialize`` reads): where a quantized parameter is initialized again."""
+    values = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+    for key, value in param.__dict__.items():
+        if not key.startswith("_"):
+            setattr(values, key, value)
+    return values

@@ -123,7 +123,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         tp_attrs = megatron_attributes(self.parallel_mode)
         shape = (self.out_features, self.in_features)
         for i in range(self.num_gemms):
-            self._register(f"weight{i}", shape, init_method, self.params_dtype, device, **tp_attrs)
+            self._register(f"weight{i}", shape, init_method, self.params_dtype, device, fp8_gemm=i, **tp_attrs)
             if self.use_bias:
                 self._register(f"bias{i}", shape[:1], _zeros, self.params_dtype, device)
             else:

@@ -115,7 +115,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.fc1 = add_linear_params(self, "fc1_", hidden_size, ffn_hidden_size * halves, init_method=init_method,
                                      parallel_mode="column" if set_parallel_mode else None, partition_stride=halves, **common)
         self.fc2 = add_linear_params(self, "fc2_", ffn_hidden_size, hidden_size, init_method=output_layer_init_method,
-                                     parallel_mode="row" if set_parallel_mode else None, **common)
+                                     parallel_mode="row" if set_parallel_mode else None, fp8_gemm=1, **common)
         self.reset_parameters(defer_init=device.type == "meta")
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):

@@ -7,7 +7,8 @@ Step t of a group (counted per group, from 1), gradient g, weight p (the paramet
     p = p - lr m_hat / (sqrt(v_hat) + eps),  m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t)
                                         (m_hat = m, v_hat = v with bias_correction=False)
 With ``master_weights`` the step runs on an fp32 copy of each parameter and the parameter (bf16, fp16)
-is that copy rounded. ``capturable`` keeps lr and t on the device and reads a torch GradScaler's scale
+is that copy rounded; an FP8 parameter (a ``QuantizedTensor``, e.g. from ``quantized_model_init``) is
+that copy re-quantized in place (``param.copy_(master)``), which needs ``master_weights``. ``capturable`` keeps lr and t on the device and reads a torch GradScaler's scale
 and found-inf flag there (no host synchronisation): g = g / scale, and when found_inf is set nothing
 changes and t does not advance.
 """
@@ -23,6 +24,7 @@ import torch
 
 from transformer_engine.plugin import ops
 
+from ..tensor.quantized_tensor import QuantizedTensor
 from ._common import ParamListCache, deprecated_set_grad_none, resolve_set_to_none
 from .multi_tensor_apply import multi_tensor_applier
 
@@ -40,6 +42,9 @@ class _AdamLists:
     weights: List[torch.Tensor]  # what the step updates: the fp32 masters, or the parameters themselves
     exp_avgs: List[torch.Tensor]  # m
     exp_avg_sqs: List[torch.Tensor]  # v
+    copy_params: List[torch.Tensor]  # with master weights: the plain parameters, rounded from their masters in one foreach copy
+    copy_masters: List[torch.Tensor]
+    quantized: List[Tuple[torch.Tensor, torch.Tensor]]  # (FP8 parameter, master): re-quantized one by one
 
 
 @dataclass(frozen=True)
@@ -192,14 +197,25 @@ class FusedAdam(torch.optim.Optimizer):
         for param in params:
             if param.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"FusedAdam: parameters must be float32, float16 or bfloat16, got {param.dtype}")
+            if isinstance(param, QuantizedTensor) and not self.master_weights:
+                raise NotImplementedError(
+                    f"FusedAdam: a {type(param).__name__} parameter (e.g. from quantized_model_init) needs master_weights=True: "
+                    "the step runs on its fp32 master, which is then quantized into the parameter"
+                )
             if not self.state[param]:
                 self._init_state(param)
         states = [self.state[p] for p in params]
+        weights = [s["master_param"] for s in states] if self.master_weights else list(params)
+        pairs = list(zip(params, weights)) if self.master_weights else []
+        plain = [(p, w) for p, w in pairs if not isinstance(p, QuantizedTensor)]
         return _AdamLists(
             params=list(params),
-            weights=[s["master_param"] for s in states] if self.master_weights else list(params),
+            weights=weights,
             exp_avgs=[s["exp_avg"] for s in states],
             exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+            copy_params=[p for p, _ in plain],
+            copy_masters=[w for _, w in plain],
+            quantized=[(p, w) for p, w in pairs if isinstance(p, QuantizedTensor)],
         )
 
     # ------------------------------------------------------------------------------------------ state
@@ -346,7 +362,7 @@ class FusedAdam(torch.optim.Optimizer):
             else:
                 self._fused_adam(lists, grads, scalars, step=group["step"])
             if self.master_weights:
-                torch._foreach_copy_(lists.params, lists.weights)
+                _copy_masters(lists)
         return loss
 
     def _fused_adam(self, lists: _AdamLists, grads: List[torch.Tensor], scalars: _AdamScalars, step: int) -> None:
@@ -364,3 +380,11 @@ class FusedAdam(torch.optim.Optimizer):
             bias_correction=scalars.bias_correction,
             weight_decay=scalars.weight_decay,
         )
+
+
+def _copy_masters(lists: _AdamLists) -> None:
+    """Each parameter := its master: rounded (one foreach copy), or re-quantized in place for FP8 parameters."""
+    if lists.copy_params:
+        torch._foreach_copy_(lists.copy_params, lists.copy_masters)
+    for param, master in lists.quantized:
+        param.copy_(master)

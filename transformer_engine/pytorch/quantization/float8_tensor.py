@@ -14,7 +14,9 @@ operand kept only for wgrad drops its row-major ``data`` (``transpose_only``).
 A weight's W^T need not live from forward to backward at all: :class:`DeferredTranspose` keeps the
 high-precision weight (alive anyway as the parameter) and casts W^T again when dgrad needs it, with
 the scale forward used, so the values are the same. For a whole layer this takes one byte per weight
-element off the peak of a training step, for one more read of W per step.
+element off the peak of a training step, for one more read of W per step. A weight stored in FP8
+(``quantized_model_init``) has nothing to cast: :class:`StoredTranspose` transposes its FP8 bytes in
+backward instead (the same values, no rounding).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from transformer_engine.plugin import ops
 
-__all__ = ["DeferredTranspose", "Float8Tensor"]
+__all__ = ["DeferredTranspose", "Float8Tensor", "StoredTranspose"]
 
 
 class Float8Tensor:
@@ -142,3 +144,34 @@ class DeferredTranspose:
     def materialize(self) -> Float8Tensor:
         """W^T as an FP8 operand keeping only ``data_t``, cast now."""
         return self.quantizer.quantize_transposed(self.weight)
+
+
+class StoredTranspose(DeferredTranspose):
+    """W^T for dgrad from a weight stored in FP8 (an FP8 parameter): its bytes transposed in backward.
+
+    W^T = transpose(data), decoded with the same ``scale_inv``: no cast, so the values are exactly the
+    stored ones. Forward saves the parameter's own buffers (no copy; an in-place update of the parameter
+    before backward is caught by their version counters), and the transpose lives only for the dgrad.
+
+    Attributes:
+        data: the FP8 weight [N, K] (the parameter's buffer).
+        scale_inv: its float32 1 / scale.
+    """
+
+    __slots__ = ("data", "scale_inv")
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor):  # pylint: disable=super-init-not-called
+        self.data = data
+        self.scale_inv = scale_inv
+
+    def to_saved(self):
+        """((data, scale_inv), rebuild)."""
+        return (self.data, self.scale_inv), StoredTranspose
+
+    def snapshot(self) -> "StoredTranspose":
+        """Self: the stored scale_inv is the one the data was cast with (an update rewrites both)."""
+        return self
+
+    def materialize(self) -> Float8Tensor:
+        """W^T as an FP8 operand keeping only ``data_t`` (``ops.fp8_transpose`` of the stored bytes)."""
+        return Float8Tensor(None, self.scale_inv, ops.fp8_transpose(self.data))

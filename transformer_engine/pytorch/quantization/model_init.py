@@ -3,12 +3,14 @@
     with te.quantized_model_init(enabled=True, recipe=DelayedScaling()):
         layer = te.Linear(1024, 1024)
 
-Modules built inside remember the recipe: running them under an ``autocast`` of another recipe type
-raises ``RuntimeError("Recipe mismatch ...")``, and so does loading a checkpoint of another recipe.
-For now the weights are *stored in high precision* (TE stores them quantized) and cast at each
-forward like any other weight, so the API and the numerics work but the memory saving does not yet.
-With ``preserve_high_precision_init_val=True`` each weight keeps a CPU copy of its initial values,
-read with ``param.get_high_precision_init_val()`` and freed with ``param.clear_high_precision_init_val()``.
+Modules built inside store their GEMM weights as FP8 ``Float8Tensor`` parameters (DelayedScaling,
+Float8CurrentScaling, or a CustomRecipe of per-tensor quantizers), which forward uses as they are:
+half the bytes of bf16 and no weight cast per step (see ``module/_fp8_params.py``). They remember the
+recipe: running them under an ``autocast`` of another recipe type raises ``RuntimeError("Recipe
+mismatch ...")``, and so does loading a checkpoint of another recipe. With
+``preserve_high_precision_init_val=True`` each FP8 weight keeps a CPU copy of its initial values, read
+with ``param.get_high_precision_init_val()`` and freed with ``param.clear_high_precision_init_val()``.
+Block-scaled recipes (Float8BlockScaling; MXFP8 and NVFP4 do not run yet) raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-import torch
-
-from transformer_engine.common.recipe import Recipe
+from transformer_engine.common.recipe import Float8BlockScaling, Recipe
 
 from .availability import get_default_recipe
 from .recipe_state import check_recipe_implemented
 
-__all__ = ["ModelInitConfig", "fp8_model_init", "keep_high_precision_init_val", "model_init_config", "quantized_model_init"]
+__all__ = ["ModelInitConfig", "fp8_model_init", "model_init_config", "quantized_model_init"]
 
 
 @dataclass(frozen=True)
@@ -51,19 +51,27 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     """Modules constructed inside belong to ``recipe`` (default: :func:`get_default_recipe`).
 
     Raises:
-        NotImplementedError: for a recipe the modules cannot run yet.
+        NotImplementedError: for a recipe the modules cannot run yet, or whose weights cannot be stored
+            quantized yet (Float8BlockScaling).
 
     Example:
         >>> import transformer_engine.pytorch as te
-        >>> with te.quantized_model_init(enabled=True, preserve_high_precision_init_val=True):
+        >>> from transformer_engine.common.recipe import Float8CurrentScaling
+        >>> with te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling(), preserve_high_precision_init_val=True):
         ...     layer = te.Linear(16, 16)
-        >>> layer.weight.get_high_precision_init_val().shape
-        torch.Size([16, 16])
+        >>> type(layer.weight).__name__, layer.weight.get_high_precision_init_val().shape
+        ('Float8Tensor', torch.Size([16, 16]))
     """
     global _config
     if enabled:
         recipe = recipe if recipe is not None else get_default_recipe()
         check_recipe_implemented(recipe)
+        if isinstance(recipe, Float8BlockScaling):
+            raise NotImplementedError(
+                "quantized_model_init(recipe=Float8BlockScaling()): storing the weights as block-scaled FP8 parameters is "
+                "not implemented yet; build the model outside quantized_model_init (its weights are then cast per step "
+                "under autocast), or use DelayedScaling / Float8CurrentScaling for FP8 parameters"
+            )
     saved, _config = _config, ModelInitConfig(bool(enabled), recipe, bool(preserve_high_precision_init_val))
     try:
         yield
@@ -75,18 +83,3 @@ def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None, preser
     """Deprecated alias of :func:`quantized_model_init`."""
     warnings.warn("fp8_model_init is deprecated; use transformer_engine.pytorch.quantized_model_init", DeprecationWarning, stacklevel=2)
     return quantized_model_init(enabled, recipe, preserve_high_precision_init_val)
-
-
-def keep_high_precision_init_val(param: torch.nn.Parameter) -> None:
-    """Give ``param`` a CPU copy of its current values and the two accessor methods TE defines."""
-    copy = param.detach().to("cpu", copy=True)
-    param._high_precision_init_val = copy
-
-    def get_high_precision_init_val() -> Optional[torch.Tensor]:
-        return param._high_precision_init_val
-
-    def clear_high_precision_init_val() -> None:
-        param._high_precision_init_val = None
-
-    param.get_high_precision_init_val = get_high_precision_init_val
-    param.clear_high_precision_init_val = clear_high_precision_init_val

@@ -347,12 +347,31 @@ class Float8Tensor(QuantizedTensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.view.default:
             return args[0]._reshaped(tuple(args[1]), "view")
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], Float8Tensor) and isinstance(args[1], Float8Tensor):
+            return _copy_fp8(args[0], args[1])
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """Pickle the FP8 buffers, scale_inv, fp8 dtype, nominal dtype and shape (not the quantizer)."""
         return (_make_float8_tensor_in_reduce_ex,
                 (self._data, self._fp8_dtype, self._scale_inv, self.dtype, self.shape, self._transpose))
+
+
+def _copy_fp8(dst: Float8Tensor, src: Float8Tensor) -> Float8Tensor:
+    """dst.copy_(src) between Float8Tensors: src's FP8 bytes and scale_inv copied into dst's buffers (no
+    re-quantization, as TE: a checkpoint loads bit for bit); dst's transpose, if it keeps one, is made
+    from the copied bytes. Another shape, FP8 dtype, or a src without row-wise data: dst = Q(src)."""
+    if src.shape != dst.shape or src._fp8_dtype != dst._fp8_dtype or src._data is None:
+        return dst.quantize_(src)
+    data = src._data.detach().to(dst.device)
+    transpose = None
+    if dst._transpose is not None:
+        transpose = src._transpose if src._transpose is not None else ops.fp8_transpose(_as_2d(data))
+        transpose = transpose.detach().to(dst.device).view(_columnwise_shape(dst.shape))
+    dst._data = None if dst._data is None else _write(dst._data, data)
+    dst._transpose = _write(dst._transpose, transpose)
+    dst._scale_inv = _write(dst._scale_inv, src._scale_inv.detach().to(dst.device).reshape(dst._scale_inv.shape))
+    return dst
 
 
 def _check_buffers(shape: torch.Size, data: Optional[torch.Tensor], transpose: Optional[torch.Tensor]) -> None:

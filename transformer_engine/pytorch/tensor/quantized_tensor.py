@@ -281,12 +281,20 @@ def _run_inplace_in_high_precision(func, args, kwargs):
     written = [(a, h) for a, h, s in zip(args, hp_args, func._schema.arguments) if _is_written(s)]
     written += [(kwargs[s.name], hp_kwargs[s.name]) for s in func._schema.arguments if s.name in kwargs and _is_written(s)]
     for arg, hp_arg in written:
-        if isinstance(arg, QuantizedTensor):
-            arg.quantize_(hp_arg)
+        for item, hp_item in _written_pairs(arg, hp_arg):
+            if isinstance(item, QuantizedTensor):
+                item.quantize_(hp_item)
     for arg, hp_arg in written:
         if out is hp_arg:
             return arg
     return out
+
+
+def _written_pairs(arg, hp_arg):
+    """(argument, its high-precision stand-in) pairs: one, or one per element of a tensor list (foreach ops)."""
+    if isinstance(arg, (list, tuple)):
+        return zip(arg, hp_arg)
+    return ((arg, hp_arg),)
 
 
 def _is_written(schema_arg) -> bool:

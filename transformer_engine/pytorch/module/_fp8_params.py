@@ -1,0 +1,145 @@
+"""FP8 weight parameters: what ``quantized_model_init`` makes of a module's GEMM weights.
+
+Under ``quantized_model_init(enabled=True, recipe=DelayedScaling() | Float8CurrentScaling())`` each GEMM
+weight W [N, K] is a :class:`~transformer_engine.pytorch.tensor.Float8Tensor` parameter (TE's public class):
+
+- storage: W's row-wise FP8 data (1 byte per element) and its float32 ``scale_inv``, nothing else:
+  0.5x the bytes of a bf16 weight plus 4. No transposed copy is kept (TE on Hopper keeps one, 1.0x of
+  bf16): dgrad's W^T is the stored bytes transposed in backward (:class:`StoredTranspose`, exact, freed
+  after the dgrad GEMM), which is a byte copy, not a cast;
+- quantization, the recipe's weight semantics: delayed scaling casts with the module's weight slot
+  (``scale[3g + 1]``, its amax max-accumulated into ``amax_history[0, 3g + 1]`` for the next update),
+  current scaling with W's own scale fp8_max / amax(W) (the recipe's ``fp8_quant_fwd_weight``),
+  ``CustomRecipe`` with ``qfactory("linear_weight")``;
+- forward: the parameter's FP8 data and scale_inv are the fprop operand as they are (no cast per step);
+  outside FP8 autocast (or calibrating) the module runs on the dequantized weight;
+- gradients: dW in the parameter's nominal (high-precision) dtype, as TE;
+- updates: ``param.copy_(w_hp)`` (an optimizer's fp32 master) re-quantizes in place with the same
+  quantizer; with ``preserve_high_precision_init_val`` the initial values stay on the CPU
+  (``param.get_high_precision_init_val()``, ``param.clear_high_precision_init_val()``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+
+from transformer_engine.common.recipe import CustomRecipe, Recipe
+
+from ..quantization.float8_tensor import Float8Tensor as Float8Operand
+from ..quantization.float8_tensor import StoredTranspose
+from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
+from ..quantization.quantizer import Float8Quantizer as ModuleDelayedQuantizer
+from ..quantization.quantizer import Quantizer as ModuleQuantizer
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, _PerTensorQuantizer
+from ..tensor.quantized_tensor import Quantizer
+
+__all__ = ["attach_high_precision_init_val", "fp8_param_operand", "quantize_param", "weight_param_quantizer"]
+
+
+class _SlotQuantizer(Float8Quantizer):
+    """A public ``Float8Quantizer`` whose scale and amax are slot ``index`` of a module's forward
+    delayed-scaling state, looked up at each cast: the state replaces its tensors when the history length
+    changes, the module moves, or a checkpoint is loaded, and the parameter must follow.
+
+    scale = fp8_meta["scaling_fwd"].scale[index], amax = fp8_meta["scaling_fwd"].amax_history[0, index]
+    """
+
+    def __init__(self, fp8_meta: dict, index: int, fp8_dtype, *, rowwise: bool = True, columnwise: bool = False) -> None:
+        _PerTensorQuantizer.__init__(self, fp8_dtype, rowwise=rowwise, columnwise=columnwise)  # pylint: disable=non-parent-init-called
+        self._fp8_meta = fp8_meta
+        self._index = index
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._fp8_meta["scaling_fwd"].scale[self._index:self._index + 1]
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self._fp8_meta["scaling_fwd"].amax_history[0, self._index:self._index + 1]
+
+    def copy(self) -> "_SlotQuantizer":
+        return _SlotQuantizer(self._fp8_meta, self._index, self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
+
+
+def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp8_meta: dict, index: int) -> Quantizer:
+    """The public quantizer that stores (and re-quantizes) a weight as the recipe casts weights, row-wise only.
+
+    Args:
+        recipe: the ``quantized_model_init`` recipe.
+        module_quantizer: the module's quantizer of the weight's forward slot ``index``.
+        fp8_meta: the module's ``fp8_meta`` (delayed scaling reads its state at each cast).
+
+    Raises:
+        NotImplementedError: a recipe whose weights cannot be stored as per-tensor FP8 (block scaling,
+            a CustomRecipe returning another quantizer).
+    """
+    if isinstance(recipe, CustomRecipe):
+        made = recipe.qfactory("linear_weight")
+        if not isinstance(made, (Float8Quantizer, Float8CurrentScalingQuantizer)):
+            raise NotImplementedError(
+                f"quantized_model_init with a CustomRecipe whose qfactory('linear_weight') returns {type(made).__name__}: "
+                "FP8 parameters need a Float8Quantizer or Float8CurrentScalingQuantizer"
+            )
+        made = made.copy()
+    elif isinstance(module_quantizer, ModuleDelayedQuantizer):
+        made = _SlotQuantizer(fp8_meta, index, module_quantizer.fp8_dtype)
+    elif isinstance(module_quantizer, ModuleCurrentScalingQuantizer):
+        qparams = module_quantizer.qparams
+        made = Float8CurrentScalingQuantizer(module_quantizer.fp8_dtype, force_pow_2_scales=qparams.power_2_scale,
+                                             amax_epsilon=qparams.amax_epsilon)
+    else:
+        raise NotImplementedError(
+            f"quantized_model_init with {type(recipe).__name__}: storing the weights in this recipe's format is not "
+            "implemented yet; use DelayedScaling or Float8CurrentScaling, or build the model outside quantized_model_init"
+        )
+    made.set_usage(rowwise=True, columnwise=False)  # one FP8 copy: W^T is transposed from it in backward
+    return made
+
+
+def quantize_param(param: torch.Tensor, quantizer: Quantizer, preserve_init_val: bool) -> torch.nn.Parameter:
+    """A new FP8 parameter holding Q(param), with ``param``'s attributes (tensor-parallel layout, ...) and,
+    with ``preserve_init_val``, a CPU copy of its values (:func:`attach_high_precision_init_val`)."""
+    init_val = param.detach().to("cpu", copy=True) if preserve_init_val else None
+    with torch.no_grad():
+        fp8 = quantizer.quantize_impl(param.detach())
+    new = torch.nn.Parameter(fp8, requires_grad=param.requires_grad)
+    for key, value in param.__dict__.items():
+        setattr(new, key, value)
+    if init_val is not None:
+        attach_high_precision_init_val(new, init_val)
+    return new
+
+
+def _get_high_precision_init_val(self) -> Optional[torch.Tensor]:
+    """The CPU copy of the values this parameter was initialized with, or None once cleared."""
+    return getattr(self, "_high_precision_init_val", None)
+
+
+def _clear_high_precision_init_val(self) -> None:
+    """Free the CPU copy of the initial values (e.g. once optimizer master weights are made from it)."""
+    if hasattr(self, "_high_precision_init_val"):
+        del self._high_precision_init_val
+
+
+def attach_high_precision_init_val(param: torch.Tensor, init_val: torch.Tensor) -> None:
+    """Give ``param`` TE's ``_high_precision_init_val`` and its two accessor methods (bound, so copies of
+    the parameter get their own)."""
+    param._high_precision_init_val = init_val
+    param.get_high_precision_init_val = types.MethodType(_get_high_precision_init_val, param)
+    param.clear_high_precision_init_val = types.MethodType(_clear_high_precision_init_val, param)
+
+
+def fp8_param_operand(weight: torch.Tensor, quantizer: ModuleQuantizer) -> Optional[Float8Operand]:
+    """The fprop operand of an FP8 weight parameter as stored (its data and scale_inv, no cast), with W^T
+    for dgrad from its stored transpose or its bytes transposed in backward; None when the call does not
+    run in FP8 (high precision, calibration) or the weight is not stored row-wise in per-tensor FP8: the
+    caller then casts the dequantized weight."""
+    if not quantizer.is_fp8 or not isinstance(weight, Float8Tensor) or weight._data is None or weight.dim() != 2:
+        return None
+    operand = Float8Operand(weight._data, weight._scale_inv, weight._transpose)
+    if weight._transpose is None:
+        operand.deferred_t = StoredTranspose(weight._data, weight._scale_inv)
+    return operand
