@@ -227,6 +227,14 @@ class TransformerLayer(torch.nn.Module):
         """Set the tensor-parallel group of every TE module inside (TE's method)."""
         set_tensor_parallel_group(self, tp_group)
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+        """Split the sequence of the attention blocks over ``cp_group`` (TE's method; see
+        ``DotProductAttention.set_context_parallel_group``). The caller feeds each rank its load-balanced
+        part of the sequence (chunks r and 2P-1-r of 2P); every other part of the layer is token-wise."""
+        for child in self.children():
+            if hasattr(child, "set_context_parallel_group"):
+                child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def _bda(self, out, bias, residual, drop_path=None):
         return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training, drop_path)
 

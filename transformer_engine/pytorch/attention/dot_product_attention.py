@@ -28,6 +28,7 @@ from ..distributed import checkpoint
 from ..module.base import default_device
 from ..module._checks import check_probability
 from . import _layout, _masks
+from . import context_parallel as _cp
 from ._checks import check_heads, check_kv_channels
 
 __all__ = ["DotProductAttention"]
@@ -232,8 +233,10 @@ class DotProductAttention(torch.nn.Module):
 
     O = dropout(softmax(softmax_scale Q K^T (+ bias), masked)) V, per head; keys/values may have
     ``num_gqa_groups`` heads (GQA / MQA). Arguments, defaults and shapes follow TE 2.x
-    ``transformer_engine.pytorch.DotProductAttention``; context parallelism, ``return_max_logit``
-    and FP8 attention are not supported here (NotImplementedError).
+    ``transformer_engine.pytorch.DotProductAttention``; ``return_max_logit`` and FP8 attention are
+    not supported here (NotImplementedError). Context parallelism (``cp_group`` or
+    :meth:`set_context_parallel_group`) splits the sequence over a group's ranks in TE's load-balanced
+    layout, "bshd" / "sbhd" with no_mask or causal masks (see :mod:`.context_parallel`).
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -272,8 +275,8 @@ class DotProductAttention(torch.nn.Module):
         d_qk, d_v = check_kv_channels("DotProductAttention", kv_channels)
         check_probability("DotProductAttention", "attention_dropout", attention_dropout)
         super().__init__()
-        if cp_group is not None or return_max_logit:
-            raise NotImplementedError("context parallelism (cp_group) and return_max_logit are not supported yet")
+        if return_max_logit:
+            raise NotImplementedError("return_max_logit is not supported yet")
         self.qkv_format = qkv_format
         self.attn_mask_type = _masks.canonical_mask_type(attn_mask_type)
         self.window_size = _masks.check_set_window_size(self.attn_mask_type, window_size)
@@ -289,11 +292,29 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_scale = 1.0 / math.sqrt(d_qk) if softmax_scale is None else float(softmax_scale)
         self.attention_dropout = float(attention_dropout)
         self.softmax_type = softmax_type
-        self.cp_comm_type, self.name = cp_comm_type, name
+        self.name = name
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.softmax_offset = None
         if softmax_type == "learnable":
             heads = num_attention_heads // tp_size
             self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, device=default_device()))
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+        """Split the sequence of later calls over ``cp_group`` (TE's method and arguments).
+
+        Args:
+            cp_group: the context-parallel ProcessGroup (None: no context parallelism).
+            cp_global_ranks: the group's global ranks (None: asked from torch.distributed).
+            cp_stream: accepted for TE compatibility (communication is asynchronous p2p here).
+            cp_comm_type: "p2p" (ring), "all_gather" (K/V gathered) or "a2a" (Ulysses); "a2a+p2p" is
+                not implemented.
+
+        Raises:
+            ValueError / TypeError / NotImplementedError: see :func:`.context_parallel.check_cp_group`.
+        """
+        _cp.check_cp_group(cp_group, cp_global_ranks, cp_comm_type)
+        self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = cp_group, cp_global_ranks, cp_stream, cp_comm_type
+        self._cp_group_settings = None if cp_group is None else _cp.CPGroup(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def get_extra_state(self) -> torch.Tensor:
         """An empty tensor: TE keeps a ``core_attention._extra_state`` key (FP8 attention metadata)."""
@@ -383,6 +404,9 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"qkv_format={fmt!r} is not one of {', '.join(_layout.FORMATS)}")
         self._check_heads(q, k, v)
         spec = self._mask_spec(attn_mask_type, window_size, bottom_right_diagonal, inference_params is not None)
+        if self._cp_group_settings is not None and self._cp_group_settings.size > 1:
+            bias_type = "alibi" if alibi_slopes is not None else core_attention_bias_type
+            return self._cp_forward(q, k, v, fmt, spec, bias_type, inference_params is not None, checkpoint_core_attention)
         seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         problem = self._problem(q, k, v, fmt, spec, attention_mask, seqs, inference_params)
         bias = _Bias.resolve(core_attention_bias_type, core_attention_bias, alibi_slopes, q.shape[-2], q.device)
@@ -394,6 +418,26 @@ class DotProductAttention(torch.nn.Module):
             out = checkpoint(_attend, *args, get_rng_state_tracker=self.get_rng_state_tracker)
         else:
             out = _attend(*args)
+        return problem.restore(out)
+
+    def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, bias_type: str, inference: bool, checkpointed: bool):
+        """Context-parallel attention of this rank's tokens (checked before any communication)."""
+        dropout_p = self.attention_dropout if self.training else 0.0
+        problem = _padded_problem(q, k, v, fmt, None) if fmt != "thd" else None
+        _cp.check_cp_call(self._cp_group_settings, fmt, spec.mask_type, spec.window_size, bias_type=bias_type, inference=inference,
+                          softmax_type=self.softmax_type, dropout_p=dropout_p,
+                          q=problem.q if problem else q, k=problem.k if problem else k)
+        settings = _cp.CPAttention("causal" in spec.mask_type, spec.window_size, self.softmax_scale, dropout_p, self.softmax_type)
+        rng_ctx = self._rng_ctx(dropout_p)
+
+        def attend(qc, kc, vc, softmax_offset, config):
+            return _attend(qc, kc, vc, None, softmax_offset, _Extras(), config, rng_ctx)
+
+        args = (problem.q, problem.k, problem.v, settings, self._cp_group_settings, attend, self.softmax_offset)
+        if checkpointed:
+            out = checkpoint(_cp.context_parallel_attention, *args, get_rng_state_tracker=self.get_rng_state_tracker)
+        else:
+            out = _cp.context_parallel_attention(*args)
         return problem.restore(out)
 
     def _problem(self, q, k, v, fmt: str, spec: _masks.MaskSpec, attention_mask, seqs: _Sequences, inference_params) -> _Problem:

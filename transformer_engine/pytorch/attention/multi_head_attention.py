@@ -28,8 +28,10 @@ import torch
 from ..module import LayerNorm, LayerNormLinear, Linear, RMSNorm
 from ..module._checks import check_eps
 from ..module.base import default_device, resolve_params_dtype
+from ..parallel.comm import group_rank, group_size
 from ..parallel.tensor_parallel import resolve_tp_size, set_partition_sections, set_tensor_parallel_group, sum_grads_over_group
 from ._checks import check_heads, head_size
+from .context_parallel import check_cp_group
 from .dot_product_attention import DotProductAttention
 from .rope import apply_rotary_pos_emb
 
@@ -184,6 +186,7 @@ class MultiheadAttention(torch.nn.Module):
         self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
         self.rotary_pos_interleaved, self.qk_norm_before_rope = rotary_pos_interleaved, qk_norm_before_rope
         self.softmax_type, self.name = softmax_type, name
+        self.cp_size, self.cp_rank = 1, 0  # set by set_context_parallel_group (rotary positions of this rank's chunks)
         device = default_device(device)
         gemm_kwargs = dict(
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=tp_size,
@@ -213,6 +216,15 @@ class MultiheadAttention(torch.nn.Module):
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Set the tensor-parallel group of this block and of every TE module inside (TE's method)."""
         set_tensor_parallel_group(self, tp_group)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+        """Split the sequence over ``cp_group`` (TE's method): the core attention's setting, and rotary
+        embeddings at the positions of this rank's chunks. See ``DotProductAttention.set_context_parallel_group``."""
+        check_cp_group(cp_group, cp_global_ranks, cp_comm_type)
+        self.cp_size, self.cp_rank = (1, 0) if cp_group is None else (group_size(cp_group), group_rank(cp_group))
+        for child in self.children():
+            if hasattr(child, "set_context_parallel_group"):
+                child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def _build_projections(self, hidden_size, init_method, bias, fuse_qkv_params, set_parallel_mode, gemm_kwargs, norm_kwargs):
         """``layernorm_qkv`` / ``qkv`` (self), or ``layernorm_query`` / ``query_layer`` and ``key_value`` (cross)."""
@@ -285,7 +297,8 @@ class MultiheadAttention(torch.nn.Module):
         """q and k rotated by ``rotary_pos_emb`` (one table, or a (q, k) pair) at their positions."""
         q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
         start = inference_params.get_seqlens_pre_step() if inference_params is not None else None
-        common = dict(tensor_format=self.qkv_format, fused=True, start_positions=start, interleaved=self.rotary_pos_interleaved)
+        common = dict(tensor_format=self.qkv_format, fused=True, start_positions=start, interleaved=self.rotary_pos_interleaved,
+                      cp_size=self.cp_size, cp_rank=self.cp_rank)
         return (
             apply_rotary_pos_emb(q, q_freqs, cu_seqlens=cu_seqlens_q, **common),
             apply_rotary_pos_emb(k, k_freqs, cu_seqlens=cu_seqlens_kv, **common),

@@ -1,0 +1,197 @@
+"""Context parallelism (``cp_group``): every rank's output and dQ / dK / dV equal its part of single-process
+attention on the whole sequence, for each implemented ``cp_comm_type``, at CP = 2 and 4 (gloo on CPU).
+
+Every rank builds the same full q, k, v, dO, runs the plain module on them (the oracle), then the
+context-parallel module on its load-balanced part (chunks r and 2P-1-r of 2P, ``shard_sequence``) and
+compares with the oracle's part. Tolerance (float32): both sides compute from identical inputs in
+float32; only the order of the softmax sums (the ring's log-sum-exp merge, the per-chunk calls) and of
+the dK / dV sums over ranks differ, a few ulp of O(1) values (~1e-6), so atol = rtol = 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import transformer_engine.pytorch as te
+from tests.pytorch.parallel._ranks import close_pools, get_pool
+from transformer_engine.pytorch.attention.context_parallel import shard_sequence
+
+B, S, H, HKV, D = 2, 16, 8, 4, 8  # S = 16: 2 tokens per chunk at CP = 4; HKV = 4 splits over 4 ranks (a2a)
+TOL = dict(atol=1e-5, rtol=1e-5)
+COMM_TYPES = ("all_gather", "p2p", "a2a")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pools():
+    yield
+    close_pools()
+
+
+@pytest.fixture(params=[2, 4], ids=["cp2", "cp4"])
+def ranks(request):
+    return get_pool(request.param)
+
+
+_GROUPS = {}
+
+
+def _group(pairs: bool):
+    """WORLD, or (pairs) groups {0, 2} and {1, 3} of a 4-rank world: group ranks != global ranks."""
+    if not pairs:
+        return dist.group.WORLD
+    if "pairs" not in _GROUPS:  # new_group is collective: every rank creates both, in the same order
+        made = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        _GROUPS["pairs"] = made[dist.get_rank() % 2]
+    return _GROUPS["pairs"]
+
+
+def _inputs(fmt: str, d_v: int = D):
+    """Full q, k, v, dO in ``fmt`` (the same on every rank)."""
+    torch.manual_seed(1234)
+    tensors = [torch.randn(B, S, H, D), torch.randn(B, S, HKV, D), torch.randn(B, S, HKV, d_v), torch.randn(B, S, H * d_v)]
+    if fmt == "sbhd":
+        tensors = [t.transpose(0, 1).contiguous() for t in tensors]
+    return tensors
+
+
+def _run(module, q, k, v, dout, checkpointed=False):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = module(q, k, v, checkpoint_core_attention=checkpointed)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def check_dpa(comm_type, fmt, mask, window=None, softmax_type="vanilla", pairs=False, checkpointed=False, d_v=D):
+    """One rank of a CP call against single-process attention; returns nothing (asserts)."""
+    group = _group(pairs)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    kwargs = dict(num_gqa_groups=HKV, attention_dropout=0.0, qkv_format=fmt, attn_mask_type=mask, window_size=window,
+                  softmax_type=softmax_type)
+    ref, cp = te.DotProductAttention(H, (D, d_v), **kwargs), te.DotProductAttention(H, (D, d_v), **kwargs)
+    if softmax_type == "learnable":
+        for module in (ref, cp):
+            module.softmax_offset.data.copy_(torch.linspace(-1.0, 1.0, H))
+    cp.set_context_parallel_group(group, None, None, comm_type)
+    full = _inputs(fmt, d_v)
+    expected = _run(ref, *full)
+    seq_dim = 0 if fmt == "sbhd" else 1
+    local = [shard_sequence(t, seq_dim, size, rank) for t in full]
+    actual = _run(cp, *local, checkpointed=checkpointed)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), actual, expected):
+        torch.testing.assert_close(got, shard_sequence(want, seq_dim, size, rank), **TOL, msg=lambda m: f"{name}: {m}")
+    if softmax_type == "learnable":  # each rank owns H/P heads' offsets: the CP gradients sum to the full one
+        dist.all_reduce(cp.softmax_offset.grad, group=group)
+        torch.testing.assert_close(cp.softmax_offset.grad, ref.softmax_offset.grad, **TOL)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_dpa_matches_single_process(ranks, comm_type, mask, fmt):
+    ranks.run(check_dpa, comm_type, fmt, mask)
+
+
+@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+@pytest.mark.parametrize("mask, window", [("causal", (3, 0)), ("no_mask", (2, 3))])
+def test_sliding_window(ranks, comm_type, mask, window):
+    ranks.run(check_dpa, comm_type, "bshd", mask, window)
+
+
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_value_head_size_differs(ranks, comm_type):
+    """d_v != d_qk (MLA-style heads)."""
+    ranks.run(check_dpa, comm_type, "sbhd", "causal", None, "vanilla", False, False, 12)
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_a2a_softmax_offset(ranks, softmax_type):
+    ranks.run(check_dpa, "a2a", "sbhd", "causal", None, softmax_type)
+
+
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_subgroups_and_checkpointing(comm_type):
+    """CP = 2 inside a 4-rank world (groups {0, 2}, {1, 3}: the ring addresses global ranks), recomputed."""
+    get_pool(4).run(check_dpa, comm_type, "bshd", "causal", None, "vanilla", True, True)
+
+
+def check_transformer_layer(comm_type):
+    """A TransformerLayer (GQA, RoPE, causal, sbhd) with set_context_parallel_group vs the whole sequence."""
+    group, hidden, heads = dist.group.WORLD, 32, 8
+    size, rank = dist.get_world_size(), dist.get_rank()
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        layers.append(te.TransformerLayer(hidden, 64, heads, num_gqa_groups=4, hidden_dropout=0.0, attention_dropout=0.0))
+    ref, cp = layers
+    cp.set_context_parallel_group(group, list(range(size)), None, comm_type)
+    rope = te.RotaryPositionEmbedding(hidden // heads)(S)
+    torch.manual_seed(8)
+    x, dy = torch.randn(S, B, hidden), torch.randn(S, B, hidden)
+    x_ref, x_cp = x.clone().requires_grad_(), shard_sequence(x, 0, size, rank).requires_grad_()
+    y_ref, y_cp = ref(x_ref, rotary_pos_emb=rope), cp(x_cp, rotary_pos_emb=rope)
+    y_ref.backward(dy)
+    y_cp.backward(shard_sequence(dy, 0, size, rank))
+    torch.testing.assert_close(y_cp, shard_sequence(y_ref.detach(), 0, size, rank), **TOL)
+    torch.testing.assert_close(x_cp.grad, shard_sequence(x_ref.grad, 0, size, rank), **TOL)
+    for (name, p_ref), p_cp in zip(ref.named_parameters(), cp.parameters()):  # weight grads: partial sums over ranks
+        dist.all_reduce(p_cp.grad, group=group)
+        torch.testing.assert_close(p_cp.grad, p_ref.grad, atol=1e-4, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_transformer_layer(ranks, comm_type):
+    ranks.run(check_transformer_layer, comm_type)
+
+
+def check_errors():
+    """Unsupported calls raise on every rank before any communication."""
+    world = dist.group.WORLD
+    q, kv = torch.randn(B, 4, H, D), torch.randn(B, 4, HKV, D)
+    pad = torch.zeros(B, 1, 1, 4, dtype=torch.bool)
+
+    def dpa(comm_type="p2p", **kwargs):
+        kwargs = {"num_gqa_groups": HKV, "attention_dropout": 0.0, "qkv_format": "bshd", **kwargs}
+        return te.DotProductAttention(H, D, cp_group=world, cp_comm_type=comm_type, **kwargs)
+
+    cases = [
+        (NotImplementedError, "a2a\\+p2p", lambda: dpa("a2a+p2p")),
+        (NotImplementedError, "thd", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
+                                                                  cu_seqlens_kv=torch.tensor([0, 4], dtype=torch.int32))),
+        (NotImplementedError, "padding", lambda: dpa(attn_mask_type="padding")(q, kv, kv, attention_mask=pad)),
+        (NotImplementedError, "post_scale_bias", lambda: dpa()(q, kv, kv, core_attention_bias_type="post_scale_bias",
+                                                              core_attention_bias=torch.zeros(1, H, 4, 4))),
+        (NotImplementedError, "alibi", lambda: dpa()(q, kv, kv, core_attention_bias_type="alibi")),
+        (NotImplementedError, "sliding windows", lambda: dpa(window_size=(2, 0))(q, kv, kv)),
+        (NotImplementedError, "dropout", lambda: dpa(attention_dropout=0.1)(q, kv, kv)),
+        (NotImplementedError, "softmax_type", lambda: dpa("all_gather", softmax_type="off-by-one")(q, kv, kv)),
+        (ValueError, "even", lambda: dpa()(q[:, :3], kv[:, :3], kv[:, :3])),
+        (ValueError, "equal q and k", lambda: dpa()(q, kv[:, :2], kv[:, :2])),
+    ]
+    if dist.get_world_size() == 4:
+        cases.append((ValueError, "divide by the CP size", lambda: dpa("a2a", num_gqa_groups=2)(q, kv[:, :, :2], kv[:, :, :2])))
+    for error, match, call in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_errors(ranks):
+    ranks.run(check_errors)
+
+
+def test_errors_without_process_group():
+    with pytest.raises(ValueError, match="cp_comm_type='ring'"):
+        te.DotProductAttention(H, D, cp_comm_type="ring")
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        te.DotProductAttention(H, D, cp_group=object())
+    with pytest.raises(ValueError, match="multiple of 2"):
+        shard_sequence(torch.zeros(6), 0, 2, 0)
+
+
+def test_no_group_is_plain_attention():
+    """cp_group=None (the default) leaves the module as it was."""
+    dpa = te.DotProductAttention(H, D, num_gqa_groups=HKV, qkv_format="bshd")
+    dpa.set_context_parallel_group(None, None, None, "all_gather")
+    q, k, v, _ = _inputs("bshd")
+    assert dpa(q, k, v).shape == (B, S, H * D)

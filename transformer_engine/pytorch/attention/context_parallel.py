@@ -1,0 +1,471 @@
+"""Context parallelism (CP): one attention call whose sequence is split over the ranks of ``cp_group``.
+
+Layout (TE's "DualChunkSwap", for every mask type): a sequence of length S is cut into 2P chunks of
+L = S / (2P) tokens (P = CP size) and rank r holds chunks r and 2P-1-r, concatenated, so every rank
+gets the same amount of causal work. The caller (the data loader) arranges the tokens that way;
+:func:`shard_sequence` does it for one tensor. All gathered / exchanged blocks below are in
+"gathered order" (rank 0's two chunks, rank 1's two chunks, ...): chunk c of the sequence sits at
+gathered slot g(c) = 2c for c < P and 2(2P-1-c) + 1 otherwise.
+
+Communication types (TE's ``cp_comm_type``):
+
+- ``"all_gather"``: K and V are all-gathered and put back in sequence order; each local query chunk c
+  attends to the keys it may see with the catalog's ``fused_attn_fwd`` (causal: keys [0, (c+1)L) with
+  the bottom-right causal mask, which puts query row i at position cL + i; sliding windows are
+  re-aligned the same way). The backward of the gather is a reduce-scatter of dK, dV.
+- ``"p2p"``: a ring. K/V blocks travel rank r -> r+1 (isend / irecv posted before the block's compute,
+  so they overlap it); after P steps every query has met every key block. Each block gives a partial
+  output O_b normalised over its own keys and its log-sum-exp lse_b; they merge exactly:
+
+      lse = log(sum_b exp(lse_b))          (pairwise: max + log1p(exp(min - max)))
+      O   = sum_b exp(lse_b - lse) O_b
+
+  Causal blocks (rank r, K/V from rank j): j = r is the diagonal (local causal mask), j < r is seen in
+  full by both query chunks but only through its first chunk (chunk j), j > r only by the second query
+  chunk (chunk 2P-1-r), in full. The backward runs the same ring with the global lse and
+  D_i = sum_d dO_id O_id: P_b = exp(S_b - lse), dS_b = P_b (dO V_b^T - D), dQ += scale dS_b K_b,
+  dK_b = scale dS_b^T Q, dV_b = P_b^T dO; the dK/dV accumulator of a block travels with it and is
+  home after the P-th hop.
+- ``"a2a"``: Ulysses. An all-to-all trades the sequence split for a head split (each rank gets all S
+  tokens of H/P heads), the catalog op attends over the whole sequence, and a second all-to-all
+  trades back. Its backward is the same two all-to-alls in reverse.
+
+The catalog's ``fused_attn_fwd`` returns an opaque ctx, not the log-sum-exp the ring merge needs, so
+"p2p" computes its blocks with plain PyTorch math here (float32, the reference backend's formulas),
+not through the catalog; "all_gather" and "a2a" run the catalog op on whichever backend it picks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from transformer_engine.plugin.catalog.attention import AttentionConfig
+
+from ..parallel.comm import gather_from_sequence_parallel_region, group_rank, group_size
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "CPGroup",
+    "CPAttention",
+    "check_cp_group",
+    "check_cp_call",
+    "context_parallel_attention",
+    "shard_sequence",
+]
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+_IMPLEMENTED = ("p2p", "all_gather", "a2a")
+
+# attend(q, k, v, softmax_offset, config) -> out: the module's catalog call (bshd in, bshd out)
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], AttentionConfig], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class CPGroup:
+    """TE's context-parallel settings of a module (``set_context_parallel_group``'s arguments).
+
+    Attributes:
+        group: the process group whose ranks share the sequence.
+        global_ranks: global ranks of the group (None: asked from torch.distributed).
+        stream: accepted for TE compatibility; communication here is asynchronous isend / irecv on
+            the current stream, so no side stream is used.
+        comm_type: "p2p", "all_gather" or "a2a".
+    """
+
+    group: Any
+    global_ranks: Optional[Sequence[int]]
+    stream: Any
+    comm_type: str
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.group)
+
+    def global_rank(self, rank: int) -> int:
+        """Global rank of the group's ``rank`` (for point-to-point messages)."""
+        if self.global_ranks is not None:
+            return int(self.global_ranks[rank])
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+@dataclass(frozen=True)
+class CPAttention:
+    """The non-tensor settings of one context-parallel attention call.
+
+    Attributes:
+        causal: causal mask (TE's "causal" / "causal_bottom_right": the same for self-attention).
+        window_size: (left, right) sliding window in sequence positions, -1 unbounded.
+        softmax_scale: multiplier of Q K^T.
+        dropout_p: attention dropout ("all_gather" / "a2a": drawn per rank from its own generator).
+        softmax_type: "vanilla" ("off-by-one" / "learnable" with "a2a" only, as TE).
+    """
+
+    causal: bool
+    window_size: Tuple[int, int]
+    softmax_scale: float
+    dropout_p: float = 0.0
+    softmax_type: str = "vanilla"
+
+
+def check_cp_group(cp_group, cp_global_ranks, cp_comm_type: str) -> None:
+    """Validate ``set_context_parallel_group``'s arguments (before any work).
+
+    Raises:
+        ValueError: an unknown ``cp_comm_type`` or ``cp_global_ranks`` of the wrong length.
+        TypeError: ``cp_group`` is not a ProcessGroup.
+        NotImplementedError: "a2a+p2p" (hierarchical CP, a pair of groups) is not implemented.
+    """
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type={cp_comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
+    if cp_group is None:
+        return
+    if cp_comm_type not in _IMPLEMENTED or isinstance(cp_group, (list, tuple)):
+        raise NotImplementedError(
+            f"cp_comm_type={cp_comm_type!r} (hierarchical CP over [a2a_group, p2p_group]) is not implemented; "
+            f"use one of {', '.join(_IMPLEMENTED)} with a single ProcessGroup"
+        )
+    if not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"cp_group must be a torch.distributed ProcessGroup, got {type(cp_group).__name__}")
+    if cp_global_ranks is not None and len(cp_global_ranks) != group_size(cp_group):
+        raise ValueError(f"cp_global_ranks has {len(cp_global_ranks)} ranks; cp_group has {group_size(cp_group)}")
+
+
+def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_type: str, inference: bool,
+                  softmax_type: str, dropout_p: float, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Refuse, before any communication, what context parallelism does not do (yet).
+
+    q and k are in "bshd" order ([b, s_local, h, d]).
+
+    Raises:
+        NotImplementedError: thd, KV caching, padding / arbitrary masks, biases, ALiBi; windows with
+            "p2p"; softmax offsets except with "a2a"; dropout with "p2p".
+        ValueError: odd local sequence lengths, q / k lengths that differ under a causal mask or a
+            window, head counts that "a2a" cannot split over the group.
+    """
+    name = f"context parallelism (cp_comm_type={cp.comm_type!r})"
+    if fmt == "thd":
+        raise NotImplementedError(f"{name} does not support qkv_format='thd' yet; use 'bshd' or 'sbhd'")
+    if inference:
+        raise NotImplementedError(f"{name} does not support inference_params (KV caching)")
+    if mask_type not in ("no_mask", "causal", "causal_bottom_right"):
+        raise NotImplementedError(f"{name} supports attn_mask_type no_mask / causal / causal_bottom_right, not {mask_type!r}")
+    if bias_type != "no_bias":
+        raise NotImplementedError(f"{name} does not support core_attention_bias_type={bias_type!r}; use 'no_bias'")
+    if cp.comm_type == "p2p" and tuple(window_size) not in ((-1, -1), (-1, 0)):
+        raise NotImplementedError(f"{name} does not support sliding windows {tuple(window_size)}; use 'all_gather' or 'a2a'")
+    if softmax_type != "vanilla" and cp.comm_type != "a2a":
+        raise NotImplementedError(f"{name} supports softmax_type={softmax_type!r} only with cp_comm_type='a2a'")
+    if dropout_p > 0 and cp.comm_type == "p2p":
+        raise NotImplementedError(f"{name} does not support attention dropout yet; set attention_dropout=0 or use 'all_gather'")
+    s_q, s_kv = q.shape[1], k.shape[1]
+    if s_q % 2 or s_kv % 2:
+        raise ValueError(f"{name}: each rank holds two sequence chunks, so its q / k lengths ({s_q}, {s_kv}) must be even")
+    if s_q != s_kv and (mask_type != "no_mask" or tuple(window_size) != (-1, -1)):
+        raise ValueError(f"{name}: causal masks and windows need equal q and k lengths per rank, got {s_q} and {s_kv}")
+    size = cp.size
+    if cp.comm_type == "a2a" and (q.shape[2] % size or k.shape[2] % size):
+        raise ValueError(f"{name}: {q.shape[2]} query and {k.shape[2]} key/value heads must divide by the CP size {size}")
+
+
+def shard_sequence(x: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Rank ``cp_rank``'s part of a full sequence: chunks r and 2P-1-r of 2P, concatenated.
+
+    Example:
+        >>> shard_sequence(torch.arange(8), 0, 2, 0).tolist()
+        [0, 1, 6, 7]
+    """
+    if x.shape[seq_dim] % (2 * cp_size):
+        raise ValueError(f"sequence length {x.shape[seq_dim]} must be a multiple of 2 * cp_size = {2 * cp_size}")
+    chunks = x.chunk(2 * cp_size, dim=seq_dim)
+    return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim=seq_dim)
+
+
+def _natural_index(size: int, device) -> torch.Tensor:
+    """index[c] = gathered slot of sequence chunk c (2c for c < P, 2(2P-1-c) + 1 after)."""
+    return torch.tensor([2 * c if c < size else 2 * (2 * size - 1 - c) + 1 for c in range(2 * size)], device=device)
+
+
+def _gathered_index(size: int, device) -> torch.Tensor:
+    """The inverse permutation: index[g] = sequence chunk in gathered slot g = 2r + half."""
+    return torch.tensor([r if half == 0 else 2 * size - 1 - r for r in range(size) for half in (0, 1)], device=device)
+
+
+def _to_natural(x: torch.Tensor, size: int) -> torch.Tensor:
+    """[b, 2P*L, ...] in gathered order -> sequence order."""
+    chunks = x.unflatten(1, (2 * size, -1))
+    return chunks.index_select(1, _natural_index(size, x.device)).flatten(1, 2)
+
+
+def _to_gathered(x: torch.Tensor, size: int) -> torch.Tensor:
+    """[b, 2P*L, ...] in sequence order -> gathered order (the inverse of :func:`_to_natural`)."""
+    chunks = x.unflatten(1, (2 * size, -1))
+    return chunks.index_select(1, _gathered_index(size, x.device)).flatten(1, 2)
+
+
+def context_parallel_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend,
+                               softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence; q, k, v and the result are "bshd".
+
+    Call :func:`check_cp_call` first. ``attend`` runs the catalog op ("all_gather", "a2a").
+    """
+    if cp.comm_type == "all_gather":
+        return _all_gather_attention(q, k, v, settings, cp, attend, softmax_offset)
+    if cp.comm_type == "a2a":
+        return _a2a_attention(q, k, v, settings, cp, attend, softmax_offset)
+    return _RingAttention.apply(q, k, v, settings, cp)
+
+
+# ---------------------------------------------------------------------------------------- all_gather
+
+
+def _gather_sequence(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """[b, 2L, h, d] local -> [b, 2PL, h, d] in sequence order; the gradient is reduce-scattered back."""
+    gathered = gather_from_sequence_parallel_region(x.transpose(0, 1), cp.group).transpose(0, 1)
+    return _to_natural(gathered, cp.size)
+
+
+def _chunk_window(settings: CPAttention, chunk: int, length: int, s_kv: int) -> Tuple[int, int, int]:
+    """(key end, window left, window right) for query chunk ``chunk`` against keys [0, end).
+
+    The catalog aligns windows and the causal mask bottom-right: with keys [0, end) query row i
+    sits at end - L + i; the chunk's rows are at chunk*L + i, so the window shifts by
+    end - (chunk+1)*L (TE's ``get_kv_seq_info_after_all_gather``).
+    """
+    chunk_end = (chunk + 1) * length
+    left, right = settings.window_size
+    if settings.causal:
+        right = 0
+    end = s_kv if right < 0 else min(s_kv, chunk_end + right)
+    shift = end - chunk_end
+    return end, (left + shift if left >= 0 else -1), (right - shift if right >= 0 else -1)
+
+
+def _all_gather_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, softmax_offset) -> torch.Tensor:
+    k_full, v_full = _gather_sequence(k, cp), _gather_sequence(v, cp)
+    length, s_kv = q.shape[1] // 2, k_full.shape[1]
+    outs = []
+    for q_chunk, chunk in zip(q.chunk(2, dim=1), (cp.rank, 2 * cp.size - 1 - cp.rank)):
+        end, left, right = _chunk_window(settings, chunk, length, s_kv)
+        config = AttentionConfig(
+            softmax_scale=settings.softmax_scale,
+            mask_type="causal_bottom_right" if settings.causal else "no_mask",
+            window_size=(left, right) if not settings.causal or left >= 0 else (-1, -1),
+            dropout_p=settings.dropout_p,
+            softmax_type=settings.softmax_type,
+        )
+        outs.append(attend(q_chunk, k_full[:, :end], v_full[:, :end], softmax_offset, config))
+    return torch.cat(outs, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------- a2a
+
+
+class _AllToAll(torch.autograd.Function):
+    """y[p] = x[rank] of rank p, for x, y [P, ...]: its own transpose, so the backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return _all_to_all(dy, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _heads_to_sequence(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """[b, 2L, h, d] (local tokens, all heads) -> [b, 2PL, h/P, d] (all tokens in order, this rank's heads)."""
+    size = cp.size
+    parts = x.unflatten(2, (size, -1)).movedim(2, 0)  # [P, b, 2L, h/P, d]: head group p goes to rank p
+    received = _AllToAll.apply(parts, cp.group)  # [P, b, 2L, h/P, d]: rank p's tokens of my heads
+    return _to_natural(received.movedim(0, 1).flatten(1, 2), size)
+
+
+def _sequence_to_heads(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """The inverse of :func:`_heads_to_sequence`."""
+    size = cp.size
+    parts = _to_gathered(x, size).unflatten(1, (size, -1)).movedim(1, 0)  # [P, b, 2L, h/P, d]
+    received = _AllToAll.apply(parts, cp.group)  # [P, b, 2L, h/P, d]: head group p from rank p
+    return received.movedim(0, 2).flatten(2, 3)
+
+
+def _a2a_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, softmax_offset) -> torch.Tensor:
+    q_full, k_full, v_full = (_heads_to_sequence(x, cp) for x in (q, k, v))
+    if softmax_offset is not None:
+        softmax_offset = softmax_offset.chunk(cp.size)[cp.rank]
+    config = AttentionConfig(
+        softmax_scale=settings.softmax_scale,
+        mask_type="causal" if settings.causal else "no_mask",
+        window_size=settings.window_size if settings.window_size != (-1, 0) else (-1, -1),
+        dropout_p=settings.dropout_p,
+        softmax_type=settings.softmax_type,
+    )
+    return _sequence_to_heads(attend(q_full, k_full, v_full, softmax_offset, config), cp)
+
+
+# ----------------------------------------------------------------------------------------------- p2p
+
+
+class _Ring:
+    """Point-to-point messages to the next rank of the group and from the previous one."""
+
+    def __init__(self, cp: CPGroup):
+        size, rank = cp.size, cp.rank
+        self.group, self.rank, self.size = cp.group, rank, size
+        self.next, self.prev = cp.global_rank((rank + 1) % size), cp.global_rank((rank - 1) % size)
+
+    def shift(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Post send(x -> next) and recv(<- prev); the returned function waits and gives what arrived."""
+        x = x.contiguous()
+        buf = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, self.next, self.group), dist.P2POp(dist.irecv, buf, self.prev, self.group)]
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> torch.Tensor:
+            for work in works:  # the sent x stays referenced by ops until its send completed
+                work.wait()
+            ops.clear()
+            return buf
+
+        return wait
+
+
+def _pack(*xs: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _unpack(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    sizes = [x.numel() for x in like]
+    return [part.view(x.shape) for part, x in zip(flat.split(sizes), like)]
+
+
+def _blocks(step: int, ring: _Ring, causal: bool, s_q: int, s_kv: int):
+    """(query rows, key rows, causal) of the step's block for this rank (see the module docstring)."""
+    every_q, every_kv = slice(0, s_q), slice(0, s_kv)
+    if not causal:
+        return every_q, every_kv, False
+    src = (ring.rank - step) % ring.size
+    if src == ring.rank:
+        return every_q, every_kv, True
+    if src < ring.rank:
+        return every_q, slice(0, s_kv // 2), False
+    return slice(s_q // 2, s_q), every_kv, False
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """float32 [b, h, s, d] from "bshd"."""
+    return x.float().transpose(1, 2)
+
+
+def _probs(q, k, scale: float, causal: bool, lse: Optional[torch.Tensor] = None):
+    """(P, lse) of one block: S = scale q k^T (top-left causal mask), P = exp(S - lse).
+
+    q [b, h, s_q, d] and k [b, h, s_kv, d] (kv heads expanded); ``lse`` None means this block's own.
+    """
+    scores = scale * (q @ k.transpose(-1, -2))
+    if causal:
+        s_q, s_kv = scores.shape[-2:]
+        future = torch.ones(s_q, s_kv, dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _merge(out, lse, rows: slice, o_b, lse_b) -> None:
+    """out, lse over rows <- the exact merge with a block's (o_b, lse_b) (see the module docstring)."""
+    new = torch.logaddexp(lse[..., rows], lse_b)
+    out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(-1) + o_b * torch.exp(lse_b - new).unsqueeze(-1)
+    lse[..., rows] = new
+
+
+def _ring_forward(q, k, v, settings: CPAttention, ring: _Ring):
+    """(out [b, h, s_q, d_v], lse [b, h, s_q]) in float32; q, k, v "bshd"."""
+    qh = _heads_first(q)
+    heads, s_q, s_kv = qh.shape[1], q.shape[1], k.shape[1]
+    out = qh.new_zeros(*qh.shape[:-1], v.shape[-1])
+    lse = qh.new_full(qh.shape[:-1], float("-inf"))
+    kv = _pack(k, v)
+    for step in range(ring.size):
+        arriving = ring.shift(kv) if step < ring.size - 1 else None  # overlaps the block's compute
+        k_blk, v_blk = _unpack(kv, (k, v))
+        rows, cols, causal = _blocks(step, ring, settings.causal, s_q, s_kv)
+        kh, vh = _expand(_heads_first(k_blk[:, cols]), heads), _expand(_heads_first(v_blk[:, cols]), heads)
+        p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, causal)
+        _merge(out, lse, rows, p @ vh, lse_b)
+        if arriving is not None:
+            kv = arriving()
+    return out, lse
+
+
+def _block_grads(qh, doh, lse, delta, k_blk, v_blk, settings: CPAttention, causal: bool):
+    """(dq, dk, dv) float32 of one block given the global lse and D (see the module docstring)."""
+    heads, heads_kv = qh.shape[1], k_blk.shape[2]
+    kh, vh = _expand(_heads_first(k_blk), heads), _expand(_heads_first(v_blk), heads)
+    p, _ = _probs(qh, kh, settings.softmax_scale, causal, lse)
+    ds = p * (doh @ vh.transpose(-1, -2) - delta.unsqueeze(-1))
+    scale = settings.softmax_scale
+    dk = (scale * ds.transpose(-1, -2) @ qh).unflatten(1, (heads_kv, -1)).sum(dim=2)
+    dv = (p.transpose(-1, -2) @ doh).unflatten(1, (heads_kv, -1)).sum(dim=2)
+    return scale * (ds @ kh), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _ring_backward(dout, q, k, v, out, lse, settings: CPAttention, ring: _Ring):
+    """(dq, dk, dv) in the inputs' dtypes: the forward's ring again, with dK/dV travelling with K/V."""
+    qh, doh = _heads_first(q), _heads_first(dout)
+    delta = (doh * out).sum(dim=-1)
+    s_q, s_kv = q.shape[1], k.shape[1]
+    dq = torch.zeros_like(qh)
+    kv, dkv_arriving = _pack(k, v), None
+    for step in range(ring.size):
+        arriving = ring.shift(kv) if step < ring.size - 1 else None
+        k_blk, v_blk = _unpack(kv, (k, v))
+        rows, cols, causal = _blocks(step, ring, settings.causal, s_q, s_kv)
+        dq_b, dk_b, dv_b = _block_grads(qh[:, :, rows], doh[:, :, rows], lse[..., rows], delta[..., rows],
+                                        k_blk[:, cols], v_blk[:, cols], settings, causal)
+        dq[:, :, rows] += dq_b
+        dkv = dkv_arriving() if dkv_arriving is not None else k.new_zeros(k.numel() + v.numel(), dtype=torch.float32)
+        dk_acc, dv_acc = _unpack(dkv, (k, v))
+        dk_acc[:, cols] += dk_b
+        dv_acc[:, cols] += dv_b
+        dkv_arriving = ring.shift(dkv)  # the block's gradient follows the block; after P hops it is home
+        if arriving is not None:
+            kv = arriving()
+    dk, dv = _unpack(dkv_arriving(), (k, v))
+    return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """"p2p" context parallelism: ring forward with the log-sum-exp merge, ring backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, settings: CPAttention, cp: CPGroup):
+        out, lse = _ring_forward(q, k, v, settings, _Ring(cp))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings, ctx.cp = settings, cp
+        return out.transpose(1, 2).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.settings, _Ring(ctx.cp))
+        return dq, dk, dv, None, None
