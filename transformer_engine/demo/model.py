@@ -38,8 +38,8 @@ class ModelSize:
 SIZES: Dict[str, ModelSize] = {
     "tiny": ModelSize(hidden=64, layers=2, heads=4, seq_len=64, batch=16),  # CPU default: ~1 min per run
     "small": ModelSize(hidden=256, layers=4, heads=8, seq_len=128, batch=32),
-    "medium": ModelSize(hidden=1024, layers=8, heads=16, seq_len=512, batch=16),  # GPU default
-    "large": ModelSize(hidden=4096, layers=4, heads=32, seq_len=2048, batch=4),  # PERF.md's layer size
+    "medium": ModelSize(hidden=1024, layers=8, heads=16, seq_len=512, batch=16),
+    "large": ModelSize(hidden=4096, layers=4, heads=32, seq_len=2048, batch=4),  # GPU default; PERF.md's layer size
 }
 
 
