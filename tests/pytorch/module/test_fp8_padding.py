@@ -112,8 +112,8 @@ def test_all_splits_empty():
 )
 def test_alignment_per_recipe(recipe, align, monkeypatch):
     assert get_align_size_for_quantization(recipe) == align
-    # the modules read the active recipe on their first forward (MXFP8 / NVFP4 autocast may not be
-    # implemented here yet, so the recipe query is what is patched)
+    # the modules read the active recipe on their first forward (NVFP4 autocast is not implemented
+    # here yet, so the recipe query is what is patched)
     monkeypatch.setattr(FP8GlobalStateManager, "get_fp8_recipe", classmethod(lambda cls: recipe))
     pad, unpad = Fp8Padding(2), Fp8Unpadding(2)
     x = randn(7, 4)

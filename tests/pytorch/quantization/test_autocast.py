@@ -50,13 +50,25 @@ def test_default_recipe_on_cpu_is_delayed():
         assert isinstance(current_config().recipe, DelayedScaling)
 
 
-@pytest.mark.parametrize("cls", [MXFP8BlockScaling, NVFP4BlockScaling])
-def test_block_recipes_construct_but_are_not_implemented_yet(cls):
-    recipe = cls()
+def test_nvfp4_constructs_but_is_not_implemented_yet():
+    recipe = NVFP4BlockScaling()
     with pytest.raises(NotImplementedError, match="not implemented yet"):
         with te.autocast(recipe=recipe):
             pass
     assert not current_config().enabled
+
+
+def test_mxfp8_runs_emulated_on_every_device(monkeypatch):
+    """MXFP8 needs no FP8 hardware of its own rule: emulated on a CPU and on GPUs without FP8 at all."""
+    with te.autocast(recipe=MXFP8BlockScaling()):
+        assert isinstance(current_config().recipe, MXFP8BlockScaling)
+    monkeypatch.setattr(availability, "_cuda_capability", lambda: (8, 0))
+    monkeypatch.delenv(availability.FP8_EMULATION_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="8.9 or higher"):
+        with te.autocast(recipe=DelayedScaling()):
+            pass
+    with te.autocast(recipe=MXFP8BlockScaling()):
+        assert isinstance(current_config().recipe, MXFP8BlockScaling)
 
 
 def test_block_scaling_runs_where_supported_and_says_why_not(monkeypatch):
@@ -151,7 +163,8 @@ def test_history_length_change_resizes_in_place():
 
 def test_global_state_manager_queries():
     assert FP8GlobalStateManager.is_fp8_available() == availability.check_fp8_support()
-    assert FP8GlobalStateManager.is_mxfp8_available()[0] is False
+    assert FP8GlobalStateManager.is_mxfp8_available() == availability.check_mxfp8_support()
+    assert FP8GlobalStateManager.is_mxfp8_available()[0] is True
     assert FP8GlobalStateManager.fp8_graph_capturing() is False
     with te.autocast(enabled=False, calibrating=True, recipe=DelayedScaling()):
         assert FP8GlobalStateManager.is_fp8_calibration() and not FP8GlobalStateManager.is_fp8_enabled()

@@ -13,7 +13,9 @@ When an FP8 operand carries its transpose ``data_t``, :func:`gemm` passes whiche
 ``data_t`` gives that layout (op(t) is the same matrix either way), so dgrad reads W^T and wgrad reads
 dy^T and x^T as stored instead of having the backend transpose them per call. Block-scaled operands
 (:class:`Float8BlockwiseTensor`) go to ``ops.gemm_blockwise``, which reads both operands along K only:
-each side passes the copy quantized along K (``data`` or ``data_t``).
+each side passes the copy quantized along K (``data`` or ``data_t``). MXFP8 operands
+(:class:`MXFP8Tensor`, a block-scaled operand of 1 x 32 blocks with E8M0 scales) take the same path
+to ``ops.gemm_mxfp8`` (emulated by the reference backend: dequantize, then a float32 GEMM).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from transformer_engine.plugin import ops
 from ..parallel.linear_comm import NO_COMM, LinearComm
 from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
+from ..quantization.mxfp8_tensor import MXFP8Tensor
 from ._common import Operand, release
 
 __all__ = ["WgradTarget", "dgrad", "fprop", "fprop_with_comm", "gemm", "linear_backward"]
@@ -55,14 +58,18 @@ def gemm(a: Operand, b: Operand, *, trans_a=False, trans_b=False, bias=None, out
 def _gemm_blockwise(a: Operand, b: Operand, trans_a: bool, trans_b: bool, bias, out_dtype, out, accumulate) -> torch.Tensor:
     """D = op(a) @ op(b) + bias as ``ops.gemm_blockwise(A, B)`` with A = op(a) and B = op(b)^T, both along K.
 
+    MXFP8 operands go to ``ops.gemm_mxfp8`` (the same A and B, E8M0 scales).
+
     Raises:
-        TypeError: only one operand is block-scaled (a module quantizes both with one recipe).
+        TypeError: the operands are not of one block-scaled kind (a module quantizes both with one recipe).
     """
-    if not (isinstance(a, Float8BlockwiseTensor) and isinstance(b, Float8BlockwiseTensor)):
-        raise TypeError(f"a block-scaled GEMM needs two block-scaled operands, got {type(a).__name__} and {type(b).__name__}")
+    if type(a) is not type(b):  # one of them is block-scaled (gemm's test): the other must be of its kind
+        raise TypeError(f"a block-scaled GEMM needs two block-scaled operands of one kind, got {type(a).__name__} and {type(b).__name__}")
     a_data, a_scale_inv, a_block = a.gemm_operand(transposed=trans_a)
     b_data, b_scale_inv, b_block = b.gemm_operand(transposed=not trans_b)
     dtype = out_dtype if out_dtype is not None else out.dtype
+    if type(a) is MXFP8Tensor:
+        return ops.gemm_mxfp8(a_data, b_data, a_scale_inv, b_scale_inv, dtype, bias, out, accumulate)
     return ops.gemm_blockwise(a_data, b_data, a_scale_inv, b_scale_inv, a_block, b_block, dtype, bias, out, accumulate)
 
 

@@ -3,6 +3,7 @@
 - :mod:`.scaling`: the per-tensor scaling formulas (amax -> scale) and FP8 dtypes per format;
 - :mod:`.float8_tensor`: :class:`Float8Tensor`, FP8 data with its scale_inv;
 - :mod:`.float8_blockwise_tensor`: :class:`Float8BlockwiseTensor`, FP8 data with one scale per tile;
+- :mod:`.mxfp8_tensor`: :class:`MXFP8Tensor`, FP8 data with one E8M0 scale per block of 32;
 - :mod:`.quantizer`: one quantizer per tensor role (delayed, current, block, calibration, identity);
 - :mod:`.recipe_state`: per-module scaling state (``fp8_meta["scaling_fwd"|"scaling_bwd"]``);
 - :mod:`.delayed_update`: the amax reduction and delayed-scaling update of a group of states;
@@ -31,6 +32,7 @@ from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import DeferredTranspose, Float8Tensor
 from .global_state import FP8GlobalStateManager
 from .model_init import fp8_model_init, quantized_model_init
+from .mxfp8_tensor import MXFP8Tensor
 from .quantizer import (
     AmaxObserver,
     Float8BlockQuantizer,
@@ -38,9 +40,16 @@ from .quantizer import (
     Float8Quantizer,
     FixedScaleQuantizer,
     IdentityQuantizer,
+    MXFP8Quantizer,
     Quantizer,
 )
-from .recipe_state import DelayedScalingRecipeState, Float8BlockScalingRecipeState, Float8CurrentScalingRecipeState, RecipeState
+from .recipe_state import (
+    DelayedScalingRecipeState,
+    Float8BlockScalingRecipeState,
+    Float8CurrentScalingRecipeState,
+    MXFP8BlockScalingRecipeState,
+    RecipeState,
+)
 from .roles import FP8BwdTensors, FP8FwdTensors
 
 __all__ = [
@@ -60,6 +69,9 @@ __all__ = [
     "Float8Tensor",
     "FixedScaleQuantizer",
     "IdentityQuantizer",
+    "MXFP8BlockScalingRecipeState",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
     "QuantizationConfig",
     "Quantizer",
     "RecipeState",

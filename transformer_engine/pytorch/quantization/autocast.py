@@ -29,7 +29,13 @@ import torch
 
 from transformer_engine.common.recipe import Format, Recipe
 
-from .availability import check_fp8_block_scaling_support, check_fp8_support, fp8_emulation_requested, get_default_recipe
+from .availability import (
+    check_fp8_block_scaling_support,
+    check_fp8_support,
+    check_mxfp8_support,
+    fp8_emulation_requested,
+    get_default_recipe,
+)
 from .delayed_update import reduce_and_update
 from .recipe_state import check_recipe_implemented
 
@@ -206,6 +212,10 @@ def isolated_stack(on_register: Callable[[Any], None]) -> Iterator[None]:
         vars(_STATE).update(saved)
 
 
+#: recipe type -> the check ``autocast`` runs on entry (see :func:`_runnable_check_of`)
+_RUNNABLE_CHECKS: Dict[type, Callable[[Recipe], None]] = {}
+
+
 def _check_runnable(recipe: Recipe) -> None:
     """Raise before entering FP8 when ``recipe`` cannot run here (the reason is in the message)."""
     if recipe.backward_override is not None:
@@ -213,15 +223,38 @@ def _check_runnable(recipe: Recipe) -> None:
             f"backward_override={recipe.backward_override!r} is not implemented yet in TransformerEngine-FL; "
             "unset NVTE_BACKWARD_OVERRIDE"
         )
+    check = _RUNNABLE_CHECKS.get(type(recipe))  # the recipe type's rule, picked once (autocast runs every step)
+    if check is None:
+        check = _RUNNABLE_CHECKS.setdefault(type(recipe), _runnable_check_of(recipe))
+    check(recipe)
+
+
+def _runnable_check_of(recipe: Recipe) -> Callable[[Recipe], None]:
+    """The check of ``recipe``'s type: MXFP8's own rule (emulated anywhere), block scaling's, or per-tensor FP8's."""
+    if recipe.mxfp8():
+        return _check_mxfp8_runnable
+    if recipe.float8_block_scaling():
+        return _check_block_scaling_runnable
+    return _check_fp8_runnable
+
+
+def _check_fp8_runnable(recipe) -> None:
+    """Per-tensor FP8: the GPU has FP8 hardware, or emulation was asked for."""
     available, reason = check_fp8_support()
     if not available:
         raise RuntimeError(reason)
-    if recipe.float8_block_scaling():
-        _check_block_scaling_runnable(recipe)
+
+
+def _check_mxfp8_runnable(recipe) -> None:
+    """MXFP8BlockScaling: emulated exactly on every device (``check_mxfp8_support`` says why), no FP8 hardware needed."""
+    available, reason = check_mxfp8_support()
+    if not available:
+        raise RuntimeError(reason)
 
 
 def _check_block_scaling_runnable(recipe) -> None:
-    """Float8BlockScaling: cuBLASLt's block-scaled GEMMs exist here and take the recipe's (E4M3) operands."""
+    """Float8BlockScaling: FP8 runs here, and cuBLASLt's block-scaled GEMMs exist and take the recipe's (E4M3) operands."""
+    _check_fp8_runnable(recipe)
     available, reason = check_fp8_block_scaling_support()
     if not available:
         raise RuntimeError(reason)
@@ -245,7 +278,7 @@ class autocast:
     Raises:
         RuntimeError: on entry, if FP8 cannot run on this GPU (sm < 8.9 without
             ``TE_FL_FP8_EMULATION=1``); if this instance is already active.
-        NotImplementedError: for a recipe not implemented yet (MXFP8, NVFP4, custom).
+        NotImplementedError: for a recipe not implemented yet (NVFP4).
         ValueError: Float8BlockScaling with E5M2 gradients (HYBRID) on a CUDA GPU.
 
     Example:

@@ -12,8 +12,11 @@ backend.
 
 Support rules (NVIDIA TE's): FP8 needs sm >= 9.0, or sm 8.9 with CUDA >= 12.1; BF16 needs sm >= 8.0.
 Float8BlockScaling needs cuBLASLt's block-scaled FP8 GEMMs: sm 9.x (Hopper) with CUDA >= 12.9 (on a
-CPU, or with ``TE_FL_FP8_EMULATION=1``, it runs emulated). MXFP8 and NVFP4 are not implemented yet by
-the PyTorch modules, so their checks report False with that reason.
+CPU, or with ``TE_FL_FP8_EMULATION=1``, it runs emulated). MXFP8BlockScaling runs on every device,
+emulated exactly (quantize-dequantize with TE's E8M0 rule, then a high-precision GEMM): NVIDIA TE runs
+it natively on sm 10.x-11.x only, and TransformerEngine-FL has no native MXFP8 GEMM yet, so the reason
+always says "emulated" and why. NVFP4 is not implemented yet by the PyTorch modules, so its check
+reports False with that reason.
 """
 
 from __future__ import annotations
@@ -89,9 +92,28 @@ def check_fp8_support() -> Tuple[bool, str]:
     )
 
 
+_MXFP8_EMULATED = ("MXFP8 is emulated exactly (E8M0 block scales and FP8 values as NVIDIA TE casts them, then a "
+                   "high-precision GEMM on the dequantized operands)")
+
+
 def check_mxfp8_support() -> Tuple[bool, str]:
-    """(available, reason) for MXFP8BlockScaling."""
-    return False, _NOT_IMPLEMENTED.format("MXFP8BlockScaling")
+    """(available, reason) for MXFP8BlockScaling: available everywhere, the reason says why it is emulated.
+
+    NVIDIA TE needs MXFP8 tensor cores (sm 10.x-11.x); here the reference backend emulates the recipe on
+    any device, and no backend offers a native MXFP8 GEMM yet.
+
+    Example:
+        >>> available, reason = check_mxfp8_support()
+        >>> available, "emulated" in reason
+        (True, True)
+    """
+    capability = _cuda_capability()
+    if capability is None:
+        return True, f"no CUDA device: {_MXFP8_EMULATED} by the reference backend on the CPU"
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if (10, 0) <= capability < (12, 0):
+        return True, f"{sm} has MXFP8 tensor cores, but TransformerEngine-FL has no native MXFP8 GEMM yet: {_MXFP8_EMULATED}"
+    return True, f"{sm} has no MXFP8 tensor cores (NVIDIA TE needs sm 10.x-11.x): {_MXFP8_EMULATED}"
 
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:

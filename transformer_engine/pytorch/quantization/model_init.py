@@ -10,7 +10,7 @@ recipe: running them under an ``autocast`` of another recipe type raises ``Runti
 mismatch ...")``, and so does loading a checkpoint of another recipe. With
 ``preserve_high_precision_init_val=True`` each FP8 weight keeps a CPU copy of its initial values, read
 with ``param.get_high_precision_init_val()`` and freed with ``param.clear_high_precision_init_val()``.
-Block-scaled recipes (Float8BlockScaling; MXFP8 and NVFP4 do not run yet) raise NotImplementedError.
+Block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling; NVFP4 does not run yet) raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from transformer_engine.common.recipe import Float8BlockScaling, Recipe
+from transformer_engine.common.recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
 
 from .availability import get_default_recipe
 from .recipe_state import check_recipe_implemented
@@ -52,7 +52,7 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
 
     Raises:
         NotImplementedError: for a recipe the modules cannot run yet, or whose weights cannot be stored
-            quantized yet (Float8BlockScaling).
+            quantized yet (Float8BlockScaling, MXFP8BlockScaling).
 
     Example:
         >>> import transformer_engine.pytorch as te
@@ -66,9 +66,9 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     if enabled:
         recipe = recipe if recipe is not None else get_default_recipe()
         check_recipe_implemented(recipe)
-        if isinstance(recipe, Float8BlockScaling):
+        if isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling)):
             raise NotImplementedError(
-                "quantized_model_init(recipe=Float8BlockScaling()): storing the weights as block-scaled FP8 parameters is "
+                f"quantized_model_init(recipe={type(recipe).__name__}()): storing the weights as block-scaled FP8 parameters is "
                 "not implemented yet; build the model outside quantized_model_init (its weights are then cast per step "
                 "under autocast), or use DelayedScaling / Float8CurrentScaling for FP8 parameters"
             )

@@ -28,6 +28,7 @@ The recipe picks the quantizer class:
 | :class:`Float8Quantizer` | DelayedScaling | ``state.scale[i]`` from earlier steps; amax recorded into ``amax_history[0, i]`` |
 | :class:`Float8CurrentScalingQuantizer` | Float8CurrentScaling | fp8_max / amax(x) of this very tensor |
 | :class:`Float8BlockQuantizer` | Float8BlockScaling | fp8_max / amax of each 1 x 128 or 128 x 128 tile |
+| :class:`MXFP8Quantizer` | MXFP8BlockScaling | E8M0 2^ceil(log2(amax / fp8_max)) of each block of 32 (``ops.quantize_mxfp8``) |
 | :class:`FixedScaleQuantizer` | (a weight cast again in backward) | the scale forward used (a copy once saved for backward); records no amax |
 | :class:`AmaxObserver` | calibration (``autocast(calibrating=True)``) | none: records amax, stays high precision |
 """
@@ -44,6 +45,7 @@ from transformer_engine.plugin import ops
 
 from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import DeferredTranspose, Float8Tensor
+from .mxfp8_tensor import MXFP8Tensor
 
 __all__ = [
     "AmaxObserver",
@@ -53,6 +55,7 @@ __all__ = [
     "FixedScaleQuantizer",
     "IDENTITY",
     "IdentityQuantizer",
+    "MXFP8Quantizer",
     "Quantizer",
 ]
 
@@ -332,6 +335,39 @@ class Float8BlockQuantizer(Quantizer):
         return Float8BlockwiseTensor(None, None, q_t, scale_inv_t, block=self.block)
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8BlockQuantizer":
+        """Self: sharded tensors are gathered in high precision and cast whole (``gathers_quantized``)."""
+        return self
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8BlockScaling: each block of 32 consecutive elements casts with its own E8M0 scale
+    2^ceil(log2(amax_block / fp8_max)) (``ops.quantize_mxfp8``, exact rule in plugin/catalog/mxfp8.py).
+
+    Every copy is quantized from the high-precision tensor: ``columnwise`` also writes x^T in blocks of
+    32 along the rows of x (what wgrad reads), in the same op; it needs rows % 32 == 0, the row-wise
+    copy features % 32 == 0 (TE's alignment; the op raises ValueError naming the dim otherwise).
+    A weight's W^T for dgrad is cast again from W in backward (``quantize_weight``: it depends on W alone).
+    """
+
+    is_fp8 = True
+    gathers_quantized = False  # a column-wise block of 32 rows may span the shards
+
+    def __init__(self, fp8_dtype: torch.dtype):
+        self.fp8_dtype = fp8_dtype
+
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> MXFP8Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"MXFP8 quantizes 2-D tensors [rows, features]; got shape {tuple(x.shape)}")
+        return MXFP8Tensor(*ops.quantize_mxfp8(x, self.fp8_dtype, True, bool(columnwise)))
+
+    def quantize_transposed(self, x: torch.Tensor) -> MXFP8Tensor:
+        """x^T alone, in blocks of 32 along the rows of x (a weight's W^T for dgrad): no row-wise copy is written."""
+        if x.dim() != 2:
+            raise ValueError(f"MXFP8 quantizes 2-D tensors [rows, features]; got shape {tuple(x.shape)}")
+        _, _, data_t, scale_inv_t = ops.quantize_mxfp8(x, self.fp8_dtype, False, True)
+        return MXFP8Tensor(None, None, data_t, scale_inv_t)
+
+    def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "MXFP8Quantizer":
         """Self: sharded tensors are gathered in high precision and cast whole (``gathers_quantized``)."""
         return self
 

@@ -11,8 +11,9 @@ with 3 slots per GEMM forward (input, weight, output) and 2 backward (grad outpu
     amax_history float32 [L, N], zeros at first: row 0 collects this step's amaxes; after an update
                  rows 1..L-1 hold the last L-1 amaxes, the newest in row L-1
 
-:class:`Float8CurrentScalingRecipeState` and :class:`Float8BlockScalingRecipeState` hold nothing: each
-cast computes its own scale (per tensor, or per tile). :class:`CustomRecipeState` holds what the user's
+:class:`Float8CurrentScalingRecipeState`, :class:`Float8BlockScalingRecipeState` and
+:class:`MXFP8BlockScalingRecipeState` hold nothing: each cast computes its own scale (per tensor, per
+tile, or per block of 32 as an E8M0 power of two). :class:`CustomRecipeState` holds what the user's
 quantizers hold (``CustomRecipe.qfactory``).
 """
 
@@ -23,9 +24,24 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from transformer_engine.common.recipe import CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
+from transformer_engine.common.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    Recipe,
+)
 
-from .quantizer import IDENTITY, AmaxObserver, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
+from .quantizer import (
+    IDENTITY,
+    AmaxObserver,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    Quantizer,
+)
 from .roles import BWD_ROLES, FWD_ROLES, Role
 from .scaling import fp8_dtypes, fp8_max
 
@@ -34,22 +50,23 @@ __all__ = [
     "Float8BlockScalingRecipeState",
     "Float8CurrentScalingRecipeState",
     "CustomRecipeState",
+    "MXFP8BlockScalingRecipeState",
     "RecipeState",
     "check_recipe_implemented",
 ]
 
-_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, CustomRecipe)
+_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, CustomRecipe)
 _MODES = ("forward", "backward")
 
 
 def check_recipe_implemented(recipe: Recipe) -> None:
-    """Raise NotImplementedError for a recipe the PyTorch modules cannot run yet (MXFP8, NVFP4)."""
+    """Raise NotImplementedError for a recipe the PyTorch modules cannot run yet (NVFP4)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a transformer_engine.common.recipe recipe, got {type(recipe).__name__}")
     if not isinstance(recipe, _IMPLEMENTED):
         raise NotImplementedError(
             f"{type(recipe).__name__} is not implemented yet in TransformerEngine-FL's PyTorch modules; "
-            "use DelayedScaling, Float8CurrentScaling, Float8BlockScaling or CustomRecipe"
+            "use DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or CustomRecipe"
         )
 
 
@@ -100,6 +117,8 @@ class RecipeState:
             return Float8BlockScalingRecipeState(recipe, mode, n)
         if isinstance(recipe, CustomRecipe):
             return CustomRecipeState(recipe, mode, n)
+        if isinstance(recipe, MXFP8BlockScaling):
+            return MXFP8BlockScalingRecipeState(recipe, mode, n)
         return Float8CurrentScalingRecipeState(recipe, mode, n)
 
     @property
@@ -238,6 +257,17 @@ class Float8BlockScalingRecipeState(RecipeState):
 
     def make_quantizers(self) -> List[Quantizer]:
         return [Float8BlockQuantizer(self.fp8_dtype, *self._block_dim_and_qparams(i)) for i in range(self.num_quantizers)]
+
+
+class MXFP8BlockScalingRecipeState(RecipeState):
+    """MXFP8: no tensors; every slot casts blocks of 32 with E8M0 scales, E4M3 (backward E5M2 under HYBRID)."""
+
+    @property
+    def split_accumulator(self) -> Tuple[bool, bool, bool]:
+        return (True, True, True)  # MXFP8 GEMMs accumulate in float32 (emulated: a float32 GEMM)
+
+    def make_quantizers(self) -> List[Quantizer]:
+        return [MXFP8Quantizer(self.fp8_dtype) for _ in range(self.num_quantizers)]
 
 
 #: TE's role names of the slots, per GEMM, that ``CustomRecipe.qfactory`` is asked for
