@@ -57,4 +57,10 @@ done
 
 echo; echo "=== tables"; grep -E '^(\||[A-Z].*(TFLOP|GB/s|fwd\+bwd|overhead))' "$LOG" | tail -120
 echo; echo "=== test summary"; grep -E '(passed|failed|error)' "$LOG" | tail -5
+# pytest's -ra lists "SKIPPED [n] file:line: reason" per location; sum them per stage and reason, so that a
+# tier skipped wholesale on the GPU (no CUDA seen, a missing package, a planner refusing) shows as one big line
+echo; echo "=== skipped, per stage and reason (count stage: reason)"
+awk '/^=== [a-z-]+: /{stage=$2; sub(":", "", stage)}
+     /^SKIPPED \[[0-9]+\] /{n=$2; gsub(/[][]/, "", n); r=$0; sub(/^SKIPPED \[[0-9]+\] [^ ]*: /, "", r); sub(/^Skipped: /, "", r); c[stage ": " r]+=n}
+     END{for (k in c) printf "%6d %s\n", c[k], k}' "$LOG" | sort -rn | head -40
 echo; echo "=== stages"; printf '%s\n' "${summary[@]}"

@@ -30,6 +30,10 @@ __all__ = [
     "check_bias_dropout_add",
     "check_delayed_scaling_update",
     "check_delayed_scaling_update_",
+    "check_cross_entropy",
+    "check_cross_entropy_bwd",
+    "check_tensor_lists",
+    "check_softmax_input",
 ]
 
 _AMAX_ALGOS = ("max", "most_recent")
@@ -156,3 +160,56 @@ def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margi
             raise TypeError(f"{name} has dtype {t.dtype}; the in-place update writes it, so it must be float32")
         if t.device != amax_history.device:
             raise ValueError(f"{name} is on {t.device} but amax_history on {amax_history.device}; move them to one device")
+
+
+def check_cross_entropy(logits, target, label_smoothing: float) -> None:
+    """cross_entropy_fwd / _bwd: logits [N, V >= 1], integer target [N], 0 <= label_smoothing <= 1.
+
+    Only shapes, dtypes and the float are checked: target *values* are not (that would read the
+    device, a host sync); an out-of-range target gives NaN, as the catalog states.
+    """
+    check_tensor(logits, "logits")
+    check_tensor(target, "target")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}; flatten the leading dims")
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}: a row needs at least one class (V >= 1)")
+    if target.shape != logits.shape[:1]:
+        raise ValueError(f"target shape {tuple(target.shape)} must be [N] = [{logits.shape[0]}] (one class per row)")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"target must be an integer tensor of class indices, got {target.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+
+
+def check_cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing: float) -> None:
+    """cross_entropy_bwd: :func:`check_cross_entropy`, and grad_loss and lse of shape [N]."""
+    check_cross_entropy(logits, target, label_smoothing)
+    for name, value in (("grad_loss", grad_loss), ("lse", lse)):
+        check_tensor(value, name)
+        if value.shape != target.shape:
+            raise ValueError(f"{name} shape {tuple(value.shape)} must be [N] = [{target.shape[0]}]")
+
+
+def check_tensor_lists(op: str, tensor_lists, names) -> None:
+    """multi_tensor_*: ``tensor_lists`` holds len(names) lists of one common length, the tensors of one
+    parameter (one index across the lists) have equal sizes, and every tensor is contiguous. Empty lists
+    and empty tensors are fine (nothing to do)."""
+    if len(tensor_lists) != len(names):
+        raise ValueError(f"{op}: tensor_lists must be [{', '.join(names)}] ({len(names)} lists), got {len(tensor_lists)}")
+    lengths = [len(lst) for lst in tensor_lists]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"{op}: the lists [{', '.join(names)}] must have equal lengths, got {lengths}")
+    for group in zip(*tensor_lists):
+        if len({t.numel() for t in group}) > 1:
+            raise ValueError(f"{op}: tensors of one parameter must have equal sizes, got {[tuple(t.shape) for t in group]}")
+        for t in group:
+            if not t.is_contiguous():  # as TE's multi_tensor_apply: kernels walk raw addresses
+                raise ValueError(f"{op}: multi-tensor ops need contiguous tensors, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def check_softmax_input(x, dims, layout: str) -> None:
+    """The fused softmax forwards: a float32 / bfloat16 / float16 x, with ``dims`` dims when not None."""
+    check_high_precision(x)
+    if dims is not None and x.dim() != dims:
+        raise ValueError(f"x must be {layout}, got shape {tuple(x.shape)}")

@@ -10,6 +10,13 @@ qgelu(x) = x * sigmoid(1.702 x); silu(x) = x * sigmoid(x); relu(x) = max(x, 0);
 srelu(x) = relu(x)^2; glu uses sigmoid; swiglu uses silu; geglu gelu; qgeglu qgelu; reglu relu;
 sreglu srelu. clamped_swiglu (GPT-OSS): a' = min(a, limit), b' = clip(b, -limit, limit),
 y = a' * sigmoid(alpha * a') * (b' + 1); gradients through a clamp are zero where it clamps.
+
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available):
+- empty tensors and zero-size dims are fine and give empty results of the declared shape;
+- a gated op whose last dim is odd raises ValueError; an unknown ``activation`` name raises ValueError;
+- NaN and +-inf propagate as the formula in float32 gives them (inf - inf, 0 * inf -> NaN); the
+  clamps of clamped_swiglu keep NaN (NaN in, NaN out) and zero the gradient there;
+- inputs may have any strides; outputs are new contiguous tensors.
 """
 
 from __future__ import annotations

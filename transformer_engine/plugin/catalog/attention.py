@@ -20,6 +20,9 @@ For one sequence and head, with scores S = softmax_scale * Q K^T (s_q x s_kv):
   default generator; O = P' V.
 ``fused_attn_fwd`` returns (O, ctx): ctx is opaque and backend-specific (e.g. the log-sum-exp and
 the dropout state); ``fused_attn_bwd`` must run on the backend that produced ctx.
+
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): a zero batch gives empty results; NaN and inf in q, k or v propagate as in the
+float32 formula (a fully masked row stays 0); q, k, v and dout may have any strides.
 """
 
 from dataclasses import dataclass

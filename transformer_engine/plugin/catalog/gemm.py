@@ -1,4 +1,9 @@
-"""Matrix multiplication with optional FP8 operands."""
+"""Matrix multiplication with optional FP8 operands.
+
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): M = 0 or N = 0 give an empty D; K = 0 gives D = bias (or zeros, or ``out``
+unchanged with ``accumulate``); NaN and inf propagate as in a float32 matmul; operands may have any
+strides (a transposed view is read as it is).
+"""
 
 from __future__ import annotations
 

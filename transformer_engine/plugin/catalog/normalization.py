@@ -5,6 +5,11 @@ row of x viewed as [M, H] (H = last dim). With ``fp8_scale`` given, y is returne
 (saturating cast with that scale) together with its scale_inv and the amax of the unquantized y
 (accumulated into ``amax_out`` when given, as in ``quantize``); otherwise y is in ``out_dtype``
 (default x's dtype), scale_inv and amax are None and ``amax_out`` must be None.
+
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): zero rows (M = 0) give empty results; an empty last dim (H = 0) raises ValueError
+(there is nothing to normalize over); a NaN or inf in a row makes that row's statistics and y NaN
+(the FP8 y keeps NaN as NaN codes; the amax skips non-finite values, as everywhere); a non-finite dy
+propagates into dx, dgamma and dbeta; x and dy may have any strides.
 """
 
 from __future__ import annotations

@@ -3,6 +3,11 @@
 Each takes ``chunk_size`` (a launch granularity hint), ``noop_flag`` (int32 [1]; set to 1 when a
 non-finite value is seen, and when it is already non-zero the update ops do nothing) and
 ``tensor_lists`` (lists of equal length, one tensor per parameter).
+
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): empty lists and empty tensors are fine (nothing to do; the l2norm of nothing is 0);
+lists of unequal lengths, tensors of one parameter with unequal sizes, and non-contiguous tensors raise
+ValueError (as TE's multi_tensor_apply, the kernels walk raw addresses); a NaN or inf input sets
+noop_flag and is otherwise processed by the formula (the update ops then skip the next calls).
 """
 
 from transformer_engine.plugin.core.catalog import declare

@@ -1,4 +1,14 @@
-"""FP8 quantization ops: per-tensor casts, transposes, amax, block scaling, delayed-scaling update."""
+"""FP8 quantization ops: per-tensor casts, transposes, amax, block scaling, delayed-scaling update.
+
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available):
+- empty tensors and zero-size dims are fine: empty q / q_t, amax 0 (so current scaling's scale is 1),
+  dbias of N zeros;
+- NaN stays NaN in q (a NaN code), +-inf saturates to +-fp8_max; every amax (and each block's
+  amax) skips NaN and +-inf; a non-finite amax given to a scale function leaves the scale at 1
+  (current / block scaling) or at its old value (delayed scaling);
+- inputs may have any strides; q, q_t and dbias are new contiguous tensors; the returned amax is a
+  0-d float32 tensor, with ``amax_out`` a 0-d view of that slot.
+"""
 
 from __future__ import annotations
 

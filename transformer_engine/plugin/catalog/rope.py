@@ -9,6 +9,9 @@ The backward applies the inverse rotation (s -> -s) to the output gradient.
 ``tensor_format`` is "sbhd", "bshd" or "thd" (packed, positions restart at each ``cu_seqlens``
 boundary); ``cp_size``/``cp_rank`` select this rank's chunks under context parallelism (sequence
 split into 2 * cp_size chunks, rank r holding chunks r and 2 * cp_size - 1 - r).
+
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): empty tensors (zero batch or heads) give empty results; NaN and inf propagate
+through the rotation as in float32 math; t may have any strides (an sbhd view of a bshd tensor).
 """
 
 from __future__ import annotations

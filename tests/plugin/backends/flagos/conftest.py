@@ -2,58 +2,22 @@
 
 With a CUDA GPU the kernels are compiled and the tests use ``cuda`` tensors (they are marked ``gpu``,
 so the root conftest does not hide the GPU from them). Without one, the
-kernel modules are imported with ``TRITON_INTERPRET=1`` (Triton decides at decoration time), so
-they run in Triton's CPU interpreter on ``cpu`` tensors; the variable is restored afterwards so
-that the rest of a test session does not route CPU calls to the (slow) interpreted backend.
-If the modules were already imported compiled, the tests here are skipped with that reason.
+kernel modules are imported with ``TRITON_INTERPRET=1`` (``_interpreter.py``, called by the root
+conftest when pytest starts), so they run in Triton's CPU interpreter on ``cpu`` tensors.
+If Triton was imported compiled before that, the tests here are skipped with that reason, and the
+root conftest fails the session because this tier, expected to run here, ran nothing.
 """
 
-import importlib
-import importlib.util
 import os
-import sys
 import zlib
 
 import pytest
 import torch
 
-_FAMILIES = ("activation", "attention", "misc", "normalization", "optimizer", "quantization", "rope", "softmax")
-_PACKAGE = "transformer_engine.plugin.backends.flagos"
+from tests.plugin.backends.flagos._interpreter import import_kernels
 
-
-def _import_kernels() -> str:
-    """Import the kernel modules (interpreted without a GPU); '' on success, else why not."""
-    # no `import triton` before TRITON_INTERPRET=1 is set: Triton's own jit helpers (tl.sum, tl.max,
-    # tl.zeros, ...) are decorated at that import, and compiled ones cannot run in the interpreter
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if "triton" in sys.modules and not interpreting and not torch.cuda.is_available():
-        return "triton was imported before this conftest could set TRITON_INTERPRET=1 and there is no GPU"
-    if torch.cuda.is_available():
-        for name in _FAMILIES:
-            importlib.import_module(f"{_PACKAGE}.{name}")
-        return ""
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        common = importlib.import_module(f"{_PACKAGE}._common")
-        for name in _FAMILIES:
-            importlib.import_module(f"{_PACKAGE}.{name}")
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    if not common.INTERPRET:
-        return (
-            "the flagos kernels were imported compiled before this conftest could set TRITON_INTERPRET=1 "
-            "and there is no GPU; run `TRITON_INTERPRET=1 python -m pytest tests/plugin/backends/flagos`"
-        )
-    return ""
-
-
-_SKIP_REASON = _import_kernels()
+# the root conftest already imported the kernels at startup (see _interpreter.py); this is a no-op then
+_SKIP_REASON = import_kernels()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

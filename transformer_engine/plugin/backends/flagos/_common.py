@@ -189,7 +189,7 @@ def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device, amax_out: O
     fmt = fp8_format(fp8_dtype)
     if amax_out is not None:  # no zero fill, no record afterwards: two fewer launches per cast
         scale_inv = torch.empty((), dtype=torch.float32, device=device)
-        return Fp8Outputs(q, scale_inv, amax_out.view(torch.int32), amax_out, fmt)
+        return Fp8Outputs(q, scale_inv, amax_out.view(torch.int32), amax_out.view(()), fmt)  # amax is 0-d, as without a slot
     scalars = torch.zeros(2, dtype=torch.int32, device=device)  # one allocation for both
     amax_bits = scalars[1]
     return Fp8Outputs(q, scalars[0].view(torch.float32), amax_bits, amax_bits.view(torch.float32), fmt)

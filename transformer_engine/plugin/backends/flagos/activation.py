@@ -94,7 +94,7 @@ def _act_value(a, ACT: tl.constexpr, limit, alpha):
         relu = tl.where(a < 0.0, 0.0, a)
         value = relu * relu
     else:  # clamped_silu
-        a_c = tl.minimum(a, limit)
+        a_c = tl.where(a > limit, limit, a)  # min(a, limit) that keeps NaN (the catalog's contract)
         value = a_c * _sigmoid(alpha * a_c)
     return value
 
@@ -119,7 +119,7 @@ def _act_grad(a, ACT: tl.constexpr, limit, alpha):
     elif ACT == "srelu":
         grad = 2.0 * tl.where(a < 0.0, 0.0, a)
     else:  # clamped_silu
-        a_c = tl.minimum(a, limit)
+        a_c = tl.where(a > limit, limit, a)  # min(a, limit) that keeps NaN (the catalog's contract)
         s = _sigmoid(alpha * a_c)
         grad = tl.where(a <= limit, s + alpha * a_c * s * (1.0 - s), 0.0)
     return grad
@@ -166,7 +166,7 @@ def _act_fwd_kernel(
     if GATED:
         b = tl.load(x_ptr + x_offs + N, mask=mask, other=0.0).to(tl.float32)
         if ACT == "clamped_silu":
-            b = tl.minimum(tl.maximum(b, -limit), limit) + 1.0
+            b = tl.where(b > limit, limit, tl.where(b < -limit, -limit, b)) + 1.0  # clip keeping NaN
         y = y * b
     y_offs = rows[:, None] * N + cols[None, :]
     if FP8_OUT:
@@ -204,7 +204,7 @@ def _act_bwd_kernel(
         db_factor = _act_value(a, ACT, limit, alpha)
         if ACT == "clamped_silu":
             db_factor = tl.where(tl.abs(b) <= limit, db_factor, 0.0)
-            b = tl.minimum(tl.maximum(b, -limit), limit) + 1.0
+            b = tl.where(b > limit, limit, tl.where(b < -limit, -limit, b)) + 1.0  # clip keeping NaN
         dx_offs = rows[:, None] * (2 * N) + cols[None, :]
         tl.store(dx_ptr + dx_offs, (dy * b * _act_grad(a, ACT, limit, alpha)).to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dx_ptr + dx_offs + N, (dy * db_factor).to(dx_ptr.dtype.element_ty), mask=mask)

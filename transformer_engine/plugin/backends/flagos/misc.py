@@ -24,8 +24,9 @@ Cross entropy, for one row z [V] of logits and target t, with label smoothing ep
     backward  dz_j = g (exp(z_j - lse) - (1 - eps) [j == t] - eps / V),  g = grad_loss of the row
 
 Rows whose target equals ``ignore_index`` get loss 0 and gradient 0 (their lse is still written).
-A target outside [0, V) that is not ``ignore_index`` gives a NaN loss: the kernel never reads out
-of bounds and never synchronises to raise (the reference backend raises instead).
+A target outside [0, V) that is not ``ignore_index`` gives a NaN loss and a NaN gradient row (the
+catalog's contract, which the reference backend follows): the kernel never reads out of bounds and
+never synchronises to raise.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_dbias, check_dropout_mask, dropout_scale
+from transformer_engine.plugin.backends._checks import (
+    check_bias_dropout_add,
+    check_cross_entropy,
+    check_cross_entropy_bwd,
+    check_dropout_dbias,
+    check_dropout_mask,
+    dropout_scale,
+)
 from transformer_engine.plugin.backends._dropout_mask import packed_bytes
 from transformer_engine.plugin.core import Reject
 
@@ -352,6 +360,8 @@ def _cross_entropy_bwd_kernel(
     row64 = row.to(tl.int64)
     target = tl.load(target_ptr + row).to(tl.int64)
     g = tl.load(grad_ptr + row64 * stride_g).to(tl.float32)
+    in_range = (target >= 0) & (target < V)
+    g = tl.where(in_range, g, float("nan"))  # the row of an out-of-range target: NaN, as its loss
     g = tl.where(target == ignore_index, 0.0, g)
     lse = tl.load(lse_ptr + row).to(tl.float32)
     for v0 in range(0, V, BLOCK_V):
@@ -361,17 +371,6 @@ def _cross_entropy_bwd_kernel(
         hit = tl.where(cols == target, 1.0 - label_smoothing, 0.0)
         dz = g * (tl.exp(z - lse) - hit - label_smoothing / V)
         tl.store(dz_ptr + row64 * V + cols, dz.to(dz_ptr.dtype.element_ty), mask=mask)
-
-
-def _check(logits, target, label_smoothing: float) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}; flatten the leading dims")
-    if target.shape != logits.shape[:1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must be [N] = [{logits.shape[0]}] (one class per row)")
-    if target.dtype.is_floating_point or target.dtype == torch.bool:
-        raise TypeError(f"target must be an integer tensor of class indices, got {target.dtype}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
 
 
 def _unit_cols(t: torch.Tensor) -> torch.Tensor:
@@ -391,9 +390,9 @@ def cross_entropy_fwd(logits, target, label_smoothing=0.0, ignore_index=-100):
         (loss float32 [N], lse float32 [N]); an out-of-range target gives a NaN loss.
 
     Raises:
-        ValueError / TypeError: bad shapes, dtypes or eps.
+        ValueError / TypeError: bad shapes (V = 0 included), dtypes or eps.
     """
-    _check(logits, target, label_smoothing)
+    check_cross_entropy(logits, target, label_smoothing)
     logits = _unit_cols(logits)
     n, vocab = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -420,11 +419,9 @@ def cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing=0.0, ignor
 
     Raises:
         ValueError / TypeError: as :func:`cross_entropy_fwd`, or grad_loss / lse not of shape [N].
+        The row of an out-of-range target gets a NaN gradient.
     """
-    _check(logits, target, label_smoothing)
-    for name, value in (("grad_loss", grad_loss), ("lse", lse)):
-        if value.shape != target.shape:
-            raise ValueError(f"{name} shape {tuple(value.shape)} must be [N] = [{target.shape[0]}]")
+    check_cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing)
     logits = _unit_cols(logits)
     n, vocab = logits.shape
     dz = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from transformer_engine.plugin.backends._checks import check_tensor_lists
 from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv, device_guard
@@ -244,30 +245,10 @@ def _groups(tensor_lists) -> Dict[Tuple[Tuple[torch.dtype, ...], bool], List[int
     return groups
 
 
-def _check_lists(op: str, tensor_lists, names) -> None:
-    """Raise ValueError unless ``tensor_lists`` holds len(names) lists of one length and equal sizes."""
-    if len(tensor_lists) != len(names):
-        raise ValueError(f"{op}: tensor_lists must be [{', '.join(names)}] ({len(names)} lists), got {len(tensor_lists)}")
-    lengths = [len(lst) for lst in tensor_lists]
-    if len(set(lengths)) > 1:
-        raise ValueError(f"{op}: the lists [{', '.join(names)}] must have equal lengths, got {lengths}")
-    for group in zip(*tensor_lists):
-        if len({t.numel() for t in group}) > 1:
-            raise ValueError(f"{op}: tensors of one parameter must have equal sizes, got {[tuple(t.shape) for t in group]}")
-
-
 def _chunk(chunk_size) -> int:
     """Elements per program: chunk_size rounded up to a multiple of the loop block."""
     size = int(chunk_size) if chunk_size and chunk_size > 0 else _DEFAULT_CHUNK
     return cdiv(size, _BLOCK) * _BLOCK
-
-
-def _contiguous_lists(tensor_lists):
-    """Every tensor must be contiguous: the kernels write through raw addresses."""
-    for lst in tensor_lists:
-        for t in lst:
-            if not t.is_contiguous():
-                raise ValueError(f"multi-tensor ops need contiguous tensors, got shape {tuple(t.shape)} strides {t.stride()}")
 
 
 def _launch_groups(kernel, tensor_lists, chunk_size, noop_flag, *scalars, **constexprs) -> None:
@@ -295,8 +276,7 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     Raises:
         ValueError: wrong list structure or non-contiguous tensors.
     """
-    _check_lists("multi_tensor_scale", tensor_lists, ("inputs", "outputs"))
-    _contiguous_lists(tensor_lists)
+    check_tensor_lists("multi_tensor_scale", tensor_lists, ("inputs", "outputs"))
     _launch_groups(_scale_kernel, tensor_lists, chunk_size, noop_flag, float(scale))
 
 
@@ -315,12 +295,11 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     Raises:
         ValueError: wrong list structure, mode not 0/1, step < 1 with bias correction, non-contiguous tensors.
     """
-    _check_lists("multi_tensor_adam", tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
+    check_tensor_lists("multi_tensor_adam", tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
     if mode not in (0, 1):
         raise ValueError(f"multi_tensor_adam: mode={mode} must be 0 (L2 / Adam) or 1 (decoupled / AdamW)")
     if bias_correction and step < 1:
         raise ValueError(f"multi_tensor_adam: step={step} must be >= 1 when bias_correction is on")
-    _contiguous_lists(tensor_lists)
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
     scalars = (lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, epsilon, bc1, bc2, weight_decay, 1.0 - lr * weight_decay)
@@ -342,8 +321,7 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     Raises:
         ValueError: wrong list structure or non-contiguous tensors.
     """
-    _check_lists("multi_tensor_l2norm", tensor_lists, ("tensors",))
-    _contiguous_lists(tensor_lists)
+    check_tensor_lists("multi_tensor_l2norm", tensor_lists, ("tensors",))
     tensors, device, chunk = tensor_lists[0], noop_flag.device, _chunk(chunk_size)
     groups = _groups(tensor_lists)
     partial = torch.empty(max(1, sum(cdiv(t.numel(), chunk) for t in tensors)), dtype=torch.float32, device=device)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_softmax_mask
+from transformer_engine.plugin.backends._checks import check_softmax_input, check_softmax_mask
 from transformer_engine.plugin.backends._fp8 import check_high_precision
 from transformer_engine.plugin.core import Reject
 
@@ -104,12 +104,6 @@ def _softmax_bwd_kernel(
     tl.store(dx_ptr + rows64[:, None] * SK + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=valid)
 
 
-def _check_x(x, dims, layout: str) -> None:
-    check_high_precision(x)
-    if dims is not None and x.dim() != dims:
-        raise ValueError(f"x must be {layout}, got shape {tuple(x.shape)}")
-
-
 def _forward(x, scale, mask_kind: str, mask=None, causal_offset: int = 0):
     """Launch the forward kernel on x viewed as [R, sk]; sq = x.shape[-2] (1 for 1-D x)."""
     x_rows = rows_view(x)
@@ -152,7 +146,7 @@ def _backward(dy, y, scale):
 
 def scaled_softmax_forward(x, scale):
     """y = softmax(scale * x, dim=-1), computed in float32, in x's dtype."""
-    _check_x(x, None, "any shape")
+    check_softmax_input(x, None, "any shape")
     return _forward(x, scale, "none")
 
 
@@ -167,7 +161,7 @@ def scaled_masked_softmax_forward(x, mask, scale):
     Raises:
         ValueError: x not 4-D, or a mask that is not boolean [b or 1, 1, sq, sk].
     """
-    _check_x(x, 4, "[b, h, sq, sk]")
+    check_softmax_input(x, 4, "[b, h, sq, sk]")
     check_softmax_mask(x, mask)
     return _forward(x, scale, "tensor", mask=mask)
 
@@ -179,7 +173,7 @@ def scaled_masked_softmax_backward(dy, y, scale):
 
 def scaled_upper_triang_masked_softmax_forward(x, scale):
     """y = softmax(scale * x with x[.., i, j > i] = -inf); x is [b*h, sq, sk]."""
-    _check_x(x, 3, "[b*h, sq, sk]")
+    check_softmax_input(x, 3, "[b*h, sq, sk]")
     return _forward(x, scale, "causal", causal_offset=0)
 
 
@@ -190,7 +184,7 @@ def scaled_upper_triang_masked_softmax_backward(dy, y, scale):
 
 def scaled_aligned_causal_masked_softmax_forward(x, scale):
     """y = softmax(scale * x with x[.., i, j > i + sk - sq] = -inf); x is [b, h, sq, sk]."""
-    _check_x(x, 4, "[b, h, sq, sk]")
+    check_softmax_input(x, 4, "[b, h, sq, sk]")
     return _forward(x, scale, "causal", causal_offset=x.shape[3] - x.shape[2])
 
 

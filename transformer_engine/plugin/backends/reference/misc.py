@@ -3,7 +3,7 @@
 Dropout, with keep mask m ~ Bernoulli(1 - p) drawn from the default generator of x's device:
     forward   y = x * m / (1 - p)
     backward  dx = dy * m / (1 - p)
-(p = 1 keeps nothing and gives zeros.) Bias-dropout-add, bias b [H] broadcast over the rows:
+(p = 1 keeps nothing and gives zeros; a dropped element is exactly 0 even where x is NaN or inf.) Bias-dropout-add, bias b [H] broadcast over the rows:
     forward   out = r + (x + b) * m / (1 - p)
     backward  dx = dout * m / (1 - p) (dropout_bwd), db = sum over rows of dx (dropout_bwd_dbias), dr = dout
 
@@ -11,12 +11,20 @@ Cross entropy of one row z [V] against target t with label smoothing eps:
     lse = log sum_j exp(z_j)
     forward   loss = (1 - eps) (lse - z_t) + eps (lse - mean_j z_j)
     backward  dz_j = dloss * (softmax(z)_j - (1 - eps) [j == t] - eps / V)
-Rows whose target is ``ignore_index`` have loss 0 and gradient 0. Math in float32.
+Rows whose target is ``ignore_index`` have loss 0 and gradient 0; a target outside [0, V) that is not
+``ignore_index`` gives that row a NaN loss and gradient (no host sync to raise). Math in float32.
 """
 
 import torch
 
-from transformer_engine.plugin.backends._checks import check_bias_dropout_add, check_dropout_dbias, check_dropout_mask, dropout_scale
+from transformer_engine.plugin.backends._checks import (
+    check_bias_dropout_add,
+    check_cross_entropy,
+    check_cross_entropy_bwd,
+    check_dropout_dbias,
+    check_dropout_mask,
+    dropout_scale,
+)
 from transformer_engine.plugin.backends._dropout_mask import pack_keep, unpack_keep
 
 __all__ = ["dropout_fwd", "dropout_bwd", "dropout_bwd_dbias", "bias_dropout_add_fwd", "cross_entropy_fwd", "cross_entropy_bwd"]
@@ -42,7 +50,7 @@ def dropout_fwd(x, p):
     """
     scale = dropout_scale(p)
     keep = _keep_mask(x, p)
-    return (x.float() * keep * scale).to(x.dtype), pack_keep(keep)
+    return _kept(x.float(), keep, scale).to(x.dtype), pack_keep(keep)
 
 
 def dropout_bwd(dy, mask, p):
@@ -70,9 +78,14 @@ def dropout_bwd_dbias(dy, mask, p):
     return dx.to(dy.dtype), dx.flatten(0, -2).sum(0) if dy.dim() > 1 else dx
 
 
+def _kept(h: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """h * scale where kept, exactly 0 where dropped (also where h is NaN or inf)."""
+    return torch.where(keep, h * scale, torch.zeros((), dtype=h.dtype, device=h.device))
+
+
 def _dropped(dy, mask, scale: float) -> torch.Tensor:
-    """dy * m * scale in float32, m the packed keep mask."""
-    return dy.float() * unpack_keep(mask, dy.shape) * scale
+    """dy * m * scale in float32, m the packed keep mask (dropped elements exactly 0)."""
+    return _kept(dy.float(), unpack_keep(mask, dy.shape), scale)
 
 
 def bias_dropout_add_fwd(x, bias, residual, p):
@@ -95,27 +108,14 @@ def bias_dropout_add_fwd(x, bias, residual, p):
     check_bias_dropout_add(x, bias, residual)
     keep = _keep_mask(x, p)
     h = x.float() if bias is None else x.float() + bias.float()
-    return (residual.float() + h * keep * scale).to(x.dtype), pack_keep(keep)
-
-
-def _check_cross_entropy(logits, target, label_smoothing: float) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}; flatten the leading dims")
-    if target.shape != logits.shape[:1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must be [N] = [{logits.shape[0]}] (one class per row)")
-    if target.dtype.is_floating_point or target.dtype == torch.bool:
-        raise TypeError(f"target must be an integer tensor of class indices, got {target.dtype}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+    return (residual.float() + _kept(h, keep, scale)).to(x.dtype), pack_keep(keep)
 
 
 def _valid_targets(logits, target, ignore_index: int):
-    """(kept rows as bool [N], targets with ignored rows replaced by 0); raises on out-of-range classes."""
+    """(kept rows, out-of-range rows, targets with both replaced by 0), all without a host sync."""
     kept = target != ignore_index
-    vocab = logits.shape[1]
-    if bool((kept & ((target < 0) | (target >= vocab))).any()):
-        raise ValueError(f"every target must be in [0, {vocab}) or equal ignore_index={ignore_index}")
-    return kept, torch.where(kept, target, torch.zeros_like(target)).long()
+    bad = kept & ((target < 0) | (target >= logits.shape[1]))
+    return kept, bad, torch.where(kept & ~bad, target, torch.zeros_like(target)).long()
 
 
 def cross_entropy_fwd(logits, target, label_smoothing=0.0, ignore_index=-100):
@@ -131,14 +131,16 @@ def cross_entropy_fwd(logits, target, label_smoothing=0.0, ignore_index=-100):
         (loss float32 [N], lse float32 [N]).
 
     Raises:
-        ValueError / TypeError: bad shapes, dtypes, eps, or a target out of [0, V).
+        ValueError / TypeError: bad shapes (V = 0 included), dtypes or eps. A target out of [0, V) that
+        is not ``ignore_index`` is not an error: its row's loss is NaN (no host sync to look).
     """
-    _check_cross_entropy(logits, target, label_smoothing)
-    kept, safe_target = _valid_targets(logits, target, ignore_index)
+    check_cross_entropy(logits, target, label_smoothing)
+    kept, bad, safe_target = _valid_targets(logits, target, ignore_index)
     z = logits.float()
     lse = torch.logsumexp(z, dim=-1)
     z_t = z.gather(1, safe_target[:, None])[:, 0]
     loss = (1.0 - label_smoothing) * (lse - z_t) + label_smoothing * (lse - z.mean(dim=-1))
+    loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
     return torch.where(kept, loss, torch.zeros_like(loss)), lse
 
 
@@ -155,15 +157,14 @@ def cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing=0.0, ignor
 
     Raises:
         ValueError / TypeError: as :func:`cross_entropy_fwd`, or grad_loss / lse not of shape [N].
+        The row of an out-of-range target gets a NaN gradient.
     """
-    _check_cross_entropy(logits, target, label_smoothing)
-    for name, value in (("grad_loss", grad_loss), ("lse", lse)):
-        if value.shape != target.shape:
-            raise ValueError(f"{name} shape {tuple(value.shape)} must be [N] = [{target.shape[0]}]")
-    kept, safe_target = _valid_targets(logits, target, ignore_index)
+    check_cross_entropy_bwd(grad_loss, logits, target, lse, label_smoothing)
+    kept, bad, safe_target = _valid_targets(logits, target, ignore_index)
     z = logits.float()
     probs = torch.exp(z - lse.float()[:, None])
     one_hot = torch.zeros_like(probs).scatter_(1, safe_target[:, None], 1.0)
     dz = probs - (1.0 - label_smoothing) * one_hot - label_smoothing / z.shape[1]
     scale = torch.where(kept, grad_loss.float(), torch.zeros_like(lse, dtype=torch.float32))
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     return (dz * scale[:, None]).to(logits.dtype)

@@ -18,19 +18,9 @@ SGD (PyTorch semantics):
 
 import torch
 
+from transformer_engine.plugin.backends._checks import check_tensor_lists
+
 __all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_adam", "multi_tensor_sgd"]
-
-
-def _check_lists(op: str, tensor_lists, names) -> None:
-    """Raise ValueError unless ``tensor_lists`` holds len(names) lists of one common length."""
-    if len(tensor_lists) != len(names):
-        raise ValueError(f"{op}: tensor_lists must be [{', '.join(names)}] ({len(names)} lists), got {len(tensor_lists)}")
-    lengths = [len(lst) for lst in tensor_lists]
-    if len(set(lengths)) > 1:
-        raise ValueError(f"{op}: the lists [{', '.join(names)}] must have equal lengths, got {lengths}")
-    for group in zip(*tensor_lists):
-        if len({t.numel() for t in group}) > 1:
-            raise ValueError(f"{op}: tensors of one parameter must have equal sizes, got {[tuple(t.shape) for t in group]}")
 
 
 def _skip(noop_flag) -> bool:
@@ -62,7 +52,7 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
         tensor_lists: [inputs, outputs].
         scale: float multiplier.
     """
-    _check_lists("multi_tensor_scale", tensor_lists, ("inputs", "outputs"))
+    check_tensor_lists("multi_tensor_scale", tensor_lists, ("inputs", "outputs"))
     for src, dst in zip(*tensor_lists):
         src32 = src.float()
         _flag_if_not_finite(noop_flag, src32)
@@ -81,7 +71,7 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     Returns:
         (total float32 [1], per-tensor norms float32 [n] if per_tensor else an empty float32 tensor).
     """
-    _check_lists("multi_tensor_l2norm", tensor_lists, ("tensors",))
+    check_tensor_lists("multi_tensor_l2norm", tensor_lists, ("tensors",))
     device = noop_flag.device
     norms = [torch.linalg.vector_norm(t.float()).reshape(1).to(device) for t in tensor_lists[0]]
     per = torch.cat(norms) if norms else torch.zeros(0, dtype=torch.float32, device=device)
@@ -105,7 +95,7 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     Raises:
         ValueError: wrong list structure, mode not 0/1, or step < 1 with bias correction.
     """
-    _check_lists("multi_tensor_adam", tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
+    check_tensor_lists("multi_tensor_adam", tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
     if mode not in (0, 1):
         raise ValueError(f"multi_tensor_adam: mode={mode} must be 0 (L2 / Adam) or 1 (decoupled / AdamW)")
     if bias_correction and step < 1:
@@ -144,7 +134,7 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum
     Raises:
         ValueError: wrong list structure.
     """
-    _check_lists("multi_tensor_sgd", tensor_lists, ("grads", "params", "momentum_buffers"))
+    check_tensor_lists("multi_tensor_sgd", tensor_lists, ("grads", "params", "momentum_buffers"))
     if _skip(noop_flag):
         return
     for grad, param, buf in zip(*tensor_lists):

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from transformer_engine.plugin.backends._checks import check_softmax_mask
+from transformer_engine.plugin.backends._checks import check_softmax_input, check_softmax_mask
 
 from .._fp8 import check_high_precision
 
@@ -33,12 +33,6 @@ __all__ = [
 ]
 
 _MASK_VALUE = -10000.0
-
-
-def _check_x(x, dims: Optional[int], layout: str) -> None:
-    check_high_precision(x)
-    if dims is not None and x.dim() != dims:
-        raise ValueError(f"x must be {layout}, got shape {tuple(x.shape)}")
 
 
 def _softmax(x: torch.Tensor, scale: float, masked: Optional[torch.Tensor], fill: float) -> torch.Tensor:
@@ -71,7 +65,7 @@ def _softmax_backward(dy, y, scale) -> torch.Tensor:
 
 def scaled_softmax_forward(x, scale):
     """y = softmax(scale * x, dim=-1), computed in float32, in x's dtype."""
-    _check_x(x, None, "any shape")
+    check_softmax_input(x, None, "any shape")
     return _softmax(x, scale, None, 0.0)
 
 
@@ -86,7 +80,7 @@ def scaled_masked_softmax_forward(x, mask, scale):
     Raises:
         ValueError: x not 4-D, or a mask that is not boolean [b or 1, 1, sq, sk].
     """
-    _check_x(x, 4, "[b, h, sq, sk]")
+    check_softmax_input(x, 4, "[b, h, sq, sk]")
     check_softmax_mask(x, mask)
     return _softmax(x, scale, mask, _MASK_VALUE)
 
@@ -98,7 +92,7 @@ def scaled_masked_softmax_backward(dy, y, scale):
 
 def scaled_upper_triang_masked_softmax_forward(x, scale):
     """y = softmax(scale * x with x[.., i, j > i] = -inf); x is [b*h, sq, sk]."""
-    _check_x(x, 3, "[b*h, sq, sk]")
+    check_softmax_input(x, 3, "[b*h, sq, sk]")
     return _softmax(x, scale, _causal_mask(x.shape[1], x.shape[2], 0, x.device), float("-inf"))
 
 
@@ -109,7 +103,7 @@ def scaled_upper_triang_masked_softmax_backward(dy, y, scale):
 
 def scaled_aligned_causal_masked_softmax_forward(x, scale):
     """y = softmax(scale * x with x[.., i, j > i + sk - sq] = -inf); x is [b, h, sq, sk]."""
-    _check_x(x, 4, "[b, h, sq, sk]")
+    check_softmax_input(x, 4, "[b, h, sq, sk]")
     sq, sk = x.shape[2], x.shape[3]
     return _softmax(x, scale, _causal_mask(sq, sk, sk - sq, x.device), float("-inf"))
 
