@@ -70,6 +70,17 @@ def _variants(shapes, device) -> Dict[str, Dict[str, Callable]]:
             "bf16 + fp32 master": {"torch AdamW(fused=True) + copy": bf16_torch, "te FusedAdam(master_weights)": bf16_ours}}
 
 
+def _measure(optimizer, after) -> tuple:
+    """(median ms of ``optimizer.step()`` followed by ``after()``, the optimizer's state bytes)."""
+
+    def step():
+        optimizer.step()
+        if after is not None:
+            after()
+
+    return time_fn(step, warmup=3, iters=10), _state_bytes(optimizer)
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=1e9, help="parameter count (elements)")
@@ -83,21 +94,12 @@ def main() -> None:
         for setting, variants in _variants(shapes, "cuda").items():
             baseline_ms = None
             for name, build in variants.items():  # torch first: the baseline of the speed-up
-                optimizer, after = build()
-
-                def step():
-                    optimizer.step()
-                    if after is not None:
-                        after()
-
-                ms = time_fn(step, warmup=3, iters=10)
+                ms, state = _measure(*build())
                 baseline_ms = baseline_ms or ms
-                state = _state_bytes(optimizer) / count
                 results.append({"setting": setting, "optimizer": name, "ms": ms, "speedup": baseline_ms / ms,
-                                "state_bytes_per_param": state})
-                rows.append([setting, name, f"{ms:.2f}", f"{baseline_ms / ms:.2f}x", f"{state:.1f}"])
-                del optimizer, after
-                torch.cuda.empty_cache()
+                                "state_bytes_per_param": state / count})
+                rows.append([setting, name, f"{ms:.2f}", f"{baseline_ms / ms:.2f}x", f"{state / count:.1f}"])
+                torch.cuda.empty_cache()  # the optimizer and its tensors are gone with _measure's frame
     print_table(f"Adam step over {count / 1e9:.2f}B parameters (speed-up: torch ms / ours)",
                 ["setting", "optimizer", "ms", "speed-up", "state B/param"], rows)
     write_json(args.json, {"params": count, "results": results})

@@ -8,7 +8,6 @@ through it, match the reference backend, and decline what it cannot serve with a
 import importlib
 import warnings
 
-import pytest
 import torch
 
 import transformer_engine.pytorch as te

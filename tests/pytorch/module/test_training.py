@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from tests.utils import randn
 from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 

@@ -26,7 +26,7 @@ float32 formula (a fully masked row stays 0); q, k, v and dout may have any stri
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 from transformer_engine.plugin.core.catalog import declare
 

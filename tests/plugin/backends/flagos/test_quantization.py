@@ -235,8 +235,8 @@ def test_amax_skips_blocks_without_a_finite_element(fp8_dtype, device):
     _assert_same_quantize(fq.quantize(x, scale, fp8_dtype), ref.quantize(x, scale, fp8_dtype))
     assert torch.equal(fq.compute_amax(x).cpu(), ref.compute_amax(x).cpu())
     blocks = x[: 3 * 4096].reshape(384, 32)  # its 128 x 64 tiles over 32 columns: the same 4096-element blocks
-    for fn in (fq.cast_transpose, fq.quantize_transposed):
-        assert torch.equal(fn(blocks, scale, fp8_dtype)[-1].cpu(), ref.compute_amax(blocks).cpu())
+    for cast in (fq.cast_transpose, fq.quantize_transposed):
+        assert torch.equal(cast(blocks, scale, fp8_dtype)[-1].cpu(), ref.compute_amax(blocks).cpu())
 
 
 def test_errors_and_supports(device):
@@ -282,8 +282,8 @@ def test_large_casts_bit_exact_gpu(fp8_dtype):
 def test_cast_transpose_writes_the_transpose_gpu(dtype, shape):
     # full tiles of float32 once gave a wrong q_t on the H200 (Triton transposing 8-bit tiles of 32-bit loads)
     x, scale = randn(*shape, dtype=dtype, device="cuda"), _scale("cuda")
-    for fn in (fq.cast_transpose, fq.cast_transpose_dbias):
-        q, q_t = fn(x, scale, torch.float8_e5m2)[:2]
+    for cast in (fq.cast_transpose, fq.cast_transpose_dbias):
+        q, q_t = cast(x, scale, torch.float8_e5m2)[:2]
         assert_fp8_equal(q_t, q.t().contiguous())
         assert_fp8_equal(q, ref.quantize(x, scale, torch.float8_e5m2)[0])
     assert_fp8_equal(fq.quantize_transposed(x, scale, torch.float8_e5m2)[0], q_t)
