@@ -88,15 +88,17 @@ def _assert_same(a, b):
         torch.testing.assert_close(a[2][name], b[2][name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_checkpoint_replays_dropout_exactly(use_reentrant):
-    """Hidden dropout (default generator) and attention dropout (tracker stream) are drawn again identically."""
+def test_checkpoint_replays_dropout_exactly(use_reentrant, device):
+    """Hidden dropout (default generator) and attention dropout (tracker stream) are drawn again identically
+    (on a GPU the tracker's streams are generator objects: their snapshot and restore are clones)."""
     tracker = _tracker()
-    layer = _layer(hidden_dropout=0.2, attention_dropout=0.2, get_rng_state_tracker=lambda: tracker).train()
-    x = randn(S, B, HIDDEN)
+    layer = _layer(hidden_dropout=0.2, attention_dropout=0.2, get_rng_state_tracker=lambda: tracker, device=device).train()
+    x = randn(S, B, HIDDEN, device=device)
     results = []
     for use_checkpoint in (False, True):
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # seeds the CUDA generators too
         tracker.reset()
         tracker.add("model-parallel-rng", 99)
         results.append(_run(layer, x, use_checkpoint, use_reentrant, tracker=tracker))

@@ -169,3 +169,23 @@ def test_capture_leaves_the_callers_autocast_alone():
         te.make_graphed_callables(te.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda"), (x,),
                                   enabled=True, recipe=recipe)
         assert current_config().enabled is False
+
+
+@pytest.mark.gpu
+def test_graphed_attention_dropout_on_a_tracker_stream_draws_anew():
+    """Attention dropout forked onto a CudaRNGStatesTracker stream captures (the fork swaps generator objects,
+    not set_rng_state, which capture forbids) and each replay draws new masks from that stream, leaving the
+    default generator's eager draws alone."""
+    tracker = te.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+    layer = te.TransformerLayer(HIDDEN, 2 * HIDDEN, 4, hidden_dropout=0.0, attention_dropout=0.5, get_rng_state_tracker=lambda: tracker,
+                                params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(TOKENS, 2, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(layer, (x,))
+    y1, y2 = graphed(x).clone(), graphed(x).clone()
+    assert not torch.equal(y1, y2)  # fresh attention masks at each replay
+    graphed(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    before = tracker.get_states()["model-parallel-rng"].get_state()
+    graphed(x)
+    assert not torch.equal(tracker.get_states()["model-parallel-rng"].get_state(), before)  # the stream advanced

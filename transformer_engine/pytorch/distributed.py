@@ -57,12 +57,38 @@ def _set_rng_state(device_type: str, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def _graph_safe(device_type: str) -> bool:
+    """True where the tracker's CUDA streams are generator objects swapped in with ``graphsafe_set_state``
+    (PyTorch >= 2.4): CUDA-graph capture forbids ``set_rng_state``, and a graph replays the streams it
+    registered (``CUDAGraph.register_generator_state``) with fresh Philox offsets."""
+    return (device_type == "cuda" and hasattr(torch.Generator, "graphsafe_set_state")
+            and hasattr(torch.cuda.CUDAGraph, "register_generator_state"))
+
+
+def _cuda_generator() -> torch.Generator:
+    index = torch.cuda.current_device()  # first: it initializes CUDA, which creates the default generators
+    return torch.cuda.default_generators[index]
+
+
+def _assign(states: Dict[str, object], name: str, state) -> None:
+    """``states[name] = state``; a generator stream keeps its object (graphs may have registered it) and
+    takes the values of ``state``."""
+    current = states.get(name)
+    if isinstance(current, torch.Generator) and isinstance(state, torch.Generator):
+        current.set_state(state.get_state())
+    else:
+        states[name] = state
+
+
 class CudaRNGStatesTracker:
     """Named RNG streams: ``fork(name)`` runs a block on stream ``name`` and leaves the default one untouched.
 
     Used for model-parallel dropout (each tensor-parallel rank draws different attention-dropout masks
     from its own stream). Streams live on the CUDA generator when a GPU is present, else on the CPU
-    generator, so the same code runs on CPU.
+    generator, so the same code runs on CPU. On a GPU each stream is a generator state object that
+    ``fork`` swaps in with ``graphsafe_set_state`` (where PyTorch has it), so forks work inside CUDA-graph
+    capture; ``make_graphed_callables`` registers the streams with its graphs, which replay them with
+    fresh draws.
 
     Example:
         >>> tracker = CudaRNGStatesTracker()
@@ -91,11 +117,15 @@ class CudaRNGStatesTracker:
 
     def get_states(self) -> Dict[str, torch.Tensor]:
         """A copy of the name -> generator state map (to restore later with :meth:`set_states`)."""
-        return dict(self.states_)
+        return {name: state.clone_state() if isinstance(state, torch.Generator) else state for name, state in self.states_.items()}
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
         """Replace the streams by ``states`` (as returned by :meth:`get_states`)."""
-        self.states_ = dict(states)
+        current, self.states_ = self.states_, {}
+        for name, state in states.items():
+            if name in current:
+                self.states_[name] = current[name]
+            _assign(self.states_, name, state)
 
     def add(self, name: str, seed: int) -> None:
         """Create stream ``name`` seeded with ``seed``.
@@ -109,6 +139,11 @@ class CudaRNGStatesTracker:
             raise ValueError(f"RNG stream {name!r} already exists; call reset() first or pick another name")
         self.seeds_.add(seed)
         device_type = _rng_device_type()
+        if _graph_safe(device_type):
+            stream = _cuda_generator().clone_state()
+            stream.manual_seed(seed)
+            self.states_[name] = stream
+            return
         saved = _get_rng_state(device_type)
         try:
             if device_type == "cuda":
@@ -128,14 +163,24 @@ class CudaRNGStatesTracker:
         """
         if name not in self.states_:
             raise ValueError(f"RNG stream {name!r} was not added; call add({name!r}, seed) first")
-        device_type = _rng_device_type()
-        saved = _get_rng_state(device_type)
-        _set_rng_state(device_type, self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = _get_rng_state(device_type)
-            _set_rng_state(device_type, saved)
+        stream = self.states_[name]
+        if isinstance(stream, torch.Generator):  # advances in place
+            generator = _cuda_generator()
+            saved_stream = generator.graphsafe_get_state()
+            generator.graphsafe_set_state(stream)
+            try:
+                yield
+            finally:
+                generator.graphsafe_set_state(saved_stream)
+        else:
+            device_type = _rng_device_type()
+            saved = _get_rng_state(device_type)
+            _set_rng_state(device_type, stream)
+            try:
+                yield
+            finally:
+                self.states_[name] = _get_rng_state(device_type)
+                _set_rng_state(device_type, saved)
 
 
 _TRACKERS: "weakref.WeakSet[CudaRNGStatesTracker]" = weakref.WeakSet()
@@ -158,7 +203,9 @@ def set_all_rng_states(states: Dict[str, torch.Tensor]) -> None:
     if unknown:
         raise ValueError(f"no CudaRNGStatesTracker has the streams {unknown}; add them first")
     for tracker in trackers:
-        tracker.states_.update({name: state for name, state in states.items() if name in tracker.states_})
+        for name, state in states.items():
+            if name in tracker.states_:
+                _assign(tracker.states_, name, state)
 
 
 class _RngSnapshot:

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from transformer_engine.common.recipe import Recipe
 
+from .distributed import get_all_rng_states
 from .quantization.autocast import autocast, isolated_stack
 from .quantization.delayed_update import hold_plans
 
@@ -288,7 +289,7 @@ def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Op
         saved.restore()
         forwards = []
         for run in runs:
-            graph = torch.cuda.CUDAGraph()
+            graph = _new_graph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
                 outputs = run()
             forwards.append((graph, *_flat_outputs(outputs)))
@@ -296,6 +297,16 @@ def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Op
         for index in reversed(range(len(runs))):
             captures[index] = _capture_backward(forwards[index], surfaces[index], pool, options)
     return captures, held
+
+
+def _new_graph() -> torch.cuda.CUDAGraph:
+    """A CUDA graph that replays the named RNG streams of the live ``CudaRNGStatesTracker`` s (registered
+    generator states: each replay draws anew, as the default generator does)."""
+    graph = torch.cuda.CUDAGraph()
+    for stream in get_all_rng_states().values():
+        if isinstance(stream, torch.Generator):
+            graph.register_generator_state(stream)
+    return graph
 
 
 def _capture_backward(forward, surface: Tuple[Tuple[torch.Tensor, ...], int], pool, options: _Options) -> _Capture:
@@ -307,7 +318,7 @@ def _capture_backward(forward, surface: Tuple[Tuple[torch.Tensor, ...], int], po
     graph = None
     grads: Sequence[Optional[torch.Tensor]] = ()
     if any(g is not None for g in grad_outputs) and wanted:
-        graph = torch.cuda.CUDAGraph()
+        graph = _new_graph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
             grads = torch.autograd.grad(
                 [o for o in outputs if o.requires_grad], wanted, [g for g in grad_outputs if g is not None],
