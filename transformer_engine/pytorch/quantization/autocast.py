@@ -212,10 +212,6 @@ def isolated_stack(on_register: Callable[[Any], None]) -> Iterator[None]:
         vars(_STATE).update(saved)
 
 
-#: recipe type -> the check ``autocast`` runs on entry (see :func:`_runnable_check_of`)
-_RUNNABLE_CHECKS: Dict[type, Callable[[Recipe], None]] = {}
-
-
 def _check_runnable(recipe: Recipe) -> None:
     """Raise before entering FP8 when ``recipe`` cannot run here (the reason is in the message)."""
     if recipe.backward_override is not None:
@@ -223,19 +219,12 @@ def _check_runnable(recipe: Recipe) -> None:
             f"backward_override={recipe.backward_override!r} is not implemented yet in TransformerEngine-FL; "
             "unset NVTE_BACKWARD_OVERRIDE"
         )
-    check = _RUNNABLE_CHECKS.get(type(recipe))  # the recipe type's rule, picked once (autocast runs every step)
-    if check is None:
-        check = _RUNNABLE_CHECKS.setdefault(type(recipe), _runnable_check_of(recipe))
-    check(recipe)
-
-
-def _runnable_check_of(recipe: Recipe) -> Callable[[Recipe], None]:
-    """The check of ``recipe``'s type: MXFP8's own rule (emulated anywhere), block scaling's, or per-tensor FP8's."""
-    if recipe.mxfp8():
-        return _check_mxfp8_runnable
-    if recipe.float8_block_scaling():
-        return _check_block_scaling_runnable
-    return _check_fp8_runnable
+    if recipe.mxfp8():  # emulated anywhere
+        _check_mxfp8_runnable(recipe)
+    elif recipe.float8_block_scaling():
+        _check_block_scaling_runnable(recipe)
+    else:
+        _check_fp8_runnable(recipe)
 
 
 def _check_fp8_runnable(recipe) -> None:
