@@ -20,10 +20,9 @@ communication in backward.
 The kernels are the catalog's ``cross_entropy_fwd`` / ``cross_entropy_bwd``. Their contract covers one
 shard that holds every row's target, so the vocab-parallel case uses the forward op only for lse_r and
 composes the rest (target logits, the smoothing sum, and the backward, where a row's target may live on
-another rank) from torch ops around the collectives. While ``torch.compile`` traces, the same math is
-written in torch ops as well: the catalog's cross-entropy ops cannot be traced yet (their fake
-implementation, the reference backend, checks target values, a data-dependent branch), and Inductor
-fuses these few ops itself.
+another rank) from torch ops around the collectives. Under ``torch.compile`` the catalog ops are the
+custom ops of every catalog op (their contract gives an out-of-range target a NaN row: no
+data-dependent check to trace).
 """
 
 from __future__ import annotations
@@ -70,23 +69,6 @@ def _check_targets(target: torch.Tensor, vocab: int, ignore_idx: int) -> None:
         raise ValueError(f"{message}; got {target[bad][:4].tolist()}")
 
 
-def _traced_fwd(z: torch.Tensor, target: torch.Tensor, eps: float, ignore_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``cross_entropy_fwd`` in torch ops, for graphs being traced: (loss float32 [N], lse float32 [N])."""
-    zf = z.float()
-    kept = target != ignore_idx
-    lse = torch.logsumexp(zf, dim=-1)
-    z_t = zf.gather(1, torch.where(kept, target, 0)[:, None])[:, 0]
-    loss = (1.0 - eps) * (lse - z_t) + eps * (lse - zf.mean(dim=-1))
-    return torch.where(kept, loss, 0.0), lse
-
-
-def _local_fwd(z: torch.Tensor, target: torch.Tensor, eps: float, ignore_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) of rows whose targets are all in z's columns: the catalog op, or torch ops when traced."""
-    if torch.compiler.is_compiling():
-        return _traced_fwd(z, target, eps, ignore_idx)
-    return ops.cross_entropy_fwd(z, target, eps, ignore_idx)
-
-
 def _grad_logits(grad: torch.Tensor, z: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, kept: torch.Tensor,
                  lse: torch.Tensor, eps: float, vocab: int) -> torch.Tensor:
     """dz_j = g (exp(z_j - lse) - eps / V - (1 - eps) [j == t]) over z's columns, in torch ops: the one-hot
@@ -106,7 +88,7 @@ def _vocab_parallel_fwd(z: torch.Tensor, target: torch.Tensor, eps: float, ignor
     local_t = target - lo
     owned = kept & (local_t >= 0) & (local_t < z.shape[1])
     # lse_r from the op: every row marked ignored, so no target is looked up in this shard
-    _, lse_r = _local_fwd(z, torch.full_like(target, ignore_idx), 0.0, ignore_idx)
+    _, lse_r = ops.cross_entropy_fwd(z, torch.full_like(target, ignore_idx), 0.0, ignore_idx)
     m = comm.all_reduce_max(lse_r, group)
     z_t = torch.where(owned, z.gather(1, torch.where(owned, local_t, 0)[:, None])[:, 0].float(), 0.0)
     z_sum = z.sum(dim=-1, dtype=torch.float32) if eps else torch.zeros_like(lse_r)
@@ -123,7 +105,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, z, target, label_smoothing, ignore_idx, group, shard):
         """loss per row; ``shard`` = (first column held here, full vocabulary), None on one rank."""
         if shard is None:
-            loss, lse = _local_fwd(z, target, label_smoothing, ignore_idx)
+            loss, lse = ops.cross_entropy_fwd(z, target, label_smoothing, ignore_idx)
         else:
             loss, lse = _vocab_parallel_fwd(z, target, label_smoothing, ignore_idx, group, shard)
         ctx.save_for_backward(z, target, lse)
@@ -135,10 +117,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
         """dz from the saved logits and global lse; no communication."""
         z, target, lse = ctx.saved_tensors
         eps, ignore_idx, shard = ctx.settings
-        if shard is None and not torch.compiler.is_compiling():
+        if shard is None:
             dz = ops.cross_entropy_bwd(grad_loss, z, target, lse, eps, ignore_idx)
         else:
-            lo, vocab = shard or (0, z.shape[1])
+            lo, vocab = shard
             kept = target != ignore_idx
             local_t = target - lo
             owned = kept & (local_t >= 0) & (local_t < z.shape[1])
