@@ -20,6 +20,7 @@ Usage: python benchmarks/bench_sizes.py [--hidden 1024,2048,4096] [--json out.js
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -36,6 +37,12 @@ class Variant:
     build: Callable[[LayerShape], nn.Module]
     recipe: Optional[Callable[[], object]] = None  # recipe factory, None: high precision
     mode: str = "eager"  # eager | compile | compile-graphs (mode="reduce-overhead") | graphs (te.make_graphed_callables)
+    compile_ops: str = "traced"  # TE_FL_COMPILE_OPS while a compiled variant runs (traced: Inductor sees the tensor ops)
+
+    @property
+    def label(self) -> str:
+        """The mode, with the compile-ops setting when it is not the default."""
+        return self.mode if self.compile_ops == "traced" else f"{self.mode} ({self.compile_ops})"
 
 
 def _recipes():
@@ -47,7 +54,8 @@ def _recipes():
     }
 
 
-def _variants(device: str) -> List[Variant]:
+def _variants(device: str, compile_ops: List[str]) -> List[Variant]:
+    """Every variant; the TE layer's compiled ones once per ``compile_ops`` setting (see Variant)."""
     import transformer_engine.pytorch as te
 
     recipes = _recipes()
@@ -56,7 +64,8 @@ def _variants(device: str) -> List[Variant]:
                                           self_attn_mask_type="causal")
     out = [Variant("plain", plain, mode=mode) for mode in ("eager", "compile", "compile-graphs")]
     for name, recipe in [("bf16", None), ("fp8 delayed", recipes["delayed"]), ("fp8 current", recipes["current"])]:
-        out += [Variant(f"te-layer {name}", layer, recipe, mode) for mode in ("eager", "compile", "compile-graphs")]
+        out.append(Variant(f"te-layer {name}", layer, recipe))
+        out += [Variant(f"te-layer {name}", layer, recipe, mode, ops) for ops in compile_ops for mode in ("compile", "compile-graphs")]
     out.append(Variant("te-layer fp8 delayed", layer, recipes["delayed"], "graphs"))
     return out
 
@@ -98,14 +107,15 @@ def step_memory(step: Callable[[], None]) -> Optional[int]:
     return peak_memory(step) - before
 
 
-def layer_sweep(hiddens: List[int], device: str, iters: int) -> List[Dict[str, object]]:
+def layer_sweep(hiddens: List[int], device: str, iters: int, compile_ops: List[str]) -> List[Dict[str, object]]:
     rows = []
     for hidden in hiddens:
         s = LayerShape(hidden=hidden, ffn=4 * hidden, heads=max(1, hidden // 64), seq=512, batch=16)
         base_ms = None
-        for variant in _variants(device):
-            row = {"hidden": hidden, "variant": variant.name, "mode": variant.mode}
+        for variant in _variants(device, compile_ops):
+            row = {"hidden": hidden, "variant": variant.name, "mode": variant.label}
             try:
+                os.environ["TE_FL_COMPILE_OPS"] = variant.compile_ops  # read when Dynamo traces (first call)
                 built = _step(variant, s, device)
                 row["ms"] = time_fn(built["step"], warmup=5, iters=iters, device=torch.device(device))
                 row["host_ms"] = host_ms(built["step"], device)
@@ -182,10 +192,12 @@ def main() -> None:
     parser.add_argument("--hidden", default="1024,2048,4096", help="comma-separated hidden sizes")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--plot", default=None, help="write the speed-up plot (PNG) here")
+    parser.add_argument("--compile-ops", default="traced",
+                        help="comma list of TE_FL_COMPILE_OPS settings for the TE layer's compiled variants (traced, custom_op)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hiddens = [int(h) for h in args.hidden.split(",")]
-    rows = layer_sweep(hiddens, device, args.iters)
+    rows = layer_sweep(hiddens, device, args.iters, args.compile_ops.split(","))
     print_table("one layer, 8192 tokens, fwd+bwd (ratio: against plain eager)",
                 ["hidden", "variant", "mode", "ms", "ratio", "host ms", "step GiB", "graphs"],
                 [[r["hidden"], r["variant"], r["mode"], f"{r['ms']:.2f}" if "ms" in r else r.get("error", ""),

@@ -4,7 +4,8 @@
 # Stages: info tests kernel-tests kernels norms sweep attention linear layer profile host dispatch jax demo (default: all,
 # in order; tests: the GPU tests outside tests/plugin/backends/flagos, kernel-tests: every flagos kernel test compiled,
 # odd small shapes included, about 8 minutes of compiling);
-# also compile (the torch.compile GPU tests), sizes (bench_sizes.py; SIZES_HIDDEN picks the hidden sizes),
+# also compile (the torch.compile GPU tests), sizes (bench_sizes.py; SIZES_HIDDEN picks the hidden sizes,
+# SIZES_COMPILE_OPS=traced,custom_op also times the compiled layer with opaque custom ops),
 # accelerate (a HF Llama trained through HF Accelerate, FP8 vs bf16, eager and with Inductor),
 # graphs (the CUDA-graph tests alone, a quick check), memory (what the headline layer's peak consists of) and
 # ab (bench_ab.py: this tree against the tree in $AB_BASE, timed in turns; see its docstring).
@@ -35,7 +36,7 @@ for stage in $STAGES; do
         compile) run compile 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_compile.py ;;
         accelerate) python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
             run accelerate 420 python3 benchmarks/bench_accelerate_llama.py --json "$OUT/accelerate.json" ;;
-        sizes) run sizes 560 python3 benchmarks/bench_sizes.py --hidden "${SIZES_HIDDEN:-1024,2048,4096}" --json "$OUT/sizes.json" --plot "$OUT/sizes.png" ;;
+        sizes) run sizes 560 python3 benchmarks/bench_sizes.py --hidden "${SIZES_HIDDEN:-1024,2048,4096}" --compile-ops "${SIZES_COMPILE_OPS:-traced}" --json "$OUT/sizes.json" --plot "$OUT/sizes.png" ;;
         graphs) run graphs 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_graph.py ;;
         kernels) run kernels 300 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
         norms) run norms 120 python3 benchmarks/bench_norm_modules.py --json "$OUT/norms.json" ;;

@@ -1,8 +1,9 @@
 """torch.compile over the TE modules: no graph breaks, and compiled steps equal eager ones bit for bit.
 
-The compiled runs use ``backend="aot_eager"`` (Dynamo + AOTAutograd, eager kernels): the catalog ops run
-as the custom ops of ``transformer_engine.plugin._compile``, so a compiled step must give exactly the
-eager step's outputs, gradients and scaling state (amax histories, scales) after several optimizer steps.
+The compiled runs use ``backend="aot_eager"`` (Dynamo + AOTAutograd, eager kernels): on the CPU the catalog
+ops trace as the reference backend's tensor ops, the very ones eager runs, so a compiled step must give
+exactly the eager step's outputs, gradients and scaling state (amax histories, scales) after several
+optimizer steps. Inductor compiles those tensor ops itself: its runs are compared by SQNR.
 Delayed scaling builds its scaling state outside the graph on a module's first traced FP8 call (one
 graph break, see ``TransformerEngineBaseModule._build_states_eagerly``), so fullgraph runs start from
 one eager step, as a model does that ran before it was compiled.
@@ -169,20 +170,37 @@ def test_compiled_attention_modules_track_eager(module_name, recipe_name):
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 @pytest.mark.parametrize("module_name", ["Linear", "LayerNormMLP"])
 def test_inductor_training_equals_eager(module_name, recipe_name):
-    """Inductor (CPU), fullgraph, gradients large enough that a stale scale would saturate the FP8 casts:
-    the same outputs and input gradients as eager over three steps. Guards against the partitioner
-    recomputing, in backward, a copy of a scale that the forward's update has since overwritten."""
-    torch._dynamo.reset()
-    recipe = RECIPES[recipe_name]
+    """Inductor (CPU), fullgraph, gradients large enough that a stale scale would saturate the FP8 casts,
+    over three steps: compiled outputs and input gradients sit far closer to eager's than FP8's own
+    rounding noise (eager against high precision). Guards against the partitioner recomputing, in
+    backward, a cast whose scale the forward's update has since overwritten.
+
+    Inductor compiles the reference backend's tensor ops itself, so it is not bit for bit: it is told to
+    keep eager's roundings to bf16 (``emulate_precision_casts``), and a one-ulp FP8 difference in an
+    early step still moves later weights a little."""
     eager = MODULES[module_name]().to(torch.bfloat16)
-    xs = [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(4)]
     big = {"loss": lambda y: y.float().square().sum(), "lr": 1e-3}
-    _train(_step_fn(eager, recipe), eager, xs[:1], **big)
-    compiled = copy.deepcopy(eager)
-    step = torch.compile(_step_fn(compiled, recipe), fullgraph=True, backend="inductor")
-    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs[1:], **big), _train(step, compiled, xs[1:], **big)):
-        torch.testing.assert_close(y_c, y_e)
-        torch.testing.assert_close(dx_c, dx_e)
+    _assert_inductor_tracks_eager(eager, RECIPES[recipe_name], [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(4)], **big)
+
+
+def _assert_inductor_tracks_eager(eager, recipe, xs, **train_kwargs):
+    """One eager step of ``eager`` on xs[0], then copies trained on xs[1:] eagerly, compiled by Inductor
+    (fullgraph, told to keep eager's roundings to bf16) and in high precision: the compiled outputs and
+    input gradients must sit 10 dB closer to eager's than FP8's own rounding noise (eager against high
+    precision; at most 40 dB asked, which is also the bar without FP8)."""
+    from torch._inductor import config as inductor_config
+
+    torch._dynamo.reset()
+    _train(_step_fn(eager, recipe), eager, xs[:1], **train_kwargs)
+    compiled, high_precision = copy.deepcopy(eager), copy.deepcopy(eager)
+    with inductor_config.patch(emulate_precision_casts=True):
+        step = torch.compile(_step_fn(compiled, recipe), fullgraph=True, backend="inductor")
+        runs = zip(_train(_step_fn(eager, recipe), eager, xs[1:], **train_kwargs), _train(step, compiled, xs[1:], **train_kwargs),
+                   _train(_step_fn(high_precision, None), high_precision, xs[1:], **train_kwargs))
+        for (y_e, dx_e), (y_c, dx_c), (y_h, dx_h) in runs:
+            assert sqnr(y_e, y_c) > min(sqnr(y_h, y_e) + 10.0, 40.0)
+            assert sqnr(dx_e, dx_c) > min(sqnr(dx_h, dx_e) + 10.0, 40.0)
+    return eager, compiled
 
 
 def test_delayed_state_tensors_are_static_addresses():
@@ -307,11 +325,13 @@ def test_recompiles_on_recipe_change_only():
     assert counting.frame_count == frames + 1
 
 
-def test_catalog_ops_are_custom_ops():
-    """Every annotated catalog op traces as torch.ops.te_fl.<name>, whose fake implementation gives the
-    shapes and dtypes of the real one."""
+def _traced_cast(monkeypatch, mode):
+    """(target names in the Dynamo graph, compiled results, eager results, the amax written) of one
+    ``ops.cast_transpose`` under ``TE_FL_COMPILE_OPS=mode``."""
     from transformer_engine.plugin import ops
 
+    monkeypatch.setenv("TE_FL_COMPILE_OPS", mode)
+    torch._dynamo.reset()
     ops.prepare_for_compile()
     x, scale, amax = torch.randn(8, 32), torch.tensor(4.0), torch.zeros(())
 
@@ -330,31 +350,39 @@ def test_catalog_ops_are_custom_ops():
     amax.zero_()
     actual = compiled(x)
     targets = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
-    assert "te_fl.cast_transpose.default" in targets
+    return targets, actual, expected, amax == x.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["traced", "custom_op"])
+def test_catalog_ops_trace_as_tensor_ops_or_custom_ops(monkeypatch, mode):
+    """By default an op traces as the tensor ops of its compiled form (here the reference backend's, which
+    Inductor compiles); under TE_FL_COMPILE_OPS=custom_op as torch.ops.te_fl.<name>, whose fake
+    implementation gives the shapes and dtypes of the real one. Both compute what eager does."""
+    targets, actual, expected, amax_written = _traced_cast(monkeypatch, mode)
+    custom_ops = {t for t in targets if t.startswith("te_fl.")}
+    assert custom_ops == ({"te_fl.cast_transpose.default"} if mode == "custom_op" else set())
     for a, e in zip(actual, expected):
         assert a.shape == e.shape and a.dtype == e.dtype
         torch.testing.assert_close(a.float(), e.float(), rtol=0, atol=0)
-    assert amax == x.abs().max()
+    assert amax_written
+
+
+def test_unknown_compile_ops_mode_is_named(monkeypatch):
+    with pytest.raises(Exception, match="TE_FL_COMPILE_OPS='inline': use 'traced'"):
+        _traced_cast(monkeypatch, "inline")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("module_name", ["Linear", "LayerNormLinear", "LayerNormMLP", "LayerNormMLP_swiglu_rms"])
 def test_inductor_on_gpu_matches_eager(module_name, recipe_name):
-    """Inductor on the GPU, fullgraph, the flagos and vendor kernels inside their custom ops: the same
-    outputs, gradients and scaling state as eager over three steps (Inductor's own kernels for the glue
-    may round differently: bf16 tolerances)."""
-    torch._dynamo.reset()
-    recipe = RECIPES[recipe_name]
+    """Inductor on the GPU, fullgraph: Inductor's kernels for the reference backend's tensor ops, the
+    cuBLASLt GEMMs through torch._scaled_mm; outputs and gradients track eager's flagos and vendor kernels
+    (see ``_assert_inductor_tracks_eager``), and the amax histories agree over three steps."""
     with torch.device("cuda"):
-        eager = MODULES[module_name]().to(torch.bfloat16)
+        module = MODULES[module_name]().to(torch.bfloat16)
         xs = [torch.randn(256, 64, dtype=torch.bfloat16) for _ in range(4)]
-    _train(_step_fn(eager, recipe), eager, xs[:1])
-    compiled = copy.deepcopy(eager)
-    step = torch.compile(_step_fn(compiled, recipe), fullgraph=True)
-    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs[1:]), _train(step, compiled, xs[1:])):
-        torch.testing.assert_close(y_c, y_e)
-        torch.testing.assert_close(dx_c, dx_e)
+    eager, compiled = _assert_inductor_tracks_eager(module, RECIPES[recipe_name], xs)
     expected, actual = _scaling_state(eager), _scaling_state(compiled)
     for role in expected:
         torch.testing.assert_close(actual[role][0], expected[role][0], rtol=0.02, atol=0)
@@ -380,22 +408,32 @@ def test_reduce_overhead_training_step_on_gpu(recipe_name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe_name", ["bf16", "delayed", "current"])
 def test_dynamic_shapes_on_gpu_use_the_fast_kernels(recipe_name):
-    """dynamic=True on the GPU: at every token count the compiled steps equal eager ones, and the ops run
-    on the flagos / vendor kernels inside their custom ops (not on the reference backend)."""
-    from transformer_engine.plugin import ops
+    """dynamic=True on the GPU: at every token count the compiled steps track eager ones, and the graph
+    holds cuBLASLt's GEMMs (torch._scaled_mm for FP8) and no custom op: nothing falls back to the
+    reference backend's float32 GEMM or to an opaque dispatch."""
+    from torch._inductor.compile_fx import compile_fx
 
     torch._dynamo.reset()
     recipe = RECIPES[recipe_name]
     eager = te.Linear(64, 64, device="cuda", params_dtype=torch.bfloat16)
     _train(_step_fn(eager, recipe), eager, [torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)])
     compiled = copy.deepcopy(eager)
-    step = torch.compile(_step_fn(compiled, recipe), dynamic=True, fullgraph=True)
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    step = torch.compile(_step_fn(compiled, recipe), backend=inductor, dynamic=True, fullgraph=True)
     xs = [torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16) for rows in (32, 96, 160)]
     for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs), _train(step, compiled, xs)):
-        torch.testing.assert_close(y_c, y_e)
-        torch.testing.assert_close(dx_c, dx_e)
-    _, impl = ops.quantize.traced(xs[1], torch.ones((), device="cuda"), torch.float8_e4m3fn)
-    assert impl.kind.value != "reference"
+        assert sqnr(y_e, y_c) > 30.0 and sqnr(dx_e, dx_c) > 30.0
+    assert len(graphs) == 1
+    targets = [str(node.target) for gm in graphs[0].modules() if isinstance(gm, torch.fx.GraphModule)  # module Functions:
+               for node in gm.graph.nodes if node.op == "call_function"]  # forward and backward are subgraphs
+    assert not [t for t in targets if "te_fl" in t], targets
+    gemm = "_scaled_mm" if recipe is not None else "mm"
+    assert any(t.endswith(gemm) or t.endswith("addmm") for t in targets), targets
 
 
 @pytest.mark.gpu

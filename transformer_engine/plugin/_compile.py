@@ -1,4 +1,13 @@
-"""Catalog ops as torch custom ops: what ``torch.compile`` sees of a dispatched op.
+"""What ``torch.compile`` sees of a dispatched op: the tensor ops of a traceable implementation, or a custom op.
+
+While Dynamo traces, ``ops.<name>(...)`` first asks the manager for the op's *compiled form*
+(:meth:`~.core.manager.OpManager.compiled_form`, chosen once per trace for the key argument's device
+and dtype): the implementation whose tensor ops the graph should hold - the reference backend's in
+place of a flagos Triton kernel (Inductor generates and fuses that kernel itself), the cuBLASLt GEMM
+through ``torch._scaled_mm``. Its code is traced inline, so Inductor fuses casts, amaxes, norms and
+activations with their neighbours and launches them without our Python launchers.
+``TE_FL_COMPILE_OPS=custom_op`` turns this off. Where no implementation traces, the op becomes one
+custom op, as follows.
 
 Eagerly, ``ops.<name>(...)`` is the dispatcher (:mod:`.core._dispatch`): a few dict lookups and the
 implementation's call. Under ``torch.compile`` Dynamo cannot trace that path (a ``ContextVar`` for the
@@ -28,11 +37,14 @@ from __future__ import annotations
 
 import inspect
 import typing
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .core.catalog import OpSpec
+from .core.devices import arg_key
+from .core.envvars import read as read_env
 
 __all__ = ["LIBRARY", "custom_op", "traceable"]
 
@@ -223,15 +235,50 @@ def _with_signature(spec: OpSpec, name: str, body: str, dropped: Tuple[str, ...]
 
 
 _TRACEABLE_BODY = """if _is_compiling():
+    for _te_supports, _te_fn in _compiled_form({key}):
+        if _te_supports is None or _te_supports({args}):
+            return _te_fn({args})
     if {none_check}:
         return _decode(_op_without({without}), ({args},), _single)
     return _decode(_op({args}), ({args},), _single)
 return _dispatch({args})"""
 
 
-def traceable(spec: OpSpec, dispatcher: Callable, fake: Callable) -> Callable:
+_FORMS = SimpleNamespace()  # the compiled forms handed to traces: attribute "f<i>" is the i-th distinct one
+_FORM_NAMES: Dict[tuple, str] = {}
+
+
+def _compiled_form_of(compiled_form: Callable) -> Callable:
+    """``form(key_argument)``: ``compiled_form(ArgKey)`` (see :meth:`OpManager.compiled_form`) for a tensor
+    key argument, () for other keys and under ``TE_FL_COMPILE_OPS=custom_op``.
+
+    Dynamo evaluates the choice as a constant of the trace (no guard, no graph node). A constant cannot
+    be a function, so it is the name of the form's attribute of ``_FORMS``, read after the choice (an
+    attribute added during a trace is read fresh; an item appended to a list Dynamo already read is not)."""
+    @torch._dynamo.assume_constant_result
+    def name_of(device: torch.device, dtype: torch.dtype) -> str:
+        mode = read_env("TE_FL_COMPILE_OPS") or "traced"
+        if mode not in ("traced", "custom_op"):
+            raise ValueError(f"TE_FL_COMPILE_OPS={mode!r}: use 'traced' (the default) or 'custom_op'")
+        chain = compiled_form(arg_key(SimpleNamespace(device=device, dtype=dtype))) if mode == "traced" else ()
+        if chain not in _FORM_NAMES:
+            _FORM_NAMES[chain] = f"f{len(_FORM_NAMES)}"
+            setattr(_FORMS, _FORM_NAMES[chain], chain)
+        return _FORM_NAMES[chain]
+
+    def form(key: Any) -> tuple:
+        if not isinstance(key, torch.Tensor):
+            return ()
+        name = name_of(key.device, key.dtype)
+        return getattr(_FORMS, name)
+
+    return form
+
+
+def traceable(spec: OpSpec, dispatcher: Callable, fake: Callable, compiled_form: Callable) -> Callable:
     """``dispatcher`` when ``spec`` has no custom op, else a function with the op's signature that calls
-    ``dispatcher`` eagerly and the op's custom op while ``torch.compile`` traces it."""
+    ``dispatcher`` eagerly and, while ``torch.compile`` traces it, the op's compiled form
+    (``compiled_form(ArgKey)``, see :meth:`OpManager.compiled_form`) or else its custom op."""
     ops = custom_op(spec, dispatcher, fake)
     if ops is None:
         return dispatcher
@@ -239,10 +286,11 @@ def traceable(spec: OpSpec, dispatcher: Callable, fake: Callable) -> Callable:
     optional = _optional_writes(spec)
     body = _TRACEABLE_BODY.format(
         none_check=" and ".join(f"{n} is None" for n in optional) or "False",
-        without=", ".join(n for n in spec.signature.parameters if n not in optional), args="{args}")
+        without=", ".join(n for n in spec.signature.parameters if n not in optional), args="{args}", key=spec.key_param)
     single = typing.get_origin(_annotation(spec.signature.return_annotation, spec.name)) is not tuple
     fn = _with_signature(spec, spec.name, body, _is_compiling=torch.compiler.is_compiling, _decode=_decode,
-                         _op=op, _op_without=op_without, _single=single, _dispatch=dispatcher)
+                         _op=op, _op_without=op_without, _single=single, _dispatch=dispatcher,
+                         _compiled_form=_compiled_form_of(compiled_form))
     fn.__doc__, fn.__signature__, fn.__wrapped__ = dispatcher.__doc__, spec.signature, dispatcher
     for attr in ("spec", "traced"):
         if hasattr(dispatcher, attr):

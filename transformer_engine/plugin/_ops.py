@@ -49,7 +49,7 @@ class OpNamespace:
                 raise NotImplementedError(f"op {name!r} has no reference implementation to trace it with under torch.compile")
             return impls[0](*args)
 
-        return traceable(dispatcher.spec, dispatcher, reference), True
+        return traceable(dispatcher.spec, dispatcher, reference, lambda key: manager.compiled_form(name, key)), True
 
     def prepare_for_compile(self) -> None:
         """Build every op's dispatcher now (each is otherwise built on its first use); once per namespace."""

@@ -23,6 +23,7 @@ from transformer_engine.plugin.core import (
     with_preference,
     with_strict_mode,
 )
+from transformer_engine.plugin.core.types import ArgKey
 
 X = FakeTensor()
 
@@ -635,3 +636,40 @@ def test_package_level_explain_and_describe_use_the_default_manager(monkeypatch)
     monkeypatch.setattr(plugin, "get_default_manager", lambda: manager)
     assert plugin.explain("relu", X) == manager.explain("relu", X)
     assert plugin.describe("cpu")["relu"] == manager.describe("cpu")["relu"]
+
+
+# -- what torch.compile traces ------------------------------------------------------------------
+def _form_tags(manager):
+    """compiled_form of relu on a CPU float32 key, as (has a predicate, the tag its fn returns) pairs."""
+    return [(supports is not None, fn(X)) for supports, fn in manager.compiled_form("relu", ArgKey("cpu", None, "float32"))]
+
+
+def test_compiled_form_traces_the_reference_in_place_of_a_triton_kernel():
+    manager = make_manager(make_impl("flagos.triton", under_compile="reference"), make_impl("reference.torch", under_compile="trace"))
+    assert _form_tags(manager) == [(False, "reference.torch")]
+
+
+def test_compiled_form_walks_traceable_impls_with_predicates_in_policy_order():
+    manager = make_manager(
+        make_impl("vendor.acme", under_compile="trace", supports=lambda x: True),
+        make_impl("flagos.triton", under_compile="reference"),
+        make_impl("reference.torch", under_compile="trace"),
+    )
+    with with_preference("vendor"):
+        assert _form_tags(manager) == [(True, "vendor.acme"), (False, "reference.torch")]
+    with with_preference("reference"):
+        assert _form_tags(manager) == [(False, "reference.torch")]
+
+
+def test_compiled_form_keeps_an_opaque_backend_opaque():
+    """An out-of-tree backend (under_compile defaults to custom_op) ahead of the reference: nothing is
+    traced in its place, the op stays a custom op that dispatches to it when it runs."""
+    manager = make_manager(make_impl("vendor.acme"), make_impl("reference.torch", under_compile="trace"))
+    assert _form_tags(manager) == []
+    with with_preference("reference"):
+        assert _form_tags(manager) == [(False, "reference.torch")]
+
+
+def test_under_compile_must_be_a_known_value():
+    with pytest.raises(ValueError, match="under_compile='inline' must be one of"):
+        make_impl("vendor.acme", under_compile="inline")

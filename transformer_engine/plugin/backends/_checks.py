@@ -142,7 +142,8 @@ def check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_comp
         raise ValueError(f"scale has shape {tuple(scale.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
     if isinstance(fp8_max, torch.Tensor) and fp8_max.numel() not in (1, n):
         raise ValueError(f"fp8_max has shape {tuple(fp8_max.shape)}; pass a float or a tensor of 1 or {n} elements")
-    if not math.isfinite(float(margin)):
+    # traced, margin may be a symbolic float (dynamic shapes), which math cannot read: the recipe checked it
+    if not torch.compiler.is_compiling() and not math.isfinite(float(margin)):
         raise ValueError(f"margin={margin!r} must be a finite float (usually 0)")
     if amax_compute_algo not in _AMAX_ALGOS:
         raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of {_AMAX_ALGOS}")

@@ -5,7 +5,8 @@ A backend module lists the ops it implements in ``__all__``, each function named
 -> :class:`Capabilities`) refine single ops. ``DISPATCHED`` (optional, a dict op name -> function) names
 the function the dispatcher calls when it is not the public one: a public function that checks its
 arguments against ``SUPPORTS`` for direct calls can hand the dispatcher, which has checked them already,
-its unchecked body.
+its unchecked body. ``UNDER_COMPILE`` (optional, a dict op name -> one of ``"trace"``, ``"reference"``,
+``"custom_op"``) overrides the backend's ``under_compile`` for single ops (see :class:`OpImpl`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ def impls_from_modules(
     capabilities: Capabilities,
     vendor: Optional[str] = None,
     description: str = "",
+    under_compile: str = "custom_op",
 ) -> List[OpImpl]:
-    """One OpImpl per name in each module's ``__all__``."""
+    """One OpImpl per name in each module's ``__all__`` (``under_compile``: how torch.compile sees them, see :class:`OpImpl`)."""
     impls = []
     for module in modules:
         supports = getattr(module, "SUPPORTS", {})
         caps = getattr(module, "CAPABILITIES", {})
         dispatched = getattr(module, "DISPATCHED", {})
+        compiled = getattr(module, "UNDER_COMPILE", {})
         for name in module.__all__:
             impls.append(
                 OpImpl(
@@ -43,6 +46,7 @@ def impls_from_modules(
                     capabilities=caps.get(name, capabilities),
                     supports=supports.get(name),
                     description=description,
+                    under_compile=compiled.get(name, under_compile),
                 )
             )
     return impls

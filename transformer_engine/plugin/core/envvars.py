@@ -83,6 +83,8 @@ VARIABLES: Tuple[EnvVar, ...] = (
     EnvVar("TE_FL_PLUGIN_MODULES", "comma list of importable modules with a register(registry) hook", "none"),
     EnvVar("TE_FL_LOG_LEVEL", "DEBUG, INFO, WARNING or ERROR for the transformer_engine.plugin logger",
            "the application's logging setup", aliases=("TEFL_LOG_LEVEL",)),
+    EnvVar("TE_FL_COMPILE_OPS", "what torch.compile traces of an op: traced = the tensor ops of a traceable implementation "
+           "(Inductor fuses them), custom_op = one opaque node calling the dispatcher", "traced"),
     EnvVar("TE_FL_FP8_EMULATION", "1 = FP8 may run emulated on a CUDA GPU without FP8 hardware", "0"),
     EnvVar("TE_FL_TEST_SEED", "base seed of the test suite's per-test torch seed", "0", scope="tests"),
     EnvVar("TE_FL_REVISION", "git revision recorded in benchmark JSON where the copy has no .git", "git describe", scope="benchmarks"),

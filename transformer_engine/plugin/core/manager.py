@@ -324,6 +324,30 @@ class OpManager:
             raise first_error
         raise NoImplementationError(self._explain_text(op_name, args, kwargs))
 
+    def compiled_form(self, op_name: str, key: ArgKey) -> Tuple[Tuple[Optional[Callable], Callable], ...]:
+        """What ``torch.compile`` traces for a call of ``op_name`` whose key argument is described by ``key``:
+        ``((supports, fn), ...)``, the first pair whose ``supports`` is None or accepts the call runs; when
+        none does (or the tuple is empty) the op stays its custom op, which dispatches when it runs.
+
+        The candidates are taken in the policy's order as each impl's ``under_compile`` says: a ``"trace"``
+        impl adds itself (and ends the walk unless it has a predicate); a ``"reference"`` impl adds the
+        reference backend's implementation and ends the walk; a ``"custom_op"`` impl ends it. Chosen when
+        Dynamo traces: a later change of policy reaches compiled code only once it is traced again
+        (``torch._dynamo.reset()``).
+        """
+        chain: List[Tuple[Optional[Callable], Callable]] = []
+        for impl in self.rank(op_name, key)[0]:
+            if impl.under_compile == "trace":
+                chain.append((impl.supports, impl.fn))
+                if impl.supports is None:
+                    break
+                continue
+            if impl.under_compile == "reference":
+                reference = [i for i in self.registry.get_implementations(op_name) if i.kind is BackendImplKind.REFERENCE]
+                chain += [(None, reference[0].fn)] if reference else []
+            break
+        return tuple(chain)
+
     def call_impl(self, op_name: str, impl_id: str, *args, **kwargs) -> Any:
         """Run ``op_name`` on exactly the backend ``impl_id`` (no policy, no fallback)."""
         self.ensure_initialized()

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, FrozenSet, Optional, Tuple
 
-__all__ = ["BackendImplKind", "Capabilities", "OpImpl", "ArgKey", "parse_arch"]
+__all__ = ["BackendImplKind", "Capabilities", "OpImpl", "ArgKey", "parse_arch", "UNDER_COMPILE"]
 
 
 class BackendImplKind(str, enum.Enum):
@@ -125,6 +125,10 @@ def _short_dtype(name: Any) -> str:
     return text[len("torch."):] if text.startswith("torch.") else text
 
 
+#: The values of :attr:`OpImpl.under_compile`.
+UNDER_COMPILE = ("trace", "reference", "custom_op")
+
+
 @dataclass(frozen=True)
 class OpImpl:
     """One implementation of one catalog op.
@@ -145,6 +149,12 @@ class OpImpl:
             into ``capabilities.dtypes`` (so a call outside them is passed over, with the reason).
         min_arch: upstream TE-FL's field: the minimum compute capability, ``"sm_80"``, ``"8.0"``,
             ``80`` or ``(8, 0)``; folded into ``capabilities.min_compute_capability``.
+        under_compile: how ``torch.compile`` sees a call this impl would run (one of :data:`UNDER_COMPILE`):
+            ``"trace"``: its code is tensor ops that Dynamo traces and Inductor compiles (the reference
+            backend, the cuBLASLt GEMM through ``torch._scaled_mm``); ``"reference"``: the reference
+            backend's implementation is traced in its place (a Triton kernel whose work Inductor
+            generates itself from those tensor ops, fused with its neighbours); ``"custom_op"``
+            (default): the op stays one opaque node of the graph that calls the dispatcher when it runs.
     """
 
     op_name: str
@@ -158,9 +168,12 @@ class OpImpl:
     description: str = ""
     supported_dtypes: Optional[FrozenSet[str]] = None
     min_arch: Any = None
+    under_compile: str = "custom_op"
 
     def __post_init__(self):
         kind = BackendImplKind.parse(self.kind)
+        if self.under_compile not in UNDER_COMPILE:
+            raise ValueError(f"OpImpl {self.impl_id!r}: under_compile={self.under_compile!r} must be one of {UNDER_COMPILE}")
         object.__setattr__(self, "kind", kind)
         if not self.op_name or not self.impl_id:
             raise ValueError("OpImpl needs a non-empty op_name and impl_id")

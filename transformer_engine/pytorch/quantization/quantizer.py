@@ -45,6 +45,7 @@ from transformer_engine.plugin import ops
 
 from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import DeferredTranspose, Float8Tensor
+from .kept_scale import kept_copy
 from .mxfp8_tensor import MXFP8Tensor
 
 __all__ = [
@@ -158,10 +159,10 @@ class Float8Quantizer(Quantizer):
         """(scale[i], amax_history[0, i]) as 0-d views, taken again only when the state replaced a tensor
         (history length change, ``.to(device)``): the update writes both in place. A traced call takes them
         afresh (views cost nothing in a compiled graph, and a backward traced by torch.compile may not
-        change Python state)."""
+        change Python state), the scale as a :func:`~.kept_scale.kept_copy`."""
         state = self.state
-        if torch.compiler.is_compiling():
-            return state.scale[self.index], state.amax_history[0, self.index]
+        if torch.compiler.is_compiling():  # the scale as saved for a backward that recomputes a cast (see kept_scale)
+            return kept_copy(state.scale[self.index]), state.amax_history[0, self.index]
         if not self._viewed or self._viewed[0] is not state.scale or self._viewed[1] is not state.amax_history:
             self._viewed = (state.scale, state.amax_history)
             self._scale, self._slot = state.scale[self.index], state.amax_history[0, self.index]

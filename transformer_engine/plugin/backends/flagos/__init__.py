@@ -9,6 +9,10 @@ Ops it declines for given arguments say why through their ``SUPPORTS`` predicate
 wider than one Triton block, packed RoPE, block-scaled casts with tiles other than 1 x B and
 B x B); the dispatcher then runs the next backend. Not implemented here (the reference or vendor
 backend runs them): gemm, dequantize_blockwise and multi_tensor_sgd.
+
+Under ``torch.compile`` a call that would run a flagos kernel traces the reference backend's tensor
+ops instead (``under_compile="reference"``): Inductor writes the Triton kernel itself, fused with the
+neighbouring ops, and launches it without the Python launcher.
 """
 
 import importlib.util
@@ -50,5 +54,6 @@ def register(registry) -> None:
     """Register every flagos op with the default device capabilities (module CAPABILITIES win)."""
     register_torch_capability_probe()
     registry.register_many(
-        impls_from_modules(_modules(), IMPL_ID, BackendImplKind.DEFAULT, capabilities(), description="Triton kernels")
+        impls_from_modules(_modules(), IMPL_ID, BackendImplKind.DEFAULT, capabilities(), description="Triton kernels",
+                           under_compile="reference")
     )

@@ -47,5 +47,6 @@ def register(registry) -> None:
         Capabilities(device_types={"cuda"}),
         vendor=VENDOR,
         description="cuBLASLt / cuDNN through PyTorch",
+        under_compile="trace",  # torch._scaled_mm, torch.mm and SDPA: Inductor knows them
     )
     registry.register_many([dataclasses.replace(impl, priority=PRIORITY) for impl in impls])

@@ -124,8 +124,11 @@ def _operands(a, b, trans_a, trans_b) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fits_lt(t: torch.Tensor, ld: int, inner: int) -> bool:
-    """True when a leading dimension ``ld`` over ``inner`` elements and t's base pointer suit cuBLASLt FP8."""
-    return ld >= max(1, inner) and ld % _ALIGN == 0 and t.data_ptr() % _ALIGN == 0
+    """True when a leading dimension ``ld`` over ``inner`` elements and t's base pointer suit cuBLASLt FP8
+    (traced by torch.compile, the pointer is not known: Inductor's own ``_scaled_mm`` lowering lays out
+    and aligns its operands)."""
+    aligned = torch.compiler.is_compiling() or t.data_ptr() % _ALIGN == 0
+    return ld >= max(1, inner) and ld % _ALIGN == 0 and aligned
 
 
 def _as_row_major(x: torch.Tensor) -> torch.Tensor:
@@ -157,9 +160,17 @@ def _result_dtype(a, out_dtype, out) -> Optional[torch.dtype]:
 
 
 # -- what this backend declines -----------------------------------------------------------------
+def _capability_of(t: torch.Tensor) -> Tuple[int, int]:
+    """(major, minor) compute capability of t's CUDA device (cached per index; traced by torch.compile:
+    the device properties, which Dynamo folds into a constant)."""
+    if torch.compiler.is_compiling():
+        properties = torch.cuda.get_device_properties(t.device)
+        return properties.major, properties.minor
+    return _cached_capability(t.get_device())
+
+
 @functools.lru_cache(maxsize=None)
-def _capability_of(index: int) -> Tuple[int, int]:
-    """(major, minor) compute capability of CUDA device ``index`` (cached per index)."""
+def _cached_capability(index: int) -> Tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))
 
 
@@ -187,7 +198,7 @@ def _supports_gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=
         reason = f"out has dtype {out.dtype} but out_dtype is {dtype}"
     dtypes = (a.dtype, b.dtype)
     if reason is None and (dtypes[0] in FP8_DTYPES or dtypes[1] in FP8_DTYPES):
-        reason = _fp8_reason(dtypes, y_shape, bias, (a_scale_inv, b_scale_inv), dtype, _capability_of(a.get_device()))
+        reason = _fp8_reason(dtypes, y_shape, bias, (a_scale_inv, b_scale_inv), dtype, _capability_of(a))
     elif reason is None:
         reason = _hp_reason(dtypes, bias, dtype)
     return Reject(reason) if reason else True
@@ -285,7 +296,7 @@ def _supports_gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, o
         return Reject(f"cuBLASLt block-scaled GEMMs take E4M3 operands only, got {a.dtype} and {b.dtype}")
     if (tuple(a_block), tuple(b_block)) not in _BLOCK_PAIRS:
         return Reject(f"tiles {tuple(a_block)} x {tuple(b_block)}: cuBLASLt takes 1x128 or 128x128, at most one 2-D")
-    capability = _capability_of(a.get_device())
+    capability = _capability_of(a)
     if capability[0] != BLOCK_CAPABILITY[0]:
         return Reject(f"block-scaled FP8 GEMM runs on compute capability 9.x here, device has {capability[0]}.{capability[1]}")
     (m, k), (n, k_b) = a.shape, b.shape
