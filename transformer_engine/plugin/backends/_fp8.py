@@ -95,7 +95,10 @@ def amax_finite(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     x_abs = x.detach().float().abs()
-    return torch.where(torch.isfinite(x_abs), x_abs, torch.zeros_like(x_abs)).amax()
+    finite = torch.where(torch.isfinite(x_abs), x_abs, torch.zeros_like(x_abs))
+    # rows first, then their maxima (the same value): Inductor fuses a row reduction with a column sum of
+    # the same x (a bias gradient) where a flat one, split in two stages, fails to compile (torch 2.11)
+    return finite.amax(dim=-1).amax() if x.dim() >= 2 else finite.amax()
 
 
 def saturating_cast(x_f32: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -58,6 +58,9 @@ def fp8_emulation_requested() -> bool:
 def _cuda_capability() -> Optional[Tuple[int, int]]:
     if not torch.cuda.is_available():
         return None
+    if torch.compiler.is_compiling():  # Dynamo folds the properties into a constant (no call in the graph)
+        properties = torch.cuda.get_device_properties()
+        return properties.major, properties.minor
     return _capability_of(torch.cuda.current_device())
 
 
