@@ -286,6 +286,35 @@ def test_first_traced_delayed_step_builds_state_eagerly():
         torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("recipe_name", ["bf16", "delayed"])
+@pytest.mark.parametrize("module_name", ["Linear", "LayerNormMLP", "two_Linears"])
+def test_under_torch_autocast(module_name, recipe_name):
+    """HF Accelerate's FP8 step: the modules under torch.autocast(bf16) and the FP8 autocast, compiled
+    fullgraph: traces (torch 2.11-2.13 refused an autocast state set inside a module's Function) and
+    equals eager bit for bit over three SGD steps."""
+    torch._dynamo.reset()
+    recipe = RECIPES[recipe_name]
+    eager = MODULES[module_name]()
+
+    def step_fn(module):
+        inner = _step_fn(module, recipe)
+
+        def step(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return inner(x)
+
+        return step
+
+    xs = [torch.randn(16, 2, 64) for _ in range(4)]
+    _train(step_fn(eager), eager, xs[:1])
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(step_fn(compiled), fullgraph=True, backend="aot_eager")
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(step_fn(eager), eager, xs[1:]), _train(step, compiled, xs[1:])):
+        assert y_c.dtype == y_e.dtype == torch.bfloat16
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_e, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("recipe_name", ["bf16", "delayed", "current"])
 def test_dynamic_shapes(recipe_name):
     """dynamic=True: one graph for every token count, results equal to eager."""

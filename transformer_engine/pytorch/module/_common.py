@@ -31,11 +31,27 @@ def no_torch_autocast(device: torch.device) -> ContextManager[None]:
     """A context without torch.autocast on ``device``'s type: the catalog ops get the dtypes the module chose.
 
     ``torch.autocast(device.type, enabled=False)`` when autocast is on for that device type, else a
-    shared no-op context (the common case, nearly free: it runs around every GEMM).
+    shared no-op context (the common case, nearly free: it runs around every GEMM). Inside a module's
+    autograd Function; traced by torch.compile it is a no-op there, :func:`apply_without_torch_autocast`
+    having turned autocast off around the Function.
     """
-    if torch.is_autocast_enabled(device.type):
+    if torch.is_autocast_enabled(device.type) and not torch.compiler.is_compiling():
         return torch.autocast(device.type, enabled=False)
     return _NOTHING_TO_DISABLE
+
+
+def apply_without_torch_autocast(function, device: torch.device, *args):
+    """``function.apply(*args)`` with torch.autocast off on ``device``'s type around it.
+
+    torch.compile traces a Function's forward in a sub-tracer that cannot restore an autocast state
+    entered inside it ("Global autocast state changed while dynamo tracing", torch 2.11 - 2.13), so the
+    state is set here, outside; the Function's own :func:`no_torch_autocast` still covers its backward
+    when it runs eagerly under an autocast.
+    """
+    if torch.is_autocast_enabled(device.type):
+        with torch.autocast(device.type, enabled=False):
+            return function.apply(*args)
+    return function.apply(*args)
 
 
 def cast(x: Optional[Operand], dtype: torch.dtype) -> Optional[Operand]:

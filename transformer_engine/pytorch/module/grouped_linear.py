@@ -10,7 +10,7 @@ import torch
 from ..parallel.tensor_parallel import local_features, megatron_attributes
 from ..quantization.autocast import current_config
 from ._checks import check_sizes
-from ._common import cast
+from ._common import apply_without_torch_autocast, cast
 from ._gemm import WgradTarget
 from ._grouped_linear_function import GroupedLinearArgs, GroupedLinearFunction
 from ._params import default_init_method
@@ -192,7 +192,8 @@ class GroupedLinear(TransformerEngineBaseModule):
                                   for name, w, g in zip(self._weight_names, weights, q.gemms)),
             wgrads=tuple(WgradTarget(w.dtype, (w,) if self.fuse_wgrad_accumulation else ()) for w in weights),
         )
-        out = GroupedLinearFunction.apply(inp, args, *weights, *([None] * self.num_gemms if self.return_bias else biases))
+        out = apply_without_torch_autocast(GroupedLinearFunction, inp.device, inp, args, *weights,
+                                           *([None] * self.num_gemms if self.return_bias else biases))
         if self.return_bias:
             return out, [cast(b, act_dtype) for b in biases]
         return out

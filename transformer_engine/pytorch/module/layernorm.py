@@ -12,6 +12,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ._checks import check_eps
+from ._common import apply_without_torch_autocast
 from ._norm import NormConfig
 from ._norm_function import NormArgs, NormFunction
 from ._params import add_norm_params
@@ -55,7 +56,7 @@ class _Normalization(TransformerEngineBaseModule):
         on = torch.is_autocast_enabled(inp.device.type)
         dtype = torch.get_autocast_dtype(inp.device.type) if on else inp.dtype
         args = NormArgs(self.norm, dtype, math.prod(self.normalized_shape))
-        return NormFunction.apply(inp, self.weight, self.bias, args)
+        return apply_without_torch_autocast(NormFunction, inp.device, inp, self.weight, self.bias, args)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"

@@ -8,7 +8,7 @@ import torch
 
 from ..parallel.comm import gather_from_sequence_parallel_region
 from ..parallel.linear_comm import share_scales
-from ._common import cast
+from ._common import apply_without_torch_autocast, cast
 from ._gemm import WgradTarget
 from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
 from ._checks import check_eps, check_sizes
@@ -127,8 +127,9 @@ class LayerNormLinear(TransformerEngineBaseModule):
             return_layernorm_output=self.return_layernorm_output,
             comm=comm,
         )
-        result = LayerNormLinearFunction.apply(
-            inp, self.layer_norm_weight, self.layer_norm_bias, weight, None if self.return_bias else bias, args
+        result = apply_without_torch_autocast(
+            LayerNormLinearFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, weight,
+            None if self.return_bias else bias, args,
         )
         if self.return_layernorm_output and self.return_layernorm_output_gathered and comm.sequence_parallel:
             result = (result[0], gather_from_sequence_parallel_region(result[1], comm.group))  # comm

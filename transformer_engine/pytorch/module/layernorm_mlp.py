@@ -9,7 +9,7 @@ import torch
 from ..parallel.comm import gather_from_sequence_parallel_region
 from ..parallel.linear_comm import share_scales
 from ._activation import ActivationConfig
-from ._common import cast
+from ._common import apply_without_torch_autocast, cast
 from ._gemm import WgradTarget
 from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
 from ._checks import check_eps, check_sizes
@@ -141,8 +141,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
             fc2_comm=fc2_comm,
         )
         b2 = self.fc2.bias(self)
-        result = LayerNormMLPFunction.apply(
-            inp, self.layer_norm_weight, self.layer_norm_bias, w1, self.fc1.bias(self), w2,
+        result = apply_without_torch_autocast(
+            LayerNormMLPFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, w1, self.fc1.bias(self), w2,
             None if self.return_bias else b2, args,
         )
         if self.return_layernorm_output and self.return_layernorm_output_gathered and fc1_comm.sequence_parallel:

@@ -7,7 +7,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 
 from ..parallel.linear_comm import share_scales
-from ._common import cast
+from ._common import apply_without_torch_autocast, cast
 from ._gemm import WgradTarget
 from ._linear_function import LinearArgs, LinearFunction
 from ._checks import check_sizes
@@ -124,6 +124,6 @@ class Linear(TransformerEngineBaseModule):
             wgrad=WgradTarget(weight.dtype, self.layout.weight_params(self) if self.fuse_wgrad_accumulation else ()),
             comm=comm,
         )
-        out = LinearFunction.apply(inp, weight, None if self.return_bias else bias, args)
+        out = apply_without_torch_autocast(LinearFunction, inp.device, inp, weight, None if self.return_bias else bias, args)
         return te_outputs(out, comm.deferred_bias(cast(bias, act_dtype)), self.return_bias, False)
 

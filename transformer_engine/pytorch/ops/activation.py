@@ -24,7 +24,7 @@ import torch
 from transformer_engine.common.recipe import QParams
 
 from ..module._activation import ActivationConfig
-from ..module._common import cast, no_torch_autocast, save, saved
+from ..module._common import apply_without_torch_autocast, cast, no_torch_autocast, save, saved
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.quantizer import Float8CurrentScalingQuantizer, Quantizer
 from .op import BasicOperation
@@ -114,7 +114,7 @@ class _Activation(BasicOperation):
                              f"{'' if self._interleave is None else f' of {self._interleave}-blocks'}; got shape {tuple(x.shape)}")
         on = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
-        return _ActivationFunction.apply(x, _ActivationArgs(self._act, dtype, self._interleave, self._cache_quantizer))
+        return apply_without_torch_autocast(_ActivationFunction, x.device, x, _ActivationArgs(self._act, dtype, self._interleave, self._cache_quantizer))
 
 
 class GELU(_Activation):

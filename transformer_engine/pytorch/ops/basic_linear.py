@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm
+from ..module._common import apply_without_torch_autocast
 from ..module._gemm import WgradTarget
 from ..module._linear_function import LinearArgs, LinearFunction
 from ..module.base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device
@@ -137,7 +138,7 @@ class BasicLinear(TransformerEngineBaseModule, BasicOperation):
             wgrad=self._wgrad_target(weight),
             comm=self._linear_comm,
         )
-        return LinearFunction.apply(x, weight, None, args)
+        return apply_without_torch_autocast(LinearFunction, x.device, x, weight, None, args)
 
     def _wgrad_target(self, weight: torch.nn.Parameter) -> WgradTarget:
         """dW into ``weight.main_grad`` with ``accumulate_into_main_grad`` (checked here, before any work).

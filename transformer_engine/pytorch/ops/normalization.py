@@ -15,6 +15,7 @@ from typing import Dict, Iterable, Optional, Union
 
 import torch
 
+from ..module._common import apply_without_torch_autocast
 from ..module._norm import NormConfig
 from ..module._norm_function import NormArgs, NormFunction
 from ..module.base import default_device
@@ -67,7 +68,7 @@ class _Normalization(BasicOperation):
             raise ValueError(f"{type(self).__name__} normalizes the last dims {tuple(shape)}, got input shape {tuple(x.shape)}")
         on = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if on else self.weight.dtype
-        return NormFunction.apply(x, self.weight, self.bias, NormArgs(self._norm, dtype, self._hidden))
+        return apply_without_torch_autocast(NormFunction, x.device, x, self.weight, self.bias, NormArgs(self._norm, dtype, self._hidden))
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
