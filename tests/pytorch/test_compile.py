@@ -10,6 +10,8 @@ one eager step, as a model does that ran before it was compiled.
 """
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -353,6 +355,17 @@ def test_recompiles_on_recipe_change_only():
     recipe["r"] = Float8CurrentScaling(fp8_format=Format.E4M3)
     compiled(x)
     assert counting.frame_count == frames + 1
+
+
+def test_eager_use_imports_no_dynamo():
+    """Building a module and running a training step eagerly leaves torch._dynamo unimported (it costs over
+    a second): the compile paths are set up without it."""
+    code = ("import sys, torch, transformer_engine.pytorch as te; from transformer_engine.common.recipe import DelayedScaling\n"
+            "m = te.LayerNormMLP(32, 64)\n"
+            "with te.autocast(recipe=DelayedScaling()):\n    y = m(torch.randn(16, 32))\n"
+            "y.sum().backward()\n"
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def _traced_cast(monkeypatch, mode):

@@ -255,7 +255,6 @@ def _compiled_form_of(compiled_form: Callable) -> Callable:
     Dynamo evaluates the choice as a constant of the trace (no guard, no graph node). A constant cannot
     be a function, so it is the name of the form's attribute of ``_FORMS``, read after the choice (an
     attribute added during a trace is read fresh; an item appended to a list Dynamo already read is not)."""
-    @torch._dynamo.assume_constant_result
     def name_of(device: torch.device, dtype: torch.dtype) -> str:
         mode = read_env("TE_FL_COMPILE_OPS") or "traced"
         if mode not in ("traced", "custom_op"):
@@ -265,6 +264,9 @@ def _compiled_form_of(compiled_form: Callable) -> Callable:
             _FORM_NAMES[chain] = f"f{len(_FORM_NAMES)}"
             setattr(_FORMS, _FORM_NAMES[chain], chain)
         return _FORM_NAMES[chain]
+
+    # what torch._dynamo.assume_constant_result sets, without importing Dynamo (over a second) for eager users
+    name_of._dynamo_marked_constant = True
 
     def form(key: Any) -> tuple:
         if not isinstance(key, torch.Tensor):
