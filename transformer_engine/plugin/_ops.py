@@ -17,7 +17,6 @@ from typing import Callable, List, Tuple
 
 from .core.catalog import list_specs
 from .core.manager import get_default_manager
-from .core.types import BackendImplKind
 
 __all__ = ["OpNamespace"]
 
@@ -43,11 +42,10 @@ class OpNamespace:
         def reference(*args):
             """The reference backend's implementation, looked up when a traced call needs it (building a
             dispatcher loads no backend)."""
-            manager.ensure_initialized()
-            impls = [impl.fn for impl in manager.registry.get_implementations(name) if impl.kind is BackendImplKind.REFERENCE]
-            if not impls:
+            impl = manager.reference_impl(name)
+            if impl is None:
                 raise NotImplementedError(f"op {name!r} has no reference implementation to trace it with under torch.compile")
-            return impls[0](*args)
+            return impl.fn(*args)
 
         return traceable(dispatcher.spec, dispatcher, reference, lambda key: manager.compiled_form(name, key)), True
 

@@ -343,10 +343,16 @@ class OpManager:
                     break
                 continue
             if impl.under_compile == "reference":
-                reference = [i for i in self.registry.get_implementations(op_name) if i.kind is BackendImplKind.REFERENCE]
-                chain += [(None, reference[0].fn)] if reference else []
+                reference = self.reference_impl(op_name)
+                chain += [(None, reference.fn)] if reference is not None else []
             break
         return tuple(chain)
+
+    def reference_impl(self, op_name: str) -> Optional[OpImpl]:
+        """The reference backend's implementation of ``op_name`` (None when it has none): what a traced
+        call runs in place of a kernel Inductor generates itself, and the fake implementation of its custom op."""
+        self.ensure_initialized()
+        return next((i for i in self.registry.get_implementations(op_name) if i.kind is BackendImplKind.REFERENCE), None)
 
     def call_impl(self, op_name: str, impl_id: str, *args, **kwargs) -> Any:
         """Run ``op_name`` on exactly the backend ``impl_id`` (no policy, no fallback)."""
