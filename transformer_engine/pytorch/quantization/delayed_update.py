@@ -223,8 +223,7 @@ def _step(
         amax = algo(history)
     else:
         amax = history.amax(dim=0) if algo == "max" else history[0]
-    new_history = torch.roll(history, -1, dims=0)
-    new_history[0] = 0
+    new_history, _ = ops.delayed_scaling_update(history, scale, fp8_max, margin, "most_recent")  # H rolled, row 0 zeroed
     if scale_fn is not None:
         if not isinstance(fp8_max, torch.Tensor):  # the callable gets fp8_max per slot, float32 [N]
             fp8_max = torch.full_like(scale, fp8_max, dtype=torch.float32)

@@ -159,10 +159,12 @@ class Float8Quantizer(Quantizer):
         """(scale[i], amax_history[0, i]) as 0-d views, taken again only when the state replaced a tensor
         (history length change, ``.to(device)``): the update writes both in place. A traced call takes them
         afresh (views cost nothing in a compiled graph, and a backward traced by torch.compile may not
-        change Python state), the scale as a :func:`~.kept_scale.kept_copy`."""
+        change Python state), a forward cast's scale as a :func:`~.kept_scale.kept_copy` (a grad cast runs in
+        the backward graph itself, before the update that rewrites its scale: nothing to keep)."""
         state = self.state
         if torch.compiler.is_compiling():  # the scale as saved for a backward that recomputes a cast (see kept_scale)
-            return kept_copy(state.scale[self.index]), state.amax_history[0, self.index]
+            scale = state.scale[self.index]
+            return (kept_copy(scale) if state.mode == "forward" else scale), state.amax_history[0, self.index]
         if not self._viewed or self._viewed[0] is not state.scale or self._viewed[1] is not state.amax_history:
             self._viewed = (state.scale, state.amax_history)
             self._scale, self._slot = state.scale[self.index], state.amax_history[0, self.index]

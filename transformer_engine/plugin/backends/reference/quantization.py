@@ -339,6 +339,8 @@ def _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo) -> Tu
     scale_new = (fp8_max_f32 / amax) / torch.full_like(amax, 2.0 ** float(margin))
     scale_new = torch.where(torch.isfinite(amax) & (amax > 0), scale_new, scale_old)
     scale_new = torch.where(torch.isinf(scale_new), torch.full_like(scale_new, torch.finfo(torch.float32).max), scale_new)
-    history_new = torch.roll(history, -1, dims=0)
-    history_new[0] = 0
+    rolled = torch.roll(history, -1, dims=0)
+    # row 0 zeroed without writing a Python 0 into it: traced, that write copies a CPU tensor to the
+    # device, which a compiled backward does with a stream synchronization
+    history_new = torch.cat([torch.zeros_like(rolled[:1]), rolled[1:]])
     return history_new, scale_new
