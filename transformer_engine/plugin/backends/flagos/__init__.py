@@ -12,7 +12,10 @@ backend runs them): gemm, dequantize_blockwise and multi_tensor_sgd.
 
 Under ``torch.compile`` a call that would run a flagos kernel traces the reference backend's tensor
 ops instead (``under_compile="reference"``): Inductor writes the Triton kernel itself, fused with the
-neighbouring ops, and launches it without the Python launcher.
+neighbouring ops, and launches it without the Python launcher. The dropout kernels and the cast with
+its bias gradient, which Inductor's own kernels did not match, are traced as they are
+(``under_compile="trace"``): Dynamo records their Triton kernels, which Inductor then launches from
+its generated code (the launch path of ``_launch`` steps aside while Dynamo traces).
 """
 
 import importlib.util

@@ -105,6 +105,9 @@ def hw_fp8_cast(device: torch.device) -> bool:
     """True when kernels on ``device`` may use the hardware fp32 -> fp8 conversion (sm_89+, compiled)."""
     if INTERPRET or device.type != "cuda" or torch.version.hip is not None:
         return False
+    if torch.compiler.is_compiling():  # traced: Dynamo folds the properties into a constant
+        properties = torch.cuda.get_device_properties(device)
+        return (properties.major, properties.minor) >= (8, 9)
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
@@ -112,7 +115,10 @@ _NO_GUARD = contextlib.nullcontext()
 
 
 def device_guard(t: torch.Tensor):
-    """Context that makes ``t``'s GPU current for a launch (Triton launches on the current device)."""
+    """Context that makes ``t``'s GPU current for a launch (Triton launches on the current device); none
+    while torch.compile traces (Inductor launches on the device of the kernel's tensors)."""
+    if torch.compiler.is_compiling():
+        return _NO_GUARD
     index = t.get_device()  # -1 on the CPU
     if index < 0 or INTERPRET or index == torch.cuda.current_device():
         return _NO_GUARD
@@ -128,6 +134,8 @@ def num_programs_hint(device: torch.device, per_sm: int = 2) -> int:
     """How many persistent programs fill ``device``: ``per_sm`` per SM on a GPU, 4 in the interpreter."""
     if device.type != "cuda" or INTERPRET:
         return 4
+    if torch.compiler.is_compiling():  # traced: Dynamo folds the properties into a constant
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -190,6 +198,9 @@ def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device, amax_out: O
     if amax_out is not None:  # no zero fill, no record afterwards: two fewer launches per cast
         scale_inv = torch.empty((), dtype=torch.float32, device=device)
         return Fp8Outputs(q, scale_inv, amax_out.view(torch.int32), amax_out.view(()), fmt)  # amax is 0-d, as without a slot
+    if torch.compiler.is_compiling():  # traced: two buffers (Inductor cannot pass a dtype view of a slice to a kernel)
+        amax = torch.zeros((), dtype=torch.float32, device=device)
+        return Fp8Outputs(q, torch.empty((), dtype=torch.float32, device=device), amax.view(torch.int32), amax, fmt)
     scalars = torch.zeros(2, dtype=torch.int32, device=device)  # one allocation for both
     amax_bits = scalars[1]
     return Fp8Outputs(q, scalars[0].view(torch.float32), amax_bits, amax_bits.view(torch.float32), fmt)

@@ -24,7 +24,8 @@ arguments in the kernel's parameter order, as Triton's path does (launch hooks w
 call are passed as None, so no launch metadata is built for them). The launcher is generated per
 kernel with its parameters (as :mod:`dataclasses` generates ``__init__``): arguments bind natively
 and each key part is an inline expression. Every call takes Triton's path for a grid given as a
-callable, or when the compiled kernel lacks the launcher attributes of the Triton versions this was
+callable, while Dynamo traces (it records the ``triton.jit`` kernel, which Inductor launches
+itself), or when the compiled kernel lacks the launcher attributes of the Triton versions this was
 written against (3.4-3.9); under ``TRITON_INTERPRET=1`` the decorator returns the kernel unchanged. Not covered:
 Triton's check that a global the kernel reads has not changed since it was compiled (the kernels
 here read module constants only).
@@ -145,7 +146,7 @@ class CachedLaunch:
         return kernel
 
     def __getitem__(self, grid) -> Callable[..., Any]:
-        if callable(grid):
+        if callable(grid) or torch.compiler.is_compiling():  # traced: Dynamo records the Triton kernel itself
             return self.fn[grid]
         return functools.partial(self._launch, grid)
 
