@@ -204,6 +204,14 @@ for op, extra in (
 case("dequantize_blockwise", "empty", lambda: (rnd(0, 8).to(E4M3), torch.ones(0, 2), 1, 4, torch.float32))
 case("delayed_scaling_update", "nonfinite", lambda: (torch.tensor([[NAN, INF, 0.0, 2.0]]), torch.ones(4), 448.0, 0.0, "max"))
 case("delayed_scaling_update", "no_tensors", lambda: (torch.zeros(3, 0), torch.ones(0), 448.0, 0.0, "max"))
+case("delayed_scaling_update_many_", "nonfinite_two_lengths", lambda: (
+    [torch.tensor([[NAN, INF, 0.0, 2.0], [1.0, 3.0, 5.0, 0.5]]), torch.tensor([[1e-30, 4.0]])],
+    [torch.ones(4), torch.full((2,), 2.0)], [torch.empty(4), torch.empty(2)], 448.0, 1.0, "max"))
+case("delayed_scaling_update_many_", "no_states", lambda: ([], [], [], 448.0, 0.0, "most_recent"))
+case("delayed_scaling_update_many_", "shared_memory", lambda: (
+    [torch.ones(2, 3)] * 2, [torch.ones(3), torch.ones(3)], [torch.ones(3), torch.ones(3)], 448.0, 0.0, "max"))
+case("delayed_scaling_update_many_", "fp8_max_per_slot", lambda: (
+    [torch.ones(2, 3)], [torch.ones(3)], [torch.ones(3)], torch.full((3,), 448.0), 0.0, "max"))
 
 case("dropout_fwd", "empty", lambda: (rnd(0, 8), 0.5))
 case("dropout_fwd", "p_one_nonfinite", lambda: (nonfinite(4, 8), 1.0))

@@ -157,6 +157,28 @@ def _step_and_check(states, recipe):
         oracle.check(state)
 
 
+
+def test_states_of_one_direction_update_in_one_call_on_their_own_tensors(monkeypatch):
+    """Several states of one direction: one delayed_scaling_update_many_ call on the states' own tensors, no
+    side-by-side copies (the gather is never reached), the oracle's values over steps."""
+    from transformer_engine.plugin import ops
+
+    recipe = DelayedScaling(margin=1, amax_history_len=4)
+    states = _random_states(recipe, "forward", [3, 1, 6])
+    calls, real = [], ops.delayed_scaling_update_many_
+
+    def spy(histories, scales, scale_invs, *args):
+        calls.append((histories, scales, scale_invs))
+        return real(histories, scales, scale_invs, *args)
+
+    monkeypatch.setattr(ops, "delayed_scaling_update_many_", spy)
+    monkeypatch.setattr(delayed_update._Group, "gather", lambda self: pytest.fail("the states were copied side by side"))
+    for _ in range(3):
+        _step_and_check(states, recipe)
+    assert len(calls) == 3
+    for name, given in zip(("amax_history", "scale", "scale_inv"), calls[-1]):
+        assert all(t is getattr(state, name) for t, state in zip(given, states))
+
 def test_update_follows_replaced_state_tensors():
     """Steps with one cached plan, then tensors replaced by a history resize and by a checkpoint load."""
     recipe = DelayedScaling(margin=1, amax_history_len=3)

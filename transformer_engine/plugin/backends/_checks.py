@@ -163,6 +163,44 @@ def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margi
             raise ValueError(f"{name} is on {t.device} but amax_history on {amax_history.device}; move them to one device")
 
 
+
+def check_delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo) -> None:
+    """delayed_scaling_update_many_: three lists of one length, each state as delayed_scaling_update_ takes
+    it, all on one device, no two tensors sharing memory, and fp8_max one float."""
+    for name, value in (("amax_histories", amax_histories), ("scales", scales), ("scale_invs", scale_invs)):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list of tensors, got {type(value).__name__}")
+    if not len(amax_histories) == len(scales) == len(scale_invs):
+        raise ValueError(f"amax_histories, scales and scale_invs have {len(amax_histories)}, {len(scales)} and "
+                         f"{len(scale_invs)} tensors; pass one of each per state")
+    check_shared_update_args(fp8_max, margin, amax_compute_algo)
+    for state in zip(amax_histories, scales, scale_invs):
+        check_delayed_scaling_update_(*state, fp8_max, margin, amax_compute_algo)
+        if state[0].device != amax_histories[0].device:
+            raise ValueError(f"the states are on {amax_histories[0].device} and {state[0].device}; pass states of one device")
+    spans = sorted(_byte_span(t) for state in zip(amax_histories, scales, scale_invs) for t in state if t.numel())
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError("two of the states' tensors share memory; each state's amax_history, scale and scale_inv "
+                             "must be its own (the update writes them all)")
+
+
+def check_shared_update_args(fp8_max, margin, amax_compute_algo) -> None:
+    """The arguments delayed_scaling_update_many_ applies to every state: fp8_max one float, a finite margin,
+    a known amax_compute_algo."""
+    if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)):
+        raise TypeError(f"fp8_max must be one float for every state, got {type(fp8_max).__name__}")
+    if not math.isfinite(float(margin)):
+        raise ValueError(f"margin={margin!r} must be a finite float (usually 0)")
+    if amax_compute_algo not in _AMAX_ALGOS:
+        raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of {_AMAX_ALGOS}")
+
+
+def _byte_span(t: torch.Tensor):
+    """(first byte, one past the last byte) of the memory a non-empty tensor's elements occupy."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
 def check_cross_entropy(logits, target, label_smoothing: float) -> None:
     """cross_entropy_fwd / _bwd: logits [N, V >= 1], integer target [N], 0 <= label_smoothing <= 1.
 

@@ -167,3 +167,16 @@ def delayed_scaling_update_(amax_history: Tensor, scale: Tensor, scale_inv: Tens
     (fp8_max a float when traced by torch.compile, whose custom op takes no tensor for it).
     Returns: None. Bit-identical to delayed_scaling_update, two ``where`` and ``reciprocal``.
     """
+
+
+@declare(key="amax_histories", inplace=True)
+def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
+    """``delayed_scaling_update_`` of several states in one call (one launch where the backend can).
+
+    For every i: delayed_scaling_update_(amax_histories[i], scales[i], scale_invs[i], fp8_max, margin,
+    amax_compute_algo); the states may differ in L and N and have any strides, and must not overlap.
+    Args: three equally long lists of float32 tensors on one device, as ``delayed_scaling_update_``
+    takes them; fp8_max: one float for all states; margin, amax_compute_algo as there.
+    Returns: None. Bit-identical to the single-state op applied to each state: the delayed-scaling
+    update of a step's modules without copying their states side by side and back.
+    """

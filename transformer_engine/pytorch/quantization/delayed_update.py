@@ -14,9 +14,10 @@ For the states of one (recipe, amax_reduction_group) pair, with H = the historie
    fused update kernel does;
 4. scale_inv = 1 / scale.
 
-Steps 2-4 of the built-in algorithms are ONE launch, ``ops.delayed_scaling_update_`` in place on H, s
-and scale_inv; with a recipe callable they are ``ops.delayed_scaling_update`` (or the callables), two
-``where`` and a ``reciprocal``.
+Steps 2-4 of the built-in algorithms are ONE launch: ``ops.delayed_scaling_update_many_`` on the states'
+own tensors (``ops.delayed_scaling_update_`` for one state); only an amax reduction (step 1) or a recipe
+callable needs the states side by side, copied into the plan's buffers and back, where a callable's
+step is ``ops.delayed_scaling_update`` (or the callables), two ``where`` and a ``reciprocal``.
 
 The host work that does not change from step to step (the side-by-side buffers and their per-state
 views, fp8_max per slot, the grouping by device) is a :class:`_Group` plan, cached per list of states
@@ -45,8 +46,9 @@ _MAX_PLANS = 16
 class _Group:
     """The update plan of the states of one device.
 
-    One state is updated in place in its own tensors. Several states are updated in side-by-side
-    buffers: :meth:`gather` fills ``history`` / ``scale`` from ``state_histories`` / ``state_scales``,
+    One state is updated in place in its own tensors, several by one ``delayed_scaling_update_many_`` call
+    on theirs (the built-in algorithms, no amax reduction) or in side-by-side buffers: :meth:`gather`
+    fills ``history`` / ``scale`` from ``state_histories`` / ``state_scales``,
     :meth:`write_back` copies ``history_views`` into ``state_histories``, then ``scale_views`` into
     ``scale_targets`` (the states' scale and scale_inv: contiguous 1-D pairs, which CUDA copies in one
     fused launch). The plan holds every state tensor of its cache key.
@@ -57,6 +59,7 @@ class _Group:
         fp8_max: one float, or float32 [sum N] when the states' fp8 dtypes differ.
         state_histories, state_scales: the states' H and s (empty for one state).
         history_views, scale_targets, scale_views: the write-back pairs (empty for one state).
+        state_scale_invs: the states' scale_inv (empty for one state).
     """
 
     history: torch.Tensor
@@ -69,6 +72,17 @@ class _Group:
     history_views: Tuple[torch.Tensor, ...] = ()
     scale_targets: Tuple[torch.Tensor, ...] = ()
     scale_views: Tuple[torch.Tensor, ...] = ()
+    state_scale_invs: Tuple[torch.Tensor, ...] = ()
+
+    def update_in_place(self, recipe: DelayedScaling) -> bool:
+        """The update of several states on their own tensors, one op call, when the recipe's algorithms are
+        built in and fp8_max is one float; False (nothing done) otherwise."""
+        if not self.state_histories or callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None \
+                or isinstance(self.fp8_max, torch.Tensor):
+            return False
+        ops.delayed_scaling_update_many_(self.state_histories, self.state_scales, self.state_scale_invs, self.fp8_max,
+                                         float(recipe.margin), recipe.amax_compute_algo)
+        return True
 
     def gather(self) -> None:
         """H and s from the states (two ``cat``; nothing to do for one state)."""
@@ -105,10 +119,11 @@ def hold_plans() -> Iterator[List[Tuple[_Group, ...]]]:
 def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> None:
     """Reduce the amaxes of ``states`` over ``group`` and advance their scales and histories one step.
 
-    Per device: ``cat`` of H and s (several states), the optional all-reduce, the in-place catalog op
-    ``delayed_scaling_update_`` (H, s and scale_inv with the idle rule; a recipe callable takes the op
-    or the callables, two ``where`` and ``reciprocal``), and two ``_foreach_copy_`` back into the
-    states' tensors (several states), which stay the same objects.
+    Per device: one in-place catalog op on the states' own tensors (``delayed_scaling_update_many_``, or
+    ``delayed_scaling_update_`` for one state: H, s and scale_inv with the idle rule); with an amax
+    reduction or a recipe callable, several states go through ``cat`` of H and s, the all-reduce, the
+    update (a callable: the op or the callables, two ``where`` and ``reciprocal``) and two
+    ``_foreach_copy_`` back into their tensors, which stay the same objects.
     """
     reduce = _reduces(recipe, group)
     if torch.compiler.is_compiling():
@@ -118,6 +133,8 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> N
     for held in _HOLDERS:
         held.append(plan)
     for part in plan:
+        if not reduce and part.update_in_place(recipe):
+            continue
         part.gather()
         if reduce:
             torch.distributed.all_reduce(part.amax, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -195,6 +212,7 @@ def _make_group(states: List) -> _Group:
         history, history[0], scale, scale_inv, fp8_max,
         state_histories=tuple(s.amax_history for s in states),
         state_scales=tuple(s.scale for s in states),
+        state_scale_invs=tuple(s.scale_inv for s in states),
         history_views=history.split(sizes, dim=1),
         scale_targets=tuple([s.scale for s in states] + [s.scale_inv for s in states]),
         scale_views=scale.split(sizes) + scale_inv.split(sizes),

@@ -510,3 +510,50 @@ def test_amax_out_accumulates_into_the_slot(op, start, device):
         assert torch.equal(history, expected)  # only the slot moved, to max(slot, amax)
         assert returned.data_ptr() == slot.data_ptr() and returned.shape == ()
         assert_fp8_equal(result[0], plain[0])
+
+
+def _states_of_a_step(device):
+    """(H, s, scale_inv) of five modules as one step leaves them: L 16 or 1, N 3 to 300 (several column
+    blocks), idle and non-finite amaxes, and one state of strided views into larger buffers."""
+    states = []
+    for length, n in ((16, 3), (16, 6), (1, 5), (16, 300)):
+        history, scale = _idle_histories(length, n, device)
+        states.append((history, scale, torch.empty(n, device=device)))
+    wide, scale_buf = _idle_histories(7, 30, device)
+    states.append((wide[:, 4:12], scale_buf[:16:2], torch.empty(16, device=device)[1::2]))
+    return states
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_update_many_is_each_state_update(algo, device):
+    """One call updates every state exactly as delayed_scaling_update_ on each does, bit for bit, again on a
+    second step (the cached table) and on new tensors of the same shapes (a new table)."""
+    for states in (_states_of_a_step(device), _states_of_a_step(device)):
+        for step in range(2):
+            expected = [tuple(t.clone() for t in state) for state in states]
+            for state in expected:
+                fq.delayed_scaling_update_(*state, 448.0, 1.0, algo)
+            assert fq.delayed_scaling_update_many_(*map(list, zip(*states)), 448.0, 1.0, algo) is None
+            for got, want in zip(states, expected):
+                for g, w in zip(got, want):
+                    _assert_bitwise_equal(g, w)
+            for history, _, _ in states:  # new amaxes for the next step
+                history[0] = torch.rand_like(history[0]) * 100
+
+
+def test_delayed_scaling_update_many_errors_before_any_work(device):
+    states = _states_of_a_step(device)[:2]
+    before = [tuple(t.clone() for t in state) for state in states]
+    histories, scales, scale_invs = map(list, zip(*states))
+    bad = [
+        ((histories, scales[:1], scale_invs, 448.0), ValueError, "pass one of each per state"),
+        ((histories, scales, scale_invs, torch.tensor(448.0)), TypeError, "one float for every state"),
+        (([histories[0]] * 2, [scales[0], scales[0].clone()], [scale_invs[0], scale_invs[0].clone()], 448.0), ValueError, "share memory"),
+        ((histories, [scales[0], scales[1].double()], scale_invs, 448.0), TypeError, "must be float32"),
+    ]
+    for (h, s, i, fp8_max), error, match in bad:
+        with pytest.raises(error, match=match):
+            fq.delayed_scaling_update_many_(h, s, i, fp8_max, 0.0, "max")
+    for got, want in zip(states, before):
+        for g, w in zip(got, want):
+            _assert_bitwise_equal(g, w)

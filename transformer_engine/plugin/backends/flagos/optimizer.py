@@ -18,8 +18,6 @@ No VJP: these are optimizer steps.
 
 from __future__ import annotations
 
-import collections
-import threading
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -32,6 +30,7 @@ from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv, device_guard
 from ._launch import cached_launch
+from ._tables import TableCache
 
 __all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_adam"]
 
@@ -196,8 +195,7 @@ class _Table:
     num_chunks: int
 
 
-_cache: "collections.OrderedDict[tuple, _Table]" = collections.OrderedDict()
-_cache_lock = threading.Lock()
+_tables = TableCache(_TABLE_CACHE_SIZE)
 
 
 def _build_table(columns: Sequence[Sequence[torch.Tensor]], chunk: int, device: torch.device) -> _Table:
@@ -218,16 +216,10 @@ def _build_table(columns: Sequence[Sequence[torch.Tensor]], chunk: int, device: 
 def _table(columns: Sequence[Sequence[torch.Tensor]], chunk: int, device: torch.device) -> _Table:
     """The cached table of these tensors (same addresses and sizes give the same table)."""
     key = (chunk, str(device), tuple((x.data_ptr(), x.numel()) for col in columns for x in col))
-    with _cache_lock:
-        table = _cache.get(key)
-        if table is not None:
-            _cache.move_to_end(key)
-            return table
-    table = _build_table(columns, chunk, device)
-    with _cache_lock:
-        _cache[key] = table
-        while len(_cache) > _TABLE_CACHE_SIZE:
-            _cache.popitem(last=False)
+    table = _tables.get(key, lambda: _build_table(columns, chunk, device), device)
+    if table is None:
+        raise RuntimeError("a flagos multi-tensor op met new tensors inside a CUDA-graph capture, where it cannot copy "
+                           "their address table to the device; run one step on these tensors before capturing")
     return table
 
 

@@ -58,6 +58,8 @@ from transformer_engine.plugin.backends._checks import (
     check_amax_epsilon,
     check_delayed_scaling_update,
     check_delayed_scaling_update_,
+    check_delayed_scaling_update_many_,
+    check_shared_update_args,
 )
 from transformer_engine.plugin.backends._fp8 import (
     check_amax_out,
@@ -89,10 +91,11 @@ from ._common import (
     num_programs_hint,
 )
 from ._launch import cached_launch
+from ._tables import TableCache
 
 __all__ = [
     "quantize", "dequantize", "cast_transpose", "quantize_transposed", "cast_transpose_dbias", "fp8_transpose",
-    "compute_amax", "current_scale", "delayed_scaling_update", "delayed_scaling_update_", "quantize_blockwise", "cast_transpose_blockwise",
+    "compute_amax", "current_scale", "delayed_scaling_update", "delayed_scaling_update_", "delayed_scaling_update_many_", "quantize_blockwise", "cast_transpose_blockwise",
     "cast_transpose_blockwise_dbias",
 ]
 
@@ -103,6 +106,7 @@ _TILE = 64  # square tile of fp8_transpose
 _CT_TILE_M, _CT_TILE_N = 128, 64
 _UPDATE_COLS = 32  # columns per program of the delayed-scaling update (one 128-byte row segment)
 _UPDATE_TILE = 4096  # history elements per loop step of that update (L = 1024 takes 8 steps)
+_STATE_TABLES = TableCache(64)  # the state tables of delayed_scaling_update_many_ (one per set of modules updated together)
 _BLOCK_LENS = frozenset(16 << k for k in range(5))  # block lengths of the blockwise kernels: 16 ... 256
 # Launch settings of the blockwise casts, swept on the H200 by benchmarks/sweep_fp8_casts.py --kernels blockwise.
 # num_warps = tile elements / (32 * PER_THREAD), a power of two clamped to [2, 16].
@@ -268,35 +272,21 @@ def _transpose_kernel(
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
-@cached_launch
 @triton.jit
-def _delayed_scaling_update_kernel(
-    history_ptr,  # *H [L, N], strides (stride_hl, stride_hn), any float dtype (float32 when IN_PLACE)
-    scale_ptr,  # *s [N], stride stride_s, any float dtype (float32 when IN_PLACE)
-    fp8_max,  # float32 scalar; with FP8_MAX_IS_PTR a *float32 read at cols * fp8_max_stride
-    history_new_ptr,  # *float32 [L, N] receiving H_new: a new contiguous tensor, or H itself when IN_PLACE
-    scale_new_ptr,  # *float32 [N] receiving s_new: a new tensor, or s itself when IN_PLACE
-    scale_inv_ptr,  # *float32 [N], stride stride_si: receives 1 / s (IN_PLACE only)
-    margin_scale,  # float32 scalar: 2^margin
-    L,  # rows of H (>= 1)
-    N,  # columns of H
-    stride_hl,  # elements between rows of H
-    stride_hn,  # elements between columns of H
-    stride_s,  # elements between entries of s
-    stride_si,  # elements between entries of scale_inv
-    fp8_max_stride,  # elements between entries of fp8_max: 0 (one value for all) or its stride
-    BLOCK_L: tl.constexpr,  # rows per loop step
-    BLOCK_N: tl.constexpr,  # columns per program
-    AMAX_MAX: tl.constexpr,  # True: amax = max over the L rows ("max"); False: amax = H[0] ("most_recent")
-    FP8_MAX_IS_PTR: tl.constexpr,
-    IN_PLACE: tl.constexpr,  # True: delayed_scaling_update_ (idle rule, H and s overwritten, scale_inv written)
+def _update_columns(
+    history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, margin_scale, L, N,
+    stride_hl, stride_hn, stride_s, stride_si, fp8_max_stride, block,
+    BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX_IS_PTR: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
+    """The update of columns [block * BLOCK_N, (block + 1) * BLOCK_N) of one state (arguments as
+    ``_delayed_scaling_update_kernel``'s)."""
     # IN_PLACE is race-free: a program owns its columns, and every row is read before any thread
     # writes it. Chunk c (rows [a, b)) is loaded, then a barrier, then stored to rows [a - 1, b - 1),
     # rows read by chunks <= c, each before its barrier; later chunks read rows >= b only, so load
     # prefetching cannot see a new value either. Row 0's value goes to row L - 1 after the loop (after
     # the last chunk's barrier, and no chunk stores row L - 1); s is read before the first barrier.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     h0 = tl.load(history_ptr + cols * stride_hn, mask=col_mask, other=0.0).to(tl.float32)  # H[0]
     if IN_PLACE:  # H and s themselves, in the active columns only: H[0] != 0 on the bit pattern (NaN is
@@ -343,6 +333,55 @@ def _delayed_scaling_update_kernel(
     if IN_PLACE:  # scale_inv = 1 / s of every column (torch.reciprocal's correctly rounded float32)
         s_now = tl.where(active, s_new, s_old)
         tl.store(scale_inv_ptr + cols * stride_si, (1.0 / s_now.to(tl.float64)).to(tl.float32), mask=col_mask)
+
+@cached_launch
+@triton.jit
+def _delayed_scaling_update_kernel(
+    history_ptr,  # *H [L, N], strides (stride_hl, stride_hn), any float dtype (float32 when IN_PLACE)
+    scale_ptr,  # *s [N], stride stride_s, any float dtype (float32 when IN_PLACE)
+    fp8_max,  # float32 scalar; with FP8_MAX_IS_PTR a *float32 read at cols * fp8_max_stride
+    history_new_ptr,  # *float32 [L, N] receiving H_new: a new contiguous tensor, or H itself when IN_PLACE
+    scale_new_ptr,  # *float32 [N] receiving s_new: a new tensor, or s itself when IN_PLACE
+    scale_inv_ptr,  # *float32 [N], stride stride_si: receives 1 / s (IN_PLACE only)
+    margin_scale,  # float32 scalar: 2^margin
+    L,  # rows of H (>= 1)
+    N,  # columns of H
+    stride_hl,  # elements between rows of H
+    stride_hn,  # elements between columns of H
+    stride_s,  # elements between entries of s
+    stride_si,  # elements between entries of scale_inv
+    fp8_max_stride,  # elements between entries of fp8_max: 0 (one value for all) or its stride
+    BLOCK_L: tl.constexpr,  # rows per loop step
+    BLOCK_N: tl.constexpr,  # columns per program
+    AMAX_MAX: tl.constexpr,  # True: amax = max over the L rows ("max"); False: amax = H[0] ("most_recent")
+    FP8_MAX_IS_PTR: tl.constexpr,
+    IN_PLACE: tl.constexpr,  # True: delayed_scaling_update_ (idle rule, H and s overwritten, scale_inv written)
+):
+    _update_columns(history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, margin_scale, L, N,
+                    stride_hl, stride_hn, stride_s, stride_si, fp8_max_stride, tl.program_id(0),
+                    BLOCK_L, BLOCK_N, AMAX_MAX, FP8_MAX_IS_PTR, IN_PLACE)  # fmt: skip
+
+
+@cached_launch
+@triton.jit
+def _delayed_scaling_update_many_kernel(
+    table_ptr,  # *int64 [S, 9], per state: the addresses of H, s, scale_inv; L, N; strides of H (2), s, scale_inv
+    fp8_max,  # float32 scalar, every state's
+    margin_scale,  # float32 scalar: 2^margin
+    BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    AMAX_MAX: tl.constexpr,
+):
+    """``delayed_scaling_update_`` of state program_id(1), columns of block program_id(0) (in place)."""
+    row = table_ptr + tl.program_id(1) * 9
+    n = tl.load(row + 4)
+    if tl.program_id(0) * BLOCK_N < n:
+        history = tl.load(row).to(tl.pointer_type(tl.float32))
+        scale = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        scale_inv = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        _update_columns(history, scale, fp8_max, history, scale, scale_inv, margin_scale, tl.load(row + 3), n,
+                        tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), 0, tl.program_id(0),
+                        BLOCK_L, BLOCK_N, AMAX_MAX, False, True)  # fmt: skip
 
 
 def _check_scale_args(x, scale, fp8_dtype, amax_out) -> None:
@@ -599,6 +638,41 @@ def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, ama
     if amax_history.shape[1]:
         _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, (amax_history, scale, scale_inv))
 
+
+
+def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo) -> None:
+    """The catalog's ``delayed_scaling_update_many_``: every state's in-place update in one launch of
+    ``_delayed_scaling_update_many_kernel``, which reads the states' addresses, sizes and strides from a
+    device table (built and checked once per layout, see :mod:`._tables`). Inside a CUDA-graph capture
+    that meets a new layout, one ``delayed_scaling_update_`` launch per state. Bit-identical to the
+    reference backend; raises as it does."""
+    check_shared_update_args(fp8_max, margin, amax_compute_algo)  # (each call: the table's key does not cover them)
+    states = list(zip(amax_histories, scales, scale_invs))
+    if not states:
+        return
+    device = amax_histories[0].device
+    key = tuple((h.data_ptr(), h.dtype, h.device, h.shape, h.stride(), s.data_ptr(), s.dtype, s.device, s.shape, s.stride(),
+                 i.data_ptr(), i.dtype, i.device, i.shape, i.stride()) for h, s, i in states)
+
+    def build() -> torch.Tensor:
+        check_delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo)
+        rows = [[h.data_ptr(), s.data_ptr(), i.data_ptr(), *h.shape, *h.stride(), s.stride(0), i.stride(0)] for h, s, i in states]
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+
+    table = _STATE_TABLES.get(key, build, device)
+    if table is None:  # a new layout inside a capture
+        for state in states:
+            delayed_scaling_update_(*state, fp8_max, margin, amax_compute_algo)
+        return
+    length, n = max(h.shape[0] for h in amax_histories), max(h.shape[1] for h in amax_histories)
+    if n == 0:
+        return
+    block_n = min(_UPDATE_COLS, next_power_of_2(n))
+    with device_guard(amax_histories[0]):
+        _delayed_scaling_update_many_kernel[(cdiv(n, block_n), len(states))](
+            table, float(fp8_max), 2.0 ** float(margin),
+            BLOCK_L=min(next_power_of_2(length), _UPDATE_TILE // block_n), BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
+        )  # fmt: skip
 
 def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, outputs) -> None:
     """One launch of ``_delayed_scaling_update_kernel`` on checked arguments with N > 0.

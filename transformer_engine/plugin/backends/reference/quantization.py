@@ -20,6 +20,7 @@ from transformer_engine.plugin.backends._checks import (
     check_amax_epsilon,
     check_delayed_scaling_update,
     check_delayed_scaling_update_,
+    check_delayed_scaling_update_many_,
 )
 
 from .._fp8 import (
@@ -52,6 +53,7 @@ __all__ = [
     "dequantize_blockwise",
     "delayed_scaling_update",
     "delayed_scaling_update_",
+    "delayed_scaling_update_many_",
 ]
 
 
@@ -329,6 +331,18 @@ def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, ama
     torch.where(active, scale_new, scale, out=scale)
     torch.reciprocal(scale, out=scale_inv)
 
+
+
+def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo) -> None:
+    """``delayed_scaling_update_`` of each state (amax_histories[i], scales[i], scale_invs[i]) in place.
+
+    Raises:
+        TypeError / ValueError: lists of different lengths, fp8_max not one float, tensors sharing memory,
+            states on several devices, or a state ``delayed_scaling_update_`` rejects.
+    """
+    check_delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo)
+    for history, scale, scale_inv in zip(amax_histories, scales, scale_invs):
+        delayed_scaling_update_(history, scale, scale_inv, fp8_max, margin, amax_compute_algo)
 
 def _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo) -> Tuple[torch.Tensor, torch.Tensor]:
     """(H_new, s_new) of checked arguments: the math of ``delayed_scaling_update``."""
