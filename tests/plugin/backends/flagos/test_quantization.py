@@ -557,3 +557,16 @@ def test_delayed_scaling_update_many_errors_before_any_work(device):
     for got, want in zip(states, before):
         for g, w in zip(got, want):
             _assert_bitwise_equal(g, w)
+
+
+def test_current_scale_calls_do_not_see_each_other(device):
+    """Consecutive casts share the stream's counters, which each launch leaves zero: a small tensor after a
+    large one (many programs) gets its own amax and scale, not the larger one's."""
+    from transformer_engine.plugin.backends.flagos._common import stream_counters
+
+    large, small = torch.randn(40000, device=device) * 50, torch.randn(300, device=device)
+    for x in (large, small, large, small):
+        scale, amax = fq.current_scale(x, torch.float8_e4m3fn)
+        assert amax.item() == x.abs().max().item()
+        torch.testing.assert_close(scale, torch.tensor(448.0, device=device) / amax, rtol=1e-6, atol=0)
+        assert stream_counters(x.device).tolist() == [0, 0]

@@ -125,6 +125,20 @@ def device_guard(t: torch.Tensor):
     return torch.cuda.device(index)
 
 
+
+_COUNTERS: Dict[Tuple[torch.device, int], torch.Tensor] = {}
+
+
+def stream_counters(device: torch.device) -> torch.Tensor:
+    """int32 [2] zeros owned by ``device``'s current stream, for a kernel that reduces through atomics and
+    zeroes them again when it ends (no fill launch per call). Kept for the process: a kernel captured in a
+    CUDA graph keeps using the one of its capture stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" and not INTERPRET else 0
+    counters = _COUNTERS.get((device, stream))
+    if counters is None:
+        counters = _COUNTERS[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counters
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -89,6 +89,7 @@ from ._common import (
     hw_fp8_cast,
     next_power_of_2,
     num_programs_hint,
+    stream_counters,
 )
 from ._launch import cached_launch
 from ._tables import TableCache
@@ -158,8 +159,8 @@ def _quantize_kernel(
 @triton.jit
 def _current_scale_kernel(
     x_ptr,  # *x, contiguous, n elements
-    amax_ptr,  # *int32, 0-d, zeroed: receives the bits of max |x| (finite)
-    done_ptr,  # *int32, 0-d, zeroed: programs finished
+    counters_ptr,  # *int32 [2], zero: the bits of max |x| so far, programs finished (left zero again)
+    amax_ptr,  # *float32, 0-d: receives max |x| (finite)
     scale_ptr,  # *float32, 0-d: receives the scale
     n,  # number of elements
     amax_epsilon,  # lower bound of the amax the scale divides by
@@ -171,15 +172,18 @@ def _current_scale_kernel(
 
     Each program commits its max, then (after a barrier, so the commit of whichever thread made it
     comes first) counts itself done with an acq_rel atomic: the program that counts last sees every
-    committed max, reads amax and writes scale = fp8_max / max(amax, eps) by the catalog's rules.
+    committed max, takes amax and zeroes both counters for the next launch on the stream (no other
+    program touches them again), and writes amax and scale = fp8_max / max(amax, eps) by the catalog's rules.
     """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    _amax_commit(amax_ptr, _finite_abs(x))
+    _amax_commit(counters_ptr, _finite_abs(x))
     tl.debug_barrier()
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        amax_bits = tl.atomic_max(amax_ptr, 0, sem="acquire")  # the final value (an atomic read)
+    if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        amax_bits = tl.atomic_xchg(counters_ptr, 0, sem="acquire")  # the final value, the counter zeroed
+        tl.atomic_xchg(counters_ptr + 1, 0)
         amax = amax_bits.to(tl.float32, bitcast=True)
+        tl.store(amax_ptr, amax)
         # the correctly rounded float32 quotient via float64, as in the delayed-scaling update; usable
         # amax on the bit pattern: 0 < amax < inf (finite by construction, a subnormal counts)
         usable = amax_bits > 0
@@ -451,14 +455,13 @@ def current_scale(x, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
     check_fp8_dtype(fp8_dtype)
     check_amax_epsilon(amax_epsilon)
     x_flat = x.contiguous().view(-1)
-    words = torch.zeros(3, dtype=torch.int32, device=x.device)  # amax bits, programs done, scale
-    amax, done, scale = words[0], words[1], words[2].view(torch.float32)
-    with device_guard(x):  # one program even for an empty x: it writes the scale (1)
+    scale, amax = torch.empty(2, dtype=torch.float32, device=x.device)  # both written by the kernel: no fill
+    with device_guard(x):  # one program even for an empty x: it writes amax (0) and the scale (1)
         _current_scale_kernel[(max(1, cdiv(x_flat.numel(), _BLOCK)),)](
-            x_flat, amax, done, scale, x_flat.numel(), float(amax_epsilon),
+            x_flat, stream_counters(x.device), amax, scale, x_flat.numel(), float(amax_epsilon),
             BLOCK=_BLOCK, FP8_MAX=fp8_format(fp8_dtype).fp8_max, POWER_2=bool(power_2_scale), num_warps=8,
         )  # fmt: skip
-    return scale, amax.view(torch.float32)
+    return scale, amax
 
 
 def dequantize(q, scale_inv, out_dtype):
