@@ -4,6 +4,7 @@ The argument checks run everywhere; the captures need a CUDA GPU (``gpu`` marker
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -48,6 +49,8 @@ def test_sample_args_per_callable_are_checked():
         te.make_graphed_callables(layers, (torch.randn(2, 4),))
     with pytest.raises(ValueError, match="enabled has 3 entries for 2 callables"):
         te.make_graphed_callables(layers, ((torch.randn(2, 4),), (torch.randn(2, 4),)), enabled=(True, False, True))
+    with pytest.raises(ValueError, match="enabled has 3 entries for 2 callables"):  # lists of args pass the check, as in TE
+        te.make_graphed_callables(layers, [[torch.randn(2, 4)], (torch.randn(2, 4),)], enabled=(True, False, True))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
@@ -97,6 +100,7 @@ def _layer():
 def test_graphed_training_matches_eager(build, recipe):
     if recipe is not None:
         _fp8_or_skip()
+    torch.manual_seed(1234)  # reproducible data: at lr 0.1 some draws take a bf16 layer non-finite within 4 steps
     eager = build()
     graphed = copy.deepcopy(eager)
     shape = (TOKENS, 2, HIDDEN) if isinstance(eager, te.TransformerLayer) else (TOKENS, HIDDEN)
@@ -189,3 +193,52 @@ def test_graphed_attention_dropout_on_a_tracker_stream_draws_anew():
     before = tracker.get_states()["model-parallel-rng"].get_state()
     graphed(x)
     assert not torch.equal(tracker.get_states()["model-parallel-rng"].get_state(), before)  # the stream advanced
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_graphed_dropout_masks_have_eagers_statistics(p):
+    """Each replay draws a fresh Bernoulli(1 - p) keep mask, as eager dropout does: over 2^20 elements the
+    keep fraction is within 5 sigma of 1 - p (eager's too), kept values are x / (1 - p), backward applies the
+    forward's mask, and two replays' masks agree on (1 - p)^2 of the elements, as independent draws do."""
+    from transformer_engine.pytorch._dropout import dropout
+
+    class Drop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(256, device="cuda"))
+
+        def forward(self, x):
+            return dropout(x * self.weight, p, training=True)
+
+    n = 1 << 20
+    x = (torch.rand(n // 256, 256, device="cuda") + 1.0).requires_grad_()
+    eager, graphed = Drop(), te.make_graphed_callables(Drop(), (x,))
+
+    def within(fraction, expected):
+        return abs(fraction - expected) < 5 * math.sqrt(expected * (1 - expected) / n)
+
+    assert within((eager(x) != 0).float().mean().item(), 1 - p)
+    masks = []
+    for _ in range(3):
+        y = graphed(x)
+        keep = y != 0
+        assert within(keep.float().mean().item(), 1 - p)
+        torch.testing.assert_close(y[keep], x[keep].detach() / (1 - p), rtol=1e-6, atol=0)
+        y.backward(torch.ones_like(y))
+        assert torch.equal(x.grad != 0, keep)  # backward's mask is the forward's
+        x.grad = None
+        masks.append(keep)
+    assert within((masks[0] & masks[1]).float().mean().item(), (1 - p) ** 2)
+    assert within((masks[1] & masks[2]).float().mean().item(), (1 - p) ** 2)
+
+
+@pytest.mark.gpu
+def test_capture_leaves_the_random_streams_alone():
+    """Warm-up and capture of a module that draws no random numbers leave the CUDA generator where it was, so
+    a graphed model sees the same random data as an eager one after the same seed (NVIDIA TE's graph tests
+    compare the two bit for bit); sample args may come as a list, as TE takes them."""
+    layer = te.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda")
+    before = torch.cuda.get_rng_state()
+    te.make_graphed_callables(layer, [torch.ones(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)])
+    assert torch.equal(torch.cuda.get_rng_state(), before)

@@ -255,9 +255,14 @@ def _resolve_aliases(deprecated: Dict[str, Any], **values) -> Dict[str, Any]:
 
 
 def _per_callable(value, count: int, single: bool, what: str, kind: type) -> Tuple:
-    """One ``kind`` (tuple of args / dict of kwargs) per callable, from ``value`` as the caller gave it."""
+    """One ``kind`` (tuple of args / dict of kwargs) per callable, from ``value`` as the caller gave it (lists
+    of args taken as tuples, as NVIDIA TE takes them)."""
     if value is None:
         return tuple(kind() for _ in range(count))
+    if kind is tuple:
+        value = tuple(value) if isinstance(value, list) else value
+        if not single and isinstance(value, tuple):
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
     per = (value,) if single else value
     if not isinstance(per, tuple) or len(per) != count or not all(isinstance(v, kind) for v in per):
         shape = f"a {kind.__name__}" if single else f"a tuple of {count} {kind.__name__}s, one per callable"
@@ -341,7 +346,8 @@ def _warm_up(runs, surfaces, options: _Options) -> None:
                 outputs = [o for o in pytree.tree_leaves(run()) if isinstance(o, torch.Tensor) and o.requires_grad]
                 wanted = [i for i in inputs if i.requires_grad]
                 if outputs and wanted:
-                    torch.autograd.grad(outputs, wanted, [torch.randn_like(o) for o in outputs],
+                    # ones, not random gradients: warm-up must leave the caller's random streams where they were
+                    torch.autograd.grad(outputs, wanted, [torch.ones_like(o) for o in outputs],
                                         allow_unused=options.allow_unused_input)
     torch.cuda.synchronize()
 
