@@ -167,12 +167,7 @@ def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margi
 def check_delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo) -> None:
     """delayed_scaling_update_many_: three lists of one length, each state as delayed_scaling_update_ takes
     it, all on one device, no two tensors sharing memory, and fp8_max one float."""
-    for name, value in (("amax_histories", amax_histories), ("scales", scales), ("scale_invs", scale_invs)):
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{name} must be a list of tensors, got {type(value).__name__}")
-    if not len(amax_histories) == len(scales) == len(scale_invs):
-        raise ValueError(f"amax_histories, scales and scale_invs have {len(amax_histories)}, {len(scales)} and "
-                         f"{len(scale_invs)} tensors; pass one of each per state")
+    check_update_lists(amax_histories, scales, scale_invs)
     check_shared_update_args(fp8_max, margin, amax_compute_algo)
     for state in zip(amax_histories, scales, scale_invs):
         check_delayed_scaling_update_(*state, fp8_max, margin, amax_compute_algo)
@@ -183,6 +178,16 @@ def check_delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_m
         if start < end:
             raise ValueError("two of the states' tensors share memory; each state's amax_history, scale and scale_inv "
                              "must be its own (the update writes them all)")
+
+
+def check_update_lists(amax_histories, scales, scale_invs) -> None:
+    """delayed_scaling_update_many_'s three lists: lists (or tuples) of one length."""
+    for name, value in (("amax_histories", amax_histories), ("scales", scales), ("scale_invs", scale_invs)):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list of tensors, got {type(value).__name__}")
+    if not len(amax_histories) == len(scales) == len(scale_invs):
+        raise ValueError(f"amax_histories, scales and scale_invs have {len(amax_histories)}, {len(scales)} and "
+                         f"{len(scale_invs)} tensors; pass one of each per state")
 
 
 def check_shared_update_args(fp8_max, margin, amax_compute_algo) -> None:

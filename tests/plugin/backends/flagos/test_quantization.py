@@ -543,10 +543,12 @@ def test_delayed_scaling_update_many_is_each_state_update(algo, device):
 
 def test_delayed_scaling_update_many_errors_before_any_work(device):
     states = _states_of_a_step(device)[:2]
-    before = [tuple(t.clone() for t in state) for state in states]
     histories, scales, scale_invs = map(list, zip(*states))
+    fq.delayed_scaling_update_many_(histories[:1], scales[:1], scale_invs[:1], 448.0, 0.0, "max")  # a cached table of state 0
+    before = [tuple(t.clone() for t in state) for state in states]
     bad = [
         ((histories, scales[:1], scale_invs, 448.0), ValueError, "pass one of each per state"),
+        ((histories, scales, scale_invs[:1], 448.0), ValueError, "pass one of each per state"),
         ((histories, scales, scale_invs, torch.tensor(448.0)), TypeError, "one float for every state"),
         (([histories[0]] * 2, [scales[0], scales[0].clone()], [scale_invs[0], scale_invs[0].clone()], 448.0), ValueError, "share memory"),
         ((histories, [scales[0], scales[1].double()], scale_invs, 448.0), TypeError, "must be float32"),

@@ -60,6 +60,7 @@ from transformer_engine.plugin.backends._checks import (
     check_delayed_scaling_update_,
     check_delayed_scaling_update_many_,
     check_shared_update_args,
+    check_update_lists,
 )
 from transformer_engine.plugin.backends._fp8 import (
     check_amax_out,
@@ -649,7 +650,8 @@ def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, ma
     device table (built and checked once per layout, see :mod:`._tables`). Inside a CUDA-graph capture
     that meets a new layout, one ``delayed_scaling_update_`` launch per state. Bit-identical to the
     reference backend; raises as it does."""
-    check_shared_update_args(fp8_max, margin, amax_compute_algo)  # (each call: the table's key does not cover them)
+    check_update_lists(amax_histories, scales, scale_invs)  # (each call: the table's key does not cover these)
+    check_shared_update_args(fp8_max, margin, amax_compute_algo)
     states = list(zip(amax_histories, scales, scale_invs))
     if not states:
         return
