@@ -173,8 +173,9 @@ def delayed_scaling_update_(amax_history: Tensor, scale: Tensor, scale_inv: Tens
 def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
     """``delayed_scaling_update_`` of several states in one call (one launch where the backend can).
 
-    For every i: delayed_scaling_update_(amax_histories[i], scales[i], scale_invs[i], fp8_max, margin,
-    amax_compute_algo); the states may differ in L and N and have any strides, and must not overlap.
+    (H_i, s_i, scale_inv_i) = delayed_scaling_update_ applied in place to (amax_histories[i], scales[i],
+    scale_invs[i]) with fp8_max, margin and amax_compute_algo, for every i; the states may differ in L and
+    N and have any strides, and must not overlap.
     Args: three equally long lists of float32 tensors on one device, as ``delayed_scaling_update_``
     takes them; fp8_max: one float for all states; margin, amax_compute_algo as there.
     Returns: None. Bit-identical to the single-state op applied to each state: the delayed-scaling
