@@ -7,7 +7,7 @@ device-to-device copy bandwidth. The flagos launchers use the best row of this t
 
 The blockwise section (quantize_blockwise 1 x 128 and cast_transpose_blockwise 128, E4M3, power-of-two
 scales) checks each config once against the reference backend, bit for bit, before timing it; its
-labels name the constants of flagos/quantization.py that select the config (``_COL_TILE`` stands for
+labels name the constants of flagos/quantization.py and quantization_blockwise.py that select the config (``_COL_TILE`` stands for
 ``_CT_BLOCKWISE_COL_TILE`` and so on; NOT BIT-EXACT rows are not timed). A split row times both of its
 launches: the shipped 1 x 128 quantize and the column kernel.
 
@@ -27,6 +27,7 @@ from _harness import base_parser, print_table, write_json
 from bench_kernels import copy_bandwidth
 
 from transformer_engine.plugin.backends.flagos import quantization as fq
+from transformer_engine.plugin.backends.flagos import quantization_blockwise as fb
 from transformer_engine.plugin.backends.flagos._common import fp8_format
 from transformer_engine.plugin.backends.reference import quantization as ref
 
@@ -79,7 +80,7 @@ def sweep_quantize_blockwise(x, q, s):
                (256, 8192, 4), (512, 8192, 4), (512, 16384, 8), (1024, 16384, 8)]
     for cols, elements, warps in configs:
         def run(cols=cols, block_m=elements // cols, warps=warps):
-            fq._quantize_blockwise_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, cols),)](
+            fb._quantize_blockwise_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, cols),)](
                 x, q, s, m, n, x.stride(0), 0, BLOCK_M=block_m, GROUPS=cols // B, B=B, SQUARE=False, TRANSPOSED=False, POW2=True,
                 num_warps=warps, **_fmt())
         label = (f"_BLOCKWISE_ROW={cols} _BLOCKWISE_ROW_TILE={elements} "
@@ -90,7 +91,7 @@ def sweep_quantize_blockwise(x, q, s):
 def sweep_cast_transpose_blockwise(x, q, s, q_t, s_t, columns_only=False):
     """cast_transpose 128: (SPLIT, columns per tile, warps, programs per SM); storage s [N / 128, M], s_t [M / 128, N].
 
-    Split: fq.quantize_blockwise's kernel (its shipped settings) for (q, s), then the column kernel
+    Split: fb.quantize_blockwise's kernel (its shipped settings) for (q, s), then the column kernel
     over [128, COL_TILE] tiles for (q_t, s_t); fused: one kernel over [128, TILE_N] tiles for all four.
     Programs per SM: the persistent grid (None: one program per tile). ``columns_only``: the split
     configs' column kernel alone (q, s untouched).
@@ -106,8 +107,8 @@ def sweep_cast_transpose_blockwise(x, q, s, q_t, s_t, columns_only=False):
 
         def run(split=split, tile_n=tile_n, warps=warps, grid=grid):
             if split and not columns_only:  # the 1 x 128 quantize as cast_transpose_blockwise launches it
-                fq._launch_quantize_blockwise(x, q.view(E4M3), s.t(), False, B, True, 0)
-            fq._cast_transpose_blockwise_kernel[grid](
+                fb._launch_quantize_blockwise(x, q.view(E4M3), s.t(), False, B, True, 0)
+            fb._cast_transpose_blockwise_kernel[grid](
                 x, q, s, q_t, s_t, s_t, m, n, x.stride(0), 0, TILE_N=tile_n, B=B, ROWS=not split, DBIAS=False, TRANSPOSE_CODES=True,
                 POW2=True, num_warps=warps, **_fmt())
         mode = f"_SPLIT=True _COL_TILE={tile_n}" if split else f"_SPLIT=False _TILE_N={tile_n}"
@@ -166,8 +167,8 @@ def _ops_whole(x):
         "quantize_transposed": lambda: fq.quantize_transposed(x, scale, E4M3),
         "cast_transpose_dbias": lambda: fq.cast_transpose_dbias(x, scale, E4M3),
         "fp8_transpose": lambda: fq.fp8_transpose(q),
-        "quantize_blockwise(1x128)": lambda: fq.quantize_blockwise(x, E4M3, 1, B, True, 0.0),
-        "cast_transpose_blockwise(128)": lambda: fq.cast_transpose_blockwise(x, E4M3, B, True, 0.0),
+        "quantize_blockwise(1x128)": lambda: fb.quantize_blockwise(x, E4M3, 1, B, True, 0.0),
+        "cast_transpose_blockwise(128)": lambda: fb.cast_transpose_blockwise(x, E4M3, B, True, 0.0),
     }
 
 

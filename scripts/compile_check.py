@@ -188,6 +188,7 @@ def _activation_cases() -> Dict[str, Callable[[], object]]:
 
 def _quantization_cases() -> Dict[str, Callable[[], object]]:
     from transformer_engine.plugin.backends.flagos import quantization as q
+    from transformer_engine.plugin.backends.flagos import quantization_blockwise as qb
 
     m, n = 16384, 4096
     x, scale = _t(m, n), _t(1, dtype=torch.float32)
@@ -195,8 +196,8 @@ def _quantization_cases() -> Dict[str, Callable[[], object]]:
         "compute_amax": lambda: q.compute_amax(x),
         "cast_transpose": lambda: q.cast_transpose(x, scale, torch.float8_e4m3fn),
         "fp8_transpose": lambda: q.fp8_transpose(_t(m, n, dtype=torch.float8_e4m3fn)),
-        "quantize_blockwise(1x128)": lambda: q.quantize_blockwise(x, torch.float8_e4m3fn, 1, 128, True, 0.0),
-        "cast_transpose_blockwise(128)": lambda: q.cast_transpose_blockwise(x, torch.float8_e4m3fn, 128, True, 0.0),
+        "quantize_blockwise(1x128)": lambda: qb.quantize_blockwise(x, torch.float8_e4m3fn, 1, 128, True, 0.0),
+        "cast_transpose_blockwise(128)": lambda: qb.cast_transpose_blockwise(x, torch.float8_e4m3fn, 128, True, 0.0),
     }
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         cases[f"quantize {str(fp8)[-6:]}"] = lambda fp8=fp8: q.quantize(x, scale, fp8)

@@ -15,6 +15,7 @@ from tests.plugin.backends.reference.test_quantization import five_step_update
 from tests.utils import randn, sqnr
 from transformer_engine.plugin.backends.flagos import activation as fa
 from transformer_engine.plugin.backends.flagos import normalization as fn
+from transformer_engine.plugin.backends.flagos import delayed_scaling as fd
 from transformer_engine.plugin.backends.flagos import quantization as fq
 from transformer_engine.plugin.backends.reference import activation as ra
 from transformer_engine.plugin.backends.reference import normalization as rn
@@ -319,7 +320,7 @@ def _assert_bitwise_equal(actual, expected):
 
 
 def _assert_same_update(history, scale, fp8_max, margin, algo):
-    actual = fq.delayed_scaling_update(history, scale, fp8_max, margin, algo)
+    actual = fd.delayed_scaling_update(history, scale, fp8_max, margin, algo)
     expected = ref.delayed_scaling_update(history, scale, fp8_max, margin, algo)
     for got, want in zip(actual, expected):
         _assert_bitwise_equal(got, want)
@@ -347,7 +348,7 @@ def test_delayed_scaling_update_edge_values(device):
     scale = torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0, 2.0, math.inf, 0.5], device=device)
     for algo in ("max", "most_recent"):
         _assert_same_update(history, scale, 448.0, 0.3, algo)
-    new_history, new_scale = fq.delayed_scaling_update(history, scale, 448.0, 1.0, "most_recent")
+    new_history, new_scale = fd.delayed_scaling_update(history, scale, 448.0, 1.0, "most_recent")
     fp32_max = torch.finfo(torch.float32).max
     assert torch.equal(new_scale[[0, 1, 2, 3, 6]].cpu(), torch.tensor([2.0, fp32_max, 448.0 / 3.0 / 2.0, 2.0, fp32_max]))
     _assert_bitwise_equal(new_history, torch.cat([torch.zeros(1, 8, device=device), history[[2, 0]]]))
@@ -362,18 +363,18 @@ def test_delayed_scaling_update_strided_and_low_precision_inputs(device):
 
 
 def test_delayed_scaling_update_empty_errors_and_supports(device):
-    new_history, new_scale = fq.delayed_scaling_update(torch.zeros(3, 0, device=device), torch.ones(0, device=device), 448.0, 0.0, "max")
+    new_history, new_scale = fd.delayed_scaling_update(torch.zeros(3, 0, device=device), torch.ones(0, device=device), 448.0, 0.0, "max")
     assert new_history.shape == (3, 0) and new_scale.shape == (0,)
     history, scale = torch.zeros(2, 3, device=device), torch.ones(3, device=device)
     with pytest.raises(ValueError, match="most_recent"):
-        fq.delayed_scaling_update(history, scale, 448.0, 0.0, "mean")
+        fd.delayed_scaling_update(history, scale, 448.0, 0.0, "mean")
     with pytest.raises(ValueError, match=r"needs \[3\]"):
-        fq.delayed_scaling_update(history, scale[:2], 448.0, 0.0, "max")
+        fd.delayed_scaling_update(history, scale[:2], 448.0, 0.0, "max")
     with pytest.raises(ValueError, match="fp8_max"):
-        fq.delayed_scaling_update(history, scale, torch.ones(2), 0.0, "max")
+        fd.delayed_scaling_update(history, scale, torch.ones(2), 0.0, "max")
     with pytest.raises(ValueError, match="margin"):
-        fq.delayed_scaling_update(history, scale, 448.0, math.inf, "max")
-    supports = fq.SUPPORTS["delayed_scaling_update"]
+        fd.delayed_scaling_update(history, scale, 448.0, math.inf, "max")
+    supports = fd.SUPPORTS["delayed_scaling_update"]
     verdict = supports(history, torch.ones(3, device="meta"), 448.0, 0.0, "max")
     assert not verdict and "device" in verdict.reason
     assert supports(history, scale, 448.0, 0.0, "max")
@@ -398,9 +399,9 @@ def _idle_histories(length, n, device):
 
 
 def _assert_same_update_(history, scale, scale_inv, fp8_max, margin, algo):
-    """fq.delayed_scaling_update_ in place on (H, s, scale_inv) gives the 5-step sequence bit for bit."""
+    """fd.delayed_scaling_update_ in place on (H, s, scale_inv) gives the 5-step sequence bit for bit."""
     expected = five_step_update(history, scale, fp8_max, margin, algo)
-    assert fq.delayed_scaling_update_(history, scale, scale_inv, fp8_max, margin, algo) is None
+    assert fd.delayed_scaling_update_(history, scale, scale_inv, fp8_max, margin, algo) is None
     for got, want in zip((history, scale, scale_inv), expected):
         _assert_bitwise_equal(got, want)
 
@@ -437,7 +438,7 @@ def test_delayed_scaling_update_in_place_strided(device):
 
 def test_delayed_scaling_update_in_place_empty_errors_and_supports(device):
     empty = (torch.zeros(3, 0, device=device), torch.ones(0, device=device), torch.ones(0, device=device))
-    assert fq.delayed_scaling_update_(*empty, 448.0, 0.0, "max") is None
+    assert fd.delayed_scaling_update_(*empty, 448.0, 0.0, "max") is None
     history, scale = _idle_histories(2, 3, device)
     scale_inv, before = torch.empty(3, device=device), (history.clone(), scale.clone())
     bad = [
@@ -451,12 +452,12 @@ def test_delayed_scaling_update_in_place_empty_errors_and_supports(device):
     ]
     for args, error, match in bad:
         with pytest.raises(error, match=match):
-            fq.delayed_scaling_update_(*args, 448.0, 0.0, "max")
+            fd.delayed_scaling_update_(*args, 448.0, 0.0, "max")
     with pytest.raises(ValueError, match="most_recent"):
-        fq.delayed_scaling_update_(history, scale, scale_inv, 448.0, 0.0, "mean")
+        fd.delayed_scaling_update_(history, scale, scale_inv, 448.0, 0.0, "mean")
     _assert_bitwise_equal(history, before[0])  # checked before any work
     _assert_bitwise_equal(scale, before[1])
-    supports = fq.SUPPORTS["delayed_scaling_update_"]
+    supports = fd.SUPPORTS["delayed_scaling_update_"]
     verdict = supports(history, scale, torch.ones(3, device="meta"), 448.0, 0.0, "max")
     assert not verdict and "scale_inv" in verdict.reason
     assert supports(history, scale, scale_inv, 448.0, 0.0, "max")
@@ -532,8 +533,8 @@ def test_delayed_scaling_update_many_is_each_state_update(algo, device):
         for step in range(2):
             expected = [tuple(t.clone() for t in state) for state in states]
             for state in expected:
-                fq.delayed_scaling_update_(*state, 448.0, 1.0, algo)
-            assert fq.delayed_scaling_update_many_(*map(list, zip(*states)), 448.0, 1.0, algo) is None
+                fd.delayed_scaling_update_(*state, 448.0, 1.0, algo)
+            assert fd.delayed_scaling_update_many_(*map(list, zip(*states)), 448.0, 1.0, algo) is None
             for got, want in zip(states, expected):
                 for g, w in zip(got, want):
                     _assert_bitwise_equal(g, w)
@@ -544,7 +545,7 @@ def test_delayed_scaling_update_many_is_each_state_update(algo, device):
 def test_delayed_scaling_update_many_errors_before_any_work(device):
     states = _states_of_a_step(device)[:2]
     histories, scales, scale_invs = map(list, zip(*states))
-    fq.delayed_scaling_update_many_(histories[:1], scales[:1], scale_invs[:1], 448.0, 0.0, "max")  # a cached table of state 0
+    fd.delayed_scaling_update_many_(histories[:1], scales[:1], scale_invs[:1], 448.0, 0.0, "max")  # a cached table of state 0
     before = [tuple(t.clone() for t in state) for state in states]
     bad = [
         ((histories, scales[:1], scale_invs, 448.0), ValueError, "pass one of each per state"),
@@ -555,7 +556,7 @@ def test_delayed_scaling_update_many_errors_before_any_work(device):
     ]
     for (h, s, i, fp8_max), error, match in bad:
         with pytest.raises(error, match=match):
-            fq.delayed_scaling_update_many_(h, s, i, fp8_max, 0.0, "max")
+            fd.delayed_scaling_update_many_(h, s, i, fp8_max, 0.0, "max")
     for got, want in zip(states, before):
         for g, w in zip(got, want):
             _assert_bitwise_equal(g, w)

@@ -18,7 +18,7 @@ from tests.plugin.backends.flagos._helpers import (
 from tests.utils import randn
 from transformer_engine.plugin.backends import flagos
 from transformer_engine.plugin.backends import reference
-from transformer_engine.plugin.backends.flagos import quantization as fq
+from transformer_engine.plugin.backends.flagos import quantization_blockwise as fq
 from transformer_engine.plugin.backends.reference import quantization as ref
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -125,7 +125,6 @@ def device_guard(t: torch.Tensor):
     return torch.cuda.device(index)
 
 
-
 _COUNTERS: Dict[Tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -171,6 +170,16 @@ def row_block(rows: int, cols: int, target: int = 4096) -> Tuple[int, int]:
     rows_per_program = max(1, min(target // block_n, next_power_of_2(max(rows, 1))))
     return block_n, rows_per_program
 
+
+def check_2d(t: torch.Tensor, name: str) -> None:
+    """ValueError unless ``t`` is 2-D [M, N]."""
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
+
+
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is unit-stride (any row stride works), else a contiguous copy."""
+    return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[-1] else t.contiguous()
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:
     """t as [M, N] (N = last dim) with a unit column stride: a view when possible, else a copy."""
