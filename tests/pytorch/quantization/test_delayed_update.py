@@ -102,7 +102,6 @@ def test_callable_algorithms():
     torch.testing.assert_close(state2.scale, torch.tensor([0.5 + 448.0 / 7.0]))
 
 
-
 def _random_states(recipe, mode, sizes):
     """States of ``sizes`` slots with random histories, an idle slot (row 0 = 0) and random scales."""
     states = [DelayedScalingRecipeState(recipe, mode, n, "cpu") for n in sizes]
@@ -157,7 +156,6 @@ def _step_and_check(states, recipe):
         oracle.check(state)
 
 
-
 def test_states_of_one_direction_update_in_one_call_on_their_own_tensors(monkeypatch):
     """Several states of one direction: one delayed_scaling_update_many_ call on the states' own tensors, no
     side-by-side copies (the gather is never reached), the oracle's values over steps."""
@@ -178,6 +176,7 @@ def test_states_of_one_direction_update_in_one_call_on_their_own_tensors(monkeyp
     assert len(calls) == 3
     for name, given in zip(("amax_history", "scale", "scale_inv"), calls[-1]):
         assert all(t is getattr(state, name) for t, state in zip(given, states))
+
 
 def test_update_follows_replaced_state_tensors():
     """Steps with one cached plan, then tensors replaced by a history resize and by a checkpoint load."""
@@ -238,6 +237,7 @@ def test_scaling_factor_callable_gets_fp8_max_per_slot():
     reduce_and_update(states, recipe)
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0], torch.full((5,), 448.0))
     torch.testing.assert_close(torch.cat([s.scale for s in states]), torch.full((5,), 64.0))
+
 
 def test_forward_update_only_at_outermost_exit_with_grad():
     recipe = DelayedScaling(amax_history_len=2)

@@ -163,7 +163,6 @@ def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margi
             raise ValueError(f"{name} is on {t.device} but amax_history on {amax_history.device}; move them to one device")
 
 
-
 def check_delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo) -> None:
     """delayed_scaling_update_many_: three lists of one length, each state as delayed_scaling_update_ takes
     it, all on one device, no two tensors sharing memory, and fp8_max one float."""
@@ -205,6 +204,7 @@ def _byte_span(t: torch.Tensor):
     """(first byte, one past the last byte) of the memory a non-empty tensor's elements occupy."""
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
 
 def check_cross_entropy(logits, target, label_smoothing: float) -> None:
     """cross_entropy_fwd / _bwd: logits [N, V >= 1], integer target [N], 0 <= label_smoothing <= 1.

@@ -51,6 +51,7 @@ __all__ = [
 #: CPU interpreter, so launches must take the emulated FP8 casts.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints. Host code uses this, not ``triton.cdiv``: Triton 3.x made that a
     ``constexpr_function`` whose host call costs several microseconds (argument unwrapping)."""
@@ -138,6 +139,7 @@ def stream_counters(device: torch.device) -> torch.Tensor:
         counters = _COUNTERS[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
     return counters
 
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -180,6 +182,7 @@ def check_2d(t: torch.Tensor, name: str) -> None:
 def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     """t itself when its last dim is unit-stride (any row stride works), else a contiguous copy."""
     return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[-1] else t.contiguous()
+
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:
     """t as [M, N] (N = last dim) with a unit column stride: a view when possible, else a copy."""

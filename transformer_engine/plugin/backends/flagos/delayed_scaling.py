@@ -106,6 +106,7 @@ def _update_columns(
         s_now = tl.where(active, s_new, s_old)
         tl.store(scale_inv_ptr + cols * stride_si, (1.0 / s_now.to(tl.float64)).to(tl.float32), mask=col_mask)
 
+
 @cached_launch
 @triton.jit
 def _delayed_scaling_update_kernel(
@@ -222,6 +223,7 @@ def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, ma
             table, float(fp8_max), 2.0 ** float(margin),
             BLOCK_L=min(next_power_of_2(length), _UPDATE_TILE // block_n), BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
         )  # fmt: skip
+
 
 def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, outputs) -> None:
     """One launch of ``_delayed_scaling_update_kernel`` on checked arguments with N > 0.

@@ -285,7 +285,6 @@ def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
     return (q.float() * full).to(out_dtype)
 
 
-
 def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo) -> Tuple[torch.Tensor, torch.Tensor]:
     """One delayed-scaling step for N tensors: s_new = (fp8_max / amax) / 2^margin, then roll the history.
 
@@ -332,7 +331,6 @@ def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, ama
     torch.reciprocal(scale, out=scale_inv)
 
 
-
 def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo) -> None:
     """``delayed_scaling_update_`` of each state (amax_histories[i], scales[i], scale_invs[i]) in place.
 
@@ -343,6 +341,7 @@ def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, ma
     check_delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo)
     for history, scale, scale_inv in zip(amax_histories, scales, scale_invs):
         delayed_scaling_update_(history, scale, scale_inv, fp8_max, margin, amax_compute_algo)
+
 
 def _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo) -> Tuple[torch.Tensor, torch.Tensor]:
     """(H_new, s_new) of checked arguments: the math of ``delayed_scaling_update``."""
