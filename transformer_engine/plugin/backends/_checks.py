@@ -142,11 +142,7 @@ def check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_comp
         raise ValueError(f"scale has shape {tuple(scale.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
     if isinstance(fp8_max, torch.Tensor) and fp8_max.numel() not in (1, n):
         raise ValueError(f"fp8_max has shape {tuple(fp8_max.shape)}; pass a float or a tensor of 1 or {n} elements")
-    # traced, margin may be a symbolic float (dynamic shapes), which math cannot read: the recipe checked it
-    if not torch.compiler.is_compiling() and not math.isfinite(float(margin)):
-        raise ValueError(f"margin={margin!r} must be a finite float (usually 0)")
-    if amax_compute_algo not in _AMAX_ALGOS:
-        raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of {_AMAX_ALGOS}")
+    _check_margin_and_algo(margin, amax_compute_algo)
 
 
 def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo) -> None:
@@ -194,7 +190,13 @@ def check_shared_update_args(fp8_max, margin, amax_compute_algo) -> None:
     a known amax_compute_algo."""
     if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)):
         raise TypeError(f"fp8_max must be one float for every state, got {type(fp8_max).__name__}")
-    if not math.isfinite(float(margin)):
+    _check_margin_and_algo(margin, amax_compute_algo)
+
+
+def _check_margin_and_algo(margin, amax_compute_algo) -> None:
+    """A finite margin and a known amax_compute_algo (every delayed-scaling update's)."""
+    # traced, margin may be a symbolic float (dynamic shapes), which math cannot read: the recipe checked it
+    if not torch.compiler.is_compiling() and not math.isfinite(float(margin)):
         raise ValueError(f"margin={margin!r} must be a finite float (usually 0)")
     if amax_compute_algo not in _AMAX_ALGOS:
         raise ValueError(f"amax_compute_algo={amax_compute_algo!r} must be one of {_AMAX_ALGOS}")
