@@ -20,7 +20,6 @@ int32 buffer that the launcher returns viewed as float32.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -28,6 +27,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+
+from transformer_engine.plugin.backends._device import cuda_properties
 
 __all__ = [
     "INTERPRET",
@@ -97,19 +98,12 @@ def fp8_format(fp8_dtype: torch.dtype) -> Fp8Format:
         raise ValueError(f"fp8_dtype={fp8_dtype!r} is not an FP8 dtype; pass torch.float8_e4m3fn or torch.float8_e5m2") from None
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def hw_fp8_cast(device: torch.device) -> bool:
     """True when kernels on ``device`` may use the hardware fp32 -> fp8 conversion (sm_89+, compiled)."""
     if INTERPRET or device.type != "cuda" or torch.version.hip is not None:
         return False
-    if torch.compiler.is_compiling():  # traced: Dynamo folds the properties into a constant
-        properties = torch.cuda.get_device_properties(device)
-        return (properties.major, properties.minor) >= (8, 9)
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+    properties = cuda_properties(device)
+    return (properties.major, properties.minor) >= (8, 9)
 
 
 _NO_GUARD = contextlib.nullcontext()
@@ -140,18 +134,11 @@ def stream_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_programs_hint(device: torch.device, per_sm: int = 2) -> int:
     """How many persistent programs fill ``device``: ``per_sm`` per SM on a GPU, 4 in the interpreter."""
     if device.type != "cuda" or INTERPRET:
         return 4
-    if torch.compiler.is_compiling():  # traced: Dynamo folds the properties into a constant
-        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return per_sm * cuda_properties(device).multi_processor_count
 
 
 def warps_for(elements: int) -> int:

@@ -26,11 +26,11 @@ taken in float32, the bias added in float32, then the result is cast (or added i
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
 
+from transformer_engine.plugin.backends._device import cuda_properties
 from transformer_engine.plugin.core import Reject
 
 __all__ = ["gemm", "gemm_blockwise"]
@@ -161,17 +161,9 @@ def _result_dtype(a, out_dtype, out) -> Optional[torch.dtype]:
 
 # -- what this backend declines -----------------------------------------------------------------
 def _capability_of(t: torch.Tensor) -> Tuple[int, int]:
-    """(major, minor) compute capability of t's CUDA device (cached per index; traced by torch.compile:
-    the device properties, which Dynamo folds into a constant)."""
-    if torch.compiler.is_compiling():
-        properties = torch.cuda.get_device_properties(t.device)
-        return properties.major, properties.minor
-    return _cached_capability(t.get_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cached_capability(index: int) -> Tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
+    """(major, minor) compute capability of t's CUDA device."""
+    properties = cuda_properties(t.device)
+    return properties.major, properties.minor
 
 
 def _op_shape(shape: torch.Size, trans: bool) -> Tuple[int, int]:
