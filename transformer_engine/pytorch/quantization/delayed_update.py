@@ -77,8 +77,7 @@ class _Group:
     def update_in_place(self, recipe: DelayedScaling) -> bool:
         """The update of several states on their own tensors, one op call, when the recipe's algorithms are
         built in and fp8_max is one float; False (nothing done) otherwise."""
-        if not self.state_histories or callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None \
-                or isinstance(self.fp8_max, torch.Tensor):
+        if not self.state_histories or not _built_in(recipe) or isinstance(self.fp8_max, torch.Tensor):
             return False
         ops.delayed_scaling_update_many_(self.state_histories, self.state_scales, self.state_scale_invs, self.fp8_max,
                                          float(recipe.margin), recipe.amax_compute_algo)
@@ -167,7 +166,7 @@ def _update(part: _Group, recipe: DelayedScaling, in_place_op: bool = True) -> N
     built-in algorithms; with a recipe callable (or without ``in_place_op``), :func:`_step`, the idle
     rule, scale_inv = 1 / s: the same values (the op's contract)."""
     algo, margin = recipe.amax_compute_algo, float(recipe.margin)
-    if in_place_op and not callable(algo) and recipe.scaling_factor_compute_algo is None:
+    if in_place_op and _built_in(recipe):
         ops.delayed_scaling_update_(part.history, part.scale, part.scale_inv, part.fp8_max, margin, algo)
         return
     new_history, new_scale = _step(part.history, part.scale, part.fp8_max, recipe)
@@ -176,6 +175,11 @@ def _update(part: _Group, recipe: DelayedScaling, in_place_op: bool = True) -> N
     torch.where(active, new_scale, part.scale, out=part.scale)
     torch.reciprocal(part.scale, out=part.scale_inv)
 
+
+def _built_in(recipe: DelayedScaling) -> bool:
+    """True when the recipe's amax and scale rules are the built-in ones, which the catalog's update ops
+    implement (no callable ``amax_compute_algo`` or ``scaling_factor_compute_algo``)."""
+    return not callable(recipe.amax_compute_algo) and recipe.scaling_factor_compute_algo is None
 
 def _plan(states: Sequence) -> Tuple[_Group, ...]:
     """The cached plan of ``states``, keyed by their tensors' ids and fp8 dtypes (a plan holds the
@@ -235,7 +239,7 @@ def _step(
     """(H_new, s_new): the catalog's ``delayed_scaling_update`` for the built-in algorithms, else the recipe's
     callable amax_compute_algo or scaling_factor_compute_algo."""
     algo, scale_fn, margin = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, float(recipe.margin)
-    if not callable(algo) and scale_fn is None:  # the built-in algorithms: the catalog op
+    if _built_in(recipe):  # the catalog op
         return ops.delayed_scaling_update(history, scale, fp8_max, margin, algo)
     if callable(algo):
         amax = algo(history)

@@ -217,12 +217,17 @@ def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, ma
     length, n = max(h.shape[0] for h in amax_histories), max(h.shape[1] for h in amax_histories)
     if n == 0:
         return
-    block_n = min(_UPDATE_COLS, next_power_of_2(n))
+    block_l, block_n = _blocks(length, n)
     with device_guard(amax_histories[0]):
         _delayed_scaling_update_many_kernel[(cdiv(n, block_n), len(states))](
-            table, float(fp8_max), 2.0 ** float(margin),
-            BLOCK_L=min(next_power_of_2(length), _UPDATE_TILE // block_n), BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
+            table, float(fp8_max), 2.0 ** float(margin), BLOCK_L=block_l, BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
         )  # fmt: skip
+
+
+def _blocks(length: int, n: int):
+    """(BLOCK_L, BLOCK_N) of the update kernels for a history of ``length`` rows and ``n`` columns (at most)."""
+    block_n = min(_UPDATE_COLS, next_power_of_2(n))
+    return min(next_power_of_2(length), _UPDATE_TILE // block_n), block_n
 
 
 def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, outputs) -> None:
@@ -233,8 +238,7 @@ def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_al
     history_new, scale_new, scale_inv = outputs
     length, n = amax_history.shape
     fp8_max_arg, fp8_max_stride = _fp8_max_arg(fp8_max, amax_history.device, n)
-    block_n = min(_UPDATE_COLS, next_power_of_2(n))
-    block_l = min(next_power_of_2(length), _UPDATE_TILE // block_n)
+    block_l, block_n = _blocks(length, n)
     in_place = scale_inv is not None
     with device_guard(amax_history):
         _delayed_scaling_update_kernel[(cdiv(n, block_n),)](
