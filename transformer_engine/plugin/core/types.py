@@ -150,8 +150,9 @@ class OpImpl:
         min_arch: upstream TE-FL's field: the minimum compute capability, ``"sm_80"``, ``"8.0"``,
             ``80`` or ``(8, 0)``; folded into ``capabilities.min_compute_capability``.
         under_compile: how ``torch.compile`` sees a call this impl would run (one of :data:`UNDER_COMPILE`):
-            ``"trace"``: its code is tensor ops that Dynamo traces and Inductor compiles (the reference
-            backend, the cuBLASLt GEMM through ``torch._scaled_mm``); ``"reference"``: the reference
+            ``"trace"``: Dynamo traces its code, tensor ops that Inductor compiles (the reference backend,
+            the cuBLASLt GEMM through ``torch._scaled_mm``) and ``triton.jit`` kernels called as
+            ``kernel[grid](...)``, which Inductor launches (flagos dropout); ``"reference"``: the reference
             backend's implementation is traced in its place (a Triton kernel whose work Inductor
             generates itself from those tensor ops, fused with its neighbours); ``"custom_op"``
             (default): the op stays one opaque node of the graph that calls the dispatcher when it runs.
