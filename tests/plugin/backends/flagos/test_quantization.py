@@ -527,13 +527,13 @@ def _states_of_a_step(device):
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_delayed_scaling_update_many_is_each_state_update(algo, device):
-    """One call updates every state exactly as delayed_scaling_update_ on each does, bit for bit, again on a
-    second step (the cached table) and on new tensors of the same shapes (a new table)."""
+    """One call updates every state exactly as the reference backend's delayed_scaling_update_ on each does, bit
+    for bit, again on a second step (the cached table) and on new tensors of the same shapes (a new table)."""
     for states in (_states_of_a_step(device), _states_of_a_step(device)):
         for step in range(2):
             expected = [tuple(t.clone() for t in state) for state in states]
             for state in expected:
-                fd.delayed_scaling_update_(*state, 448.0, 1.0, algo)
+                ref.delayed_scaling_update_(*state, 448.0, 1.0, algo)
             assert fd.delayed_scaling_update_many_(*map(list, zip(*states)), 448.0, 1.0, algo) is None
             for got, want in zip(states, expected):
                 for g, w in zip(got, want):
