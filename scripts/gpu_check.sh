@@ -28,14 +28,18 @@ run() {  # run NAME TIMEOUT CMD...: log everything, remember the exit code and t
     return 0
 }
 
+install() {  # the package (clients such as Lightning check its metadata) and wheels carried in .whl/ (megatron-core)
+    python3 -m pip install -q --no-deps --no-build-isolation -e . .whl/*.whl >/dev/null 2>&1 \
+        || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+}
+
 for stage in $STAGES; do
     case $stage in
         info) run info 120 python3 -m transformer_engine info ;;
-        tests) run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore=tests/plugin/backends/flagos ;;
+        tests) install; run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore=tests/plugin/backends/flagos ;;
         kernel-tests) run kernel-tests 590 python3 -m pytest -q -p no:cacheprovider tests/plugin/backends/flagos ;;
         compile) run compile 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_compile.py ;;
-        accelerate) python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-            run accelerate 420 python3 benchmarks/bench_accelerate_llama.py --json "$OUT/accelerate.json" ;;
+        accelerate) install; run accelerate 420 python3 benchmarks/bench_accelerate_llama.py --json "$OUT/accelerate.json" ;;
         sizes) run sizes 560 python3 benchmarks/bench_sizes.py --hidden "${SIZES_HIDDEN:-1024,2048,4096}" --compile-ops "${SIZES_COMPILE_OPS:-traced}" --json "$OUT/sizes.json" --plot "$OUT/sizes.png" ;;
         graphs) run graphs 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_graph.py ;;
         kernels) run kernels 300 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;

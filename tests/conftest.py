@@ -12,7 +12,10 @@
   tests selected but ran none of them (all skipped) fails the session, naming the skip reasons;
 - doctests of the package run with the tests (``--doctest-modules``, testpaths ``tests`` and
   ``transformer_engine``); modules that cannot be imported here are left out for the reason listed
-  in :data:`DOCTEST_SKIPS`, printed in the summary.
+  in :data:`DOCTEST_SKIPS`, printed in the summary;
+- JAX allocates GPU memory as it needs it (``XLA_PYTHON_CLIENT_PREALLOCATE=false``), not 75% of the
+  card on its first use: PyTorch's tests share the process, and a CUDA-graph capture that runs out of
+  cached memory frees blocks, which invalidates the capture.
 """
 
 import importlib.util
@@ -22,6 +25,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 _HAS_TORCH = importlib.util.find_spec("torch") is not None
 _ROOT = Path(__file__).resolve().parent.parent

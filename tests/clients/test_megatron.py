@@ -9,12 +9,16 @@ and norm layers, Megatron's own against ours; on a GPU it covers the attention t
 """
 
 import importlib
+import importlib.util
 import warnings
 
 import pytest
 import torch
 
 from tests.pytorch.parallel._ranks import close_pools, device, get_pool
+
+if importlib.util.find_spec("megatron") is None:  # not installed (CI installs it); an import that fails is a failure
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS = 128, 16, 2, 64, 4
 
