@@ -18,7 +18,10 @@ Cases (a step is fwd+bwd, gradients cleared; FP8 = DelayedScaling HYBRID, histor
 - ``norms`` (GPU): ``te.LayerNorm`` / ``te.RMSNorm`` / ``nn.LayerNorm`` on [16384, 4096] bf16;
 - ``large`` (GPU): ``te.Linear`` 8192^3 FP8 and the headline ``te.TransformerLayer`` FP8, each step
   waited for (as ``bench_linear.py`` and ``bench_transformer_layer.py`` time them);
-- ``block`` / ``current`` (GPU): the same two under ``Float8BlockScaling`` / ``Float8CurrentScaling``.
+- ``block`` / ``current`` (GPU): the same two under ``Float8BlockScaling`` / ``Float8CurrentScaling``;
+- ``layer1024`` (GPU): ``te.TransformerLayer`` at hidden 1024 (``bench_sizes.py``'s layer: 8192 tokens,
+  host-bound) eager in bf16, FP8 delayed and FP8 current, and ``torch.compile`` of its FP8 delayed step
+  (Inductor, no CUDA graphs), chunks enqueued back to back.
 
     git archive <rev> transformer_engine | tar -x -C /tmp/base     # the base tree
     python benchmarks/bench_ab.py --base-tree /tmp/base --json ab.json
@@ -42,7 +45,7 @@ import torch
 from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = ("small", "norms", "large", "block", "current")
+GROUPS = ("small", "norms", "large", "block", "current", "layer1024")
 
 
 def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int, bool]]:
@@ -85,6 +88,34 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
         shape = LayerShape()
         xl = torch.randn(shape.seq, shape.batch, shape.hidden, device=device, dtype=bf16, requires_grad=True)
         cases[f"te.TransformerLayer {label}"] = (fwd_bwd_step(_te_layer(te, shape, device), xl, torch.randn_like(xl), context), 5, True)
+    if "layer1024" in groups:
+        cases.update(_layer1024_cases(te, device, fp8))
+    return cases
+
+
+def _layer1024_cases(te, device: str, fp8) -> Dict[str, Tuple[Callable[[], None], int, bool]]:
+    """The hidden-1024 layer's eager steps (bf16, FP8 delayed, FP8 current) and its compiled FP8 delayed step."""
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    from _harness import under_autocast
+    from bench_transformer_layer import LayerShape, _te_layer
+
+    shape = LayerShape(hidden=1024, ffn=4096, heads=16, seq=512, batch=16)
+    x = torch.randn(shape.seq, shape.batch, shape.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    cases = {}
+    for label, recipe in (("bf16", None), ("FP8", fp8), ("FP8 current", Float8CurrentScaling())):
+        context = contextlib.nullcontext if recipe is None else functools.partial(te.autocast, recipe=recipe)
+        cases[f"layer 1024 {label} eager"] = (fwd_bwd_step(_te_layer(te, shape, device), x, dy, context), 10, False)
+    layer = _te_layer(te, shape, device)
+    compiled = torch.compile(under_autocast(layer, fp8))
+
+    def compiled_step():
+        compiled(x).backward(dy)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+
+    cases["layer 1024 FP8 compiled"] = (compiled_step, 10, False)
     return cases
 
 

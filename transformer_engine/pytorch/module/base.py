@@ -279,8 +279,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if not config.enabled:  # calibration: high precision, amaxes recorded
             observers = fwd_state.make_observers()
             return ForwardQuantization(GemmQuantizers.from_slots(observers, [IDENTITY] * bwd_state.num_quantizers, n))
+        gemms = self._fp8_gemms
+        if torch.compiler.is_compiling() and config.recipe.delayed():  # one kept scale vector per traced call
+            gemms = GemmQuantizers.from_slots(fwd_state.traced_quantizers(), self.quantizers["scaling_bwd"], n)
         return ForwardQuantization(
-            gemms=self._fp8_gemms,
+            gemms=gemms,
             split_accumulator=fwd_state.split_accumulator,
             backward_update=register_states(fwd_state, bwd_state),
             for_training=torch.is_grad_enabled(),

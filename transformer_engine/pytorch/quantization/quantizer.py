@@ -139,11 +139,14 @@ class Float8Quantizer(Quantizer):
     is_fp8 = True
     fuses_dbias = True
 
-    def __init__(self, state, index: int):
+    def __init__(self, state, index: int, kept: Optional[Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]] = None):
         self.state = state
         self.index = index
         self._viewed: Tuple = ()  # (state.scale, state.amax_history) the cached views below were taken of
         self._scale = self._slot = None
+        #: traced forward casts only (``DelayedScalingRecipeState.traced_quantizers``): (kept copy of the
+        #: state's whole scale vector, the 0-d reciprocal of each slot), shared by one traced call's quantizers
+        self._kept = kept
 
     def __getstate__(self):  # copies and pickles take the state, not views of the original's tensors
         return {"state": self.state, "index": self.index}
@@ -163,8 +166,12 @@ class Float8Quantizer(Quantizer):
         the backward graph itself, before the update that rewrites its scale: nothing to keep)."""
         state = self.state
         if torch.compiler.is_compiling():  # the scale as saved for a backward that recomputes a cast (see kept_scale)
-            scale = state.scale[self.index]
-            return (kept_copy(scale) if state.mode == "forward" else scale), state.amax_history[0, self.index]
+            if self._kept is not None:
+                scale = self._kept[0][self.index]
+            else:
+                scale = state.scale[self.index]
+                scale = kept_copy(scale) if state.mode == "forward" else scale
+            return scale, state.amax_history[0, self.index]
         if not self._viewed or self._viewed[0] is not state.scale or self._viewed[1] is not state.amax_history:
             self._viewed = (state.scale, state.amax_history)
             self._scale, self._slot = state.scale[self.index], state.amax_history[0, self.index]
@@ -186,13 +193,17 @@ class Float8Quantizer(Quantizer):
         The cast writes the slot itself (``amax_out``). Traced by torch.compile it writes a zeroed scratch
         slot instead, which one ``maximum`` then folds into the history: AOTAutograd keeps a write into a
         forward input inside the backward graph only as a plain tensor op, not as a custom op's
-        mutation (and the grad casts run in backward)."""
+        mutation (and the grad casts run in backward). With kept scales, the operand's scale_inv is the
+        shared reciprocal (the same values: the cast's own 1 / scale is then dead code, no kernel of its own)."""
         scale, slot = self._views()
         if not torch.compiler.is_compiling():
             return cast(scale, slot)
         scratch = torch.zeros_like(slot)
         result = cast(scale, scratch)
         slot.copy_(torch.maximum(slot, scratch))
+        if self._kept is not None:
+            operand = result if isinstance(result, Float8Tensor) else result[0]
+            operand.scale_inv = self._kept[1][self.index]
         return result
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:

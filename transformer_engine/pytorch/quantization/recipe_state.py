@@ -33,6 +33,7 @@ from transformer_engine.common.recipe import (
     Recipe,
 )
 
+from .kept_scale import kept_copy
 from .quantizer import (
     IDENTITY,
     AmaxObserver,
@@ -216,6 +217,16 @@ class DelayedScalingRecipeState(RecipeState):
 
     def make_quantizers(self) -> List[Quantizer]:
         return [Float8Quantizer(self, i) for i in range(self.num_quantizers)]
+
+    def traced_quantizers(self) -> List[Quantizer]:
+        """Quantizers of this forward state for one call that torch.compile traces: the scale vector is
+        kept (``kept_copy``) once for all of them, rather than copied per cast, and the reciprocals read
+        that one copy, which lets Inductor take them all in one kernel (the same values; see
+        ``Float8Quantizer._recording``). Each reciprocal is a 0-d tensor of its own: Inductor's
+        ``_scaled_mm`` lowering takes no view into a vector as a scale."""
+        scale = kept_copy(self.scale)
+        kept = (scale, tuple(torch.reciprocal(scale[i]) for i in range(self.num_quantizers)))
+        return [Float8Quantizer(self, i, kept) for i in range(self.num_quantizers)]
 
     def make_observers(self) -> List[Quantizer]:
         return [AmaxObserver(q) for q in self.make_quantizers()]

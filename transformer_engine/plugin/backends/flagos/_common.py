@@ -99,9 +99,22 @@ def fp8_format(fp8_dtype: torch.dtype) -> Fp8Format:
 
 
 def hw_fp8_cast(device: torch.device) -> bool:
-    """True when kernels on ``device`` may use the hardware fp32 -> fp8 conversion (sm_89+, compiled)."""
+    """True when kernels on ``device`` may use the hardware fp32 -> fp8 conversion (sm_89+, compiled).
+    Answered once per device (every FP8-writing launch asks), read afresh while torch.compile traces."""
     if INTERPRET or device.type != "cuda" or torch.version.hip is not None:
         return False
+    if torch.compiler.is_compiling() or device.index is None:
+        return _has_fp8_conversion(device)
+    known = _HW_FP8_CAST.get(device.index)
+    if known is None:
+        known = _HW_FP8_CAST[device.index] = _has_fp8_conversion(device)
+    return known
+
+
+_HW_FP8_CAST: Dict[int, bool] = {}  # device index -> hw_fp8_cast
+
+
+def _has_fp8_conversion(device: torch.device) -> bool:
     properties = cuda_properties(device)
     return (properties.major, properties.minor) >= (8, 9)
 
@@ -115,7 +128,7 @@ def device_guard(t: torch.Tensor):
     if torch.compiler.is_compiling():
         return _NO_GUARD
     index = t.get_device()  # -1 on the CPU
-    if index < 0 or INTERPRET or index == torch.cuda.current_device():
+    if index < 0 or INTERPRET or index == torch._C._cuda_getDevice():  # (CUDA is initialized: t lives there)
         return _NO_GUARD
     return torch.cuda.device(index)
 
@@ -210,7 +223,8 @@ def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device, amax_out: O
     fmt = fp8_format(fp8_dtype)
     if amax_out is not None:  # no zero fill, no record afterwards: two fewer launches per cast
         scale_inv = torch.empty((), dtype=torch.float32, device=device)
-        return Fp8Outputs(q, scale_inv, amax_out.view(torch.int32), amax_out.view(()), fmt)  # amax is 0-d, as without a slot
+        amax = amax_out if amax_out.dim() == 0 else amax_out.view(())  # 0-d, as without a slot
+        return Fp8Outputs(q, scale_inv, amax_out.view(torch.int32), amax, fmt)
     if torch.compiler.is_compiling():  # traced: two buffers (Inductor cannot pass a dtype view of a slice to a kernel)
         amax = torch.zeros((), dtype=torch.float32, device=device)
         return Fp8Outputs(q, torch.empty((), dtype=torch.float32, device=device), amax.view(torch.int32), amax, fmt)

@@ -21,7 +21,8 @@ kernel from Triton):
 A key seen for the first time goes through Triton's own path (which compiles or finds the kernel,
 launches it and returns it); later calls with that key call the compiled kernel's launcher with the
 arguments in the kernel's parameter order, as Triton's path does (launch hooks with nothing to
-call are passed as None, so no launch metadata is built for them). The launcher is generated per
+call are passed as None, so no launch metadata is built for them; under Triton 3.6 a kernel without
+scratch memory goes straight to the launcher's C function, :func:`_direct_launch`). The launcher is generated per
 kernel with its parameters (as :mod:`dataclasses` generates ``__init__``): arguments bind natively
 and each key part is an inline expression. Every call takes Triton's path for a grid given as a
 callable, while Dynamo traces (it records the ``triton.jit`` kernel, which Inductor launches
@@ -35,9 +36,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+import triton
 from triton.runtime import driver
 
 try:
@@ -50,6 +52,7 @@ from ._common import INTERPRET
 __all__ = ["CachedLaunch", "cached_launch"]
 
 _INT32 = (-(2**31), 2**31 - 1)
+_TRITON_3_6 = triton.__version__.split(".")[:2] == ["3", "6"]
 
 
 def _arg_key(a: Any) -> Any:
@@ -69,16 +72,37 @@ def launch_key({params}, **_options):
 
 def launch(_grid, {params}, **_options):
     _key = (_device(), _runtime.debug, {key}, tuple(_options.items()) if _options else ())
-    _kernel = _compiled.get(_key)
-    if _kernel is None or _kernel is False:
-        return _first(_grid, _key, _kernel, ({args},), _options)
+    _entry = _compiled.get(_key)
+    if _entry is None or _entry is False:
+        return _first(_grid, _key, _entry, ({args},), _options)
+    _kernel, _direct = _entry
     _stream = _stream_of(_key[0])
     _enter, _exit = _hooks(_runtime.launch_enter_hook), _hooks(_runtime.launch_exit_hook)
     _meta = None if _enter is None and _exit is None else _kernel.launch_metadata(_grid, _stream, {args})
     _g0, _g1, _g2 = (*_grid, 1, 1)[:3]
-    _kernel.run(_g0, _g1, _g2, _stream, _kernel.function, _kernel.packed_metadata, _meta, _enter, _exit, {args})
+    if _direct is None:
+        _kernel.run(_g0, _g1, _g2, _stream, _kernel.function, _kernel.packed_metadata, _meta, _enter, _exit, {args})
+    else:
+        _direct[0](_g0, _g1, _g2, _stream, _kernel.function, _direct[1], _direct[2], None, None,
+                   _kernel.packed_metadata, _meta, _enter, _exit, {args})
     return _kernel
 """
+
+
+def _direct_launch(run: Any) -> Optional[Tuple[Callable[..., Any], Any, Any]]:
+    """(launch, cooperative grid, PDL) of a compiled kernel's launcher, to call its C ``launch`` as Triton
+    3.6's ``CudaLauncher.__call__`` does for a kernel that needs no global or profile scratch memory
+    (both buffers None), without that Python frame and its two scratch helpers (about 5 us per launch
+    on the lent hosts). None under other Triton versions (their ``__call__`` differs: 3.9 passes the
+    profile scratch otherwise) or for a kernel with scratch memory: the launch then goes through ``run``."""
+    if not _TRITON_3_6 or type(run).__name__ != "CudaLauncher":
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    try:
+        return run.launch, run.launch_cooperative_grid, run.launch_pdl
+    except AttributeError:
+        return None
 
 
 def _hooks(hook: Any) -> Any:
@@ -96,7 +120,8 @@ _TENSOR_KEY = "({0}.dtype, not {0}.data_ptr() & 15) if type({0}) is _Tensor else
 
 
 class CachedLaunch:
-    """A ``triton.jit`` kernel launched as ``wrapper[grid](*args, **kwargs)``, compiled kernels cached by launch key.
+    """A ``triton.jit`` kernel launched as ``wrapper[grid](*args, **kwargs)``, compiled kernels cached by launch key
+    (``_compiled``: key -> (compiled kernel, :func:`_direct_launch` of it), or False for a kernel Triton launches each time).
 
     Attributes:
         fn: the wrapped ``triton.jit`` function.
@@ -142,7 +167,8 @@ class CachedLaunch:
         """Triton's own launch: for a new key (compiles on first use, then cached) or one marked uncachable."""
         kernel = self.fn[grid](*args, **options)
         if known is None:
-            self._compiled[key] = kernel if hasattr(kernel, "packed_metadata") and hasattr(kernel, "function") else False
+            cachable = hasattr(kernel, "packed_metadata") and hasattr(kernel, "function")
+            self._compiled[key] = (kernel, _direct_launch(kernel.run)) if cachable else False
         return kernel
 
     def __getitem__(self, grid) -> Callable[..., Any]:
