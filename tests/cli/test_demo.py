@@ -222,7 +222,6 @@ def test_bench_layer_table_on_cpu_has_no_tflops_or_memory_columns(monkeypatch):
 def test_bench_layer_builds_without_deprecation_warnings():
     import warnings
 
-
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import bench_transformer_layer as layer

@@ -26,6 +26,7 @@ def _pow2_current() -> CustomRecipe:
 
     return CustomRecipe(qfactory=qfactory)
 
+
 #: module name -> (constructor, call, names of its GEMM weights)
 MODULES = {
     "Linear": (lambda dtype: te.Linear(32, 48, params_dtype=dtype), lambda m, x: m(x), ("weight",)),

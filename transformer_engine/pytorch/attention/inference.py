@@ -31,7 +31,6 @@ from . import _layout
 __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager"]
 
 
-
 def _cu(lengths: List[int], size: int) -> torch.Tensor:
     """int32 offsets [size + 1] of ``lengths``, the tail repeating the total (TE's fixed-size buffers)."""
     offsets = [0]

@@ -181,6 +181,7 @@ def _built_in(recipe: DelayedScaling) -> bool:
     implement (no callable ``amax_compute_algo`` or ``scaling_factor_compute_algo``)."""
     return not callable(recipe.amax_compute_algo) and recipe.scaling_factor_compute_algo is None
 
+
 def _plan(states: Sequence) -> Tuple[_Group, ...]:
     """The cached plan of ``states``, keyed by their tensors' ids and fp8 dtypes (a plan holds the
     tensors of its key, so no live tensor can take one of its ids)."""

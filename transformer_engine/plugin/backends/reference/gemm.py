@@ -105,7 +105,6 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
     return out.copy_(d)
 
 
-
 def _block_operand_f32(t, scale_inv, block, name: str) -> torch.Tensor:
     """A block-scaled FP8 operand dequantized to float32: t[i, k] * scale_inv[i // block[0], k // block[1]]."""
     check_tensor(t, name)
