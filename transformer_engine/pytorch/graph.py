@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from transformer_engine.common.recipe import Recipe
 
 from .distributed import get_all_rng_states
+from .graph_schedule import default_schedule, interleaved_schedule
 from .quantization.autocast import autocast, isolated_stack
 from .quantization.delayed_update import hold_plans
 
@@ -179,6 +180,8 @@ def make_graphed_callables(
     retain_graph_in_backward: bool = False,
     pre_warmup_hook: Optional[Callable[[], None]] = None,
     post_warmup_hook: Optional[Callable[[], None]] = None,
+    _order: Optional[Sequence[int]] = None,
+    _num_layers_per_chunk: Union[None, int, Sequence[int]] = None,
     **deprecated,
 ):
     """Capture modules or functions as CUDA graphs; returns their graphed versions (see the module docstring).
@@ -198,11 +201,16 @@ def make_graphed_callables(
         pool: a memory pool handle shared with other graphs (``torch.cuda.graph_pool_handle()``).
         retain_graph_in_backward: keep the autograd graph of the backward capture.
         pre_warmup_hook, post_warmup_hook: called before and after the warm-up steps.
+        _order, _num_layers_per_chunk: capture for interleaved pipeline parallelism (NVIDIA TE's private
+            arguments, which Megatron-Core passes): the callables are layers in model chunks, ``_order``
+            the pipeline schedule; ``sample_args`` then holds one entry per (layer, micro-batch) and one
+            graphed function is returned per entry (see :mod:`.graph_schedule`).
         **deprecated: TE's old names ``fp8_enabled``, ``fp8_calibrating``, ``fp8_recipe``,
             ``fp8_group``, ``fp8_weight_caching`` (DeprecationWarning).
 
     Returns:
-        The module (its ``forward`` replaced) or a graphed function, or a tuple of them.
+        The module (its ``forward`` replaced) or a graphed function, or a tuple of them (with ``_order``: a
+        tuple of graphed functions, one per entry).
 
     Raises:
         RuntimeError: no CUDA device. NotImplementedError: ``cache_quantized_params=True``.
@@ -216,18 +224,21 @@ def make_graphed_callables(
             "cache_quantized_params=True (FP8 weights cast once per step and reused by the micro-batches) is not "
             "implemented for CUDA graphs in TransformerEngine-FL: each replay casts the weights; leave it False"
         )
-    single = not isinstance(modules, tuple)
-    callables = (modules,) if single else modules
-    args_per = _per_callable(sample_args, len(callables), single, "sample_args", tuple)
-    kwargs_per = _per_callable(sample_kwargs, len(callables), single, "sample_kwargs", dict)
-    precisions = _precisions(values, len(callables))
+    callables = modules if isinstance(modules, tuple) else (modules,)
+    single = not isinstance(modules, tuple) and _order is None
+    schedule = default_schedule(len(callables)) if _order is None else interleaved_schedule(_order, _num_layers_per_chunk, len(callables))
+    entries = [callables[i] for i in schedule.callable_of]
+    args_per = _per_callable(sample_args, len(entries), single, "sample_args", tuple)
+    kwargs_per = _per_callable(sample_kwargs, len(entries), single, "sample_kwargs", dict)
+    per_callable = _precisions(values, len(callables))
+    precisions = [per_callable[i] for i in schedule.callable_of]
     if not torch.cuda.is_available():
         raise RuntimeError("make_graphed_callables needs a CUDA GPU: CUDA graphs do not exist on the CPU")
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
-    captures, held = _capture_all(callables, args_per, kwargs_per, precisions, pool,
+    captures, held = _capture_all(entries, args_per, kwargs_per, precisions, pool,
                                   _Options(num_warmup_iters, allow_unused_input, retain_graph_in_backward,
-                                           pre_warmup_hook, post_warmup_hook))
-    graphed = [_wrap(*each, held) for each in zip(callables, captures, args_per, kwargs_per)]
+                                           pre_warmup_hook, post_warmup_hook), schedule.steps)
+    graphed = [_wrap(*each, held, replace_forward=_order is None) for each in zip(entries, captures, args_per, kwargs_per)]
     return graphed[0] if single else tuple(graphed)
 
 
@@ -280,8 +291,10 @@ def _precisions(values: Dict[str, Any], count: int) -> Tuple[_Precision, ...]:
     return tuple(_Precision(e, calibrating, values["recipe"], values["amax_reduction_group"]) for e in enabled)
 
 
-def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Options) -> Tuple[List[_Capture], List[Any]]:
-    """Warm up, restore the scaling states, capture every forward in order, then every backward in reverse."""
+def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Options,
+                 steps: Sequence[Tuple[bool, int]]) -> Tuple[List[_Capture], List[Any]]:
+    """Warm up, restore the scaling states, then capture each callable's forward and backward in the order
+    of ``steps`` ((forward?, index) pairs, :mod:`.graph_schedule`)."""
     surfaces = [_input_surface(c, args, kwargs, i) for i, (c, args, kwargs) in enumerate(zip(callables, args_per, kwargs_per))]
     runs = [_runner(c, args, kwargs, p) for c, args, kwargs, p in zip(callables, args_per, kwargs_per, precisions)]
     saved = _ScalingSnapshot()
@@ -292,15 +305,15 @@ def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Op
         if options.post_warmup_hook is not None:
             options.post_warmup_hook()
         saved.restore()
-        forwards = []
-        for run in runs:
+        forwards, captures = [None] * len(runs), [None] * len(runs)
+        for forward, index in steps:
+            if not forward:
+                captures[index] = _capture_backward(forwards[index], surfaces[index], pool, options)
+                continue
             graph = _new_graph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
-                outputs = run()
-            forwards.append((graph, *_flat_outputs(outputs)))
-        captures = [None] * len(runs)
-        for index in reversed(range(len(runs))):
-            captures[index] = _capture_backward(forwards[index], surfaces[index], pool, options)
+                outputs = runs[index]()
+            forwards[index] = (graph, *_flat_outputs(outputs))
     return captures, held
 
 
@@ -386,8 +399,9 @@ def _flat_outputs(outputs) -> Tuple[Tuple[torch.Tensor, ...], pytree.TreeSpec]:
     return tuple(leaves), spec
 
 
-def _wrap(c, capture: _Capture, args: tuple, kwargs: dict, held: List[Any]):
-    """The graphed function, or the module with its forward replaced (eager in the other training mode)."""
+def _wrap(c, capture: _Capture, args: tuple, kwargs: dict, held: List[Any], replace_forward: bool = True):
+    """The graphed function, or the module with its forward replaced (eager in the other training mode); for a
+    module captured once per micro-batch (not ``replace_forward``), that forward as a function of its own."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     slots = tuple(_TensorSlot.of(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
     name = type(c).__name__ if isinstance(c, torch.nn.Module) else getattr(c, "__name__", "callable")
@@ -405,6 +419,8 @@ def _wrap(c, capture: _Capture, args: tuple, kwargs: dict, held: List[Any]):
             return graphed(*call_args, **call_kwargs)
         return bound(*call_args, **call_kwargs) if eager is None else eager(module, *call_args, **call_kwargs)
 
+    if not replace_forward:
+        return forward
     c.forward = forward
     return c
 

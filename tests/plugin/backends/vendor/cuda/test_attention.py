@@ -74,6 +74,8 @@ def test_kernel_bias_masks_and_dead_rows():
     bias, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], first_key, None, "causal", False)
     assert torch.equal(bias[0, 0] < 0, first_key), "the causal flag stays with the kernel"
     assert dead.reshape(-1).tolist() == [True, False], "but its rows count for the dead rows"
+    _, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], torch.zeros(2, 3, dtype=torch.bool), None, "no_mask", False)
+    assert dead.reshape(-1).tolist() == [False, False], "a mask's dead rows come back without asking the device"
 
 
 H200 = sdpa._Device((9, 0), 91000)
@@ -246,3 +248,20 @@ def test_dropout_is_consistent_on_gpu(kernel, with_mask):
     _, _, dv, _, _ = sdpa.fused_attn_bwd(dout, q, k, v, out, ctx, config, mask)
     lhs, rhs = (dv.float() * v.float()).sum(), (dout.float() * out.float()).sum()
     torch.testing.assert_close(lhs, rhs, rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.gpu
+def test_masked_attention_never_waits_for_the_gpu():
+    """A boolean mask (padding / arbitrary) costs no host-device synchronization, forward or backward:
+    whether it leaves a row without keys is not asked (which also made CUDA-graph captures fail)."""
+    q, k, v = _qkv(2, 64, 64, 4, 4, 64, 64, torch.bfloat16, "cuda")
+    mask = torch.rand(2, 1, 64, 64, device="cuda") < 0.2
+    config = AttentionConfig(0.125)
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, ctx = sdpa.fused_attn_fwd(q, k, v, config, mask, None)
+        sdpa.fused_attn_bwd(dout, q, k, v, out, ctx, config, mask, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -303,6 +303,9 @@ def _kernel_bias(q, k, attn_mask, attn_bias, mask_type: str, fold_causal: bool):
 
     The bias holds ``attn_bias``, ``attn_mask`` and, if ``fold_causal``, the causal mask of
     ``mask_type``; dead rows are the rows that ``attn_mask`` and the causal mask leave without keys.
+    Whether a mask leaves any is not asked (that would wait for the GPU, and a CUDA-graph capture
+    forbids it): with ``attn_mask`` the dead rows always come back; the causal band alone has some only
+    bottom-right aligned with s_q > s_kv, which the shapes tell.
     """
     b, s_q, h = q.shape[:3]
     s_kv = k.shape[1]
@@ -320,8 +323,9 @@ def _kernel_bias(q, k, attn_mask, attn_bias, mask_type: str, fold_causal: bool):
     if hidden is None:
         return bias, None
     bias.masked_fill_(_as_4d(hidden if fold_causal else masked), torch.finfo(q.dtype).min / 2)
-    dead = _as_4d(hidden).all(dim=-1, keepdim=True)
-    return bias, (dead if bool(dead.any()) else None)
+    if masked is None and not (mask_type == "causal_bottom_right" and s_q > s_kv):
+        return bias, None
+    return bias, _as_4d(hidden).all(dim=-1, keepdim=True)
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
