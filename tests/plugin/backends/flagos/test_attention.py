@@ -203,11 +203,13 @@ def test_autotune_pruning_predicate(monkeypatch):
     def config(m, n, warps, stages):
         return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
 
-    dkdv, fwd, h100 = flagos._DKDV_FOOTPRINT, flagos._FWD_FOOTPRINT, 227 * 1024
+    from transformer_engine.plugin.backends.flagos import _attention_tuning as tuning
+
+    dkdv, fwd, h100 = tuning._DKDV_FOOTPRINT, tuning._FWD_FOOTPRINT, 227 * 1024
     assert dkdv.fits(config(32, 128, 4, 3), 32, h100) and not dkdv.fits(config(32, 128, 4, 3), 128, h100)
     assert dkdv.fits(config(32, 128, 8, 3), 128, h100)
     assert fwd.fits(config(128, 64, 8, 3), 128, h100) and not fwd.fits(config(128, 64, 8, 3), 128, 99 * 1024)
-    monkeypatch.setattr(flagos, "_shared_memory_bytes", lambda index: 99 * 1024)
+    monkeypatch.setattr(tuning, "_shared_memory_bytes", lambda index: 99 * 1024)
     prune = fwd.pruner()["early_config_prune"]
     candidates = [config(64, 64, 4, 2), config(128, 128, 8, 4)]
     assert prune(candidates, {"Q": torch.empty(1)}, HEAD_DIM=128) == candidates[:1]
@@ -216,7 +218,7 @@ def test_autotune_pruning_predicate(monkeypatch):
 
 def test_declines_cpu_without_interpreter(monkeypatch):
     q, k, v = _small_qkv("cpu")
-    monkeypatch.setattr(flagos, "_INTERPRET", False)
+    monkeypatch.setattr(flagos, "INTERPRET", False)
     verdict = flagos.SUPPORTS["fused_attn_fwd"](q, k, v, AttentionConfig(softmax_scale=0.125))
     assert not verdict and "TRITON_INTERPRET" in verdict.reason
 
