@@ -220,10 +220,10 @@ class DelayedScalingRecipeState(RecipeState):
 
     def traced_quantizers(self) -> List[Quantizer]:
         """Quantizers of this forward state for one call that torch.compile traces: the scale vector is
-        kept (``kept_copy``) once for all of them, rather than copied per cast, and the reciprocals read
-        that one copy, which lets Inductor take them all in one kernel (the same values; see
-        ``Float8Quantizer._recording``). Each reciprocal is a 0-d tensor of its own: Inductor's
-        ``_scaled_mm`` lowering takes no view into a vector as a scale."""
+        kept (``kept_copy``) once for all of them, rather than copied per cast, and their scale_inv are
+        reciprocals of that one copy (the same values; see ``Float8Quantizer._recording``), which
+        Inductor groups into fewer kernels than one per cast. Each reciprocal is a 0-d tensor of its own:
+        Inductor's ``_scaled_mm`` lowering takes no view into a vector as a scale."""
         scale = kept_copy(self.scale)
         kept = (scale, tuple(torch.reciprocal(scale[i]) for i in range(self.num_quantizers)))
         return [Float8Quantizer(self, i, kept) for i in range(self.num_quantizers)]
