@@ -118,7 +118,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         z, target, lse = ctx.saved_tensors
         eps, ignore_idx, shard = ctx.settings
         if shard is None:
-            dz = ops.cross_entropy_bwd(grad_loss, z, target, lse, eps, ignore_idx)
+            dz = ops.cross_entropy_bwd(grad_loss, z, target, lse, label_smoothing=eps, ignore_index=ignore_idx)
         else:
             lo, vocab = shard
             kept = target != ignore_idx

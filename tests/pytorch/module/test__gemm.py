@@ -23,9 +23,9 @@ class _Spy:
         self.calls = []
         real = ops.gemm
 
-        def gemm(a, b, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, *rest):
+        def gemm(a, b, *, trans_a, trans_b, **rest):
             self.calls.append((trans_a, trans_b))
-            return real(a, b, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, *rest)
+            return real(a, b, trans_a=trans_a, trans_b=trans_b, **rest)
 
         monkeypatch.setattr(_gemm, "ops", type("Ops", (), {"gemm": staticmethod(gemm)}))
 

@@ -165,9 +165,9 @@ def test_states_of_one_direction_update_in_one_call_on_their_own_tensors(monkeyp
     states = _random_states(recipe, "forward", [3, 1, 6])
     calls, real = [], ops.delayed_scaling_update_many_
 
-    def spy(histories, scales, scale_invs, *args):
+    def spy(histories, scales, scale_invs, **kwargs):
         calls.append((histories, scales, scale_invs))
-        return real(histories, scales, scale_invs, *args)
+        return real(histories, scales, scale_invs, **kwargs)
 
     monkeypatch.setattr(ops, "delayed_scaling_update_many_", spy)
     monkeypatch.setattr(delayed_update._Group, "gather", lambda self: pytest.fail("the states were copied side by side"))

@@ -91,14 +91,16 @@ class _FusedRoPEFunc(torch.autograd.Function):
         freqs = freqs.float()
         ctx.save_for_backward(freqs, start_positions, cu_seqlens)
         ctx.settings = (tensor_format, interleaved, cp_size, cp_rank)
-        return ops.fused_rope_forward(t, freqs, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank)
+        return ops.fused_rope_forward(t, freqs, tensor_format=tensor_format, interleaved=interleaved, start_positions=start_positions,
+                                      cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank)
 
     @staticmethod
     def backward(ctx, grad_out):
         freqs, start_positions, cu_seqlens = ctx.saved_tensors
         tensor_format, interleaved, cp_size, cp_rank = ctx.settings
         grad = ops.fused_rope_backward(
-            grad_out.contiguous(), freqs, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank
+            grad_out.contiguous(), freqs, tensor_format=tensor_format, interleaved=interleaved, start_positions=start_positions,
+            cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank,
         )
         return grad, None, None, None, None, None, None, None
 

@@ -63,7 +63,8 @@ class ActivationConfig:
         def run(fp8_scale, fp8_dtype, amax_out):
             if fp8_scale is None:
                 return getattr(ops, self.name)(h, **self._kwargs()), None, None, None
-            q, scale_inv, amax = ops.activation_quantize(h, self.name, fp8_scale, fp8_dtype, self.limit, self.alpha, amax_out)
+            q, scale_inv, amax = ops.activation_quantize(h, self.name, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype, limit=self.limit,
+                                                         alpha=self.alpha, amax_out=amax_out)
             return q, scale_inv, amax, None
 
         return run
@@ -72,6 +73,6 @@ class ActivationConfig:
         """dh = dy * act'(h) (for gated ops: the gradient of both halves); with ``overwrite_h`` written
         over h (``ops.dactivation_``), which must then be contiguous and unused afterwards."""
         if overwrite_h:
-            return ops.dactivation_(dy, h, self.name, self.limit, self.alpha)
+            return ops.dactivation_(dy, h, self.name, limit=self.limit, alpha=self.alpha)
         name = "clamped_dswiglu" if self.name == _CLAMPED else f"d{self.name}"
         return getattr(ops, name)(dy, h, **self._kwargs())

@@ -52,7 +52,8 @@ def gemm(a: Operand, b: Operand, *, trans_a=False, trans_b=False, bias=None, out
         return _gemm_blockwise(a, b, trans_a, trans_b, bias, out_dtype, out, accumulate)
     a_data, trans_a, a_scale_inv = _stored(a, trans_a, want_trans=False)
     b_data, trans_b, b_scale_inv = _stored(b, trans_b, want_trans=True)
-    return ops.gemm(a_data, b_data, bias, a_scale_inv, b_scale_inv, trans_a, trans_b, out_dtype, out, accumulate, split_accumulator)
+    return ops.gemm(a_data, b_data, bias=bias, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, trans_a=trans_a, trans_b=trans_b,
+                    out_dtype=out_dtype, out=out, accumulate=accumulate, use_split_accumulator=split_accumulator)
 
 
 def _gemm_blockwise(a: Operand, b: Operand, trans_a: bool, trans_b: bool, bias, out_dtype, out, accumulate) -> torch.Tensor:
@@ -69,8 +70,10 @@ def _gemm_blockwise(a: Operand, b: Operand, trans_a: bool, trans_b: bool, bias, 
     b_data, b_scale_inv, b_block = b.gemm_operand(transposed=not trans_b)
     dtype = out_dtype if out_dtype is not None else out.dtype
     if type(a) is MXFP8Tensor:
-        return ops.gemm_mxfp8(a_data, b_data, a_scale_inv, b_scale_inv, dtype, bias, out, accumulate)
-    return ops.gemm_blockwise(a_data, b_data, a_scale_inv, b_scale_inv, a_block, b_block, dtype, bias, out, accumulate)
+        return ops.gemm_mxfp8(a_data, b_data, a_scale_e8m0=a_scale_inv, b_scale_e8m0=b_scale_inv, out_dtype=dtype, bias=bias,
+                              out=out, accumulate=accumulate)
+    return ops.gemm_blockwise(a_data, b_data, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, a_block=a_block, b_block=b_block,
+                              out_dtype=dtype, bias=bias, out=out, accumulate=accumulate)
 
 
 def fprop(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dtype: torch.dtype, split_accumulator: bool,

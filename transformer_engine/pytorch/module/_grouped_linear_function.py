@@ -73,7 +73,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         with no_torch_autocast(inp.device):
             for i, x_i in enumerate(_row_splits(cast(rows_of(inp), args.dtype), args.m_splits)):
                 need_dw = weights[i].requires_grad and q.for_training
-                x_op = quantize_operand(q.gemms[i].input, x_i, _no_gather, False, need_dw)
+                x_op = quantize_operand(q.gemms[i].input, x_i, _no_gather, gathered=False, columnwise=need_dw)
                 w_op = cast(args.weight_operands[i], args.dtype)
                 ys.append(fprop(x_op, w_op, cast(biases[i], args.dtype), args.dtype, q.split_accumulator[0]))
                 x_ops.append(for_backward(x_op) if need_dw else None)

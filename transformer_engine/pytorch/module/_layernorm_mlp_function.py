@@ -66,11 +66,11 @@ class LayerNormMLPFunction(torch.autograd.Function):
                 need_dw1 and not gather, comm1.for_cast(g1.input),
             )
             w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
-            h, ln_op = fprop_with_comm(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0], comm1, gather,  # comm
-                                       columnwise=need_dw1)
+            h, ln_op = fprop_with_comm(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0], comm1,
+                                       gather=gather, columnwise=need_dw1)
             a_op, _ = g2.input.produce(args.activation.producer(h), need_dw2)
-            y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, q.split_accumulator[0], comm2, False,  # comm
-                                   columnwise=False)
+            y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, q.split_accumulator[0], comm2,
+                                   gather=False, columnwise=False)
             w1_t, w2_t = (for_backward(w) if q.for_training else None for w in (w1, w2))
             save(ctx, x, gamma, for_backward(ln_op) if need_dw1 else None, w1_t, h,
                  for_backward(a_op) if need_dw2 else None, w2_t, *stats)

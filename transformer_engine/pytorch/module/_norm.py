@@ -59,11 +59,13 @@ def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tens
     def run(fp8_scale, fp8_dtype, amax_out):
         if cfg.kind == "LayerNorm":
             y, mean, rstd, scale_inv, amax = ops.layernorm_fwd(
-                x, gamma, beta, cfg.eps, cfg.zero_centered_gamma, fp8_scale, fp8_dtype, out_dtype, amax_out
+                x, gamma, beta, eps=cfg.eps, zero_centered_gamma=cfg.zero_centered_gamma, fp8_scale=fp8_scale,
+                fp8_dtype=fp8_dtype, out_dtype=out_dtype, amax_out=amax_out,
             )
             return y, scale_inv, amax, (mean, rstd)
         y, rstd, scale_inv, amax = ops.rmsnorm_fwd(
-            x, gamma, cfg.eps, cfg.zero_centered_gamma, fp8_scale, fp8_dtype, out_dtype, amax_out
+            x, gamma, eps=cfg.eps, zero_centered_gamma=cfg.zero_centered_gamma, fp8_scale=fp8_scale, fp8_dtype=fp8_dtype,
+            out_dtype=out_dtype, amax_out=amax_out,
         )
         return y, scale_inv, amax, (rstd,)
 
@@ -75,7 +77,7 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, stats: Tuple[torch.Tensor, 
     """(dx, dgamma, dbeta) of :func:`norm_forward`; dbeta is None for RMSNorm."""
     if cfg.kind == "LayerNorm":
         mean, rstd = stats
-        return ops.layernorm_bwd(dy, x, mean, rstd, gamma, cfg.zero_centered_gamma)
+        return ops.layernorm_bwd(dy, x, mean, rstd, gamma, zero_centered_gamma=cfg.zero_centered_gamma)
     (rstd,) = stats
-    dx, dgamma = ops.rmsnorm_bwd(dy, x, rstd, gamma, cfg.zero_centered_gamma)
+    dx, dgamma = ops.rmsnorm_bwd(dy, x, rstd, gamma, zero_centered_gamma=cfg.zero_centered_gamma)
     return dx, dgamma, None

@@ -133,5 +133,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
         )
         if self.return_layernorm_output and self.return_layernorm_output_gathered and comm.sequence_parallel:
             result = (result[0], gather_from_sequence_parallel_region(result[1], comm.group))  # comm
-        return te_outputs(result, comm.deferred_bias(cast(bias, act_dtype)), self.return_bias, self.return_layernorm_output)
+        return te_outputs(result, comm.deferred_bias(cast(bias, act_dtype)), return_bias=self.return_bias,
+                          return_layernorm_output=self.return_layernorm_output)
 

@@ -147,4 +147,5 @@ class LayerNormMLP(TransformerEngineBaseModule):
         )
         if self.return_layernorm_output and self.return_layernorm_output_gathered and fc1_comm.sequence_parallel:
             result = (result[0], gather_from_sequence_parallel_region(result[1], fc1_comm.group))  # comm
-        return te_outputs(result, fc2_comm.deferred_bias(cast(b2, act_dtype)), self.return_bias, self.return_layernorm_output)
+        return te_outputs(result, fc2_comm.deferred_bias(cast(b2, act_dtype)), return_bias=self.return_bias,
+                          return_layernorm_output=self.return_layernorm_output)

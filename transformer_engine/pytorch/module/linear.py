@@ -125,5 +125,5 @@ class Linear(TransformerEngineBaseModule):
             comm=comm,
         )
         out = apply_without_torch_autocast(LinearFunction, inp.device, inp, weight, None if self.return_bias else bias, args)
-        return te_outputs(out, comm.deferred_bias(cast(bias, act_dtype)), self.return_bias, False)
+        return te_outputs(out, comm.deferred_bias(cast(bias, act_dtype)), return_bias=self.return_bias, return_layernorm_output=False)
 

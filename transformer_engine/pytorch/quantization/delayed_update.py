@@ -79,8 +79,8 @@ class _Group:
         built in and fp8_max is one float; False (nothing done) otherwise."""
         if not self.state_histories or not _built_in(recipe) or isinstance(self.fp8_max, torch.Tensor):
             return False
-        ops.delayed_scaling_update_many_(self.state_histories, self.state_scales, self.state_scale_invs, self.fp8_max,
-                                         float(recipe.margin), recipe.amax_compute_algo)
+        ops.delayed_scaling_update_many_(self.state_histories, self.state_scales, self.state_scale_invs, fp8_max=self.fp8_max,
+                                         margin=float(recipe.margin), amax_compute_algo=recipe.amax_compute_algo)
         return True
 
     def gather(self) -> None:
@@ -167,7 +167,7 @@ def _update(part: _Group, recipe: DelayedScaling, in_place_op: bool = True) -> N
     rule, scale_inv = 1 / s: the same values (the op's contract)."""
     algo, margin = recipe.amax_compute_algo, float(recipe.margin)
     if in_place_op and _built_in(recipe):
-        ops.delayed_scaling_update_(part.history, part.scale, part.scale_inv, part.fp8_max, margin, algo)
+        ops.delayed_scaling_update_(part.history, part.scale, part.scale_inv, fp8_max=part.fp8_max, margin=margin, amax_compute_algo=algo)
         return
     new_history, new_scale = _step(part.history, part.scale, part.fp8_max, recipe)
     active = part.amax.bool()  # new amax != 0 (NaN included): the slot was cast this step

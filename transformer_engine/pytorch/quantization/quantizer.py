@@ -334,7 +334,8 @@ class Float8BlockQuantizer(Quantizer):
         if rows == 1 and columnwise:
             q, scale_inv, q_t, scale_inv_t = ops.cast_transpose_blockwise(x, self.fp8_dtype, block_len, power_2, eps)
             return Float8BlockwiseTensor(q, scale_inv, q_t, scale_inv_t, block=self.block)
-        q, scale_inv = ops.quantize_blockwise(x, self.fp8_dtype, rows, block_len, power_2, eps)
+        q, scale_inv = ops.quantize_blockwise(x, self.fp8_dtype, block_rows=rows, block_cols=block_len, power_2_scale=power_2,
+                                              amax_epsilon=eps)
         operand = Float8BlockwiseTensor(q, scale_inv, block=self.block)
         return operand.with_transpose() if columnwise else operand
 
@@ -345,7 +346,8 @@ class Float8BlockQuantizer(Quantizer):
         if rows == 1:
             return super().quantize_transposed(x)
         power_2, eps = self.qparams.power_2_scale, self.qparams.amax_epsilon
-        q_t, scale_inv_t = ops.quantize_blockwise(x.t(), self.fp8_dtype, rows, block_len, power_2, eps)
+        q_t, scale_inv_t = ops.quantize_blockwise(x.t(), self.fp8_dtype, block_rows=rows, block_cols=block_len, power_2_scale=power_2,
+                                                  amax_epsilon=eps)
         return Float8BlockwiseTensor(None, None, q_t, scale_inv_t, block=self.block)
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8BlockQuantizer":
@@ -372,13 +374,13 @@ class MXFP8Quantizer(Quantizer):
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> MXFP8Tensor:
         if x.dim() != 2:
             raise ValueError(f"MXFP8 quantizes 2-D tensors [rows, features]; got shape {tuple(x.shape)}")
-        return MXFP8Tensor(*ops.quantize_mxfp8(x, self.fp8_dtype, True, bool(columnwise)))
+        return MXFP8Tensor(*ops.quantize_mxfp8(x, self.fp8_dtype, rowwise=True, columnwise=bool(columnwise)))
 
     def quantize_transposed(self, x: torch.Tensor) -> MXFP8Tensor:
         """x^T alone, in blocks of 32 along the rows of x (a weight's W^T for dgrad): no row-wise copy is written."""
         if x.dim() != 2:
             raise ValueError(f"MXFP8 quantizes 2-D tensors [rows, features]; got shape {tuple(x.shape)}")
-        _, _, data_t, scale_inv_t = ops.quantize_mxfp8(x, self.fp8_dtype, False, True)
+        _, _, data_t, scale_inv_t = ops.quantize_mxfp8(x, self.fp8_dtype, rowwise=False, columnwise=True)
         return MXFP8Tensor(None, None, data_t, scale_inv_t)
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "MXFP8Quantizer":
