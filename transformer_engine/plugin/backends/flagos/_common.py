@@ -140,7 +140,9 @@ def stream_counters(device: torch.device) -> torch.Tensor:
     """int32 [2] zeros owned by ``device``'s current stream, for a kernel that reduces through atomics and
     zeroes them again when it ends (no fill launch per call). Kept for the process: a kernel captured in a
     CUDA graph keeps using the one of its capture stream."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" and not INTERPRET else 0
+    stream = 0
+    if device.type == "cuda" and not INTERPRET:  # the stream's handle, without building a Stream object per call
+        stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch._C._cuda_getDevice())
     counters = _COUNTERS.get((device, stream))
     if counters is None:
         counters = _COUNTERS[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
