@@ -36,6 +36,7 @@ __all__ = [
     "check_mxfp8_support",
     "check_nvfp4_support",
     "fp8_emulation_requested",
+    "get_cudnn_version",
     "get_default_recipe",
     "get_device_compute_capability",
     "is_bf16_available",
@@ -74,6 +75,25 @@ def _capability_of(index: int) -> Tuple[int, int]:
 def get_device_compute_capability() -> Tuple[int, int]:
     """(major, minor) compute capability of the current CUDA device; (0, 0) when there is none."""
     return _cuda_capability() or (0, 0)
+
+
+def get_cudnn_version() -> Tuple[int, int, int]:
+    """(major, minor, patch) of the cuDNN that PyTorch loaded; (0, 0, 0) when there is none (a CPU build).
+
+    cuDNN encodes its version as one int: major * 10000 + minor * 100 + patch from 9.0 on (91000 is
+    9.10.0), major * 1000 + minor * 100 + patch before (8902 is 8.9.2).
+
+    Example:
+        >>> major, minor, patch = get_cudnn_version()
+        >>> major >= 0 and 0 <= minor and 0 <= patch
+        True
+    """
+    encoded = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if not encoded:
+        return (0, 0, 0)
+    major, rest = divmod(encoded, 10000 if encoded >= 90000 else 1000)
+    minor, patch = divmod(rest, 100)
+    return (major, minor, patch)
 
 
 def _cuda_version() -> Tuple[int, ...]:
