@@ -44,16 +44,16 @@ def _device() -> str:
     return str(device())
 
 
-def _config(tp: int, fp8=None):
+def _config(tp: int, fp8=None, **extra):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
                              use_cpu_initialization=_device() == "cpu",
                              params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, fp8=fp8,
-                             fp8_amax_history_len=4, fp8_amax_compute_algo="max", tensor_model_parallel_size=tp)
+                             fp8_amax_history_len=4, fp8_amax_compute_algo="max", tensor_model_parallel_size=tp, **extra)
 
 
-def _gpt(spec: str, tp: int, fp8=None):
+def _gpt(spec: str, tp: int, fp8=None, **extra):
     """A fresh GPT (TE or local layer spec) in a model-parallel state of tensor-parallel size ``tp``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
@@ -72,7 +72,8 @@ def _gpt(spec: str, tp: int, fp8=None):
             from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
             layer_spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
-    model = GPTModel(config=_config(tp=tp, fp8=fp8), transformer_layer_spec=layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = GPTModel(config=_config(tp=tp, fp8=fp8, **extra), transformer_layer_spec=layer_spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ)
     return model.to(_device())  # as Megatron's training loop does (its plain torch layers start on the CPU)
 
 
@@ -134,6 +135,29 @@ def te_spec_tracks_local_spec(steps: int):
     return _train(local, steps), _train(models["te"], steps), _train(models["te_fp8"], steps, fp8=True)
 
 
+def cpu_offloading_losses(steps: int):
+    """(losses, losses with Megatron's cpu_offloading of the first layer, tensors offloaded) of one TE-spec GPT
+    trained twice. On the CPU, CPU tensors of any size take the offload path (the unit tests' seam)."""
+    from transformer_engine.pytorch import cpu_offload
+
+    plain = _gpt("te", tp=1)
+    weights = {name: p.detach().clone() for name, p in plain.named_parameters()}
+    offloaded = _gpt("te", tp=1, cpu_offloading=True, cpu_offloading_num_layers=1, cpu_offloading_activations=True,
+                     cpu_offloading_weights=False)
+    with torch.no_grad():
+        for name, p in offloaded.named_parameters():
+            p.copy_(weights[name])
+    saved = cpu_offload._DEVICE_TYPES, cpu_offload._MIN_BYTES, cpu_offload._Stash.offload
+    count = []
+    if _device() == "cpu":
+        cpu_offload._DEVICE_TYPES, cpu_offload._MIN_BYTES = ("cpu",), 0
+    cpu_offload._Stash.offload = lambda stash, stream: (count.append(1), saved[2](stash, stream))[1]
+    try:
+        return _train(plain, steps), _train(offloaded, steps), len(count)
+    finally:
+        cpu_offload._DEVICE_TYPES, cpu_offload._MIN_BYTES, cpu_offload._Stash.offload = saved
+
+
 def te_spec_loss_at(tp: int, full_weights=None):
     """(loss, full weights) of the TE-spec GPT at tensor-parallel size ``tp``; ``full_weights`` (the TP=1
     model's) are sharded into it along each parameter's ``partition_dim``."""
@@ -174,3 +198,11 @@ def test_te_spec_gpt_at_tensor_parallel_2_matches_one_rank(backend):
     losses = [loss for loss, _ in pool.run(te_spec_loss_at, 2, weights, timeout=300)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert losses[0] == pytest.approx(loss_tp1, rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_cpu_offloading_trains_as_without(backend):
+    """Megatron's cpu_offloading (which calls te.get_cpu_offload_context and its sync after every layer): the same
+    losses as without (on the CPU nothing moves, on a GPU the first layer's activations wait in host memory)."""
+    plain, offloaded, count = get_pool(1, backend).run(cpu_offloading_losses, 4, timeout=300)[0]
+    assert offloaded == plain and count > 0

@@ -30,6 +30,7 @@ from .quantization import (
     quantized_model_init,
 )
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
+from .cpu_offload import get_cpu_offload_context
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
 from .cross_entropy import parallel_cross_entropy
@@ -69,6 +70,7 @@ __all__ = [
     "autocast",
     "fp8_autocast",
     "fp8_model_init",
+    "get_cpu_offload_context",
     "get_cudnn_version",
     "get_default_recipe",
     "get_device_compute_capability",
