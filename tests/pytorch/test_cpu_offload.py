@@ -148,3 +148,20 @@ def test_offload_frees_device_memory_and_keeps_the_gradients():
     h_off.float().square().sum().backward()
     for a, b in zip([p.grad for p in twin.parameters()] + [x.grad], grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_recomputation_inside_backward_is_not_offloaded(offload_on_cpu):
+    """A checkpointed layer recomputes its forward in backward, where no sync follows: its tensors stay."""
+    model = _model()
+    context, sync = te.get_cpu_offload_context(enabled=True, num_layers=2, model_layers=LAYERS)
+    x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
+    h = x
+    for layer in model:
+        with context:
+            h = te.checkpoint(layer, h)
+        h = sync(h)
+    offloaded_in_forward = len(offload_on_cpu)
+    h.sum().backward()
+    assert len(offload_on_cpu) == offloaded_in_forward
+    handler = sync.__self__
+    assert handler.pending == [], "no stash left waiting for a sync"

@@ -13,7 +13,7 @@ Rules:
   Layers 0 .. num_layers - 1 offload; the last ones keep their tensors on the GPU, since backward needs
   them first.
 - Offloaded: each tensor saved for backward inside ``context`` (``torch.autograd.graph.saved_tensors_hooks``)
-  that lives on a CUDA device, holds at least ``_MIN_BYTES`` (a smaller one saves less memory than its two
+  during a forward pass (not a recomputation inside backward) that lives on a CUDA device, holds at least ``_MIN_BYTES`` (a smaller one saves less memory than its two
   copies cost in launches) and is neither a parameter nor a view of one (weights stay where they are).
 - Forward: at ``sync`` after layer k its tensors are copied to pinned host memory on a side stream; their
   GPU memory goes back to PyTorch's allocator once that copy is done (``record_stream``), if nothing else
@@ -172,7 +172,8 @@ class _OffloadHandler:
         self._streams = {}
 
     def pack(self, t: torch.Tensor):
-        if self.layer >= self.num_layers or not _offloadable(t):
+        # inside a backward (a checkpointed layer recomputing its forward) no sync follows to offload it
+        if self.layer >= self.num_layers or torch._C._current_graph_task_id() != -1 or not _offloadable(t):
             return t
         stash = _Stash(t)
         self.pending.append(stash)
