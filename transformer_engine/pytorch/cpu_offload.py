@@ -29,6 +29,7 @@ Autograd values are unchanged: a reloaded tensor has the saved tensor's shape, s
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Callable, List, Optional, Tuple
 
@@ -169,7 +170,6 @@ class _OffloadHandler:
         self.layer = 0  # index of the layer whose forward runs, counted by sync
         self.pending: List[_Stash] = []  # the stashes of that layer
         self.previous: List[_Stash] = []  # those of the layer before it (reloaded with it in backward)
-        self._streams = {}
 
     def pack(self, t: torch.Tensor):
         # inside a backward (a checkpointed layer recomputing its forward) no sync follows to offload it
@@ -191,21 +191,18 @@ class _OffloadHandler:
         """Offload the finished layer's stashes; returns (them, the layer before's) for the backward reload."""
         group, previous = self.pending, self.previous
         for stash in group:
-            stash.offload(self.stream("offload", stash.device))
+            stash.offload(_side_stream("offload", stash.device))
         self.pending, self.previous = [], group
         self.layer += 1
         if self.layer == self.model_layers:  # the next sync belongs to the next forward pass
             self.layer, self.previous = 0, []
         return group, previous
 
-    def stream(self, role: str, device: torch.device):
-        """The side stream of ``role`` on ``device`` (None off CUDA)."""
-        if device.type != "cuda":
-            return None
-        key = (role, device)
-        if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device)
-        return self._streams[key]
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(role: str, device: torch.device):
+    """The stream of the ``role`` copies ("offload", "reload") on ``device``, one per process (None off CUDA)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
 def _offloadable(t: torch.Tensor) -> bool:
@@ -220,7 +217,6 @@ class _LayerBoundary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, handler: _OffloadHandler):
-        ctx.handler = handler
         ctx.groups = handler.commit()
         return x.view_as(x)
 
@@ -228,5 +224,5 @@ class _LayerBoundary(torch.autograd.Function):
     def backward(ctx, grad):
         for group in ctx.groups:
             for stash in group:
-                stash.reload(ctx.handler.stream("reload", stash.device))
+                stash.reload(_side_stream("reload", stash.device))
         return grad, None

@@ -99,23 +99,10 @@ def fp8_format(fp8_dtype: torch.dtype) -> Fp8Format:
 
 
 def hw_fp8_cast(device: torch.device) -> bool:
-    """True when kernels on ``device`` may use the hardware fp32 -> fp8 conversion (sm_89+, compiled).
-    Answered once per device (every FP8-writing launch asks), read afresh while torch.compile traces."""
+    """True when kernels on ``device`` may use the hardware fp32 -> fp8 conversion (sm_89+, compiled)."""
     if INTERPRET or device.type != "cuda" or torch.version.hip is not None:
         return False
-    if torch.compiler.is_compiling() or device.index is None:
-        return _has_fp8_conversion(device)
-    known = _HW_FP8_CAST.get(device.index)
-    if known is None:
-        known = _HW_FP8_CAST[device.index] = _has_fp8_conversion(device)
-    return known
-
-
-_HW_FP8_CAST: Dict[int, bool] = {}  # device index -> hw_fp8_cast
-
-
-def _has_fp8_conversion(device: torch.device) -> bool:
-    properties = cuda_properties(device)
+    properties = cuda_properties(device)  # cached per device
     return (properties.major, properties.minor) >= (8, 9)
 
 
