@@ -138,13 +138,16 @@ def test_offload_frees_device_memory_and_keeps_the_gradients():
 
     base = torch.cuda.memory_allocated()
     h_plain, plain = forward(layers, torch.enable_grad(), lambda t: t)
+    plain -= base
     h_plain.float().square().sum().backward()
     grads = [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
     x.grad = None
     del h_plain
     context, sync = te.get_cpu_offload_context(enabled=True, num_layers=3, model_layers=4)
+    base = torch.cuda.memory_allocated()  # now with the gradients and their copies
     h_off, offloaded = forward(twin, context, sync)
-    assert offloaded - base < 0.6 * (plain - base), (plain - base, offloaded - base)
+    offloaded -= base
+    assert offloaded < 0.6 * plain, (plain, offloaded)
     h_off.float().square().sum().backward()
     for a, b in zip([p.grad for p in twin.parameters()] + [x.grad], grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
