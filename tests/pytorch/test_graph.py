@@ -37,10 +37,11 @@ def test_unknown_keyword_is_a_type_error():
         te.make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), fp8_enable=True)
 
 
-def test_weight_caching_is_refused_with_the_reason():
+def test_weight_caching_of_a_callable_captured_twice_is_refused():
+    layer = torch.nn.Linear(4, 4)
     with pytest.warns(DeprecationWarning, match="fp8_weight_caching"):
-        with pytest.raises(NotImplementedError, match="each replay casts the weights"):
-            te.make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), fp8_weight_caching=True)
+        with pytest.raises(NotImplementedError, match="a callable captured more than once"):
+            te.make_graphed_callables((layer, layer), ((torch.randn(2, 4),), (torch.randn(2, 4),)), fp8_weight_caching=True)
 
 
 def test_sample_args_per_callable_are_checked():
@@ -119,6 +120,48 @@ def test_graphed_training_matches_eager(build, recipe):
         for a, b in zip(g_graphed, g_eager):
             torch.testing.assert_close(a, b, **tols)
     for a, b in zip(_scaling_tensors(graphed), _scaling_tensors(eager)):  # the updates ran inside the graphs
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
+
+
+def _layer_mlp():
+    return te.LayerNormMLP(HIDDEN, 4 * HIDDEN, params_dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("build", [lambda: te.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda"), _layer_mlp, _layer],
+                         ids=["Linear", "LayerNormMLP", "TransformerLayer"])
+def test_cached_fp8_weights_over_micro_batches_match_eager(build, recipe):
+    """cache_quantized_params: three optimizer steps of two micro-batches each, is_first_microbatch True then False,
+    graphed as eager (the second micro-batch reads the weights the first cast; the optimizer changes them between steps)."""
+    _fp8_or_skip()
+    torch.manual_seed(1234)
+    eager = build()
+    graphed = copy.deepcopy(eager)
+    shape = (TOKENS, 2, HIDDEN) if isinstance(eager, te.TransformerLayer) else (TOKENS, HIDDEN)
+    sample = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (sample,), enabled=True, recipe=recipe, cache_quantized_params=True)
+    with pytest.raises(TypeError, match="each call takes is_first_microbatch"):
+        graphed(sample)
+    results = []
+    for model in (eager, graphed):
+        optimizer, outputs = torch.optim.SGD(model.parameters(), lr=0.1), []
+        torch.manual_seed(7)
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            for micro_batch in range(2):
+                x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                with te.autocast(recipe=recipe):
+                    y = model(x, is_first_microbatch=micro_batch == 0)
+                y.backward(torch.randn_like(y))
+                outputs.append(y.detach().clone())
+            optimizer.step()
+        results.append((outputs, [p.detach().clone() for p in model.parameters()], _scaling_tensors(model)))
+    (eager_out, eager_params, eager_state), (graph_out, graph_params, graph_state) = results
+    for a, b in zip(graph_out + graph_params, eager_out + eager_params):
+        torch.testing.assert_close(a, b, **DTYPE_TOLS[torch.bfloat16])
+    for a, b in zip(graph_state, eager_state):
         torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
 
 

@@ -16,6 +16,13 @@ eager step does. Warm-up steps (which compile the kernels and build the update p
 side stream; the scaling states they touched get back the values they had before. Dropout draws from
 the CUDA default generator, which advances its Philox offset at every replay.
 
+FP8 weights cached over micro-batches (``cache_quantized_params=True``, NVIDIA TE's argument): each call
+then takes ``is_first_microbatch`` (a bool). Each callable is captured twice, with its TE modules acting as
+if called with ``is_first_microbatch=True`` (cast the FP8 weights into their cache) and with ``False``
+(read the cache); a call replays the pair its argument names. The second pair reads the cache the first
+writes, so the first micro-batch of a step must say True. Its price: two captures' memory (NVIDIA TE
+captures once, with casts that a device-side flag turns into no-ops).
+
 Rules (torch.cuda.make_graphed_callables's): arguments keep the sample's structure, shapes, dtypes and
 devices (checked at every call); the outputs are the graph's static buffers, overwritten by the next
 replay, so each forward's backward must run before the next forward of the same callable; the graph
@@ -38,6 +45,7 @@ from transformer_engine.common.recipe import Recipe
 
 from .distributed import get_all_rng_states
 from .graph_schedule import default_schedule, interleaved_schedule
+from .module.base import first_microbatch
 from .quantization.autocast import autocast, isolated_stack
 from .quantization.delayed_update import hold_plans
 
@@ -112,17 +120,33 @@ class _GraphedFunction(torch.autograd.Function):
 
 
 class _Graphed:
-    """A captured callable: checks each call's arguments against the sample, then replays."""
+    """A captured callable: checks each call's arguments against the sample, then replays.
 
-    def __init__(self, capture: _Capture, arg_spec: pytree.TreeSpec, slots: Tuple[Any, ...],
+    ``captures`` maps the ``is_first_microbatch`` a call passes to the capture it replays: {None: capture}
+    without weight caching (the argument is not taken), {True: ..., False: ...} with it."""
+
+    def __init__(self, captures: Dict[Optional[bool], _Capture], arg_spec: pytree.TreeSpec, slots: Tuple[Any, ...],
                  held: List[Any], name: str):
-        self.capture = capture
+        self.captures = captures
         self._arg_spec = arg_spec
         self._slots = slots  # per leaf of the sample arguments: a _TensorSlot, or the constant itself
         self._held = held  # the delayed-scaling plans whose buffers the graphs write
         self._name = name
 
+    def _capture_for(self, kwargs: dict) -> _Capture:
+        """The capture this call replays (``is_first_microbatch`` taken out of ``kwargs`` under weight caching)."""
+        if None in self.captures:
+            return self.captures[None]
+        first = kwargs.pop("is_first_microbatch", None)
+        if not isinstance(first, bool):
+            raise TypeError(
+                f"{self._name}: captured with cache_quantized_params=True, each call takes is_first_microbatch=True "
+                f"(cast the FP8 weights) or False (reuse them); got {first!r}"
+            )
+        return self.captures[first]
+
     def __call__(self, *args, **kwargs):
+        capture = self._capture_for(kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._arg_spec:
             raise ValueError(f"{self._name}: the arguments' structure {spec} differs from the sample's {self._arg_spec}")
@@ -133,9 +157,8 @@ class _Graphed:
                 tensors.append(leaf)
             elif not (leaf is sample or leaf == sample):
                 raise ValueError(f"{self._name} argument {index} is {leaf!r}; it was captured as {sample!r} and must not change")
-        user_inputs = self.capture.num_user_inputs
-        outputs = _GraphedFunction.apply(self.capture, *tensors, *self.capture.inputs[user_inputs:])
-        return pytree.tree_unflatten(list(outputs), self.capture.output_spec)
+        outputs = _GraphedFunction.apply(capture, *tensors, *capture.inputs[capture.num_user_inputs:])
+        return pytree.tree_unflatten(list(outputs), capture.output_spec)
 
 
 @dataclass(frozen=True)
@@ -197,7 +220,8 @@ def make_graphed_callables(
         enabled: capture in FP8 (a bool, or one per callable). calibrating: record amaxes in high
             precision. recipe: the FP8 recipe (None: the default recipe). amax_reduction_group: the
             group of the amax reduction.
-        cache_quantized_params: must be falsy: each replay casts the weights.
+        cache_quantized_params: cast the FP8 weights once per step: each call then takes ``is_first_microbatch``
+            (True on a step's first micro-batch: cast and cache; False: reuse the cache), see the module docstring.
         pool: a memory pool handle shared with other graphs (``torch.cuda.graph_pool_handle()``).
         retain_graph_in_backward: keep the autograd graph of the backward capture.
         pre_warmup_hook, post_warmup_hook: called before and after the warm-up steps.
@@ -213,17 +237,12 @@ def make_graphed_callables(
         tuple of graphed functions, one per entry).
 
     Raises:
-        RuntimeError: no CUDA device. NotImplementedError: ``cache_quantized_params=True``.
+        RuntimeError: no CUDA device.
         ValueError / TypeError: inconsistent arguments (both a name and its deprecated alias, counts
             that differ, a sample tensor off the GPU or a non-tensor output).
     """
     values = _resolve_aliases(deprecated, enabled=enabled, calibrating=calibrating, recipe=recipe,
                               amax_reduction_group=amax_reduction_group, cache_quantized_params=cache_quantized_params)
-    if values["cache_quantized_params"]:
-        raise NotImplementedError(
-            "cache_quantized_params=True (FP8 weights cast once per step and reused by the micro-batches) is not "
-            "implemented for CUDA graphs in TransformerEngine-FL: each replay casts the weights; leave it False"
-        )
     callables = modules if isinstance(modules, tuple) else (modules,)
     single = not isinstance(modules, tuple) and _order is None
     schedule = default_schedule(len(callables)) if _order is None else interleaved_schedule(_order, _num_layers_per_chunk, len(callables))
@@ -232,12 +251,19 @@ def make_graphed_callables(
     kwargs_per = _per_callable(sample_kwargs, len(entries), single, "sample_kwargs", dict)
     per_callable = _precisions(values, len(callables))
     precisions = [per_callable[i] for i in schedule.callable_of]
+    variants = (True, False) if values["cache_quantized_params"] else (None,)
+    if variants[0] is not None and len({id(c) for c in entries}) < len(entries):
+        raise NotImplementedError(
+            "cache_quantized_params=True with a callable captured more than once (several micro-batches of _order, or "
+            "one module given twice) is not implemented: each capture would cast into a weight cache of its own that "
+            "the others read; pass cache_quantized_params=False"
+        )
     if not torch.cuda.is_available():
         raise RuntimeError("make_graphed_callables needs a CUDA GPU: CUDA graphs do not exist on the CPU")
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     captures, held = _capture_all(entries, args_per, kwargs_per, precisions, pool,
                                   _Options(num_warmup_iters, allow_unused_input, retain_graph_in_backward,
-                                           pre_warmup_hook, post_warmup_hook), schedule.steps)
+                                           pre_warmup_hook, post_warmup_hook), schedule.steps, variants)
     graphed = [_wrap(*each, held, replace_forward=_order is None) for each in zip(entries, captures, args_per, kwargs_per)]
     return graphed[0] if single else tuple(graphed)
 
@@ -291,29 +317,36 @@ def _precisions(values: Dict[str, Any], count: int) -> Tuple[_Precision, ...]:
     return tuple(_Precision(e, calibrating, values["recipe"], values["amax_reduction_group"]) for e in enabled)
 
 
-def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Options,
-                 steps: Sequence[Tuple[bool, int]]) -> Tuple[List[_Capture], List[Any]]:
+def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Options, steps: Sequence[Tuple[bool, int]],
+                 variants: Tuple[Optional[bool], ...]) -> Tuple[List[Dict[Optional[bool], _Capture]], List[Any]]:
     """Warm up, restore the scaling states, then capture each callable's forward and backward in the order
-    of ``steps`` ((forward?, index) pairs, :mod:`.graph_schedule`)."""
+    of ``steps`` ((forward?, index) pairs, :mod:`.graph_schedule`), once per ``variants`` entry (the default
+    ``is_first_microbatch`` of the modules, see :func:`~.module.base.first_microbatch`), in that order."""
     surfaces = [_input_surface(c, args, kwargs, i) for i, (c, args, kwargs) in enumerate(zip(callables, args_per, kwargs_per))]
     runs = [_runner(c, args, kwargs, p) for c, args, kwargs, p in zip(callables, args_per, kwargs_per, precisions)]
     saved = _ScalingSnapshot()
+    captures: List[Dict[Optional[bool], _Capture]] = [{} for _ in runs]
     with isolated_stack(saved.note), hold_plans() as held:
         if options.pre_warmup_hook is not None:
             options.pre_warmup_hook()
-        _warm_up(runs, surfaces, options)
+        _warm_up(runs, surfaces, options, variants)
         if options.post_warmup_hook is not None:
             options.post_warmup_hook()
         saved.restore()
-        forwards, captures = [None] * len(runs), [None] * len(runs)
-        for forward, index in steps:
-            if not forward:
-                captures[index] = _capture_backward(forwards[index], surfaces[index], pool, options)
-                continue
-            graph = _new_graph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
-                outputs = runs[index]()
-            forwards[index] = (graph, *_flat_outputs(outputs))
+        for variant in variants:
+            forwards = [None] * len(runs)
+            with first_microbatch(variant):
+                for forward, index in steps:
+                    if not forward:
+                        captures[index][variant] = _capture_backward(forwards[index], surfaces[index], pool, options)
+                        continue
+                    graph = _new_graph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
+                        outputs = runs[index]()
+                    forwards[index] = (graph, *_flat_outputs(outputs))
+            if variant:  # the FP8 weight caches those graphs write (and the next ones read) live as long as the graphs
+                held.extend(dict(m._weight_cache) for c in callables if isinstance(c, torch.nn.Module)
+                            for m in c.modules() if getattr(m, "_weight_cache", None))
     return captures, held
 
 
@@ -350,13 +383,15 @@ def _capture_backward(forward, surface: Tuple[Tuple[torch.Tensor, ...], int], po
     return _Capture(forward_graph, graph, inputs, num_user, outputs, spec, grad_outputs, grad_inputs)
 
 
-def _warm_up(runs, surfaces, options: _Options) -> None:
-    """``num_warmup_iters`` eager forward + backward steps of each callable on a side stream."""
+def _warm_up(runs, surfaces, options: _Options, variants: Tuple[Optional[bool], ...]) -> None:
+    """``num_warmup_iters`` eager forward + backward steps of each callable on a side stream, the ``variants``
+    taking turns (each capture's code path runs before it is captured)."""
     torch.cuda.synchronize()
     with torch.cuda.stream(torch.cuda.Stream()):
         for run, (inputs, _) in zip(runs, surfaces):
-            for _ in range(options.num_warmup_iters):
-                outputs = [o for o in pytree.tree_leaves(run()) if isinstance(o, torch.Tensor) and o.requires_grad]
+            for step in range(options.num_warmup_iters):
+                with first_microbatch(variants[step % len(variants)]):
+                    outputs = [o for o in pytree.tree_leaves(run()) if isinstance(o, torch.Tensor) and o.requires_grad]
                 wanted = [i for i in inputs if i.requires_grad]
                 if outputs and wanted:
                     # ones, not random gradients: warm-up must leave the caller's random streams where they were
@@ -399,13 +434,13 @@ def _flat_outputs(outputs) -> Tuple[Tuple[torch.Tensor, ...], pytree.TreeSpec]:
     return tuple(leaves), spec
 
 
-def _wrap(c, capture: _Capture, args: tuple, kwargs: dict, held: List[Any], replace_forward: bool = True):
+def _wrap(c, captures: Dict[Optional[bool], _Capture], args: tuple, kwargs: dict, held: List[Any], replace_forward: bool = True):
     """The graphed function, or the module with its forward replaced (eager in the other training mode); for a
     module captured once per micro-batch (not ``replace_forward``), that forward as a function of its own."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     slots = tuple(_TensorSlot.of(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
     name = type(c).__name__ if isinstance(c, torch.nn.Module) else getattr(c, "__name__", "callable")
-    graphed = _Graphed(capture, spec, slots, held, f"graphed {name}")
+    graphed = _Graphed(captures, spec, slots, held, f"graphed {name}")
     if not isinstance(c, torch.nn.Module):
         return graphed
     # the new forward refers to the module weakly: a module -> forward -> module cycle would keep the

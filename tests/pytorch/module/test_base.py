@@ -11,6 +11,7 @@ import torch
 import transformer_engine.pytorch as te
 from tests.utils import randn
 from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from transformer_engine.pytorch.module.base import first_microbatch
 
 RECIPE = DelayedScaling(margin=1, fp8_format=Format.HYBRID, amax_history_len=5, amax_compute_algo="max")
 
@@ -161,6 +162,24 @@ def test_the_fp8_weight_copy_records_no_autograd_graph():
     cached = layer._weight_cache["weight"]
     assert cached.data_t is not None  # grad mode on: W^T for dgrad comes along
     assert not cached.data.requires_grad and not cached.data_t.requires_grad
+
+
+def test_first_microbatch_is_the_default_of_modules_called_without_one():
+    """Inside first_microbatch(True) a call casts and caches the FP8 weight, inside first_microbatch(False) it reads the
+    cache (a weight changed since is not seen), outside it casts afresh; an explicit argument wins."""
+    layer, x = te.Linear(16, 16), randn(16, 16)
+    with te.autocast(recipe=RECIPE):
+        with first_microbatch(True):
+            cast = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2.0)
+        with first_microbatch(False):
+            cached = layer(x)
+            explicit = layer(x, is_first_microbatch=True)  # casts the doubled weight, and caches it
+        fresh = layer(x)
+    torch.testing.assert_close(cached, cast, rtol=0, atol=0)
+    assert not torch.equal(explicit, cast) and not torch.equal(fresh, cast)
+    torch.testing.assert_close(fresh, explicit, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only default")

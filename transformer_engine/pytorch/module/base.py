@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,7 +50,25 @@ from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_
 #: the two directions of a module's scaling state and the tensor roles of each
 _MODE_ROLES = (("forward", FWD_ROLES), ("backward", BWD_ROLES))
 
-__all__ = ["ParallelConfig", "TransformerEngineBaseModule", "check_fp8_shape", "check_unsupported", "default_device", "resolve_params_dtype", "te_outputs"]
+#: the ``is_first_microbatch`` of modules called without one (None: no weight cache), see :func:`first_microbatch`
+_DEFAULT_FIRST_MICROBATCH: List[Optional[bool]] = [None]
+
+
+@contextlib.contextmanager
+def first_microbatch(value: Optional[bool]) -> Iterator[None]:
+    """Inside, TE modules called without ``is_first_microbatch`` behave as if given ``value``: True casts
+    the FP8 weights and caches them, False reuses the cache. ``make_graphed_callables(cache_quantized_params=True)``
+    captures its graphs so (the graphed callable takes the argument; the modules it calls need not)."""
+    saved, _DEFAULT_FIRST_MICROBATCH[0] = _DEFAULT_FIRST_MICROBATCH[0], value
+    try:
+        yield
+    finally:
+        _DEFAULT_FIRST_MICROBATCH[0] = saved
+
+__all__ = [
+    "ParallelConfig", "TransformerEngineBaseModule", "check_fp8_shape", "check_unsupported", "default_device", "first_microbatch",
+    "resolve_params_dtype", "te_outputs",
+]
 
 
 def default_device(device=None) -> torch.device:
@@ -328,8 +346,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
                         is_first_microbatch: Optional[bool]) -> Operand:
         """The weight as GEMM operand; FP8 copies are cached per TE's ``is_first_microbatch`` rule.
 
-        None: quantize, no cache; with autograd on, backward casts W^T (the dgrad layout) again from
-        the weight (``quantize_weight``), so no FP8 copy of W lives from forward to backward. True:
+        None (unless :func:`first_microbatch` gives another default): quantize, no cache; with autograd
+        on, backward casts W^T (the dgrad layout) again from the weight (``quantize_weight``), so no FP8
+        copy of W lives from forward to backward. True:
         quantize and cache. False: reuse the cache (the weight's amax is then not recorded), quantizing
         only if there is none yet. A cached copy carries W^T too, written in the same pass. Traced by
         torch.compile, W^T is cast in forward with W (as with a cache): a backward cast would read the
@@ -342,6 +361,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             weight = weight._dequantize(weight.dtype)  # not an FP8 call, or not stored as the GEMM reads it: cast as usual
         if not quantizer.is_fp8:
             return quantizer.quantize(weight)
+        if is_first_microbatch is None:
+            is_first_microbatch = _DEFAULT_FIRST_MICROBATCH[0]
         if is_first_microbatch is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return quantizer.quantize_weight(weight.detach())
         cached = self._weight_cache.get(key)

@@ -188,26 +188,27 @@ class Float8Quantizer(Quantizer):
         torch.maximum(slot, amax, out=slot)  # in place: one kernel
 
     def _recording(self, cast: Callable):
-        """``cast(scale, amax_out)`` with this quantizer's scale, its amax max-accumulated into the history slot.
+        """The result of ``cast(scale, amax_out) -> (result, amax)`` with this quantizer's scale, its amax
+        max-accumulated into the history slot.
 
-        The cast writes the slot itself (``amax_out``). Traced by torch.compile it writes a zeroed scratch
-        slot instead, which one ``maximum`` then folds into the history: AOTAutograd keeps a write into a
-        forward input inside the backward graph only as a plain tensor op, not as a custom op's
-        mutation (and the grad casts run in backward). With kept scales, the operand's scale_inv is the
-        shared reciprocal (the same values: the cast's own 1 / scale is then dead code, no kernel of its own)."""
+        The cast writes the slot itself (``amax_out``). Traced by torch.compile it writes no slot: the amax
+        it returns is folded into the history by one ``maximum`` (no zeroed scratch slot to write first):
+        AOTAutograd keeps a write into a forward input inside the backward graph only as a plain tensor
+        op, not as a custom op's mutation (and the grad casts run in backward). With kept
+        scales, the operand's scale_inv is the shared reciprocal (the same values: the cast's own
+        1 / scale is then dead code, no kernel of its own)."""
         scale, slot = self._views()
         if not torch.compiler.is_compiling():
-            return cast(scale, slot)
-        scratch = torch.zeros_like(slot)
-        result = cast(scale, scratch)
-        slot.copy_(torch.maximum(slot, scratch))
+            return cast(scale, slot)[0]
+        result, amax = cast(scale, None)
+        slot.copy_(torch.maximum(slot, amax))
         if self._kept is not None:
             operand = result if isinstance(result, Float8Tensor) else result[0]
             operand.scale_inv = self._kept[1][self.index]
         return result
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
-        return self._recording(lambda scale, amax_out: _cast(x, scale, self.fp8_dtype, columnwise, amax_out)[0])
+        return self._recording(lambda scale, amax_out: _cast(x, scale, self.fp8_dtype, columnwise, amax_out))
 
     def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
         """The cast with this step's scale, amax recorded; W^T is cast again with that scale and records
@@ -218,8 +219,8 @@ class Float8Quantizer(Quantizer):
     def quantize_with_dbias(self, x: torch.Tensor):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
         def cast(scale, amax_out):
-            q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out)
-            return Float8Tensor(q, scale_inv, q_t), dbias
+            q, q_t, scale_inv, amax, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out)
+            return (Float8Tensor(q, scale_inv, q_t), dbias), amax
 
         return self._recording(cast)
 
@@ -227,8 +228,8 @@ class Float8Quantizer(Quantizer):
         """Fused cast: the producer writes FP8 with this scale and records the amax of its output
         (row-major only: ``transpose_only`` makes the transpose for backward)."""
         def cast(scale, amax_out):
-            q, scale_inv, _, extras = run(scale, self.fp8_dtype, amax_out)
-            return Float8Tensor(q, scale_inv), extras
+            q, scale_inv, amax, extras = run(scale, self.fp8_dtype, amax_out)
+            return (Float8Tensor(q, scale_inv), extras), amax
 
         return self._recording(cast)
 
@@ -280,7 +281,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def quantize_weight(self, w: torch.Tensor) -> Float8Tensor:
         """The cast with w's scale; W^T is cast again with that scale (no second amax pass)."""
         scale, amax = self._scale_and_amax(w)
-        return _fixed_scale_weight(w, scale, self.fp8_dtype, amax)
+        return _fixed_scale_weight(w, scale, self.fp8_dtype, amax)[0]
 
     def quantize_with_dbias(self, x: torch.Tensor):
         """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
@@ -432,12 +433,12 @@ def _one_zero(device: torch.device) -> torch.Tensor:
     return one_zero
 
 
-def _fixed_scale_weight(w, scale, fp8_dtype, amax_out) -> Float8Tensor:
-    """w cast with ``scale`` (amax into ``amax_out``), W^T deferred to a cast with that same scale
-    (copied when forward saves it: ``FixedScaleQuantizer.snapshot``)."""
-    operand = _cast(w, scale, fp8_dtype, False, amax_out)[0]
+def _fixed_scale_weight(w, scale, fp8_dtype, amax_out) -> Tuple[Float8Tensor, torch.Tensor]:
+    """(w cast with ``scale``, its amax; also into ``amax_out``), W^T deferred to a cast with that same
+    scale (copied when forward saves it: ``FixedScaleQuantizer.snapshot``)."""
+    operand, amax = _cast(w, scale, fp8_dtype, False, amax_out)
     operand.deferred_t = DeferredTranspose(w, FixedScaleQuantizer(scale, fp8_dtype))
-    return operand
+    return operand, amax
 
 
 class AmaxObserver(Quantizer):
