@@ -50,6 +50,11 @@ from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_
 #: the two directions of a module's scaling state and the tensor roles of each
 _MODE_ROLES = (("forward", FWD_ROLES), ("backward", BWD_ROLES))
 
+__all__ = [
+    "ParallelConfig", "TransformerEngineBaseModule", "check_fp8_shape", "check_unsupported", "default_device", "first_microbatch",
+    "resolve_params_dtype", "te_outputs",
+]
+
 #: the ``is_first_microbatch`` of modules called without one (None: no weight cache), see :func:`first_microbatch`
 _DEFAULT_FIRST_MICROBATCH: List[Optional[bool]] = [None]
 
@@ -64,11 +69,6 @@ def first_microbatch(value: Optional[bool]) -> Iterator[None]:
         yield
     finally:
         _DEFAULT_FIRST_MICROBATCH[0] = saved
-
-__all__ = [
-    "ParallelConfig", "TransformerEngineBaseModule", "check_fp8_shape", "check_unsupported", "default_device", "first_microbatch",
-    "resolve_params_dtype", "te_outputs",
-]
 
 
 def default_device(device=None) -> torch.device:
