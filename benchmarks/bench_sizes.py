@@ -9,9 +9,12 @@ against the plain PyTorch layer (nn.LayerNorm, nn.Linear, SDPA) measured eager i
   and compiled with ``mode="reduce-overhead"`` (Inductor's CUDA graphs); FP8 delayed also captured
   with ``te.make_graphed_callables``.
 
-Columns: median ms of a step (CUDA events), the ratio against plain eager, host ms (the CPU time to issue
-one step from an idle GPU), step memory (the peak a step adds over what was allocated before it), and
-the graph count of the compiled forward. Also the
+Columns: median ms of a step started from an idle GPU (CUDA events; a loop that waits for each step, e.g.
+to log its loss), the ratio against plain eager; the steady state of steps enqueued back to back (a loop
+that never waits: the host runs ahead and its lead-in before a step's first kernel is hidden) and its
+ratio against plain eager timed alike; host ms (the CPU time to issue one step from an idle GPU), step
+memory (the peak a step adds over what was allocated before it), and the graph count of the compiled
+forward. Also the
 small-layer case: ``te.Linear(256, 256)`` on 16 tokens against ``nn.Linear``, eager and compiled.
 Writes JSON (``--json``) and a PNG of speed-up against hidden size (``--plot``).
 
@@ -27,7 +30,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from _harness import base_parser, host_ms, peak_memory, print_table, time_fn, under_autocast, write_json
+from _harness import base_parser, host_ms, peak_memory, print_table, time_back_to_back, time_fn, under_autocast, write_json
 from bench_transformer_layer import LayerShape, PlainLayer
 
 
@@ -111,21 +114,23 @@ def layer_sweep(hiddens: List[int], device: str, iters: int, compile_ops: List[s
     rows = []
     for hidden in hiddens:
         s = LayerShape(hidden=hidden, ffn=4 * hidden, heads=max(1, hidden // 64), seq=512, batch=16)
-        base_ms = None
+        base_ms = base_steady_ms = None
         for variant in _variants(device, compile_ops):
             row = {"hidden": hidden, "variant": variant.name, "mode": variant.label}
             try:
                 os.environ["TE_FL_COMPILE_OPS"] = variant.compile_ops  # read when Dynamo traces (first call)
                 built = _step(variant, s, device)
                 row["ms"] = time_fn(built["step"], warmup=5, iters=iters, device=torch.device(device))
+                row["steady_ms"] = time_back_to_back(built["step"], warmup=2, iters=iters, device=torch.device(device))
                 row["host_ms"] = host_ms(built["step"], device)
                 row["peak_bytes"] = None if variant.mode == "graphs" else step_memory(built["step"])
                 row["graphs"] = built["graphs"]
             except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             if variant.name == "plain" and variant.mode == "eager":
-                base_ms = row.get("ms")
+                base_ms, base_steady_ms = row.get("ms"), row.get("steady_ms")
             row["ratio"] = row["ms"] / base_ms if base_ms and "ms" in row else None
+            row["steady_ratio"] = row["steady_ms"] / base_steady_ms if base_steady_ms and "steady_ms" in row else None
             rows.append(row)
             print(row, flush=True)
             torch._dynamo.reset()
@@ -199,9 +204,10 @@ def main() -> None:
     hiddens = [int(h) for h in args.hidden.split(",")]
     rows = layer_sweep(hiddens, device, args.iters, args.compile_ops.split(","))
     print_table("one layer, 8192 tokens, fwd+bwd (ratio: against plain eager)",
-                ["hidden", "variant", "mode", "ms", "ratio", "host ms", "step GiB", "graphs"],
+                ["hidden", "variant", "mode", "ms", "ratio", "steady ms", "steady ratio", "host ms", "step GiB", "graphs"],
                 [[r["hidden"], r["variant"], r["mode"], f"{r['ms']:.2f}" if "ms" in r else r.get("error", ""),
-                  f"{r['ratio']:.2f}x" if r.get("ratio") else "", f"{r['host_ms']:.2f}" if "host_ms" in r else "",
+                  f"{r['ratio']:.2f}x" if r.get("ratio") else "", f"{r['steady_ms']:.2f}" if "steady_ms" in r else "",
+                  f"{r['steady_ratio']:.2f}x" if r.get("steady_ratio") else "", f"{r['host_ms']:.2f}" if "host_ms" in r else "",
                   f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "", r.get("graphs") or ""] for r in rows])
     small = small_linear(device, args.iters)
     print_table("te.Linear(256, 256), 16 tokens, fwd+bwd", ["case", "mode", "us", "ratio"],
