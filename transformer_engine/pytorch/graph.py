@@ -33,10 +33,12 @@ the other.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -341,13 +343,33 @@ def _capture_all(callables, args_per, kwargs_per, precisions, pool, options: _Op
                         captures[index][variant] = _capture_backward(forwards[index], surfaces[index], pool, options)
                         continue
                     graph = _new_graph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
+                    with _capturing(graph, pool):
                         outputs = runs[index]()
                     forwards[index] = (graph, *_flat_outputs(outputs))
             if variant:  # the FP8 weight caches those graphs write (and the next ones read) live as long as the graphs
                 held.extend(dict(m._weight_cache) for c in callables if isinstance(c, torch.nn.Module)
                             for m in c.modules() if getattr(m, "_weight_cache", None))
     return captures, held
+
+
+@contextlib.contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool)`` with Python's cyclic garbage collector paused inside.
+
+    A collection that runs during a capture can free the last reference to an earlier CUDA graph (kept in a
+    reference cycle until then): its private memory pool is released with ``cudaFree``, which a capture
+    forbids, and the capture fails ("operation failed due to a previous error during capture"), at a point
+    that depends on when the collector happens to run (seen in NVIDIA TE's CUDA-graph tests on an H100: torch
+    collects before a capture only under ``torch.compiler.config.force_cudagraph_gc``). Garbage waits for the
+    next collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _new_graph() -> torch.cuda.CUDAGraph:
@@ -370,7 +392,7 @@ def _capture_backward(forward, surface: Tuple[Tuple[torch.Tensor, ...], int], po
     grads: Sequence[Optional[torch.Tensor]] = ()
     if any(g is not None for g in grad_outputs) and wanted:
         graph = _new_graph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=_CAPTURE_ERROR_MODE):
+        with _capturing(graph, pool):
             grads = torch.autograd.grad(
                 [o for o in outputs if o.requires_grad], wanted, [g for g in grad_outputs if g is not None],
                 retain_graph=options.retain_graph_in_backward, allow_unused=options.allow_unused_input,
