@@ -41,7 +41,8 @@ def test_weight_caching_of_a_callable_captured_twice_is_refused():
     layer = torch.nn.Linear(4, 4)
     with pytest.warns(DeprecationWarning, match="fp8_weight_caching"):
         with pytest.raises(NotImplementedError, match="a callable captured more than once"):
-            te.make_graphed_callables((layer, layer), ((torch.randn(2, 4),), (torch.randn(2, 4),)), fp8_weight_caching=True)
+            te.make_graphed_callables((layer, layer), ((torch.randn(2, 4),), (torch.randn(2, 4),)), enabled=True,
+                                      fp8_weight_caching=True)
 
 
 def test_sample_args_per_callable_are_checked():
@@ -163,6 +164,19 @@ def test_cached_fp8_weights_over_micro_batches_match_eager(build, recipe):
         torch.testing.assert_close(a, b, **DTYPE_TOLS[torch.bfloat16])
     for a, b in zip(graph_state, eager_state):
         torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
+
+
+@pytest.mark.gpu
+def test_weight_caching_without_fp8_takes_is_first_microbatch_and_replays_one_capture():
+    reference = te.Linear(HIDDEN, HIDDEN, device="cuda")
+    layer = te.make_graphed_callables(copy.deepcopy(reference), (torch.randn(TOKENS, HIDDEN, device="cuda"),),
+                                      cache_quantized_params=True)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda")
+    with pytest.raises(TypeError, match="each call takes is_first_microbatch"):
+        layer(x)
+    expected = reference(x)
+    for first in (True, False):
+        torch.testing.assert_close(layer(x, is_first_microbatch=first), expected, **DTYPE_TOLS[torch.float32])
 
 
 @pytest.mark.gpu

@@ -21,7 +21,8 @@ then takes ``is_first_microbatch`` (a bool). Each callable is captured twice, wi
 if called with ``is_first_microbatch=True`` (cast the FP8 weights into their cache) and with ``False``
 (read the cache); a call replays the pair its argument names. The second pair reads the cache the first
 writes, so the first micro-batch of a step must say True. Its price: two captures' memory (NVIDIA TE
-captures once, with casts that a device-side flag turns into no-ops).
+captures once, with casts that a device-side flag turns into no-ops). Without FP8 there is nothing to
+cache: one capture serves both values.
 
 Rules (torch.cuda.make_graphed_callables's): arguments keep the sample's structure, shapes, dtypes and
 devices (checked at every call); the outputs are the graph's static buffers, overwritten by the next
@@ -253,7 +254,9 @@ def make_graphed_callables(
     kwargs_per = _per_callable(sample_kwargs, len(entries), single, "sample_kwargs", dict)
     per_callable = _precisions(values, len(callables))
     precisions = [per_callable[i] for i in schedule.callable_of]
-    variants = (True, False) if values["cache_quantized_params"] else (None,)
+    caching = bool(values["cache_quantized_params"])
+    # one capture per is_first_microbatch value when a callable runs in FP8; without FP8 both replay one capture
+    variants = (True, False) if caching and any(p.enabled for p in precisions) else (None,)
     if variants[0] is not None and len({id(c) for c in entries}) < len(entries):
         raise NotImplementedError(
             "cache_quantized_params=True with a callable captured more than once (several micro-batches of _order, or "
@@ -266,6 +269,8 @@ def make_graphed_callables(
     captures, held = _capture_all(entries, args_per, kwargs_per, precisions, pool,
                                   _Options(num_warmup_iters, allow_unused_input, retain_graph_in_backward,
                                            pre_warmup_hook, post_warmup_hook), schedule.steps, variants)
+    if caching and variants == (None,):
+        captures = [{True: c[None], False: c[None]} for c in captures]
     graphed = [_wrap(*each, held, replace_forward=_order is None) for each in zip(entries, captures, args_per, kwargs_per)]
     return graphed[0] if single else tuple(graphed)
 
