@@ -133,7 +133,7 @@ class _Graphed:
         self.captures = captures
         self._arg_spec = arg_spec
         self._slots = slots  # per leaf of the sample arguments: a _TensorSlot, or the constant itself
-        self._held = held  # the delayed-scaling plans whose buffers the graphs write
+        self._held = held  # the delayed-scaling plans and FP8 weight caches whose buffers the graphs use
         self._name = name
 
     def _capture_for(self, kwargs: dict) -> _Capture:
