@@ -41,13 +41,18 @@ from .permutation import (
     moe_sort_chunks_by_index_with_probs,
     moe_unpermute,
 )
-from .tensor import DType, Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, Quantizer
+from .tensor import (
+    DType, Float8BlockQuantizer, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor,
+    Quantizer,
+)
 from .transformer import TransformerLayer
 from . import ops, optimizers, router  # noqa: E402 - TE's submodules, reached as te.ops / te.optimizers / te.router
 
 __all__ = [
     "CudaRNGStatesTracker",
     "DType",
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensor",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",

@@ -12,10 +12,10 @@ from transformer_engine.common.recipe import (
 )
 from transformer_engine.pytorch.optimizers import FusedAdam
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-from transformer_engine.pytorch.tensor import DType, Float8CurrentScalingQuantizer, Float8Tensor, QuantizedTensor
+from transformer_engine.pytorch.tensor import DType, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Tensor, QuantizedTensor
 
-RECIPES = [DelayedScaling(), Float8CurrentScaling()]
-RECIPE_IDS = ["delayed", "current"]
+RECIPES = [DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()]
+RECIPE_IDS = ["delayed", "current", "block"]
 
 
 def _pow2_current() -> CustomRecipe:
@@ -67,10 +67,12 @@ def test_weights_are_fp8_parameters(name, recipe):
     module = _build(name, recipe)
     for weight_name in MODULES[name][2]:
         weight = getattr(module, weight_name)
-        assert isinstance(weight, Float8Tensor) and isinstance(weight, QuantizedTensor)
+        block = isinstance(recipe, Float8BlockScaling)
+        assert isinstance(weight, Float8BlockwiseQTensor if block else Float8Tensor) and isinstance(weight, QuantizedTensor)
         assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
-        assert weight.dtype == torch.bfloat16 and weight._data.dtype == torch.float8_e4m3fn
-        assert weight._transpose is None  # one FP8 copy: W^T is transposed from it in backward
+        data, transpose = (weight._rowwise_data, weight._columnwise_data) if block else (weight._data, weight._transpose)
+        assert weight.dtype == torch.bfloat16 and data.dtype == torch.float8_e4m3fn
+        assert transpose is None  # one FP8 copy: W^T is transposed from it in backward
         assert dict(module.named_parameters())[weight_name] is weight
     others = [p for n, p in module.named_parameters() if n not in MODULES[name][2]]
     assert all(type(p) is torch.nn.Parameter for p in others)  # biases and norm weights stay high precision
@@ -154,7 +156,8 @@ def test_forward_uses_the_stored_fp8_data_without_a_cast(recipe, monkeypatch):
     from transformer_engine.plugin import ops
 
     casts = []
-    for op in ("quantize", "cast_transpose", "quantize_transposed"):
+    for op in ("quantize", "cast_transpose", "quantize_transposed", "quantize_blockwise", "cast_transpose_blockwise",
+               "cast_transpose_blockwise_dbias"):
         original = getattr(ops, op)
         monkeypatch.setattr(ops, op, lambda *a, _o=original, _n=op, **k: (casts.append((_n, tuple(a[0].shape))), _o(*a, **k))[1])
     _run(module, "Linear", torch.randn(16, 32, dtype=torch.bfloat16), recipe)
@@ -295,7 +298,7 @@ def test_fused_adam_with_master_weights(name, recipe):
             torch.testing.assert_close(opt.state[p]["master_param"], m, rtol=1e-5, atol=1e-6)
         for weight_name in MODULES[name][2]:
             p = getattr(module, weight_name)
-            assert isinstance(p, Float8Tensor)
+            assert isinstance(p, Float8BlockwiseQTensor if isinstance(recipe, Float8BlockScaling) else Float8Tensor)
             expected = p._get_quantizer().quantize_impl(opt.state[p]["master_param"]).dequantize()
             assert torch.equal(p.dequantize(dtype=torch.float32), expected)
 
@@ -389,10 +392,14 @@ def test_loaded_delayed_scales_drive_the_next_requantization():
 
 
 def _bytes(tensors):
-    """Bytes of the distinct storages behind ``tensors`` (an FP8 parameter: its data, transpose and scale_inv)."""
+    """Bytes of the distinct storages behind ``tensors`` (an FP8 parameter: its data, transpose and scales)."""
     storages = {}
     for t in tensors:
-        inner = [t._data, t._transpose, t._scale_inv] if isinstance(t, Float8Tensor) else [t]
+        inner = [t]
+        if isinstance(t, Float8Tensor):
+            inner = [t._data, t._transpose, t._scale_inv]
+        elif isinstance(t, Float8BlockwiseQTensor):
+            inner = [t._rowwise_data, t._rowwise_scale_inv, t._columnwise_data, t._columnwise_scale_inv]
         for s in inner:
             if s is not None:
                 storages[s.untyped_storage().data_ptr()] = s.untyped_storage().nbytes()
@@ -453,9 +460,6 @@ def test_disabled_keeps_high_precision_weights():
 
 
 def test_unimplemented_recipes_raise():
-    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling"):
+    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling.*MXFP8 parameters is not implemented"):
         with te.quantized_model_init(recipe=MXFP8BlockScaling()):
-            pass
-    with pytest.raises(NotImplementedError, match="Float8BlockScaling.*block-scaled FP8 parameters is not implemented"):
-        with te.quantized_model_init(recipe=Float8BlockScaling()):
             pass

@@ -1,7 +1,11 @@
 """FP8 weight parameters: what ``quantized_model_init`` makes of a module's GEMM weights.
 
 Under ``quantized_model_init(enabled=True, recipe=DelayedScaling() | Float8CurrentScaling())`` each GEMM
-weight W [N, K] is a :class:`~transformer_engine.pytorch.tensor.Float8Tensor` parameter (TE's public class):
+weight W [N, K] is a :class:`~transformer_engine.pytorch.tensor.Float8Tensor` parameter (TE's public class);
+under ``Float8BlockScaling`` a :class:`~transformer_engine.pytorch.tensor.Float8BlockwiseQTensor` in the recipe's
+weight tiles (128 x 128 by default: row-wise data and one scale per tile, 0.5x of bf16; dgrad's W^T is the
+exact transpose of the tiles; 1 x 128 weight tiles keep their column-wise copy too, 1.0x of bf16, since it
+is a quantization of W^T):
 
 - storage: W's row-wise FP8 data (1 byte per element) and its float32 ``scale_inv``, nothing else:
   0.5x the bytes of a bf16 weight plus 4. No transposed copy is kept (TE on Hopper keeps one, 1.0x of
@@ -30,9 +34,11 @@ from transformer_engine.common.recipe import CustomRecipe, Recipe
 
 from ..quantization.float8_tensor import Float8Tensor as Float8Operand
 from ..quantization.float8_tensor import StoredTranspose
+from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
 from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
 from ..quantization.quantizer import Float8Quantizer as ModuleDelayedQuantizer
 from ..quantization.quantizer import Quantizer as ModuleQuantizer
+from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, _PerTensorQuantizer
 from ..tensor.quantized_tensor import Quantizer
 
@@ -90,6 +96,11 @@ def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp
         qparams = module_quantizer.qparams
         made = Float8CurrentScalingQuantizer(module_quantizer.fp8_dtype, force_pow_2_scales=qparams.power_2_scale,
                                              amax_epsilon=qparams.amax_epsilon)
+    elif isinstance(module_quantizer, ModuleBlockQuantizer):
+        qparams, two_d = module_quantizer.qparams, module_quantizer.block[0] > 1
+        made = Float8BlockQuantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=not two_d, amax_epsilon=qparams.amax_epsilon,
+                                    force_pow_2_scales=qparams.power_2_scale, block_scaling_dim=2 if two_d else 1)
+        return made  # 1 x 128 tiles keep W^T's own quantization: it cannot be made from W's FP8 values
     else:
         raise NotImplementedError(
             f"quantized_model_init with {type(recipe).__name__}: storing the weights in this recipe's format is not "
@@ -134,9 +145,14 @@ def attach_high_precision_init_val(param: torch.Tensor, init_val: torch.Tensor) 
 
 def fp8_param_operand(weight: torch.Tensor, quantizer: ModuleQuantizer) -> Optional[Float8Operand]:
     """The fprop operand of an FP8 weight parameter as stored (its data and scale_inv, no cast), with W^T
-    for dgrad from its stored transpose or its bytes transposed in backward; None when the call does not
-    run in FP8 (high precision, calibration) or the weight is not stored row-wise in per-tensor FP8: the
-    caller then casts the dequantized weight."""
+    for dgrad from its stored transpose or its bytes transposed in backward (block-scaled: its column-wise
+    copy, or the transpose of its 128 x 128 tiles); None when the call does not run in FP8 (high precision,
+    calibration) or the weight is not stored as this call's quantizer reads it: the caller then casts the
+    dequantized weight."""
+    if isinstance(weight, Float8BlockwiseQTensor):
+        block = (128, 128) if weight._is_2D_scaled else (1, 128)
+        usable = isinstance(quantizer, ModuleBlockQuantizer) and quantizer.block == block and weight.dim() == 2
+        return weight.operand() if usable and weight._rowwise_data is not None else None
     if not quantizer.is_fp8 or not isinstance(weight, Float8Tensor) or weight._data is None or weight.dim() != 2:
         return None
     operand = Float8Operand(weight._data, weight._scale_inv, weight._transpose)

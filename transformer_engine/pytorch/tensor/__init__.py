@@ -1,4 +1,5 @@
-"""TE's public quantized-tensor API: ``QuantizedTensor``, ``Quantizer``, ``Float8Tensor`` and its quantizers, ``DType``.
+"""TE's public quantized-tensor API: ``QuantizedTensor``, ``Quantizer``, ``Float8Tensor`` and its quantizers,
+``Float8BlockwiseQTensor`` and ``Float8BlockQuantizer``, ``DType``.
 
 These are the user-facing classes of NVIDIA TE's ``transformer_engine.pytorch.tensor``: ``torch.Tensor``
 subclasses that behave like high-precision tensors (ops they have no rule for dequantize and run in
@@ -13,11 +14,14 @@ and ``scale_inv``.
 """
 
 from .dtype import DType
+from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from .quantized_tensor import QuantizedTensor, Quantizer
 
 __all__ = [
     "DType",
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensor",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",

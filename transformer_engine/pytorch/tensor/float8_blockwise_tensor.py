@@ -1,0 +1,335 @@
+"""``Float8BlockwiseQTensor`` and ``Float8BlockQuantizer``: TE's public block-scaled FP8 tensor (Float8BlockScaling).
+
+    x[i, j] ~= rowwise_data[i, j] * rowwise_scale_inv[i // b, j // 128]     (x as the matrix [M, K])
+
+with b = 128 for 2-D tiles (128 x 128, weights) and b = 1 for 1-D tiles (1 x 128, activations and
+gradients); each tile's scale = fp8_max / max(max|tile|, amax_epsilon), a power of two with
+``force_pow_2_scales`` (the catalog's ``quantize_blockwise``). A tensor of any rank is quantized as its
+matrix [prod(leading dims), last dim]. The column-wise copy is what GEMMs that contract over M read
+(x^T, shape (K, *lead)): for 2-D tiles the exact transpose of the row-wise values and scales (a 128 x 128
+tile transposes into one); for 1-D tiles a second quantization of x^T along M (its own scales), which
+only the high-precision tensor can give.
+
+Scales are kept compact, [ceil(M / b), ceil(K / 128)] (column-wise: [ceil(K / b'), ceil(M / 128)]), where
+NVIDIA TE pads and transposes them into cuBLAS's layout: the values are the same, the buffers' shapes
+differ (code that reads ``_rowwise_scale_inv`` directly sees ours).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from transformer_engine.plugin import ops
+
+from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor as BlockOperand
+from .dtype import DType, fp8_torch_dtype
+from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _columnwise_shape, _fp8_buffer, _write
+from .quantized_tensor import QuantizedTensor, Quantizer, _default_device
+
+__all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensor"]
+
+_BLOCK_LEN = 128
+
+
+def _tile(is_2d: bool) -> Tuple[int, int]:
+    """The (rows, cols) tile of the row-wise copy (the column-wise copy of 1-D tiles is also (1, 128))."""
+    return (_BLOCK_LEN, _BLOCK_LEN) if is_2d else (1, _BLOCK_LEN)
+
+
+class Float8BlockQuantizer(Quantizer):
+    """Block-scaled FP8 casts: one scale per 1 x 128 (``block_scaling_dim=1``) or 128 x 128 (``2``) tile.
+
+    Args:
+        fp8_dtype: ``DType.kFloat8E4M3`` or ``DType.kFloat8E5M2`` (or the torch float8 dtype).
+        rowwise, columnwise: usages (see :class:`Quantizer`).
+        amax_epsilon: lower bound of each tile's amax (a finite float >= 0).
+        force_pow_2_scales: round each scale down to a power of two (NVIDIA TE's default).
+        block_scaling_dim: 1 or 2.
+        all_gather_usage: NVIDIA TE's compact scale layout for all-gathers; not implemented (must be False).
+
+    Raises:
+        ValueError: a bad block_scaling_dim, amax_epsilon or fp8_dtype. NotImplementedError: all_gather_usage.
+
+    Example:
+        >>> q = Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False)
+        >>> x = q(torch.ones(128, 256))
+        >>> x._rowwise_scale_inv.shape, x.dequantize().eq(1).all().item()
+        (torch.Size([1, 2]), True)
+    """
+
+    def __init__(self, fp8_dtype: FP8DType, *, rowwise: bool, columnwise: bool, amax_epsilon: float = 0.0,
+                 force_pow_2_scales: bool = True, block_scaling_dim: int = 2, all_gather_usage: bool = False) -> None:
+        if block_scaling_dim not in (1, 2):
+            raise ValueError(f"block_scaling_dim={block_scaling_dim!r} must be 1 (1 x 128 tiles) or 2 (128 x 128 tiles)")
+        if not isinstance(amax_epsilon, (int, float)) or isinstance(amax_epsilon, bool) or not 0.0 <= amax_epsilon < math.inf:
+            raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a finite float >= 0 (the smallest amax a tile's scale is computed from)")
+        if all_gather_usage:
+            raise NotImplementedError("Float8BlockQuantizer(all_gather_usage=True) (NVIDIA TE's compact scale layout) is not "
+                                      "implemented in TransformerEngine-FL; leave it False")
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        fp8_torch_dtype(fp8_dtype)  # validates
+        self.dtype = DType.cast(fp8_dtype)
+        self.block_len = _BLOCK_LEN
+        self.amax_epsilon = float(amax_epsilon)
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.block_scaling_dim = block_scaling_dim
+        self.all_gather_usage = False
+
+    def copy(self) -> Float8BlockQuantizer:
+        return Float8BlockQuantizer(self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+                                    amax_epsilon=self.amax_epsilon, force_pow_2_scales=self.force_pow_2_scales,
+                                    block_scaling_dim=self.block_scaling_dim)
+
+    def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool):
+        """(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv) of x, the asked copies only.
+
+        Raises:
+            ValueError: neither usage is asked for.
+        """
+        if not (rowwise or columnwise):
+            raise ValueError("Float8BlockQuantizer has rowwise=False and columnwise=False; enable at least one usage with set_usage")
+        x2d, fp8_dtype = _as_2d(x), fp8_torch_dtype(self.dtype)
+        rows = _tile(self.block_scaling_dim == 2)[0]
+        args = dict(power_2_scale=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
+        data = scale_inv = data_t = scale_inv_t = None
+        if rowwise and columnwise and rows == 1:  # both 1 x 128 copies from one read
+            data, scale_inv, data_t, scale_inv_t = ops.cast_transpose_blockwise(x2d, fp8_dtype, _BLOCK_LEN, **args)
+        else:
+            if rowwise:
+                data, scale_inv = ops.quantize_blockwise(x2d, fp8_dtype, block_rows=rows, block_cols=_BLOCK_LEN, **args)
+            if columnwise and rowwise:  # 2-D tiles: the exact transpose
+                data_t, scale_inv_t = ops.fp8_transpose(data), scale_inv.t()
+            elif columnwise:
+                data_t, scale_inv_t = ops.quantize_blockwise(x2d.t(), fp8_dtype, block_rows=rows, block_cols=_BLOCK_LEN, **args)
+        data = None if data is None else data.view(x.shape)
+        data_t = None if data_t is None else data_t.view(_columnwise_shape(x.shape))
+        return data, scale_inv, data_t, scale_inv_t
+
+    def quantize_impl(self, tensor: torch.Tensor) -> Float8BlockwiseQTensor:
+        _check_high_precision(tensor)
+        data, scale_inv, data_t, scale_inv_t = self._cast(tensor.detach(), self.rowwise_usage, self.columnwise_usage)
+        return Float8BlockwiseQTensor(shape=tensor.shape, dtype=tensor.dtype, rowwise_data=data, rowwise_scale_inv=scale_inv,
+                                      columnwise_data=data_t, columnwise_scale_inv=scale_inv_t, fp8_dtype=self.dtype,
+                                      quantizer=self, is_2D_scaled=self.block_scaling_dim == 2, device=tensor.device)
+
+    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8BlockwiseQTensor:
+        """dst = Q(src), written into dst's buffers (the usages dst holds).
+
+        Raises:
+            TypeError: dst is not a Float8BlockwiseQTensor or src is not a float tensor. ValueError: the shapes
+                or the tiles differ.
+        """
+        if not isinstance(dst, Float8BlockwiseQTensor):
+            raise TypeError(f"Float8BlockQuantizer can only update a Float8BlockwiseQTensor, got {type(dst).__name__}")
+        _check_high_precision(src)
+        if src.shape != dst.shape:
+            raise ValueError(f"cannot quantize a tensor of shape {tuple(src.shape)} into a Float8BlockwiseQTensor of shape {tuple(dst.shape)}")
+        if dst._is_2D_scaled != (self.block_scaling_dim == 2):
+            raise ValueError(f"this quantizer casts {self.block_scaling_dim}-D tiles; the tensor holds "
+                             f"{2 if dst._is_2D_scaled else 1}-D tiles")
+        usages = dst.get_usages()
+        data, scale_inv, data_t, scale_inv_t = self._cast(src.detach().to(device=dst.device), usages["rowwise"], usages["columnwise"])
+        dst._rowwise_data, dst._rowwise_scale_inv = _write(dst._rowwise_data, data), _write(dst._rowwise_scale_inv, scale_inv)
+        dst._columnwise_data, dst._columnwise_scale_inv = _write(dst._columnwise_data, data_t), _write(dst._columnwise_scale_inv, scale_inv_t)
+        dst._fp8_dtype = self.dtype
+        return dst
+
+    def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
+                   requires_grad: bool = False) -> Float8BlockwiseQTensor:
+        """A Float8BlockwiseQTensor of ``shape`` with uninitialized values and unit scales."""
+        device, fp8_dtype, shape = _default_device(device), fp8_torch_dtype(self.dtype), torch.Size(shape)
+        m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
+        rows = _tile(self.block_scaling_dim == 2)[0]
+        ones = lambda *s: torch.ones(s, dtype=torch.float32, device=device)  # noqa: E731
+        data = scale_inv = data_t = scale_inv_t = None
+        if self.rowwise_usage:
+            data, scale_inv = torch.empty(shape, dtype=fp8_dtype, device=device), ones(math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))
+        if self.columnwise_usage:
+            data_t = torch.empty(_columnwise_shape(shape), dtype=fp8_dtype, device=device)
+            scale_inv_t = ones(math.ceil(k / rows), math.ceil(m / _BLOCK_LEN))
+        return Float8BlockwiseQTensor(shape=shape, dtype=dtype, rowwise_data=data, rowwise_scale_inv=scale_inv,
+                                      columnwise_data=data_t, columnwise_scale_inv=scale_inv_t, fp8_dtype=self.dtype,
+                                      quantizer=self, is_2D_scaled=self.block_scaling_dim == 2, requires_grad=requires_grad,
+                                      device=device)
+
+
+class Float8BlockwiseQTensor(QuantizedTensor):
+    """A tensor with block-scaled FP8 data that presents its nominal ``dtype`` (see the module docstring).
+
+    Args:
+        shape: the logical shape. dtype: the nominal (high-precision) dtype.
+        rowwise_data: FP8 values of ``shape`` (uint8 bytes or the torch float8 dtype), or None.
+        rowwise_scale_inv: float32 [ceil(M / b), ceil(K / 128)], one per tile of the row-wise data.
+        columnwise_data: FP8 values of x^T, shape (K, *lead), or None.
+        columnwise_scale_inv: float32 scales of the column-wise tiles.
+        fp8_dtype: ``DType.kFloat8E4M3`` or ``DType.kFloat8E5M2`` (or the torch float8 dtype).
+        quantizer: the quantizer for in-place updates (a copy is kept), or None.
+        is_2D_scaled: 128 x 128 tiles (True) or 1 x 128 tiles (False).
+        requires_grad, device: as for any tensor (device defaults to the data's).
+
+    Raises:
+        ValueError: no data, a copy without its scales, buffers or scales whose shapes do not fit ``shape``.
+        TypeError: a buffer that is neither uint8 nor the matching float8 dtype.
+    """
+
+    def __new__(cls, shape: Iterable[int], dtype: torch.dtype, *, rowwise_data: Optional[torch.Tensor],
+                rowwise_scale_inv: Optional[torch.Tensor], columnwise_data: Optional[torch.Tensor] = None,
+                columnwise_scale_inv: Optional[torch.Tensor] = None, fp8_dtype: FP8DType, quantizer: Optional[Quantizer] = None,
+                is_2D_scaled: bool = True, requires_grad: bool = False, device=None, stride: Optional[Iterable[int]] = None):
+        torch_fp8 = fp8_torch_dtype(fp8_dtype)
+        data, data_t = _fp8_buffer(rowwise_data, torch_fp8, "rowwise_data"), _fp8_buffer(columnwise_data, torch_fp8, "columnwise_data")
+        shape = torch.Size(shape)
+        _check_blocks(shape, bool(is_2D_scaled), data, rowwise_scale_inv, data_t, columnwise_scale_inv)
+        device = (data if data is not None else data_t).device if device is None else torch.device(device)
+        instance = super().__new__(cls, shape, dtype, requires_grad=requires_grad, device=device, stride=stride)
+        instance._rowwise_data, instance._rowwise_scale_inv = data, rowwise_scale_inv
+        instance._columnwise_data, instance._columnwise_scale_inv = data_t, columnwise_scale_inv
+        instance._fp8_dtype = DType.cast(fp8_dtype)
+        instance._is_2D_scaled = bool(is_2D_scaled)
+        instance._quantizer = None if quantizer is None else quantizer.copy()
+        return instance
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        tiles = "128x128" if self._is_2D_scaled else "1x128"
+        return f"Float8BlockwiseQTensor(fp8_dtype={self._fp8_dtype.name}, tiles={tiles}, data={self._dequantize(self.dtype)})"
+
+    def get_metadata(self) -> Dict[str, Any]:
+        return {"rowwise_data": self._rowwise_data, "rowwise_scale_inv": self._rowwise_scale_inv,
+                "columnwise_data": self._columnwise_data, "columnwise_scale_inv": self._columnwise_scale_inv,
+                "fp8_dtype": self._fp8_dtype, "quantizer": self._quantizer, "is_2D_scaled": self._is_2D_scaled}
+
+    def _get_quantizer(self) -> Quantizer:
+        if self._quantizer is None:
+            self._quantizer = Float8BlockQuantizer(self._fp8_dtype, rowwise=self._rowwise_data is not None,
+                                                   columnwise=self._columnwise_data is not None,
+                                                   block_scaling_dim=2 if self._is_2D_scaled else 1)
+        return self._quantizer
+
+    def operand(self) -> BlockOperand:
+        """The GEMM operand the modules read: the same buffers as a 2-D ``[M, K]`` block-scaled operand."""
+        data = None if self._rowwise_data is None else _as_2d(self._rowwise_data)
+        data_t = None if self._columnwise_data is None else self._columnwise_data.reshape(self.shape[-1] if self.dim() else 1, -1)
+        return BlockOperand(data, self._rowwise_scale_inv, data_t, self._columnwise_scale_inv, block=_tile(self._is_2D_scaled))
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """x[i, j] = data[i, j] * scale_inv[tile of (i, j)] (``ops.dequantize_blockwise``), in ``dtype``."""
+        return self.operand().dequantize(dtype).reshape(self.shape)
+
+    def _adopt(self, other: Float8BlockwiseQTensor) -> None:
+        for key in ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv", "_fp8_dtype", "_is_2D_scaled"):
+            setattr(self, key, getattr(other, key))
+        self._quantizer = None if other._quantizer is None else other._quantizer.copy()
+
+    def _reshaped(self, shape: tuple, method: str) -> Float8BlockwiseQTensor:
+        """The same FP8 values and scales with another shape whose last dimension is unchanged (the tiles run
+        over the matrix [prod(leading dims), last dim], which such a shape keeps).
+
+        Raises:
+            NotImplementedError: the last dimension would change.
+        """
+        logical = getattr(torch.empty(self.shape, device="meta"), method)(shape).shape
+        if logical[-1:] != self.shape[-1:]:
+            raise NotImplementedError(
+                f"a Float8BlockwiseQTensor of shape {tuple(self.shape)} cannot take the shape {tuple(logical)}: its tiles run "
+                "along the last dimension, which must stay the same (dequantize first)"
+            )
+        data = None if self._rowwise_data is None else getattr(self._rowwise_data, method)(logical)
+        data_t = None if self._columnwise_data is None else getattr(self._columnwise_data, method)(_columnwise_shape(logical))
+        return Float8BlockwiseQTensor(shape=logical, dtype=self.dtype, rowwise_data=data, rowwise_scale_inv=self._rowwise_scale_inv,
+                                      columnwise_data=data_t, columnwise_scale_inv=self._columnwise_scale_inv, fp8_dtype=self._fp8_dtype,
+                                      quantizer=self._quantizer, is_2D_scaled=self._is_2D_scaled, device=self.device)
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """Make the column-wise copy (2-D tiles: the exact transpose of the row-wise one) or drop either copy.
+
+        Raises:
+            RuntimeError: a copy is asked for that cannot be made from the FP8 values (row-wise data from the
+                column-wise copy, or the column-wise copy of 1-D tiles, a quantization of x^T), or the tensor
+                would be left with no data.
+        """
+        rowwise = self._rowwise_data is not None if rowwise_usage is None else rowwise_usage
+        columnwise = self._columnwise_data is not None if columnwise_usage is None else columnwise_usage
+        if not (rowwise or columnwise):
+            raise RuntimeError("update_usage(rowwise_usage=False, columnwise_usage=False) would leave the Float8BlockwiseQTensor without data")
+        if rowwise and self._rowwise_data is None:
+            raise RuntimeError("cannot make row-wise FP8 data of a Float8BlockwiseQTensor that only holds its column-wise copy")
+        if columnwise and self._columnwise_data is None:
+            if not self._is_2D_scaled:
+                raise RuntimeError("the column-wise copy of 1 x 128 tiles is a quantization of x^T; it cannot be made from the "
+                                   "row-wise FP8 values: quantize with columnwise=True")
+            self._columnwise_data = ops.fp8_transpose(_as_2d(self._rowwise_data)).view(_columnwise_shape(self.shape))
+            self._columnwise_scale_inv = self._rowwise_scale_inv.t()
+        if not rowwise:
+            self._rowwise_data = self._rowwise_scale_inv = None
+        if not columnwise:
+            self._columnwise_data = self._columnwise_scale_inv = None
+
+    def get_usages(self) -> Dict[str, bool]:
+        return {"rowwise": self._rowwise_data is not None, "columnwise": self._columnwise_data is not None}
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.view.default:
+            return args[0]._reshaped(tuple(args[1]), "view")
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], cls) and isinstance(args[1], cls) and _same_layout(args[0], args[1]):
+            return _copy_blocks(args[0], args[1])
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickle the FP8 buffers, their scales, the fp8 dtype, tiles, nominal dtype and shape (not the quantizer)."""
+        return (_make_blockwise_tensor_in_reduce_ex,
+                (self.shape, self.dtype, self._rowwise_data, self._rowwise_scale_inv, self._columnwise_data,
+                 self._columnwise_scale_inv, self._fp8_dtype, self._is_2D_scaled))
+
+
+def _same_layout(dst: Float8BlockwiseQTensor, src: Float8BlockwiseQTensor) -> bool:
+    """True when src's bytes can be copied into dst as they are: shape, FP8 dtype and tiles agree, and src holds
+    every copy dst keeps (else dst = Q(src) re-quantizes)."""
+    held = all(not used or src.get_usages()[k] for k, used in dst.get_usages().items())
+    return (dst.shape == src.shape and dst._fp8_dtype == src._fp8_dtype and dst._is_2D_scaled == src._is_2D_scaled and held)
+
+
+def _copy_blocks(dst: Float8BlockwiseQTensor, src: Float8BlockwiseQTensor) -> Float8BlockwiseQTensor:
+    """dst.copy_(src) of one layout: src's FP8 bytes and scales into dst's buffers (a checkpoint loads bit for bit)."""
+    def moved(t):
+        return None if t is None else t.detach().to(dst.device)
+
+    if dst._rowwise_data is not None:
+        dst._rowwise_data = _write(dst._rowwise_data, moved(src._rowwise_data))
+        dst._rowwise_scale_inv = _write(dst._rowwise_scale_inv, moved(src._rowwise_scale_inv))
+    if dst._columnwise_data is not None:
+        dst._columnwise_data = _write(dst._columnwise_data, moved(src._columnwise_data))
+        dst._columnwise_scale_inv = _write(dst._columnwise_scale_inv, moved(src._columnwise_scale_inv))
+    return dst
+
+
+def _check_blocks(shape: torch.Size, is_2d: bool, data, scale_inv, data_t, scale_inv_t) -> None:
+    """ValueError unless the given copies fit ``shape`` and each has scales of its tiles' grid."""
+    if data is None and data_t is None:
+        raise ValueError("a Float8BlockwiseQTensor needs rowwise_data, columnwise_data or both; got neither")
+    m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
+    rows = _tile(is_2d)[0]
+    for name, values, scales, want, grid in (
+        ("rowwise", data, scale_inv, shape, (math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))),
+        ("columnwise", data_t, scale_inv_t, _columnwise_shape(shape), (math.ceil(k / rows), math.ceil(m / _BLOCK_LEN))),
+    ):
+        if values is None:
+            continue
+        if values.shape != want:
+            raise ValueError(f"{name}_data has shape {tuple(values.shape)}; a Float8BlockwiseQTensor of shape {tuple(shape)} needs {tuple(want)}")
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != grid:
+            got = f"{scales.dtype} {tuple(scales.shape)}" if isinstance(scales, torch.Tensor) else type(scales).__name__
+            raise ValueError(f"{name}_scale_inv must be float32 of shape {grid} (one per {'128 x 128' if is_2d else '1 x 128'} "
+                             f"tile), got {got}")
+
+
+def _make_blockwise_tensor_in_reduce_ex(shape, dtype, data, scale_inv, data_t, scale_inv_t, fp8_dtype, is_2d) -> Float8BlockwiseQTensor:
+    """Rebuild a pickled Float8BlockwiseQTensor (``Float8BlockwiseQTensor.__reduce_ex__``)."""
+    return Float8BlockwiseQTensor(shape=shape, dtype=dtype, rowwise_data=data, rowwise_scale_inv=scale_inv, columnwise_data=data_t,
+                                  columnwise_scale_inv=scale_inv_t, fp8_dtype=fp8_dtype, is_2D_scaled=is_2d)
+
+
+torch.serialization.add_safe_globals([Float8BlockwiseQTensor, _make_blockwise_tensor_in_reduce_ex])
