@@ -5,7 +5,7 @@ import torch
 
 import transformer_engine.pytorch as te
 import transformer_engine.pytorch.ops as te_ops
-from transformer_engine.common.recipe import CustomRecipe, Float8CurrentScaling
+from transformer_engine.common.recipe import CustomRecipe, Float8BlockScaling, Float8CurrentScaling
 
 E4M3, E5M2 = te.DType.kFloat8E4M3, te.DType.kFloat8E5M2
 FWD_ROLES, BWD_ROLES = ("linear_input", "linear_weight", "linear_output"), ("linear_grad_output", "linear_grad_input")
@@ -81,3 +81,28 @@ def test_a_factory_returning_something_else_is_named():
     with pytest.raises(TypeError, match=r"qfactory\('linear_input'\) returned str"):
         with te.autocast(recipe=recipe):
             te.Linear(16, 16)(torch.randn(8, 16))
+
+
+def _block_scaling_factory(role):
+    """Float8BlockScaling's quantizers as a factory: 1 x 128 tiles for inputs and gradients, 128 x 128 for weights."""
+    dim = 2 if role == "linear_weight" else 1
+    return te.Float8BlockQuantizer(E4M3, rowwise=True, columnwise=True, block_scaling_dim=dim)
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_block_quantizer_factory_equals_float8_block_scaling(name):
+    torch.manual_seed(3)
+    reference, custom = MODULES[name](), MODULES[name]()
+    custom.load_state_dict(reference.state_dict())
+    x = torch.randn(256, 64)
+    expected = _step(reference, Float8BlockScaling(), x)
+    got = _step(custom, CustomRecipe(qfactory=_block_scaling_factory), x)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+def test_block_quantizer_factory_stores_block_scaled_weights():
+    with te.quantized_model_init(recipe=CustomRecipe(qfactory=_block_scaling_factory)):
+        layer = te.Linear(128, 256)
+    assert isinstance(layer.weight, te.Float8BlockwiseQTensor) and layer.weight._is_2D_scaled
+    assert layer.weight.get_usages() == {"rowwise": True, "columnwise": False}  # W^T: the transpose of the tiles

@@ -71,7 +71,8 @@ class _SlotQuantizer(Float8Quantizer):
 
 
 def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp8_meta: dict, index: int) -> Quantizer:
-    """The public quantizer that stores (and re-quantizes) a weight as the recipe casts weights, row-wise only.
+    """The public quantizer that stores (and re-quantizes) a weight as the recipe casts weights: row-wise only,
+    but for 1 x 128 block tiles (see :func:`_block_weight_quantizer`).
 
     Args:
         recipe: the ``quantized_model_init`` recipe.
@@ -79,35 +80,44 @@ def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp
         fp8_meta: the module's ``fp8_meta`` (delayed scaling reads its state at each cast).
 
     Raises:
-        NotImplementedError: a recipe whose weights cannot be stored as per-tensor FP8 (block scaling,
-            a CustomRecipe returning another quantizer).
+        NotImplementedError: a recipe whose weights cannot be stored quantized yet (MXFP8, a CustomRecipe
+            returning another quantizer).
     """
     if isinstance(recipe, CustomRecipe):
         made = recipe.qfactory("linear_weight")
-        if not isinstance(made, (Float8Quantizer, Float8CurrentScalingQuantizer)):
+        if not isinstance(made, (Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer)):
             raise NotImplementedError(
                 f"quantized_model_init with a CustomRecipe whose qfactory('linear_weight') returns {type(made).__name__}: "
-                "FP8 parameters need a Float8Quantizer or Float8CurrentScalingQuantizer"
+                "FP8 parameters need a Float8Quantizer, Float8CurrentScalingQuantizer or Float8BlockQuantizer"
             )
+        if isinstance(made, Float8BlockQuantizer):
+            return _block_weight_quantizer(made.module_quantizer())
         made = made.copy()
+    elif isinstance(module_quantizer, ModuleBlockQuantizer):
+        return _block_weight_quantizer(module_quantizer)
     elif isinstance(module_quantizer, ModuleDelayedQuantizer):
         made = _SlotQuantizer(fp8_meta, index, module_quantizer.fp8_dtype)
     elif isinstance(module_quantizer, ModuleCurrentScalingQuantizer):
         qparams = module_quantizer.qparams
         made = Float8CurrentScalingQuantizer(module_quantizer.fp8_dtype, force_pow_2_scales=qparams.power_2_scale,
                                              amax_epsilon=qparams.amax_epsilon)
-    elif isinstance(module_quantizer, ModuleBlockQuantizer):
-        qparams, two_d = module_quantizer.qparams, module_quantizer.block[0] > 1
-        made = Float8BlockQuantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=not two_d, amax_epsilon=qparams.amax_epsilon,
-                                    force_pow_2_scales=qparams.power_2_scale, block_scaling_dim=2 if two_d else 1)
-        return made  # 1 x 128 tiles keep W^T's own quantization: it cannot be made from W's FP8 values
     else:
         raise NotImplementedError(
             f"quantized_model_init with {type(recipe).__name__}: storing the weights in this recipe's format is not "
-            "implemented yet; use DelayedScaling or Float8CurrentScaling, or build the model outside quantized_model_init"
+            "implemented yet; use DelayedScaling, Float8CurrentScaling or Float8BlockScaling, or build the model outside "
+            "quantized_model_init"
         )
     made.set_usage(rowwise=True, columnwise=False)  # one FP8 copy: W^T is transposed from it in backward
     return made
+
+
+def _block_weight_quantizer(module_quantizer: ModuleBlockQuantizer) -> Float8BlockQuantizer:
+    """The public quantizer of ``module_quantizer``'s tiles and rule: 128 x 128 tiles row-wise only (W^T is the
+    transpose of the tiles), 1 x 128 tiles with their column-wise copy (W^T's own quantization, which the
+    row-wise FP8 values cannot give)."""
+    qparams, two_d = module_quantizer.qparams, module_quantizer.block[0] > 1
+    return Float8BlockQuantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=not two_d, amax_epsilon=qparams.amax_epsilon,
+                                force_pow_2_scales=qparams.power_2_scale, block_scaling_dim=2 if two_d else 1)
 
 
 def quantize_param(param: torch.Tensor, quantizer: Quantizer, preserve_init_val: bool) -> torch.nn.Parameter:

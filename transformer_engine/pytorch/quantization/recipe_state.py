@@ -290,8 +290,8 @@ class CustomRecipeState(RecipeState):
     ("linear_input", "linear_weight", "linear_output"; backward "linear_grad_output", "linear_grad_input").
 
     The factory returns TE's public quantizers (``Float8Quantizer``: its scale, amax max-accumulated into
-    its amax; ``Float8CurrentScalingQuantizer``: its rule); each gives the module-side quantizer that casts
-    alike (``module_quantizer()``). No state of its own: nothing for autocast to update.
+    its amax; ``Float8CurrentScalingQuantizer``, ``Float8BlockQuantizer``: their rules); each gives the
+    module-side quantizer that casts alike (``module_quantizer()``). No state of its own: nothing for autocast to update.
     """
 
     @property
@@ -307,7 +307,8 @@ class CustomRecipeState(RecipeState):
         convert = getattr(made, "module_quantizer", None)
         if convert is None:
             raise TypeError(
-                f"CustomRecipe.qfactory({role!r}) returned {type(made).__name__}; return a Float8Quantizer or "
-                "Float8CurrentScalingQuantizer of transformer_engine.pytorch (other quantizers are not implemented yet)"
+                f"CustomRecipe.qfactory({role!r}) returned {type(made).__name__}; return a Float8Quantizer, "
+                "Float8CurrentScalingQuantizer or Float8BlockQuantizer of transformer_engine.pytorch (other quantizers are "
+                "not implemented yet)"
             )
         return convert()

@@ -22,9 +22,11 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from transformer_engine.common.recipe import QParams
 from transformer_engine.plugin import ops
 
 from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor as BlockOperand
+from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
 from .dtype import DType, fp8_torch_dtype
 from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _columnwise_shape, _fp8_buffer, _write
 from .quantized_tensor import QuantizedTensor, Quantizer, _default_device
@@ -82,6 +84,11 @@ class Float8BlockQuantizer(Quantizer):
         return Float8BlockQuantizer(self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
                                     amax_epsilon=self.amax_epsilon, force_pow_2_scales=self.force_pow_2_scales,
                                     block_scaling_dim=self.block_scaling_dim)
+
+    def module_quantizer(self) -> ModuleBlockQuantizer:
+        """The quantizer the modules cast with under a ``CustomRecipe`` that returns this one (the same tiles and rule)."""
+        qparams = QParams(power_2_scale=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
+        return ModuleBlockQuantizer(fp8_torch_dtype(self.dtype), self.block_scaling_dim, qparams)
 
     def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool):
         """(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv) of x, the asked copies only.
