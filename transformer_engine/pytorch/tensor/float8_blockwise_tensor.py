@@ -279,8 +279,6 @@ class Float8BlockwiseQTensor(QuantizedTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.view.default:
-            return args[0]._reshaped(tuple(args[1]), "view")
         if func is torch.ops.aten.copy_.default and isinstance(args[0], cls) and isinstance(args[1], cls) and _same_layout(args[0], args[1]):
             return _copy_blocks(args[0], args[1])
         return super().__torch_dispatch__(func, types, args, kwargs)

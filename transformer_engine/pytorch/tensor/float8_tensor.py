@@ -345,8 +345,6 @@ class Float8Tensor(QuantizedTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.view.default:
-            return args[0]._reshaped(tuple(args[1]), "view")
         if func is torch.ops.aten.copy_.default and isinstance(args[0], Float8Tensor) and isinstance(args[1], Float8Tensor):
             return _copy_fp8(args[0], args[1])
         return super().__torch_dispatch__(func, types, args, kwargs)

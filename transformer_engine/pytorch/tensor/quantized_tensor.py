@@ -238,8 +238,8 @@ class QuantizedTensor(torch.Tensor):
             return _copy_into(args[0], args[1])
         if func is aten._to_copy.default and isinstance(args[0], QuantizedTensor) and _only_moves(args[0], kwargs):
             return _moved(args[0], torch.device(kwargs.get("device") or args[0].device))
-        if func is aten.view.default:
-            raise NotImplementedError(f"{cls.__name__} class does not support tensor views")
+        if func is aten.view.default:  # a subclass that supports views implements _reshaped
+            return args[0]._reshaped(tuple(args[1]), "view")
         if func._schema.is_mutable:
             return _run_inplace_in_high_precision(func, args, kwargs)
         return func(*tree_map(_dequantized, args), **tree_map(_dequantized, kwargs))
