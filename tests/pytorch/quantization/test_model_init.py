@@ -128,6 +128,27 @@ def test_equals_high_precision_module_holding_the_dequantized_weights(name, reci
         assert torch.equal(p.grad, p_ref.grad), param_name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_on_the_gpu_equals_the_module_holding_the_dequantized_weights(recipe):
+    """The check above through the GPU backends (flagos casts, cuBLASLt GEMMs: K = 512 keeps the block-scaled GEMMs
+    on cuBLASLt), bit for bit: both modules cast x alike and hand the GEMMs the same weight bytes and scales."""
+    available, reason = (te.is_fp8_block_scaling_available if isinstance(recipe, Float8BlockScaling) else te.is_fp8_available)(
+        return_reason=True)
+    if not available:
+        pytest.skip(reason)
+    torch.manual_seed(1)
+    with te.quantized_model_init(recipe=recipe):
+        module = te.Linear(512, 512, params_dtype=torch.bfloat16, device="cuda")
+    ref = te.Linear(512, 512, params_dtype=torch.bfloat16, device="cuda")
+    ref.load_state_dict(module.state_dict())
+    x = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")
+    (y, dx), (y_ref, dx_ref) = _run(module, "Linear", x, recipe), _run(ref, "Linear", x, recipe)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    for p, p_ref in zip(module.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, p_ref.grad)
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_float32_parameters(name):
     """Delayed: bit for bit. Current: the FP8 bytes are the same, but the reference's scale, fp8_max /
