@@ -160,8 +160,7 @@ def fp8_param_operand(weight: torch.Tensor, quantizer: ModuleQuantizer) -> Optio
     calibration) or the weight is not stored as this call's quantizer reads it: the caller then casts the
     dequantized weight."""
     if isinstance(weight, Float8BlockwiseQTensor):
-        block = (128, 128) if weight._is_2D_scaled else (1, 128)
-        usable = isinstance(quantizer, ModuleBlockQuantizer) and quantizer.block == block and weight.dim() == 2
+        usable = isinstance(quantizer, ModuleBlockQuantizer) and quantizer.block == weight._block and weight.dim() == 2
         return weight.operand() if usable and weight._rowwise_data is not None else None
     if not quantizer.is_fp8 or not isinstance(weight, Float8Tensor) or weight._data is None or weight.dim() != 2:
         return None

@@ -91,29 +91,20 @@ class Float8BlockQuantizer(Quantizer):
         return ModuleBlockQuantizer(fp8_torch_dtype(self.dtype), self.block_scaling_dim, qparams)
 
     def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool):
-        """(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv) of x, the asked copies only.
+        """(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv) of x, the asked copies only: the
+        module quantizer's cast of the matrix [prod(lead), last] (one pass for both 1 x 128 copies, the transpose
+        of the tiles for the column-wise 128 x 128 copy), shaped as this tensor's buffers.
 
         Raises:
             ValueError: neither usage is asked for.
         """
         if not (rowwise or columnwise):
             raise ValueError("Float8BlockQuantizer has rowwise=False and columnwise=False; enable at least one usage with set_usage")
-        x2d, fp8_dtype = _as_2d(x), fp8_torch_dtype(self.dtype)
-        rows = _tile(self.block_scaling_dim == 2)[0]
-        args = dict(power_2_scale=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
-        data = scale_inv = data_t = scale_inv_t = None
-        if rowwise and columnwise and rows == 1:  # both 1 x 128 copies from one read
-            data, scale_inv, data_t, scale_inv_t = ops.cast_transpose_blockwise(x2d, fp8_dtype, _BLOCK_LEN, **args)
-        else:
-            if rowwise:
-                data, scale_inv = ops.quantize_blockwise(x2d, fp8_dtype, block_rows=rows, block_cols=_BLOCK_LEN, **args)
-            if columnwise and rowwise:  # 2-D tiles: the exact transpose
-                data_t, scale_inv_t = ops.fp8_transpose(data), scale_inv.t()
-            elif columnwise:
-                data_t, scale_inv_t = ops.quantize_blockwise(x2d.t(), fp8_dtype, block_rows=rows, block_cols=_BLOCK_LEN, **args)
-        data = None if data is None else data.view(x.shape)
-        data_t = None if data_t is None else data_t.view(_columnwise_shape(x.shape))
-        return data, scale_inv, data_t, scale_inv_t
+        quantizer, x2d = self.module_quantizer(), _as_2d(x)
+        operand = quantizer.quantize(x2d, columnwise=columnwise) if rowwise else quantizer.quantize_transposed(x2d)
+        data = None if operand.data is None else operand.data.view(x.shape)
+        data_t = None if operand.data_t is None else operand.data_t.view(_columnwise_shape(x.shape))
+        return data, operand.scale_inv, data_t, operand.scale_inv_t
 
     def quantize_impl(self, tensor: torch.Tensor) -> Float8BlockwiseQTensor:
         _check_high_precision(tensor)
@@ -215,11 +206,16 @@ class Float8BlockwiseQTensor(QuantizedTensor):
                                                    block_scaling_dim=2 if self._is_2D_scaled else 1)
         return self._quantizer
 
+    @property
+    def _block(self) -> Tuple[int, int]:
+        """The (rows, cols) tile of the row-wise copy, as the modules' block quantizers name it."""
+        return _tile(self._is_2D_scaled)
+
     def operand(self) -> BlockOperand:
         """The GEMM operand the modules read: the same buffers as a 2-D ``[M, K]`` block-scaled operand."""
         data = None if self._rowwise_data is None else _as_2d(self._rowwise_data)
         data_t = None if self._columnwise_data is None else self._columnwise_data.reshape(self.shape[-1] if self.dim() else 1, -1)
-        return BlockOperand(data, self._rowwise_scale_inv, data_t, self._columnwise_scale_inv, block=_tile(self._is_2D_scaled))
+        return BlockOperand(data, self._rowwise_scale_inv, data_t, self._columnwise_scale_inv, block=self._block)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """x[i, j] = data[i, j] * scale_inv[tile of (i, j)] (``ops.dequantize_blockwise``), in ``dtype``."""
