@@ -28,7 +28,8 @@ from transformer_engine.plugin import ops
 from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor as BlockOperand
 from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
 from .dtype import DType, fp8_torch_dtype
-from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _columnwise_shape, _fp8_buffer, _write
+from ._block_scaled import BlockScaledTensor, write_copies
+from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _columnwise_shape, _fp8_buffer
 from .quantized_tensor import QuantizedTensor, Quantizer, _default_device
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensor"]
@@ -130,8 +131,7 @@ class Float8BlockQuantizer(Quantizer):
                              f"{2 if dst._is_2D_scaled else 1}-D tiles")
         usages = dst.get_usages()
         data, scale_inv, data_t, scale_inv_t = self._cast(src.detach().to(device=dst.device), usages["rowwise"], usages["columnwise"])
-        dst._rowwise_data, dst._rowwise_scale_inv = _write(dst._rowwise_data, data), _write(dst._rowwise_scale_inv, scale_inv)
-        dst._columnwise_data, dst._columnwise_scale_inv = _write(dst._columnwise_data, data_t), _write(dst._columnwise_scale_inv, scale_inv_t)
+        write_copies(dst, data, scale_inv, data_t, scale_inv_t)
         dst._fp8_dtype = self.dtype
         return dst
 
@@ -154,7 +154,7 @@ class Float8BlockQuantizer(Quantizer):
                                       device=device)
 
 
-class Float8BlockwiseQTensor(QuantizedTensor):
+class Float8BlockwiseQTensor(BlockScaledTensor):
     """A tensor with block-scaled FP8 data that presents its nominal ``dtype`` (see the module docstring).
 
     Args:
@@ -221,90 +221,31 @@ class Float8BlockwiseQTensor(QuantizedTensor):
         """x[i, j] = data[i, j] * scale_inv[tile of (i, j)] (``ops.dequantize_blockwise``), in ``dtype``."""
         return self.operand().dequantize(dtype).reshape(self.shape)
 
-    def _adopt(self, other: Float8BlockwiseQTensor) -> None:
-        for key in ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv", "_fp8_dtype", "_is_2D_scaled"):
-            setattr(self, key, getattr(other, key))
-        self._quantizer = None if other._quantizer is None else other._quantizer.copy()
+    _layout = ("_is_2D_scaled",)
 
-    def _reshaped(self, shape: tuple, method: str) -> Float8BlockwiseQTensor:
-        """The same FP8 values and scales with another shape whose last dimension is unchanged (the tiles run
-        over the matrix [prod(leading dims), last dim], which such a shape keeps).
+    @classmethod
+    def _columnwise_shape(cls, shape: torch.Size) -> torch.Size:
+        return _columnwise_shape(shape)
 
-        Raises:
-            NotImplementedError: the last dimension would change.
-        """
-        logical = getattr(torch.empty(self.shape, device="meta"), method)(shape).shape
-        if logical[-1:] != self.shape[-1:]:
-            raise NotImplementedError(
-                f"a Float8BlockwiseQTensor of shape {tuple(self.shape)} cannot take the shape {tuple(logical)}: its tiles run "
-                "along the last dimension, which must stay the same (dequantize first)"
-            )
-        data = None if self._rowwise_data is None else getattr(self._rowwise_data, method)(logical)
-        data_t = None if self._columnwise_data is None else getattr(self._columnwise_data, method)(_columnwise_shape(logical))
-        return Float8BlockwiseQTensor(shape=logical, dtype=self.dtype, rowwise_data=data, rowwise_scale_inv=self._rowwise_scale_inv,
+    def _with_buffers(self, shape: torch.Size, data: Optional[torch.Tensor], data_t: Optional[torch.Tensor]) -> Float8BlockwiseQTensor:
+        return Float8BlockwiseQTensor(shape=shape, dtype=self.dtype, rowwise_data=data, rowwise_scale_inv=self._rowwise_scale_inv,
                                       columnwise_data=data_t, columnwise_scale_inv=self._columnwise_scale_inv, fp8_dtype=self._fp8_dtype,
                                       quantizer=self._quantizer, is_2D_scaled=self._is_2D_scaled, device=self.device)
 
-    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
-        """Make the column-wise copy (2-D tiles: the exact transpose of the row-wise one) or drop either copy.
-
-        Raises:
-            RuntimeError: a copy is asked for that cannot be made from the FP8 values (row-wise data from the
-                column-wise copy, or the column-wise copy of 1-D tiles, a quantization of x^T), or the tensor
-                would be left with no data.
-        """
-        rowwise = self._rowwise_data is not None if rowwise_usage is None else rowwise_usage
-        columnwise = self._columnwise_data is not None if columnwise_usage is None else columnwise_usage
-        if not (rowwise or columnwise):
-            raise RuntimeError("update_usage(rowwise_usage=False, columnwise_usage=False) would leave the Float8BlockwiseQTensor without data")
-        if rowwise and self._rowwise_data is None:
-            raise RuntimeError("cannot make row-wise FP8 data of a Float8BlockwiseQTensor that only holds its column-wise copy")
-        if columnwise and self._columnwise_data is None:
-            if not self._is_2D_scaled:
-                raise RuntimeError("the column-wise copy of 1 x 128 tiles is a quantization of x^T; it cannot be made from the "
-                                   "row-wise FP8 values: quantize with columnwise=True")
-            self._columnwise_data = ops.fp8_transpose(_as_2d(self._rowwise_data)).view(_columnwise_shape(self.shape))
-            self._columnwise_scale_inv = self._rowwise_scale_inv.t()
-        if not rowwise:
-            self._rowwise_data = self._rowwise_scale_inv = None
-        if not columnwise:
-            self._columnwise_data = self._columnwise_scale_inv = None
-
-    def get_usages(self) -> Dict[str, bool]:
-        return {"rowwise": self._rowwise_data is not None, "columnwise": self._columnwise_data is not None}
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default and isinstance(args[0], cls) and isinstance(args[1], cls) and _same_layout(args[0], args[1]):
-            return _copy_blocks(args[0], args[1])
-        return super().__torch_dispatch__(func, types, args, kwargs)
+    def _make_columnwise(self) -> None:
+        """2-D tiles: the exact transpose of the row-wise values and scales. 1-D tiles: RuntimeError (the column-wise
+        copy is a quantization of x^T, which the row-wise FP8 values cannot give)."""
+        if not self._is_2D_scaled:
+            raise RuntimeError("the column-wise copy of 1 x 128 tiles is a quantization of x^T; it cannot be made from the "
+                               "row-wise FP8 values: quantize with columnwise=True")
+        self._columnwise_data = ops.fp8_transpose(_as_2d(self._rowwise_data)).view(_columnwise_shape(self.shape))
+        self._columnwise_scale_inv = self._rowwise_scale_inv.t()
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """Pickle the FP8 buffers, their scales, the fp8 dtype, tiles, nominal dtype and shape (not the quantizer)."""
         return (_make_blockwise_tensor_in_reduce_ex,
                 (self.shape, self.dtype, self._rowwise_data, self._rowwise_scale_inv, self._columnwise_data,
                  self._columnwise_scale_inv, self._fp8_dtype, self._is_2D_scaled))
-
-
-def _same_layout(dst: Float8BlockwiseQTensor, src: Float8BlockwiseQTensor) -> bool:
-    """True when src's bytes can be copied into dst as they are: shape, FP8 dtype and tiles agree, and src holds
-    every copy dst keeps (else dst = Q(src) re-quantizes)."""
-    held = all(not used or src.get_usages()[k] for k, used in dst.get_usages().items())
-    return (dst.shape == src.shape and dst._fp8_dtype == src._fp8_dtype and dst._is_2D_scaled == src._is_2D_scaled and held)
-
-
-def _copy_blocks(dst: Float8BlockwiseQTensor, src: Float8BlockwiseQTensor) -> Float8BlockwiseQTensor:
-    """dst.copy_(src) of one layout: src's FP8 bytes and scales into dst's buffers (a checkpoint loads bit for bit)."""
-    def moved(t):
-        return None if t is None else t.detach().to(dst.device)
-
-    if dst._rowwise_data is not None:
-        dst._rowwise_data = _write(dst._rowwise_data, moved(src._rowwise_data))
-        dst._rowwise_scale_inv = _write(dst._rowwise_scale_inv, moved(src._rowwise_scale_inv))
-    if dst._columnwise_data is not None:
-        dst._columnwise_data = _write(dst._columnwise_data, moved(src._columnwise_data))
-        dst._columnwise_scale_inv = _write(dst._columnwise_scale_inv, moved(src._columnwise_scale_inv))
-    return dst
 
 
 def _check_blocks(shape: torch.Size, is_2d: bool, data, scale_inv, data_t, scale_inv_t) -> None:
