@@ -42,8 +42,8 @@ from .permutation import (
     moe_unpermute,
 )
 from .tensor import (
-    DType, Float8BlockQuantizer, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor,
-    Quantizer,
+    DType, Float8BlockQuantizer, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, MXFP8Quantizer,
+    MXFP8Tensor, QuantizedTensor, Quantizer,
 )
 from .transformer import TransformerLayer
 from . import ops, optimizers, router  # noqa: E402 - TE's submodules, reached as te.ops / te.optimizers / te.router
@@ -56,6 +56,8 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
     "QuantizedTensor",
     "Quantizer",
     "DotProductAttention",

@@ -8,11 +8,13 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (
-    CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+    CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
 )
 from transformer_engine.pytorch.optimizers import FusedAdam
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-from transformer_engine.pytorch.tensor import DType, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Tensor, QuantizedTensor
+from transformer_engine.pytorch.tensor import (
+    DType, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Tensor, MXFP8Quantizer, MXFP8Tensor, QuantizedTensor,
+)
 
 RECIPES = [DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()]
 RECIPE_IDS = ["delayed", "current", "block"]
@@ -419,7 +421,7 @@ def _bytes(tensors):
         inner = [t]
         if isinstance(t, Float8Tensor):
             inner = [t._data, t._transpose, t._scale_inv]
-        elif isinstance(t, Float8BlockwiseQTensor):
+        elif isinstance(t, (Float8BlockwiseQTensor, MXFP8Tensor)):
             inner = [t._rowwise_data, t._rowwise_scale_inv, t._columnwise_data, t._columnwise_scale_inv]
         for s in inner:
             if s is not None:
@@ -481,6 +483,94 @@ def test_disabled_keeps_high_precision_weights():
 
 
 def test_unimplemented_recipes_raise():
-    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling.*MXFP8 parameters is not implemented"):
-        with te.quantized_model_init(recipe=MXFP8BlockScaling()):
+    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling is not implemented"):
+        with te.quantized_model_init(recipe=NVFP4BlockScaling()):
             pass
+
+
+# ------------------------------------------------------------------------------------------ MXFP8 parameters
+
+#: MXFP8 blocks need every GEMM dim to be a multiple of 32 (W's rows for W^T's copy, the tokens for x^T's)
+MX_MODULES = {
+    "Linear": (lambda dtype: te.Linear(64, 96, params_dtype=dtype), ("weight",)),
+    "LayerNormLinear": (lambda dtype: te.LayerNormLinear(64, 96, params_dtype=dtype), ("weight",)),
+    "LayerNormMLP": (lambda dtype: te.LayerNormMLP(64, 128, params_dtype=dtype), ("fc1_weight", "fc2_weight")),
+}
+MX_CUSTOM = CustomRecipe(qfactory=lambda role: MXFP8Quantizer(DType.kFloat8E4M3))
+
+
+def _mx_build(name, recipe=MXFP8BlockScaling(), preserve=False):
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=preserve):
+        return MX_MODULES[name][0](torch.bfloat16)
+
+
+def _mx_run(module, x, recipe=MXFP8BlockScaling()):
+    x = x.detach().clone().requires_grad_()
+    with te.autocast(recipe=recipe):
+        y = module(x)
+    y.float().square().sum().backward()
+    return y, x.grad
+
+
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), MX_CUSTOM], ids=["mxfp8", "custom"])
+@pytest.mark.parametrize("name", MX_MODULES)
+def test_mxfp8_weights_are_parameters_holding_both_copies_and_train_as_the_dequantized_module(name, recipe):
+    """Both copies (blocks along K for fprop, along N for dgrad's W^T) are two quantizations of W, kept as NVIDIA TE
+    keeps MXFP8 weights; the module then computes bit for bit what a bf16 module holding the dequantized weights
+    computes (its per-step cast of those values gives the stored copies back: dequantized MXFP8 blocks
+    quantize to themselves)."""
+    torch.manual_seed(8)
+    module = _mx_build(name, recipe)
+    for weight_name in MX_MODULES[name][1]:
+        weight = getattr(module, weight_name)
+        assert isinstance(weight, MXFP8Tensor) and isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.bfloat16
+        assert weight.get_usages() == {"rowwise": True, "columnwise": True}
+    ref = MX_MODULES[name][0](torch.bfloat16)
+    ref.load_state_dict(module.state_dict())
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    (y, dx), (y_ref, dx_ref) = _mx_run(module, x, recipe), _mx_run(ref, x, recipe)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    for (param_name, p), p_ref in zip(module.named_parameters(), ref.parameters()):
+        assert type(p.grad) is torch.Tensor and torch.equal(p.grad, p_ref.grad), param_name
+
+
+def test_mxfp8_forward_and_backward_read_the_stored_copies_without_a_cast(monkeypatch):
+    from transformer_engine.plugin import ops
+
+    module, shapes = _mx_build("Linear"), []
+    original = ops.quantize_mxfp8
+    monkeypatch.setattr(ops, "quantize_mxfp8", lambda x, *a, **k: (shapes.append(tuple(x.shape)), original(x, *a, **k))[1])
+    _mx_run(module, torch.randn(32, 64, dtype=torch.bfloat16))
+    assert shapes and (96, 64) not in shapes, shapes  # x and dy only
+
+
+def test_mxfp8_parameters_step_through_fused_adam_masters_and_load_from_a_weights_only_checkpoint():
+    torch.manual_seed(9)
+    module = _mx_build("LayerNormMLP", preserve=True)
+    opt = FusedAdam(module.parameters(), lr=1e-2, master_weights=True)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    before = module.fc1_weight.dequantize()
+    _mx_run(module, x)
+    opt.step()
+    for weight_name in MX_MODULES["LayerNormMLP"][1]:
+        p = getattr(module, weight_name)
+        assert isinstance(p, MXFP8Tensor) and p.get_usages() == {"rowwise": True, "columnwise": True}
+        expected = p._get_quantizer().quantize_impl(opt.state[p]["master_param"])
+        for key in ("_rowwise_data", "_columnwise_data"):  # both copies re-quantized from the master
+            assert torch.equal(getattr(p, key).view(torch.uint8), getattr(expected, key).view(torch.uint8)), (weight_name, key)
+    assert not torch.equal(module.fc1_weight.dequantize(), before)
+    buffer = io.BytesIO()
+    torch.save(module.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = _mx_build("LayerNormMLP")
+    loaded.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(loaded.fc2_weight._columnwise_data.view(torch.uint8), module.fc2_weight._columnwise_data.view(torch.uint8))
+    assert torch.equal(_mx_run(loaded, x)[0], _mx_run(module, x)[0])
+
+
+def test_mxfp8_weight_memory_is_both_copies_and_their_scales():
+    """Two FP8 bytes per element plus two E8M0 bytes per 32: (2 + 2/32) / 2 = 1.03x of bf16, no per-step cast."""
+    bf16, mx = MX_MODULES["LayerNormMLP"][0](torch.bfloat16), _mx_build("LayerNormMLP")
+    names = MX_MODULES["LayerNormMLP"][1]
+    ratio = _bytes([getattr(mx, n) for n in names]) / _bytes([getattr(bf16, n) for n in names])
+    assert ratio == pytest.approx((2 + 2 / 32) / 2)

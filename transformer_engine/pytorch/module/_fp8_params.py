@@ -5,7 +5,10 @@ weight W [N, K] is a :class:`~transformer_engine.pytorch.tensor.Float8Tensor` pa
 under ``Float8BlockScaling`` a :class:`~transformer_engine.pytorch.tensor.Float8BlockwiseQTensor` in the recipe's
 weight tiles (128 x 128 by default: row-wise data and one scale per tile, 0.5x of bf16; dgrad's W^T is the
 exact transpose of the tiles; 1 x 128 weight tiles keep their column-wise copy too, 1.0x of bf16, since it
-is a quantization of W^T):
+is a quantization of W^T); under ``MXFP8BlockScaling`` an
+:class:`~transformer_engine.pytorch.tensor.MXFP8Tensor` holding both of W's copies (blocks of 32 along K for
+fprop, along N for dgrad's W^T: two quantizations, neither made from the other; 1.0x of bf16 plus the
+E8M0 scales, as NVIDIA TE's MXFP8 weights):
 
 - storage: W's row-wise FP8 data (1 byte per element) and its float32 ``scale_inv``, nothing else:
   0.5x the bytes of a bf16 weight plus 4. No transposed copy is kept (TE on Hopper keeps one, 1.0x of
@@ -37,9 +40,12 @@ from ..quantization.float8_tensor import StoredTranspose
 from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
 from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
 from ..quantization.quantizer import Float8Quantizer as ModuleDelayedQuantizer
+from ..quantization.quantizer import MXFP8Quantizer as ModuleMXFP8Quantizer
 from ..quantization.quantizer import Quantizer as ModuleQuantizer
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
+from ..tensor._block_scaled import BlockScaledTensor
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, _PerTensorQuantizer
+from ..tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 from ..tensor.quantized_tensor import Quantizer
 
 __all__ = ["attach_high_precision_init_val", "fp8_param_operand", "quantize_param", "weight_param_quantizer"]
@@ -72,7 +78,7 @@ class _SlotQuantizer(Float8Quantizer):
 
 def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp8_meta: dict, index: int) -> Quantizer:
     """The public quantizer that stores (and re-quantizes) a weight as the recipe casts weights: row-wise only,
-    but for 1 x 128 block tiles (see :func:`_block_weight_quantizer`).
+    but for 1 x 128 block tiles (see :func:`_block_weight_quantizer`) and MXFP8 (both copies).
 
     Args:
         recipe: the ``quantized_model_init`` recipe.
@@ -80,21 +86,23 @@ def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp
         fp8_meta: the module's ``fp8_meta`` (delayed scaling reads its state at each cast).
 
     Raises:
-        NotImplementedError: a recipe whose weights cannot be stored quantized yet (MXFP8, a CustomRecipe
-            returning another quantizer).
+        NotImplementedError: a recipe whose weights cannot be stored quantized yet (a CustomRecipe returning
+            another quantizer).
     """
     if isinstance(recipe, CustomRecipe):
         made = recipe.qfactory("linear_weight")
-        if not isinstance(made, (Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer)):
+        if not isinstance(made, (Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer)):
             raise NotImplementedError(
                 f"quantized_model_init with a CustomRecipe whose qfactory('linear_weight') returns {type(made).__name__}: "
-                "FP8 parameters need a Float8Quantizer, Float8CurrentScalingQuantizer or Float8BlockQuantizer"
+                "FP8 parameters need a Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer or MXFP8Quantizer"
             )
-        if isinstance(made, Float8BlockQuantizer):
-            return _block_weight_quantizer(made.module_quantizer())
+        if isinstance(made, (Float8BlockQuantizer, MXFP8Quantizer)):
+            return weight_param_quantizer(recipe=None, module_quantizer=made.module_quantizer(), fp8_meta=fp8_meta, index=index)
         made = made.copy()
     elif isinstance(module_quantizer, ModuleBlockQuantizer):
         return _block_weight_quantizer(module_quantizer)
+    elif isinstance(module_quantizer, ModuleMXFP8Quantizer):
+        return MXFP8Quantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=True)
     elif isinstance(module_quantizer, ModuleDelayedQuantizer):
         made = _SlotQuantizer(fp8_meta, index, module_quantizer.fp8_dtype)
     elif isinstance(module_quantizer, ModuleCurrentScalingQuantizer):
@@ -104,7 +112,7 @@ def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp
     else:
         raise NotImplementedError(
             f"quantized_model_init with {type(recipe).__name__}: storing the weights in this recipe's format is not "
-            "implemented yet; use DelayedScaling, Float8CurrentScaling or Float8BlockScaling, or build the model outside "
+            "implemented yet; use DelayedScaling, Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling, or build the model outside "
             "quantized_model_init"
         )
     made.set_usage(rowwise=True, columnwise=False)  # one FP8 copy: W^T is transposed from it in backward
@@ -156,15 +164,21 @@ def attach_high_precision_init_val(param: torch.Tensor, init_val: torch.Tensor) 
 def fp8_param_operand(weight: torch.Tensor, quantizer: ModuleQuantizer) -> Optional[Float8Operand]:
     """The fprop operand of an FP8 weight parameter as stored (its data and scale_inv, no cast), with W^T
     for dgrad from its stored transpose or its bytes transposed in backward (block-scaled: its column-wise
-    copy, or the transpose of its 128 x 128 tiles); None when the call does not run in FP8 (high precision,
+    copy, or the transpose of its 128 x 128 tiles; MXFP8: its column-wise copy); None when the call does not run in FP8 (high precision,
     calibration) or the weight is not stored as this call's quantizer reads it: the caller then casts the
     dequantized weight."""
-    if isinstance(weight, Float8BlockwiseQTensor):
-        usable = isinstance(quantizer, ModuleBlockQuantizer) and quantizer.block == weight._block and weight.dim() == 2
-        return weight.operand() if usable and weight._rowwise_data is not None else None
+    if isinstance(weight, BlockScaledTensor):
+        return weight.operand() if weight.dim() == 2 and weight._rowwise_data is not None and _reads(quantizer, weight) else None
     if not quantizer.is_fp8 or not isinstance(weight, Float8Tensor) or weight._data is None or weight.dim() != 2:
         return None
     operand = Float8Operand(weight._data, weight._scale_inv, weight._transpose)
     if weight._transpose is None:
         operand.deferred_t = StoredTranspose(weight._data, weight._scale_inv)
     return operand
+
+
+def _reads(quantizer: ModuleQuantizer, weight: BlockScaledTensor) -> bool:
+    """Whether ``quantizer``'s GEMMs read ``weight`` as stored: block tiles of the same shape, or MXFP8 with both copies."""
+    if isinstance(weight, Float8BlockwiseQTensor):
+        return isinstance(quantizer, ModuleBlockQuantizer) and quantizer.block == weight._block
+    return isinstance(weight, MXFP8Tensor) and isinstance(quantizer, ModuleMXFP8Quantizer) and weight._columnwise_data is not None

@@ -4,14 +4,15 @@
         layer = te.Linear(1024, 1024)
 
 Modules built inside store their GEMM weights as FP8 ``Float8Tensor`` parameters (DelayedScaling,
-Float8CurrentScaling, or a CustomRecipe of per-tensor quantizers) or ``Float8BlockwiseQTensor`` parameters
-(Float8BlockScaling), which forward uses as they are: half the bytes of bf16 and no weight cast per step
+Float8CurrentScaling, or a CustomRecipe of per-tensor quantizers), ``Float8BlockwiseQTensor`` parameters
+(Float8BlockScaling) or ``MXFP8Tensor`` parameters (MXFP8BlockScaling), which forward uses as they are: no
+weight cast per step, half the bytes of bf16 but for the layouts that keep two quantizations
 (see ``module/_fp8_params.py``). They remember the
 recipe: running them under an ``autocast`` of another recipe type raises ``RuntimeError("Recipe
 mismatch ...")``, and so does loading a checkpoint of another recipe. With
 ``preserve_high_precision_init_val=True`` each FP8 weight keeps a CPU copy of its initial values, read
 with ``param.get_high_precision_init_val()`` and freed with ``param.clear_high_precision_init_val()``.
-MXFP8BlockScaling raises NotImplementedError (NVFP4 does not run yet).
+NVFP4 does not run yet (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from transformer_engine.common.recipe import MXFP8BlockScaling, Recipe
+from transformer_engine.common.recipe import Recipe
 
 from .availability import get_default_recipe
 from .recipe_state import check_recipe_implemented
@@ -52,8 +53,7 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     """Modules constructed inside belong to ``recipe`` (default: :func:`get_default_recipe`).
 
     Raises:
-        NotImplementedError: for a recipe the modules cannot run yet, or whose weights cannot be stored
-            quantized yet (MXFP8BlockScaling).
+        NotImplementedError: for a recipe the modules cannot run yet.
 
     Example:
         >>> import transformer_engine.pytorch as te
@@ -67,12 +67,6 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     if enabled:
         recipe = recipe if recipe is not None else get_default_recipe()
         check_recipe_implemented(recipe)
-        if isinstance(recipe, MXFP8BlockScaling):
-            raise NotImplementedError(
-                "quantized_model_init(recipe=MXFP8BlockScaling()): storing the weights as MXFP8 parameters is not implemented "
-                "yet; build the model outside quantized_model_init (its weights are then cast per step under autocast), or use "
-                "DelayedScaling / Float8CurrentScaling / Float8BlockScaling for FP8 parameters"
-            )
     saved, _config = _config, ModelInitConfig(bool(enabled), recipe, bool(preserve_high_precision_init_val))
     try:
         yield

@@ -1,5 +1,5 @@
 """TE's public quantized-tensor API: ``QuantizedTensor``, ``Quantizer``, ``Float8Tensor`` and its quantizers,
-``Float8BlockwiseQTensor`` and ``Float8BlockQuantizer``, ``DType``.
+``Float8BlockwiseQTensor`` and ``Float8BlockQuantizer``, ``MXFP8Tensor`` and ``MXFP8Quantizer``, ``DType``.
 
 These are the user-facing classes of NVIDIA TE's ``transformer_engine.pytorch.tensor``: ``torch.Tensor``
 subclasses that behave like high-precision tensors (ops they have no rule for dequantize and run in
@@ -16,6 +16,7 @@ and ``scale_inv``.
 from .dtype import DType
 from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 from .quantized_tensor import QuantizedTensor, Quantizer
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
     "QuantizedTensor",
     "Quantizer",
 ]
