@@ -574,3 +574,30 @@ def test_mxfp8_weight_memory_is_both_copies_and_their_scales():
     names = MX_MODULES["LayerNormMLP"][1]
     ratio = _bytes([getattr(mx, n) for n in names]) / _bytes([getattr(bf16, n) for n in names])
     assert ratio == pytest.approx((2 + 2 / 32) / 2)
+
+
+# ------------------------------------------------------------------------------------------ ops.Linear
+
+
+@pytest.mark.parametrize("recipe", RECIPES + [MXFP8BlockScaling()], ids=RECIPE_IDS + ["mxfp8"])
+def test_ops_linear_weight_is_an_fp8_parameter_read_without_a_cast(recipe, monkeypatch):
+    """The fusible-ops ``Linear`` (NVIDIA TE's ``linear_op`` graph tests build it under quantized_model_init): its
+    weight is the recipe's FP8 parameter, and the op trains bit for bit as one holding the dequantized weight."""
+    from transformer_engine.plugin import ops
+
+    torch.manual_seed(10)
+    with te.quantized_model_init(recipe=recipe):
+        module = te.ops.Sequential(te.ops.Linear(64, 96, dtype=torch.bfloat16))
+    weight = module[0].weight
+    assert isinstance(weight, QuantizedTensor) and isinstance(weight, torch.nn.Parameter)
+    ref = te.ops.Sequential(te.ops.Linear(64, 96, dtype=torch.bfloat16))
+    ref.load_state_dict(module.state_dict())
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    y_ref, dx_ref = _mx_run(ref, x, recipe)
+    shapes = []
+    for op in ("quantize", "cast_transpose", "quantize_transposed", "quantize_blockwise", "cast_transpose_blockwise", "quantize_mxfp8"):
+        original = getattr(ops, op)
+        monkeypatch.setattr(ops, op, lambda t, *a, _o=original, **k: (shapes.append(tuple(t.shape)), _o(t, *a, **k))[1])
+    y, dx = _mx_run(module, x, recipe)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref) and torch.equal(weight.grad, ref[0].weight.grad)
+    assert shapes and (96, 64) not in shapes and (64, 96) not in shapes, shapes  # x and dy only

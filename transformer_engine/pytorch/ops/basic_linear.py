@@ -82,6 +82,8 @@ class BasicLinear(TransformerEngineBaseModule, BasicOperation):
             TE's placeholder (when the weight has ``grad_added_to_main_grad``) or None.
         userbuffers_options: must be None (Userbuffers overlap is not implemented).
 
+    Built under ``quantized_model_init``, the weight is an FP8 parameter of that recipe (as in ``te.Linear``).
+
     Example:
         >>> import torch, transformer_engine.pytorch.ops as te_ops
         >>> te_ops.BasicLinear(8, 4, device="cpu")(torch.randn(2, 8)).shape
@@ -95,8 +97,6 @@ class BasicLinear(TransformerEngineBaseModule, BasicOperation):
                  userbuffers_options: Optional[dict] = None) -> None:
         super().__init__(1, get_rng_state_tracker=rng_state_tracker_function)
         check_unsupported(userbuffers_options=userbuffers_options)
-        if self.primary_weights_in_fp8:
-            raise NotImplementedError("ops.BasicLinear under quantized_model_init is not implemented; build it outside that context")
         dtype = dtype or torch.get_default_dtype()
         if dtype not in _PARAM_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use float32, float16 or bfloat16")
@@ -106,7 +106,7 @@ class BasicLinear(TransformerEngineBaseModule, BasicOperation):
         self._accumulate_into_main_grad = accumulate_into_main_grad
         self._linear_comm = self._comm(self.parallel.parallel_mode)
         device = default_device(device)
-        self._register("weight", (self.local_out_features, self.local_in_features), _kaiming_uniform, dtype, device)
+        self._register("weight", (self.local_out_features, self.local_in_features), _kaiming_uniform, dtype, device, fp8_gemm=0)
         self.reset_parameters(defer_init=device.type == "meta")
 
     @property
