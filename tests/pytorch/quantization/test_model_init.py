@@ -142,10 +142,13 @@ def test_on_the_gpu_equals_the_module_holding_the_dequantized_weights(recipe):
         if not available:
             pytest.skip(reason)
     torch.manual_seed(1)
-    with te.quantized_model_init(recipe=recipe):
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
         module = te.Linear(512, 512, params_dtype=torch.bfloat16, device="cuda")
     ref = te.Linear(512, 512, params_dtype=torch.bfloat16, device="cuda")
-    ref.load_state_dict(module.state_dict())
+    if isinstance(recipe, MXFP8BlockScaling):  # two quantizations of W: the twin holds W (see the MXFP8 tests below)
+        _holding_the_initial_weights(module, ref)
+    else:
+        ref.load_state_dict(module.state_dict())
     x = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")
     (y, dx), (y_ref, dx_ref) = _run(module, "Linear", x, recipe), _run(ref, "Linear", x, recipe)
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
@@ -518,22 +521,32 @@ def _mx_run(module, x, recipe=MXFP8BlockScaling()):
 @pytest.mark.parametrize("name", MX_MODULES)
 def test_mxfp8_weights_are_parameters_holding_both_copies_and_train_as_the_dequantized_module(name, recipe):
     """Both copies (blocks along K for fprop, along N for dgrad's W^T) are two quantizations of W, kept as NVIDIA TE
-    keeps MXFP8 weights; the module then computes bit for bit what a bf16 module holding the dequantized weights
-    computes (its per-step cast of those values gives the stored copies back: dequantized MXFP8 blocks
-    quantize to themselves)."""
+    keeps MXFP8 weights; the module then computes bit for bit what a bf16 module holding W itself computes (its
+    per-step casts of W give the stored copies). The dequantized weights would not do: re-quantized along N,
+    the row-wise copy's values do not give the column-wise copy (other blocks, other scales)."""
     torch.manual_seed(8)
-    module = _mx_build(name, recipe)
+    module = _mx_build(name, recipe, preserve=True)
     for weight_name in MX_MODULES[name][1]:
         weight = getattr(module, weight_name)
         assert isinstance(weight, MXFP8Tensor) and isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.bfloat16
         assert weight.get_usages() == {"rowwise": True, "columnwise": True}
-    ref = MX_MODULES[name][0](torch.bfloat16)
-    ref.load_state_dict(module.state_dict())
+    ref = _holding_the_initial_weights(module, MX_MODULES[name][0](torch.bfloat16))
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     (y, dx), (y_ref, dx_ref) = _mx_run(module, x, recipe), _mx_run(ref, x, recipe)
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
     for (param_name, p), p_ref in zip(module.named_parameters(), ref.parameters()):
         assert type(p.grad) is torch.Tensor and torch.equal(p.grad, p_ref.grad), param_name
+
+
+def _holding_the_initial_weights(module, ref):
+    """``ref`` (a high-precision twin of ``module``) with module's parameters, its FP8 weights as the values they were
+    quantized from (``preserve_high_precision_init_val``)."""
+    ref.load_state_dict(module.state_dict())
+    with torch.no_grad():
+        for (name, p), p_ref in zip(module.named_parameters(), ref.parameters()):
+            if isinstance(p, QuantizedTensor):
+                p_ref.copy_(p.get_high_precision_init_val())
+    return ref
 
 
 def test_mxfp8_forward_and_backward_read_the_stored_copies_without_a_cast(monkeypatch):
@@ -584,16 +597,15 @@ def test_mxfp8_weight_memory_is_both_copies_and_their_scales():
 @pytest.mark.parametrize("recipe", RECIPES + [MXFP8BlockScaling()], ids=RECIPE_IDS + ["mxfp8"])
 def test_ops_linear_weight_is_an_fp8_parameter_read_without_a_cast(recipe, monkeypatch):
     """The fusible-ops ``Linear`` (NVIDIA TE's ``linear_op`` graph tests build it under quantized_model_init): its
-    weight is the recipe's FP8 parameter, and the op trains bit for bit as one holding the dequantized weight."""
+    weight is the recipe's FP8 parameter, and the op trains bit for bit as one holding the weight it was cast from."""
     from transformer_engine.plugin import ops
 
     torch.manual_seed(10)
-    with te.quantized_model_init(recipe=recipe):
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
         module = te.ops.Sequential(te.ops.Linear(64, 96, dtype=torch.bfloat16))
     weight = module[0].weight
     assert isinstance(weight, QuantizedTensor) and isinstance(weight, torch.nn.Parameter)
-    ref = te.ops.Sequential(te.ops.Linear(64, 96, dtype=torch.bfloat16))
-    ref.load_state_dict(module.state_dict())
+    ref = _holding_the_initial_weights(module, te.ops.Sequential(te.ops.Linear(64, 96, dtype=torch.bfloat16)))
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     y_ref, dx_ref = _mx_run(ref, x, recipe)
     shapes = []
