@@ -183,12 +183,13 @@ class MXFP8Tensor(BlockScaledTensor):
                            quantizer=self._quantizer, device=self.device)
 
     def operand(self) -> MXFP8Operand:
-        """The GEMM operand the modules read: the row-wise copy as ``[M, K]``, the column-wise copy transposed to
-        ``[K, M]`` with its scales ``[K, M / 32]`` (the layout ``ops.gemm_mxfp8`` reads along its K)."""
+        """The GEMM operand the modules read: the row-wise copy as ``[M, K]``, the column-wise copy as its transposed
+        view ``[K, M]`` with scales ``[K, M / 32]`` (no copy: the strides ``ops.quantize_mxfp8`` gives its own x^T copy,
+        so a GEMM reads both alike)."""
         data = None if self._rowwise_data is None else _as_2d(self._rowwise_data)
         data_t = scale_t = None
         if self._columnwise_data is not None:
-            data_t, scale_t = _as_2d(self._columnwise_data).t().contiguous(), self._columnwise_scale_inv.t().contiguous()
+            data_t, scale_t = _as_2d(self._columnwise_data).t(), self._columnwise_scale_inv.t()
         return MXFP8Operand(data, self._rowwise_scale_inv, data_t, scale_t)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
