@@ -66,3 +66,14 @@ def test_make_weak_ref_shares_the_memory_without_keeping_it_alive():
     before = torch.cuda.memory_allocated()
     del x  # the weak tensor does not hold the allocation
     assert torch.cuda.memory_allocated() == before - 1024 * 1024 * 2
+
+
+def test_constants_gather_the_accepted_values_and_dtype_maps():
+    from transformer_engine.pytorch import constants
+    from transformer_engine.pytorch.tensor import DType
+
+    assert constants.TE_DType[torch.float8_e4m3fn] is DType.kFloat8E4M3
+    assert all(constants.TE_DType[torch_dtype] is te_dtype for te_dtype, torch_dtype in constants.TE_DType_To_Torch.items())
+    assert constants.MXFP8_BLOCK_SCALING_SIZE == 32 and constants.NVFP4_BLOCK_SCALING_SIZE == 16
+    assert "padding_causal_bottom_right" in constants.AttnMaskTypes and "alibi" in constants.AttnBiasTypes
+    assert constants.dist_group_type is torch.distributed.ProcessGroup
