@@ -73,7 +73,7 @@ def test_weights_are_fp8_parameters(name, recipe):
         assert isinstance(weight, Float8BlockwiseQTensor if block else Float8Tensor) and isinstance(weight, QuantizedTensor)
         assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
         data, transpose = (weight._rowwise_data, weight._columnwise_data) if block else (weight._data, weight._transpose)
-        assert weight.dtype == torch.bfloat16 and data.dtype == torch.float8_e4m3fn
+        assert weight.dtype == torch.bfloat16 and data.dtype == torch.uint8 and weight._fp8_dtype == DType.kFloat8E4M3  # TE's storage
         assert transpose is None  # one FP8 copy: W^T is transposed from it in backward
         assert dict(module.named_parameters())[weight_name] is weight
     others = [p for n, p in module.named_parameters() if n not in MODULES[name][2]]
@@ -88,7 +88,7 @@ def test_weights_are_quantized_with_the_recipes_weight_semantics():
         delayed = te.Linear(32, 48, init_method=init, params_dtype=torch.bfloat16)
     # delayed: the weight slot's scale (1 before any update), its amax recorded into the history slot
     assert delayed.weight._scale_inv.item() == 1.0
-    assert torch.equal(delayed.weight._data, hp.float().to(torch.float8_e4m3fn))
+    assert torch.equal(delayed.weight._data, hp.float().to(torch.float8_e4m3fn).view(torch.uint8))
     state = delayed.fp8_meta["scaling_fwd"]
     assert state.amax_history[0, 1] == hp.abs().max().float() and state.amax_history[0, 0] == 0
     with te.quantized_model_init(recipe=Float8CurrentScaling()):
@@ -615,3 +615,31 @@ def test_ops_linear_weight_is_an_fp8_parameter_read_without_a_cast(recipe, monke
     y, dx = _mx_run(module, x, recipe)
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref) and torch.equal(weight.grad, ref[0].weight.grad)
     assert shapes and (96, 64) not in shapes and (64, 96) not in shapes, shapes  # x and dy only
+
+
+# ------------------------------------------------------------------------------------------ Megatron's buffer swap
+
+
+def test_fp8_weight_bytes_moved_into_a_flat_uint8_buffer_as_megatrons_distributed_optimizer_does():
+    """Megatron-Core (fp8_utils) moves each FP8 parameter's ``_data`` into its flat uint8 parameter buffer
+    (asserting equal dtypes), then writes optimizer updates through Float8Tensors over 1-D shards of that buffer."""
+    torch.manual_seed(11)
+    module = _build("Linear", DelayedScaling())
+    weight = module.weight
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    y_before = _run(module, "Linear", x, DelayedScaling())[0]
+    flat = torch.zeros(2 * weight.numel(), dtype=torch.uint8)
+    new_raw = flat[weight.numel():].view(weight.shape)
+    assert weight._data.dtype == new_raw.dtype  # Megatron's assertion
+    new_raw.copy_(weight._data)
+    weight._data = new_raw
+    module.fp8_meta["scaling_fwd"].scale.fill_(1.0)  # the first step's scale again: the same cast as before
+    assert torch.equal(_run(module, "Linear", x, DelayedScaling())[0], y_before)
+    # an optimizer step writes the new master values through a Float8Tensor over a shard of the buffer
+    master = torch.randn(weight.shape) * 0.02
+    shard = flat[weight.numel():weight.numel() + 100]
+    out = Float8Tensor(shape=(100,), dtype=weight.dtype, data=shard, fp8_scale_inv=weight._scale_inv, fp8_dtype=weight._fp8_dtype,
+                       quantizer=weight._get_quantizer())
+    weight._get_quantizer().update_quantized(master.to(weight.dtype).view(-1)[:100], out)
+    expected = weight._get_quantizer().quantize_impl(master.to(weight.dtype).view(-1)[:100])
+    assert torch.equal(weight._data.view(-1)[:100], expected._data) and torch.equal(flat[weight.numel():][:100], expected._data)

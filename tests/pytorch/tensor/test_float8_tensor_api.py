@@ -45,7 +45,7 @@ def test_constructor_from_uint8_bytes_reinterprets_them(fp8_dtype):
                      fp8_dtype=fp8_dtype)
     assert isinstance(x, Float8Tensor) and isinstance(x, QuantizedTensor) and isinstance(x, torch.Tensor)
     assert x.shape == (3,) and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-    assert x._data.dtype == FP8[fp8_dtype] and x._fp8_dtype == fp8_dtype and x._quantizer is None
+    assert x._data.dtype == torch.uint8 and x._fp8_dtype == fp8_dtype and x._quantizer is None  # TE's storage: the bytes
     assert torch.equal(x._data.view(torch.uint8), data)
     torch.testing.assert_close(x.dequantize(dtype=torch.float32), values * 0.375, rtol=0, atol=0)
 
@@ -110,7 +110,7 @@ def test_delayed_scaling_uses_the_given_scale_and_accumulates_amax():
     quantizer = _delayed(scale=2.0)
     x = torch.tensor([0.3, -1.5, 0.7])
     x_fp8 = quantizer(x)
-    assert torch.equal(x_fp8._data, (x * 2.0).to(torch.float8_e4m3fn))
+    assert torch.equal(x_fp8._data, (x * 2.0).to(torch.float8_e4m3fn).view(torch.uint8))
     assert x_fp8._scale_inv.item() == 0.5 and quantizer.amax.item() == 1.5
     quantizer(torch.tensor([0.25]))
     assert quantizer.amax.item() == 1.5  # amax = max(amax, max|x|)
@@ -128,7 +128,7 @@ def test_current_scaling_scale_rule(fp8_dtype, force_pow_2_scales, amax_epsilon)
     if force_pow_2_scales:
         scale = torch.tensor(2.0 ** math.floor(math.log2(scale.item())))
     assert x_fp8._scale_inv.item() == torch.reciprocal(scale).item()
-    assert torch.equal(x_fp8._data, (x * scale).clamp(-FP8_MAX[fp8_dtype], FP8_MAX[fp8_dtype]).to(FP8[fp8_dtype]))
+    assert torch.equal(x_fp8._data, (x * scale).clamp(-FP8_MAX[fp8_dtype], FP8_MAX[fp8_dtype]).to(FP8[fp8_dtype]).view(torch.uint8))
 
 
 def test_current_scaling_all_zero_tensor_uses_scale_one():
@@ -201,7 +201,7 @@ def test_inplace_ops_requantize_with_the_tensors_quantizer():
         out = op(x_fp8, y_fp8)
         x_ref = op(x_ref, y_ref)
         assert out is x_fp8 and isinstance(x_fp8, Float8Tensor)
-        assert torch.equal(x_fp8._data, (x_ref * 3.5).to(torch.float8_e4m3fn))  # the quantizer's scale
+        assert torch.equal(x_fp8._data, (x_ref * 3.5).to(torch.float8_e4m3fn).view(torch.uint8))  # the quantizer's scale
         torch.testing.assert_close(x_fp8.dequantize(), x_ref, **tols)
         x_ref = x_fp8.dequantize()
     assert x_fp8._data is data  # written in place
@@ -240,7 +240,7 @@ def test_transpose_op_gives_the_dequantized_transpose():
 
 
 @pytest.mark.parametrize("method", ["view", "reshape", "torch.reshape"])
-def test_view_and_reshape_keep_the_fp8_buffers(method):
+def test_view_and_reshape_keep_the_byte_buffers(method):
     x_fp8 = _delayed()(_uniform((2, 3, 4))).requires_grad_()
     reshape = {"view": Float8Tensor.view, "reshape": Float8Tensor.reshape, "torch.reshape": torch.reshape}[method]
     y = reshape(x_fp8, (6, 4))
@@ -313,7 +313,7 @@ def test_legacy_import_path():
 def test_make_empty():
     quantizer = Float8CurrentScalingQuantizer(DType.kFloat8E5M2, "cpu")
     x = quantizer.make_empty((3, 8), dtype=torch.bfloat16, device="cpu")
-    assert x.shape == (3, 8) and x.dtype == torch.bfloat16 and x._data.dtype == torch.float8_e5m2
+    assert x.shape == (3, 8) and x.dtype == torch.bfloat16 and x._data.dtype == torch.uint8 and x._fp8_dtype == DType.kFloat8E5M2
     assert x._transpose.shape == (8, 3)
     x.copy_(torch.ones(3, 8))
     assert torch.equal(x.dequantize(), torch.ones(3, 8, dtype=torch.bfloat16))

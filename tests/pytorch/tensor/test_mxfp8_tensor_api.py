@@ -109,7 +109,7 @@ def test_high_precision_ops_run_on_the_dequantized_values():
 def test_make_empty_has_unit_scales_and_update_quantized_fills_it():
     q = MXFP8Quantizer(DType.kFloat8E5M2)
     empty = q.make_empty((2, 32, 64), dtype=torch.bfloat16)
-    assert empty.dtype == torch.bfloat16 and empty._rowwise_data.dtype == torch.float8_e5m2
+    assert empty.dtype == torch.bfloat16 and empty._rowwise_data.dtype == torch.uint8 and empty._fp8_dtype == DType.kFloat8E5M2
     assert empty._rowwise_scale_inv.shape == (64, 2) and empty._columnwise_scale_inv.shape == (2, 64)
     assert (empty._rowwise_scale_inv == 127).all() and (empty._columnwise_scale_inv == 127).all()
     x = _x((2, 32, 64))

@@ -36,7 +36,6 @@ import torch
 from transformer_engine.common.recipe import CustomRecipe, Recipe
 
 from ..quantization.float8_tensor import Float8Tensor as Float8Operand
-from ..quantization.float8_tensor import StoredTranspose
 from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
 from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
 from ..quantization.quantizer import Float8Quantizer as ModuleDelayedQuantizer
@@ -171,10 +170,7 @@ def fp8_param_operand(weight: torch.Tensor, quantizer: ModuleQuantizer) -> Optio
         return weight.operand() if weight.dim() == 2 and weight._rowwise_data is not None and _reads(quantizer, weight) else None
     if not quantizer.is_fp8 or not isinstance(weight, Float8Tensor) or weight._data is None or weight.dim() != 2:
         return None
-    operand = Float8Operand(weight._data, weight._scale_inv, weight._transpose)
-    if weight._transpose is None:
-        operand.deferred_t = StoredTranspose(weight._data, weight._scale_inv)
-    return operand
+    return weight.operand()
 
 
 def _reads(quantizer: ModuleQuantizer, weight: BlockScaledTensor) -> bool:

@@ -8,9 +8,8 @@ high precision) and can be saved, loaded, viewed, copied into and re-quantized i
 They are not the classes of the same names in :mod:`transformer_engine.pytorch.quantization`: those
 are plain containers the modules build per GEMM (no subclassing, no dispatch, minimal host cost). Both
 cast through the same catalog ops and hold the same values: a public ``Float8Tensor`` ``x`` has the
-FP8 data ``x._data`` (torch float8; ``x._data.view(torch.uint8)`` is TE's byte buffer), its transpose
-``x._transpose`` and ``x._scale_inv``, which are exactly the internal container's ``data``, ``data_t``
-and ``scale_inv``.
+FP8 bytes ``x._data`` (uint8, TE's storage), its transpose ``x._transpose`` and ``x._scale_inv``; viewed in
+the FP8 dtype (``x.operand()``) they are the internal container's ``data``, ``data_t`` and ``scale_inv``.
 """
 
 from .dtype import DType

@@ -3,7 +3,8 @@
 A tensor of any rank is quantized as its matrix [M, K] = [prod(leading dims), last dim]: the row-wise copy
 has its blocks along K, the column-wise copy (what GEMMs that contract over M read) its blocks along M.
 Both subclasses (``Float8BlockwiseQTensor``, ``MXFP8Tensor``) keep the buffers ``_rowwise_data``,
-``_rowwise_scale_inv``, ``_columnwise_data``, ``_columnwise_scale_inv``; this base gives them the usage
+``_rowwise_scale_inv``, ``_columnwise_data``, ``_columnwise_scale_inv`` (the data as uint8 bytes, as NVIDIA TE
+stores them, read through views in the FP8 dtype: :meth:`BlockScaledTensor._values`); this base gives them the usage
 bookkeeping, views that keep the last dimension (which keep every block), byte copies between tensors of
 one layout and the in-place write of a new quantization.
 """
@@ -14,7 +15,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .float8_tensor import _write
+from .float8_tensor import _bytes, _values, _write
 from .quantized_tensor import QuantizedTensor
 
 __all__ = ["BlockScaledTensor", "write_copies"]
@@ -47,6 +48,10 @@ class BlockScaledTensor(QuantizedTensor):
 
     def get_usages(self) -> Dict[str, bool]:
         return {"rowwise": self._rowwise_data is not None, "columnwise": self._columnwise_data is not None}
+
+    def _values(self, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A stored data buffer viewed as the FP8 values of this tensor's dtype."""
+        return _values(buffer, self._fp8_dtype)
 
     def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
         """Drop either copy, or make the column-wise one where the subclass can (``_make_columnwise``).
@@ -115,7 +120,7 @@ class BlockScaledTensor(QuantizedTensor):
 
 def write_copies(dst: BlockScaledTensor, data: Optional[torch.Tensor], scale_inv: Optional[torch.Tensor],
                  data_t: Optional[torch.Tensor], scale_inv_t: Optional[torch.Tensor]) -> None:
-    """Store a new quantization in ``dst``: each buffer written into dst's memory where it fits (views of dst see
-    the update), a copy given as None dropped."""
-    for key, new in zip(_BUFFERS, (data, scale_inv, data_t, scale_inv_t)):
+    """Store a new quantization in ``dst`` (FP8 values stored as their bytes): each buffer written into dst's memory
+    where it fits (views of dst see the update), a copy given as None dropped."""
+    for key, new in zip(_BUFFERS, (_bytes(data), scale_inv, _bytes(data_t), scale_inv_t)):
         setattr(dst, key, _write(getattr(dst, key), new))

@@ -29,7 +29,7 @@ from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor as Bloc
 from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
 from .dtype import DType, fp8_torch_dtype
 from ._block_scaled import BlockScaledTensor, write_copies
-from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _columnwise_shape, _fp8_buffer
+from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _columnwise_shape, _byte_buffer
 from .quantized_tensor import QuantizedTensor, Quantizer, _default_device
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensor"]
@@ -138,15 +138,15 @@ class Float8BlockQuantizer(Quantizer):
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
                    requires_grad: bool = False) -> Float8BlockwiseQTensor:
         """A Float8BlockwiseQTensor of ``shape`` with uninitialized values and unit scales."""
-        device, fp8_dtype, shape = _default_device(device), fp8_torch_dtype(self.dtype), torch.Size(shape)
+        device, shape = _default_device(device), torch.Size(shape)
         m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
         rows = _tile(self.block_scaling_dim == 2)[0]
         ones = lambda *s: torch.ones(s, dtype=torch.float32, device=device)  # noqa: E731
         data = scale_inv = data_t = scale_inv_t = None
         if self.rowwise_usage:
-            data, scale_inv = torch.empty(shape, dtype=fp8_dtype, device=device), ones(math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))
+            data, scale_inv = torch.empty(shape, dtype=torch.uint8, device=device), ones(math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))
         if self.columnwise_usage:
-            data_t = torch.empty(_columnwise_shape(shape), dtype=fp8_dtype, device=device)
+            data_t = torch.empty(_columnwise_shape(shape), dtype=torch.uint8, device=device)
             scale_inv_t = ones(math.ceil(k / rows), math.ceil(m / _BLOCK_LEN))
         return Float8BlockwiseQTensor(shape=shape, dtype=dtype, rowwise_data=data, rowwise_scale_inv=scale_inv,
                                       columnwise_data=data_t, columnwise_scale_inv=scale_inv_t, fp8_dtype=self.dtype,
@@ -178,7 +178,7 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
                 columnwise_scale_inv: Optional[torch.Tensor] = None, fp8_dtype: FP8DType, quantizer: Optional[Quantizer] = None,
                 is_2D_scaled: bool = True, requires_grad: bool = False, device=None, stride: Optional[Iterable[int]] = None):
         torch_fp8 = fp8_torch_dtype(fp8_dtype)
-        data, data_t = _fp8_buffer(rowwise_data, torch_fp8, "rowwise_data"), _fp8_buffer(columnwise_data, torch_fp8, "columnwise_data")
+        data, data_t = _byte_buffer(rowwise_data, torch_fp8, "rowwise_data"), _byte_buffer(columnwise_data, torch_fp8, "columnwise_data")
         shape = torch.Size(shape)
         _check_blocks(shape, bool(is_2D_scaled), data, rowwise_scale_inv, data_t, columnwise_scale_inv)
         device = (data if data is not None else data_t).device if device is None else torch.device(device)
@@ -213,8 +213,8 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
 
     def operand(self) -> BlockOperand:
         """The GEMM operand the modules read: the same buffers as a 2-D ``[M, K]`` block-scaled operand."""
-        data = None if self._rowwise_data is None else _as_2d(self._rowwise_data)
-        data_t = None if self._columnwise_data is None else self._columnwise_data.reshape(self.shape[-1] if self.dim() else 1, -1)
+        data = None if self._rowwise_data is None else _as_2d(self._values(self._rowwise_data))
+        data_t = None if self._columnwise_data is None else self._values(self._columnwise_data).reshape(self.shape[-1] if self.dim() else 1, -1)
         return BlockOperand(data, self._rowwise_scale_inv, data_t, self._columnwise_scale_inv, block=self._block)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -238,7 +238,8 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
         if not self._is_2D_scaled:
             raise RuntimeError("the column-wise copy of 1 x 128 tiles is a quantization of x^T; it cannot be made from the "
                                "row-wise FP8 values: quantize with columnwise=True")
-        self._columnwise_data = ops.fp8_transpose(_as_2d(self._rowwise_data)).view(_columnwise_shape(self.shape))
+        values_t = ops.fp8_transpose(_as_2d(self._values(self._rowwise_data)))
+        self._columnwise_data = values_t.view(torch.uint8).view(_columnwise_shape(self.shape))
         self._columnwise_scale_inv = self._rowwise_scale_inv.t()
 
     def __reduce_ex__(self, protocol: int) -> tuple:

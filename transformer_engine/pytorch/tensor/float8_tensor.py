@@ -8,10 +8,11 @@
   being cast (1 when that amax is 0 or not finite), rounded down to a power of two with
   ``force_pow_2_scales``: scale = 2^floor(log2(scale)).
 
-``_data`` holds torch float8 values (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``), where TE keeps
-the same bytes as uint8: ``_data.view(torch.uint8)`` gives TE's buffer, and the constructor accepts
-either. With column-wise usage the tensor also holds ``_transpose``, its FP8 values with the last
-dimension moved first: shape (N, *lead) for a logical (*lead, N), i.e. (x.reshape(-1, N))^T.
+``_data`` holds the FP8 bytes as uint8, as NVIDIA TE keeps them (code that swaps in a buffer of its own, as
+Megatron-Core's distributed optimizer does, hands uint8); the constructor also accepts torch float8 tensors,
+and the casts and GEMMs read the bytes through views in the FP8 dtype (``_fp8_dtype``). With column-wise usage
+the tensor also holds ``_transpose``, its FP8 bytes with the last dimension moved first: shape (N, *lead) for a
+logical (*lead, N), i.e. (x.reshape(-1, N))^T.
 The casts are the catalog's ops (``quantize``, ``cast_transpose``, ``quantize_transposed``,
 ``current_scale``, ``dequantize``, ``fp8_transpose``), so they run on every backend, the CPU included.
 """
@@ -27,6 +28,8 @@ import torch
 from transformer_engine.common.recipe import QParams
 from transformer_engine.plugin import ops
 
+from ..quantization.float8_tensor import Float8Tensor as Float8Operand
+from ..quantization.float8_tensor import StoredTranspose
 from ..quantization.quantizer import FixedScaleQuantizer
 from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
 
@@ -51,17 +54,27 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def _fp8_buffer(buffer: Optional[torch.Tensor], fp8_dtype: torch.dtype, name: str) -> Optional[torch.Tensor]:
-    """``buffer`` in ``fp8_dtype``: uint8 bytes are reinterpreted (TE's storage), float8 must match.
+def _byte_buffer(buffer: Optional[torch.Tensor], fp8_dtype: torch.dtype, name: str) -> Optional[torch.Tensor]:
+    """``buffer`` as the uint8 bytes the tensors store (TE's storage): uint8 as it is, ``fp8_dtype`` viewed as bytes.
 
     Raises:
         TypeError: ``buffer`` holds another dtype.
     """
-    if buffer is None or buffer.dtype == fp8_dtype:
+    if buffer is None or buffer.dtype == torch.uint8:
         return buffer
-    if buffer.dtype == torch.uint8:
-        return buffer.view(fp8_dtype)
-    raise TypeError(f"{name} has dtype {buffer.dtype}; a Float8Tensor with fp8 dtype {fp8_dtype} needs uint8 or {fp8_dtype} data")
+    if buffer.dtype == fp8_dtype:
+        return buffer.view(torch.uint8)
+    raise TypeError(f"{name} has dtype {buffer.dtype}; a tensor with fp8 dtype {fp8_dtype} needs uint8 or {fp8_dtype} data")
+
+
+def _bytes(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """FP8 values as the uint8 bytes the tensors store (None stays None)."""
+    return None if values is None else values.view(torch.uint8)
+
+
+def _values(buffer: Optional[torch.Tensor], fp8_dtype: "DType") -> Optional[torch.Tensor]:
+    """Stored uint8 bytes viewed as the FP8 values of ``fp8_dtype`` (what the casts and GEMMs read; None stays None)."""
+    return None if buffer is None else buffer.view(fp8_torch_dtype(fp8_dtype))
 
 
 def _one_element_f32(t, name: str) -> None:
@@ -133,7 +146,7 @@ class _PerTensorQuantizer(Quantizer):
             raise ValueError(f"cannot quantize a tensor of shape {tuple(src.shape)} into a Float8Tensor of shape {tuple(dst.shape)}")
         usages = dst.get_usages()
         data, transpose, scale_inv = self._cast(src.detach().to(device=dst.device), usages["rowwise"], usages["columnwise"])
-        dst._data, dst._transpose = _write(dst._data, data), _write(dst._transpose, transpose)
+        dst._data, dst._transpose = _write(dst._data, _bytes(data)), _write(dst._transpose, _bytes(transpose))
         dst._scale_inv = _write(dst._scale_inv, scale_inv.reshape(dst._scale_inv.shape))
         dst._fp8_dtype = self.dtype
         return dst
@@ -141,9 +154,9 @@ class _PerTensorQuantizer(Quantizer):
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
                    requires_grad: bool = False) -> Float8Tensor:
         """A Float8Tensor of ``shape`` with uninitialized data (and transpose with column-wise usage)."""
-        device, fp8_dtype, shape = _default_device(device), fp8_torch_dtype(self.dtype), torch.Size(shape)
-        data = torch.empty(shape, dtype=fp8_dtype, device=device) if self.rowwise_usage else None
-        transpose = torch.empty(_columnwise_shape(shape), dtype=fp8_dtype, device=device) if self.columnwise_usage else None
+        device, shape = _default_device(device), torch.Size(shape)
+        data = torch.empty(shape, dtype=torch.uint8, device=device) if self.rowwise_usage else None
+        transpose = torch.empty(_columnwise_shape(shape), dtype=torch.uint8, device=device) if self.columnwise_usage else None
         return Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=torch.ones(1, device=device),
                             fp8_dtype=self.dtype, data_transpose=transpose, quantizer=self,
                             requires_grad=requires_grad, device=device)
@@ -238,7 +251,7 @@ class Float8Tensor(QuantizedTensor):
 
     Args:
         shape: the logical shape. dtype: the nominal (high-precision) dtype.
-        data: FP8 values of ``shape`` (uint8 bytes or the torch float8 dtype), or None (column-wise only).
+        data: FP8 values of ``shape`` (uint8 bytes, stored as given, or the torch float8 dtype), or None (column-wise only).
         fp8_scale_inv: one-element float32 tensor, 1 / scale.
         fp8_dtype: ``DType.kFloat8E4M3`` or ``DType.kFloat8E5M2`` (or the torch float8 dtype).
         requires_grad: autograd flag of the new tensor.
@@ -262,7 +275,7 @@ class Float8Tensor(QuantizedTensor):
                 data_transpose: Optional[torch.Tensor] = None, quantizer: Optional[Quantizer] = None,
                 device=None, stride: Optional[Iterable[int]] = None):
         torch_fp8 = fp8_torch_dtype(fp8_dtype)
-        data, data_transpose = _fp8_buffer(data, torch_fp8, "data"), _fp8_buffer(data_transpose, torch_fp8, "data_transpose")
+        data, data_transpose = _byte_buffer(data, torch_fp8, "data"), _byte_buffer(data_transpose, torch_fp8, "data_transpose")
         shape = torch.Size(shape)
         _check_buffers(shape, data, data_transpose)
         _one_element_f32(fp8_scale_inv, "fp8_scale_inv")
@@ -286,9 +299,18 @@ class Float8Tensor(QuantizedTensor):
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """x = data * scale_inv (``ops.dequantize``), from the transposed data when there is no row-wise copy."""
         if self._data is not None:
-            return ops.dequantize(self._data, self._scale_inv, dtype)
-        x_t = ops.dequantize(self._transpose, self._scale_inv, dtype)
+            return ops.dequantize(_values(self._data, self._fp8_dtype), self._scale_inv, dtype)
+        x_t = ops.dequantize(_values(self._transpose, self._fp8_dtype), self._scale_inv, dtype)
         return x_t if x_t.dim() == 0 else x_t.movedim(0, -1).contiguous()
+
+    def operand(self) -> Float8Operand:
+        """The GEMM operand the modules read (a 2-D tensor with row-wise data): its FP8 values and scale_inv as they
+        are, with W^T from the stored transpose, or else its bytes transposed when backward needs them (exact)."""
+        data, transpose = _values(self._data, self._fp8_dtype), _values(self._transpose, self._fp8_dtype)
+        operand = Float8Operand(data, self._scale_inv, transpose)
+        if transpose is None:
+            operand.deferred_t = StoredTranspose(data, self._scale_inv)
+        return operand
 
     def _adopt(self, other: Float8Tensor) -> None:
         self._data, self._transpose, self._scale_inv = other._data, other._transpose, other._scale_inv
@@ -336,7 +358,8 @@ class Float8Tensor(QuantizedTensor):
         if not (rowwise or columnwise):
             raise RuntimeError("update_usage(rowwise_usage=False, columnwise_usage=False) would leave the Float8Tensor without data")
         if columnwise and self._transpose is None:
-            self._transpose = ops.fp8_transpose(_as_2d(self._data)).view(_columnwise_shape(self.shape))
+            values = _as_2d(_values(self._data, self._fp8_dtype))
+            self._transpose = _bytes(ops.fp8_transpose(values)).view(_columnwise_shape(self.shape))
         self._data = self._data if rowwise else None
         self._transpose = self._transpose if columnwise else None
 
@@ -364,7 +387,7 @@ def _copy_fp8(dst: Float8Tensor, src: Float8Tensor) -> Float8Tensor:
     data = src._data.detach().to(dst.device)
     transpose = None
     if dst._transpose is not None:
-        transpose = src._transpose if src._transpose is not None else ops.fp8_transpose(_as_2d(data))
+        transpose = src._transpose if src._transpose is not None else _bytes(ops.fp8_transpose(_as_2d(_values(data, src._fp8_dtype))))
         transpose = transpose.detach().to(dst.device).view(_columnwise_shape(dst.shape))
     dst._data = None if dst._data is None else _write(dst._data, data)
     dst._transpose = _write(dst._transpose, transpose)

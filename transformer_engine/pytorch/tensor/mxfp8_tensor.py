@@ -28,7 +28,7 @@ from ..quantization.mxfp8_tensor import MXFP8Tensor as MXFP8Operand
 from ..quantization.quantizer import MXFP8Quantizer as ModuleMXFP8Quantizer
 from ._block_scaled import BlockScaledTensor, write_copies
 from .dtype import DType, fp8_torch_dtype
-from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _fp8_buffer
+from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _byte_buffer
 from .quantized_tensor import QuantizedTensor, Quantizer, _default_device
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor"]
@@ -112,14 +112,14 @@ class MXFP8Quantizer(Quantizer):
         Raises:
             ValueError: a shape MXFP8 cannot hold (see :meth:`is_quantizable`).
         """
-        device, fp8_dtype, shape = _default_device(device), fp8_torch_dtype(self.dtype), torch.Size(shape)
+        device, shape = _default_device(device), torch.Size(shape)
         m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
         units = lambda *s: torch.full(s, _UNIT_SCALE, dtype=torch.uint8, device=device)  # noqa: E731
         data = scale_inv = data_c = scale_c = None
         if self.rowwise_usage:
-            data, scale_inv = torch.empty(shape, dtype=fp8_dtype, device=device), units(m, k // MXFP8_BLOCK)
+            data, scale_inv = torch.empty(shape, dtype=torch.uint8, device=device), units(m, k // MXFP8_BLOCK)
         if self.columnwise_usage:
-            data_c, scale_c = torch.empty(shape, dtype=fp8_dtype, device=device), units(m // MXFP8_BLOCK, k)
+            data_c, scale_c = torch.empty(shape, dtype=torch.uint8, device=device), units(m // MXFP8_BLOCK, k)
         return MXFP8Tensor(shape=shape, dtype=dtype, rowwise_data=data, rowwise_scale_inv=scale_inv, columnwise_data=data_c,
                            columnwise_scale_inv=scale_c, fp8_dtype=self.dtype, quantizer=self, requires_grad=requires_grad,
                            device=device)
@@ -130,7 +130,8 @@ class MXFP8Tensor(BlockScaledTensor):
 
     Args:
         shape: the logical shape. dtype: the nominal (high-precision) dtype.
-        rowwise_data: FP8 values of ``shape`` in blocks along the last dim (uint8 bytes or the torch float8 dtype), or None.
+        rowwise_data: FP8 values of ``shape`` in blocks along the last dim (uint8 bytes, stored as given, or the torch
+            float8 dtype), or None.
         rowwise_scale_inv: uint8 [M, K / 32], the E8M0 codes of its blocks.
         columnwise_data: FP8 values of ``shape`` in blocks along the leading dims, or None.
         columnwise_scale_inv: uint8 [M / 32, K].
@@ -148,7 +149,7 @@ class MXFP8Tensor(BlockScaledTensor):
                 columnwise_scale_inv: Optional[torch.Tensor] = None, fp8_dtype: FP8DType, quantizer: Optional[Quantizer] = None,
                 requires_grad: bool = False, device=None, stride: Optional[Iterable[int]] = None):
         torch_fp8 = fp8_torch_dtype(fp8_dtype)
-        data, data_c = _fp8_buffer(rowwise_data, torch_fp8, "rowwise_data"), _fp8_buffer(columnwise_data, torch_fp8, "columnwise_data")
+        data, data_c = _byte_buffer(rowwise_data, torch_fp8, "rowwise_data"), _byte_buffer(columnwise_data, torch_fp8, "columnwise_data")
         shape = torch.Size(shape)
         _check_copies(shape, data, rowwise_scale_inv, data_c, columnwise_scale_inv)
         device = (data if data is not None else data_c).device if device is None else torch.device(device)
@@ -186,10 +187,10 @@ class MXFP8Tensor(BlockScaledTensor):
         """The GEMM operand the modules read: the row-wise copy as ``[M, K]``, the column-wise copy as its transposed
         view ``[K, M]`` with scales ``[K, M / 32]`` (no copy: the strides ``ops.quantize_mxfp8`` gives its own x^T copy,
         so a GEMM reads both alike)."""
-        data = None if self._rowwise_data is None else _as_2d(self._rowwise_data)
+        data = None if self._rowwise_data is None else _as_2d(self._values(self._rowwise_data))
         data_t = scale_t = None
         if self._columnwise_data is not None:
-            data_t, scale_t = _as_2d(self._columnwise_data).t(), self._columnwise_scale_inv.t()
+            data_t, scale_t = _as_2d(self._values(self._columnwise_data)).t(), self._columnwise_scale_inv.t()
         return MXFP8Operand(data, self._rowwise_scale_inv, data_t, scale_t)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
