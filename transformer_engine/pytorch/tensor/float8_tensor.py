@@ -366,6 +366,23 @@ class Float8Tensor(QuantizedTensor):
     def get_usages(self) -> Dict[str, bool]:
         return {"rowwise": self._data is not None, "columnwise": self._transpose is not None}
 
+    def _reset_caches(self) -> None:
+        """Drop the transposed copy (NVIDIA TE's name for it): code that rewrites the bytes calls it first."""
+        self._transpose = None
+
+    @property
+    def _transpose_invalid(self) -> bool:
+        """NVIDIA TE's flag: True when the tensor has no transposed copy to read. Setting it True drops the copy
+        (Megatron-Core's FSDP does after rewriting the bytes)."""
+        return self._transpose is None
+
+    @_transpose_invalid.setter
+    def _transpose_invalid(self, invalid: bool) -> None:
+        if invalid:
+            self._transpose = None
+        elif self._transpose is None:
+            raise ValueError("_transpose_invalid = False, but this Float8Tensor has no transposed copy; call update_usage(columnwise_usage=True)")
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.copy_.default and isinstance(args[0], Float8Tensor) and isinstance(args[1], Float8Tensor):

@@ -1,0 +1,153 @@
+"""FP8 weights under ZeRO / FSDP: NVIDIA TE's ``tensor.utils`` helpers that Megatron-Core's distributed optimizer calls.
+
+Megatron-Core moves each FP8 weight's bytes into its flat uint8 parameter buffer (:func:`replace_raw_data`), and
+after each optimizer step, where every data-parallel rank holds an fp32 master shard (a contiguous range of the
+flattened weight), writes the new FP8 weights with :func:`cast_master_weights_to_fp8`:
+
+- delayed scaling: each rank casts its master shard with the weight's current scale into its range of the bytes,
+  max-accumulating the shard's amax into the weight's amax slot; the slots are then reduced with MAX over the
+  group (the next update sees the whole weight's amax), and every weight's scale_inv = 1 / scale;
+- current scaling: amax = MAX over the group of the shards' amaxes (0 for a rank without a shard),
+  scale = ``ops.scale_from_amax(amax)`` with the weight quantizer's epsilon and power-of-two rule, and each rank
+  casts its shard with that scale; every rank sets scale_inv = 1 / scale.
+
+The bytes outside a rank's range are written by the other ranks (Megatron all-gathers them afterwards).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from transformer_engine.plugin import ops
+
+from .dtype import fp8_torch_dtype
+from .float8_blockwise_tensor import Float8BlockwiseQTensor
+from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .mxfp8_tensor import MXFP8Tensor
+from .quantized_tensor import QuantizedTensor
+
+__all__ = ["cast_master_weights_to_fp8", "replace_raw_data"]
+
+
+def replace_raw_data(tensor: QuantizedTensor, new_raw_data: torch.Tensor) -> None:
+    """Move ``tensor``'s FP8 bytes (``Float8Tensor._data``, ``Float8BlockwiseQTensor._rowwise_data``) into
+    ``new_raw_data``, a uint8 buffer of the same shape (e.g. a view into a flat buffer); values and every
+    other attribute stay.
+
+    Raises:
+        NotImplementedError: an MXFP8Tensor (as in NVIDIA TE). TypeError: another tensor type.
+        ValueError: new_raw_data's dtype or shape differs from the bytes it replaces.
+    """
+    if isinstance(tensor, MXFP8Tensor):
+        raise NotImplementedError("replace_raw_data for MXFP8Tensor is not implemented (nor in NVIDIA TE)")
+    if isinstance(tensor, Float8Tensor):
+        key = "_data"
+    elif isinstance(tensor, Float8BlockwiseQTensor):
+        key = "_rowwise_data"
+    else:
+        raise TypeError(f"replace_raw_data takes a Float8Tensor or Float8BlockwiseQTensor, got {type(tensor).__name__}")
+    old = getattr(tensor, key)
+    if old is None:
+        raise ValueError(f"this {type(tensor).__name__} holds no row-wise bytes to move")
+    if new_raw_data.dtype != old.dtype or new_raw_data.shape != old.shape:
+        raise ValueError(f"new_raw_data is {new_raw_data.dtype} {tuple(new_raw_data.shape)}; the bytes it replaces are "
+                         f"{old.dtype} {tuple(old.shape)}")
+    new_raw_data.detach().copy_(old)
+    setattr(tensor, key, new_raw_data)
+
+
+def cast_master_weights_to_fp8(model_weights: Sequence[Float8Tensor], master_weights: Sequence[Optional[torch.Tensor]],
+                               start_offsets: Sequence[Optional[int]], group=None,
+                               fsdp_shard_model_weights: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+    """Write each FP8 weight's range ``[start, start + master.numel())`` of its flattened bytes from this rank's
+    master shard, with the scaling of the weight's quantizer (see the module docstring). Call it on every rank
+    of ``group`` with the same weights (a rank without a shard of a weight passes None for it).
+
+    Args:
+        model_weights: the FP8 weights (Float8Tensor parameters, full size on every rank).
+        master_weights: this rank's shard of each weight's master values (flattened order), or None.
+        start_offsets: where each shard starts in the flattened weight.
+        group: the data-parallel group the amaxes are reduced over (None: the default group; no reduction
+            when torch.distributed is not initialized).
+        fsdp_shard_model_weights: with FSDP, the buffer (uint8 bytes or a Float8Tensor) that holds each
+            rank's range of the weight, written instead of the weight's own bytes.
+
+    Raises:
+        ValueError: lists of different lengths, a shard that does not fit its weight.
+        NotImplementedError: block-scaled or MXFP8 weights (NVIDIA TE handles the former; not yet here).
+        TypeError: a weight that is not an FP8 tensor of a per-tensor quantizer.
+    """
+    count = len(model_weights)
+    targets = [None] * count if fsdp_shard_model_weights is None else list(fsdp_shard_model_weights)
+    if not len(master_weights) == len(start_offsets) == len(targets) == count:
+        raise ValueError("model_weights, master_weights, start_offsets (and fsdp_shard_model_weights) must have one entry per weight")
+    delayed, current = [], []
+    for weight, master, start, target in zip(model_weights, master_weights, start_offsets, targets):
+        if isinstance(weight, (Float8BlockwiseQTensor, MXFP8Tensor)):
+            raise NotImplementedError(f"cast_master_weights_to_fp8 for {type(weight).__name__} weights is not implemented yet")
+        if not isinstance(weight, Float8Tensor):
+            raise TypeError(f"cast_master_weights_to_fp8 takes Float8Tensor weights, got {type(weight).__name__}")
+        if hasattr(weight, "clear_high_precision_init_val"):
+            weight.clear_high_precision_init_val()  # the masters exist by now (NVIDIA TE clears it here too)
+        weight._reset_caches()
+        quantizer = weight._get_quantizer()
+        if not isinstance(quantizer, (Float8Quantizer, Float8CurrentScalingQuantizer)):
+            raise TypeError(f"cast_master_weights_to_fp8: a weight quantized by {type(quantizer).__name__} is not supported")
+        shard = None
+        if master is not None:
+            shard = (master.detach().to(weight.dtype).reshape(-1), _shard_bytes(weight, master, start, target))
+        (current if isinstance(quantizer, Float8CurrentScalingQuantizer) else delayed).append((weight, quantizer, shard))
+    if delayed:
+        _delayed(delayed, group)
+    if current:
+        _current(current, group)
+
+
+def _shard_bytes(weight: Float8Tensor, master: torch.Tensor, start: Optional[int], target) -> torch.Tensor:
+    """The uint8 bytes this rank writes: ``target`` (FSDP) or the weight's own flattened range."""
+    if target is not None:
+        data = target._data if isinstance(target, Float8Tensor) else target
+        return data.view(-1)
+    if start is None or start < 0 or start + master.numel() > weight.numel():
+        raise ValueError(f"a master shard of {master.numel()} elements at start offset {start} does not fit a weight of "
+                         f"{weight.numel()} elements")
+    return weight._data.view(-1)[start:start + master.numel()]
+
+
+def _reduce_max(values: List[torch.Tensor], group) -> List[torch.Tensor]:
+    """Elementwise MAX of one-element tensors over the ranks of ``group`` (as they are without a process group)."""
+    packed = torch.stack([v.reshape(()) for v in values])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return list(packed.unbind())
+
+
+def _write_cast(shard, scale: torch.Tensor, fp8_dtype, amax_out: Optional[torch.Tensor] = None) -> None:
+    """The master shard cast with ``scale`` into its bytes (its amax max-accumulated into ``amax_out`` when given)."""
+    if shard is None:
+        return
+    values, raw = shard
+    q, _, _ = ops.quantize(values, scale.reshape(()), fp8_torch_dtype(fp8_dtype), amax_out)
+    raw.copy_(q.view(torch.uint8))
+
+
+def _delayed(params, group) -> None:
+    for weight, quantizer, shard in params:
+        _write_cast(shard, quantizer.scale, weight._fp8_dtype, quantizer.amax.reshape(()))
+    amaxes = [quantizer.amax for _, quantizer, _ in params]
+    for amax, reduced in zip(amaxes, _reduce_max(amaxes, group)):
+        amax.copy_(reduced.reshape(amax.shape))
+    for weight, quantizer, _ in params:
+        weight._scale_inv.copy_(quantizer.scale.reshape(weight._scale_inv.shape).reciprocal())
+
+
+def _current(params, group) -> None:
+    zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
+    amaxes = _reduce_max([zero if shard is None else ops.compute_amax(shard[0]) for _, _, shard in params], group)
+    for (weight, quantizer, shard), amax in zip(params, amaxes):
+        scale = ops.scale_from_amax(amax, fp8_torch_dtype(quantizer.dtype), quantizer.amax_epsilon, quantizer.force_pow_2_scales)
+        _write_cast(shard, scale, weight._fp8_dtype)
+        weight._scale_inv.copy_(scale.reshape(weight._scale_inv.shape).reciprocal())
