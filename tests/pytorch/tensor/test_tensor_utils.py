@@ -106,3 +106,4 @@ def test_two_ranks_write_their_halves_with_the_whole_weights_scaling(ranks2, rec
         assert torch.equal(scale_inv, expected._scale_inv), rank
         if recipe_name == "delayed":
             assert amax.item() == max(slot_before, master.to(torch.bfloat16).abs().max().item()), rank
+

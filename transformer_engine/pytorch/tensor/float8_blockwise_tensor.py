@@ -114,7 +114,7 @@ class Float8BlockQuantizer(Quantizer):
                                       columnwise_data=data_t, columnwise_scale_inv=scale_inv_t, fp8_dtype=self.dtype,
                                       quantizer=self, is_2D_scaled=self.block_scaling_dim == 2, device=tensor.device)
 
-    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8BlockwiseQTensor:
+    def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8BlockwiseQTensor:
         """dst = Q(src), written into dst's buffers (the usages dst holds).
 
         Raises:

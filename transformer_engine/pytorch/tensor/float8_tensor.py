@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -133,7 +133,7 @@ class _PerTensorQuantizer(Quantizer):
         return Float8Tensor(shape=tensor.shape, dtype=tensor.dtype, data=data, fp8_scale_inv=scale_inv,
                             fp8_dtype=self.dtype, data_transpose=transpose, quantizer=self, device=tensor.device)
 
-    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8Tensor:
+    def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8Tensor:
         """dst = Q(src), written into dst's buffers (the usages dst holds); dst takes this FP8 dtype.
 
         Raises:
@@ -197,6 +197,9 @@ class Float8Quantizer(_PerTensorQuantizer):
 
     def _scale_and_amax_out(self, x):
         return self.scale, self.amax
+
+    def _state_tensors(self) -> List[torch.Tensor]:
+        return [self.amax]
 
     def module_quantizer(self) -> FixedScaleQuantizer:
         """The quantizer the modules cast with under a ``CustomRecipe`` that returns this one: the same

@@ -89,7 +89,7 @@ class MXFP8Quantizer(Quantizer):
                            columnwise_data=data_c, columnwise_scale_inv=scale_c, fp8_dtype=self.dtype, quantizer=self,
                            device=tensor.device)
 
-    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> MXFP8Tensor:
+    def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> MXFP8Tensor:
         """dst = Q(src), written into dst's buffers (the usages dst holds).
 
         Raises:

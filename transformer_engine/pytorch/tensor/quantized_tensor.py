@@ -18,7 +18,7 @@ subclass. Autograd treats quantize and dequantize as identities (straight-throug
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch.utils._pytree import tree_map
@@ -56,8 +56,34 @@ class Quantizer(abc.ABC):
         """A new quantized tensor holding ``tensor`` (no autograd)."""
 
     @abc.abstractmethod
-    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> QuantizedTensor:
+    def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> QuantizedTensor:
         """Quantize ``src`` into the existing ``dst`` in place; returns ``dst``."""
+
+    def _state_tensors(self) -> List[torch.Tensor]:
+        """The tensors of this quantizer that a cast writes (delayed scaling: its amax)."""
+        return []
+
+    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor, *, noop_flag: Optional[torch.Tensor] = None) -> QuantizedTensor:
+        """Quantize ``src`` into the existing ``dst`` in place; returns ``dst``.
+
+        With ``noop_flag`` (a one-element tensor, NVIDIA TE's skip flag): where it is nonzero nothing changes
+        (dst's buffers and this quantizer's amax keep their values). Decided on the device without a host
+        synchronization: the cast runs, then each written tensor selects its old or new values.
+
+        Raises:
+            ValueError: noop_flag has more than one element.
+        """
+        if noop_flag is None:
+            return self._update_quantized(src, dst)
+        if not isinstance(noop_flag, torch.Tensor) or noop_flag.numel() != 1:
+            raise ValueError(f"noop_flag must be a one-element tensor, got {noop_flag!r}")
+        written = [t for t in dst.get_metadata().values() if isinstance(t, torch.Tensor)] + self._state_tensors()
+        before = [t.clone() for t in written]
+        self._update_quantized(src, dst)
+        skip = noop_flag.reshape(()).to(dst.device) != 0
+        for tensor, old in zip(written, before):
+            tensor.copy_(torch.where(skip, old, tensor))
+        return dst
 
     @abc.abstractmethod
     def copy(self) -> Quantizer:
@@ -161,11 +187,12 @@ class QuantizedTensor(torch.Tensor):
             )
         return self._quantizer
 
-    def quantize_(self, tensor: torch.Tensor) -> QuantizedTensor:
-        """Re-quantize in place: self = Q(tensor) with this tensor's quantizer; returns self."""
+    def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None) -> QuantizedTensor:
+        """Re-quantize in place: self = Q(tensor) with this tensor's quantizer (unchanged where ``noop_flag`` is
+        nonzero, see :meth:`Quantizer.update_quantized`); returns self."""
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor._dequantize(tensor.dtype)
-        self._get_quantizer().update_quantized(tensor, self)
+        self._get_quantizer().update_quantized(tensor, self, noop_flag=noop_flag)
         return self
 
     @classmethod
