@@ -130,7 +130,7 @@ class _PerTensorQuantizer(Quantizer):
     def quantize_impl(self, tensor: torch.Tensor) -> Float8Tensor:
         _check_high_precision(tensor)
         data, transpose, scale_inv = self._cast(tensor.detach(), self.rowwise_usage, self.columnwise_usage)
-        return Float8Tensor(shape=tensor.shape, dtype=tensor.dtype, data=data, fp8_scale_inv=scale_inv,
+        return Float8Tensor(shape=tensor.shape, dtype=tensor.dtype, data=data, fp8_scale_inv=scale_inv.reshape(1),
                             fp8_dtype=self.dtype, data_transpose=transpose, quantizer=self, device=tensor.device)
 
     def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8Tensor:
