@@ -47,12 +47,13 @@ from torch.utils import _pytree as pytree
 from transformer_engine.common.recipe import Recipe
 
 from .distributed import get_all_rng_states
+from .graph_state import is_graph_capturing, restore_fp8_tensors, save_fp8_tensors, set_capture_end, set_capture_start
 from .graph_schedule import default_schedule, interleaved_schedule
 from .module.base import first_microbatch
 from .quantization.autocast import autocast, isolated_stack
 from .quantization.delayed_update import hold_plans
 
-__all__ = ["make_graphed_callables"]
+__all__ = ["is_graph_capturing", "make_graphed_callables", "restore_fp8_tensors", "save_fp8_tensors", "set_capture_end", "set_capture_start"]
 
 #: TE's deprecated argument names and the names that replace them.
 _ALIASES = {
@@ -266,9 +267,13 @@ def make_graphed_callables(
     if not torch.cuda.is_available():
         raise RuntimeError("make_graphed_callables needs a CUDA GPU: CUDA graphs do not exist on the CPU")
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
-    captures, held = _capture_all(entries, args_per, kwargs_per, precisions, pool,
-                                  _Options(num_warmup_iters, allow_unused_input, retain_graph_in_backward,
-                                           pre_warmup_hook, post_warmup_hook), schedule.steps, variants)
+    set_capture_start()
+    try:
+        captures, held = _capture_all(entries, args_per, kwargs_per, precisions, pool,
+                                      _Options(num_warmup_iters, allow_unused_input, retain_graph_in_backward,
+                                               pre_warmup_hook, post_warmup_hook), schedule.steps, variants)
+    finally:
+        set_capture_end()
     if caching and variants == (None,):
         captures = [{True: c[None], False: c[None]} for c in captures]
     graphed = [_wrap(*each, held, replace_forward=_order is None) for each in zip(entries, captures, args_per, kwargs_per)]
