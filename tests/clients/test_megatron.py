@@ -208,3 +208,24 @@ def test_cpu_offloading_trains_as_without(backend):
     losses as without (on the CPU nothing moves, on a GPU the first layer's activations wait in host memory)."""
     plain, offloaded, count = get_pool(1, backend).run(cpu_offloading_losses, 4, timeout=300)[0]
     assert offloaded == plain and count > 0
+
+
+def test_fp8_weight_helpers_of_megatron_run_on_our_tensors():
+    """Megatron's fp8_utils (its distributed optimizer with FP8 weights: the bytes moved into its flat buffer, the
+    master shards cast back) and its CUDA-graph support (TE's graph helpers present) on our package."""
+    import transformer_engine.pytorch as te
+    from megatron.core import fp8_utils
+    from megatron.core.transformer import cuda_graphs
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    assert cuda_graphs.HAVE_TE_GRAPHS
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=Float8CurrentScaling()):
+        weight = te.Linear(64, 32).weight
+    assert fp8_utils.is_float8tensor(weight)
+    flat = torch.zeros(2 * weight.numel(), dtype=torch.uint8)
+    fp8_utils.modify_underlying_storage(weight, flat[weight.numel():].view(weight.shape))
+    master = torch.randn(weight.numel()) * 0.05
+    fp8_utils.quantize_param_shard([weight], [master], [0], None)
+    expected = weight._get_quantizer().quantize_impl(master.view(weight.shape).to(weight.dtype))
+    assert torch.equal(flat[weight.numel():], expected._data.view(-1)) and torch.equal(weight._scale_inv, expected._scale_inv)
