@@ -29,8 +29,8 @@ from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor as Bloc
 from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
 from .dtype import DType, fp8_torch_dtype
 from ._block_scaled import BlockScaledTensor, write_copies
-from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _columnwise_shape, _byte_buffer
-from .quantized_tensor import QuantizedTensor, Quantizer, _default_device
+from .float8_tensor import FP8DType, _as_2d, _byte_buffer, _columnwise_shape
+from .quantized_tensor import QuantizedTensor, Quantizer, _default_device, check_high_precision
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensor"]
 
@@ -108,24 +108,21 @@ class Float8BlockQuantizer(Quantizer):
         return data, operand.scale_inv, data_t, operand.scale_inv_t
 
     def quantize_impl(self, tensor: torch.Tensor) -> Float8BlockwiseQTensor:
-        _check_high_precision(tensor)
+        check_high_precision(tensor)
         data, scale_inv, data_t, scale_inv_t = self._cast(tensor.detach(), self.rowwise_usage, self.columnwise_usage)
         return Float8BlockwiseQTensor(shape=tensor.shape, dtype=tensor.dtype, rowwise_data=data, rowwise_scale_inv=scale_inv,
                                       columnwise_data=data_t, columnwise_scale_inv=scale_inv_t, fp8_dtype=self.dtype,
                                       quantizer=self, is_2D_scaled=self.block_scaling_dim == 2, device=tensor.device)
 
+    def _tensor_type(self) -> type:
+        return Float8BlockwiseQTensor
+
     def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8BlockwiseQTensor:
         """dst = Q(src), written into dst's buffers (the usages dst holds).
 
         Raises:
-            TypeError: dst is not a Float8BlockwiseQTensor or src is not a float tensor. ValueError: the shapes
-                or the tiles differ.
+            ValueError: the tiles differ.
         """
-        if not isinstance(dst, Float8BlockwiseQTensor):
-            raise TypeError(f"Float8BlockQuantizer can only update a Float8BlockwiseQTensor, got {type(dst).__name__}")
-        _check_high_precision(src)
-        if src.shape != dst.shape:
-            raise ValueError(f"cannot quantize a tensor of shape {tuple(src.shape)} into a Float8BlockwiseQTensor of shape {tuple(dst.shape)}")
         if dst._is_2D_scaled != (self.block_scaling_dim == 2):
             raise ValueError(f"this quantizer casts {self.block_scaling_dim}-D tiles; the tensor holds "
                              f"{2 if dst._is_2D_scaled else 1}-D tiles")

@@ -34,7 +34,7 @@ from ..quantization.quantizer import FixedScaleQuantizer
 from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
 
 from .dtype import DType, fp8_torch_dtype
-from .quantized_tensor import QuantizedTensor, Quantizer, _default_device, _IdentityFunc
+from .quantized_tensor import QuantizedTensor, Quantizer, _default_device, _IdentityFunc, check_high_precision
 
 __all__ = ["Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Tensor"]
 
@@ -128,22 +128,16 @@ class _PerTensorQuantizer(Quantizer):
         return data, transpose, scale_inv
 
     def quantize_impl(self, tensor: torch.Tensor) -> Float8Tensor:
-        _check_high_precision(tensor)
+        check_high_precision(tensor)
         data, transpose, scale_inv = self._cast(tensor.detach(), self.rowwise_usage, self.columnwise_usage)
         return Float8Tensor(shape=tensor.shape, dtype=tensor.dtype, data=data, fp8_scale_inv=scale_inv.reshape(1),
                             fp8_dtype=self.dtype, data_transpose=transpose, quantizer=self, device=tensor.device)
 
-    def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8Tensor:
-        """dst = Q(src), written into dst's buffers (the usages dst holds); dst takes this FP8 dtype.
+    def _tensor_type(self) -> type:
+        return Float8Tensor
 
-        Raises:
-            TypeError: dst is not a Float8Tensor or src is not a float tensor. ValueError: the shapes differ.
-        """
-        if not isinstance(dst, Float8Tensor):
-            raise TypeError(f"{type(self).__name__} can only update a Float8Tensor, got {type(dst).__name__}")
-        _check_high_precision(src)
-        if src.shape != dst.shape:
-            raise ValueError(f"cannot quantize a tensor of shape {tuple(src.shape)} into a Float8Tensor of shape {tuple(dst.shape)}")
+    def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> Float8Tensor:
+        """dst = Q(src), written into dst's buffers (the usages dst holds); dst takes this FP8 dtype."""
         usages = dst.get_usages()
         data, transpose, scale_inv = self._cast(src.detach().to(device=dst.device), usages["rowwise"], usages["columnwise"])
         dst._data, dst._transpose = _write(dst._data, _bytes(data)), _write(dst._transpose, _bytes(transpose))
@@ -160,12 +154,6 @@ class _PerTensorQuantizer(Quantizer):
         return Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=torch.ones(1, device=device),
                             fp8_dtype=self.dtype, data_transpose=transpose, quantizer=self,
                             requires_grad=requires_grad, device=device)
-
-
-def _check_high_precision(x) -> None:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"can only quantize a float32, bfloat16 or float16 tensor, got {got}")
 
 
 class Float8Quantizer(_PerTensorQuantizer):

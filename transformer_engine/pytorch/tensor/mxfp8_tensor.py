@@ -28,8 +28,8 @@ from ..quantization.mxfp8_tensor import MXFP8Tensor as MXFP8Operand
 from ..quantization.quantizer import MXFP8Quantizer as ModuleMXFP8Quantizer
 from ._block_scaled import BlockScaledTensor, write_copies
 from .dtype import DType, fp8_torch_dtype
-from .float8_tensor import FP8DType, _as_2d, _check_high_precision, _byte_buffer
-from .quantized_tensor import QuantizedTensor, Quantizer, _default_device
+from .float8_tensor import FP8DType, _as_2d, _byte_buffer
+from .quantized_tensor import QuantizedTensor, Quantizer, _default_device, check_high_precision
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor"]
 
@@ -83,23 +83,17 @@ class MXFP8Quantizer(Quantizer):
         return data, scale_inv, data_c, scale_c
 
     def quantize_impl(self, tensor: torch.Tensor) -> MXFP8Tensor:
-        _check_high_precision(tensor)
+        check_high_precision(tensor)
         data, scale_inv, data_c, scale_c = self._cast(tensor.detach(), self.rowwise_usage, self.columnwise_usage)
         return MXFP8Tensor(shape=tensor.shape, dtype=tensor.dtype, rowwise_data=data, rowwise_scale_inv=scale_inv,
                            columnwise_data=data_c, columnwise_scale_inv=scale_c, fp8_dtype=self.dtype, quantizer=self,
                            device=tensor.device)
 
-    def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> MXFP8Tensor:
-        """dst = Q(src), written into dst's buffers (the usages dst holds).
+    def _tensor_type(self) -> type:
+        return MXFP8Tensor
 
-        Raises:
-            TypeError: dst is not an MXFP8Tensor or src is not a float tensor. ValueError: the shapes differ.
-        """
-        if not isinstance(dst, MXFP8Tensor):
-            raise TypeError(f"MXFP8Quantizer can only update an MXFP8Tensor, got {type(dst).__name__}")
-        _check_high_precision(src)
-        if src.shape != dst.shape:
-            raise ValueError(f"cannot quantize a tensor of shape {tuple(src.shape)} into an MXFP8Tensor of shape {tuple(dst.shape)}")
+    def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> MXFP8Tensor:
+        """dst = Q(src), written into dst's buffers (the usages dst holds)."""
         usages = dst.get_usages()
         write_copies(dst, *self._cast(src.detach().to(device=dst.device), usages["rowwise"], usages["columnwise"]))
         dst._fp8_dtype = self.dtype

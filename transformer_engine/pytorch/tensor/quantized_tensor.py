@@ -57,7 +57,11 @@ class Quantizer(abc.ABC):
 
     @abc.abstractmethod
     def _update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> QuantizedTensor:
-        """Quantize ``src`` into the existing ``dst`` in place; returns ``dst``."""
+        """Quantize ``src`` into the existing ``dst`` (checked by :meth:`update_quantized`) in place; returns ``dst``."""
+
+    def _tensor_type(self) -> type:
+        """The quantized tensor class this quantizer writes."""
+        return QuantizedTensor
 
     def _state_tensors(self) -> List[torch.Tensor]:
         """The tensors of this quantizer that a cast writes (delayed scaling: its amax)."""
@@ -71,8 +75,14 @@ class Quantizer(abc.ABC):
         synchronization: the cast runs, then each written tensor selects its old or new values.
 
         Raises:
-            ValueError: noop_flag has more than one element.
+            TypeError: dst is not of this quantizer's tensor class or src is not a float tensor.
+            ValueError: the shapes differ, or noop_flag has more than one element.
         """
+        if not isinstance(dst, self._tensor_type()):
+            raise TypeError(f"{type(self).__name__} can only update a {self._tensor_type().__name__}, got {type(dst).__name__}")
+        check_high_precision(src)
+        if src.shape != dst.shape:
+            raise ValueError(f"cannot quantize a tensor of shape {tuple(src.shape)} into a {type(dst).__name__} of shape {tuple(dst.shape)}")
         if noop_flag is None:
             return self._update_quantized(src, dst)
         if not isinstance(noop_flag, torch.Tensor) or noop_flag.numel() != 1:
@@ -270,6 +280,13 @@ class QuantizedTensor(torch.Tensor):
         if func._schema.is_mutable:
             return _run_inplace_in_high_precision(func, args, kwargs)
         return func(*tree_map(_dequantized, args), **tree_map(_dequantized, kwargs))
+
+
+def check_high_precision(x) -> None:
+    """TypeError unless ``x`` is a float32, bfloat16 or float16 tensor (what the quantizers cast)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"can only quantize a float32, bfloat16 or float16 tensor, got {got}")
 
 
 def _shape_arg(shape) -> tuple:
