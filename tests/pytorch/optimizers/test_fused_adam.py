@@ -210,10 +210,12 @@ def test_unsupported_options_name_the_option():
     params = _params()
     with pytest.raises(NotImplementedError, match="amsgrad"):
         FusedAdam(params, amsgrad=True)
-    with pytest.raises(NotImplementedError, match="master_weight_dtype"):
-        FusedAdam(params, master_weights=True, master_weight_dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="exp_avg_sq_dtype"):
-        FusedAdam(params, exp_avg_sq_dtype=torch.uint8)
+    with pytest.raises(ValueError, match="master_weight_dtype"):
+        FusedAdam(params, master_weights=True, master_weight_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="exp_avg_sq_dtype"):
+        FusedAdam(params, exp_avg_sq_dtype=torch.int8)
+    with pytest.raises(NotImplementedError, match="capturable"):
+        FusedAdam(params, exp_avg_dtype=torch.uint8, capturable=True)
     with pytest.warns(UserWarning, match="store_param_remainders"):
         opt = FusedAdam(params, master_weights=True, store_param_remainders=True)
     with pytest.raises(NotImplementedError, match="int16"):
@@ -258,3 +260,62 @@ def test_on_gpu_matches_torch(master_weights):
             torch.testing.assert_close(p.detach(), r.detach().to(torch.bfloat16), **BF16_TOL)
         else:
             torch.testing.assert_close(p.detach(), r.detach(), **FP32_TOL)
+
+
+SCALED = {"fp16 master": {"master_weights": True, "master_weight_dtype": torch.float16},
+          "fp16 moments": {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float16},
+          "fp8 moments": {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8}}
+
+
+@pytest.mark.parametrize("options", list(SCALED.values()), ids=list(SCALED))
+def test_scaled_states_step_as_their_float32_values_and_store_back(options):
+    """Each step equals a float32 FusedAdam step taken from the stored (scaled) states' values, after which each
+    state holds the new values rounded with its new scale max|x| / range (NVIDIA TE's scaled states)."""
+    from transformer_engine.pytorch.optimizers._scaled_state import SCALED_DTYPES
+
+    torch.manual_seed(3)
+    params = _params(torch.float32)
+    opt = FusedAdam(params, **options, **HYPER)
+    names = [n for n, d in opt.name_to_dtype_map.items() if d in SCALED_DTYPES and (n != "master_param" or opt.master_weights)]
+    for p in params:
+        opt.initialize_state(p)  # zero moments; the master, if any, is the parameter stored with its scale
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        ref = [torch.nn.Parameter((opt.get_unscaled_state(p, "master_param") if opt.master_weights else p.detach()).clone())
+               for p in params]
+        ref_opt = FusedAdam(ref, **HYPER)
+        for r, p in zip(ref, params):
+            r.grad = p.grad.clone()
+            ref_opt.state[r] = {"exp_avg": opt.get_unscaled_state(p, "exp_avg").clone(),  # the float32 values of the states
+                                "exp_avg_sq": opt.get_unscaled_state(p, "exp_avg_sq").clone()}
+        ref_opt.param_groups[0]["step"] = step
+        opt.step()
+        ref_opt.step()
+        for p, r in zip(params, ref):
+            for name in names:
+                values = r.detach() if name == "master_param" else ref_opt.state[r][name]
+                dtype = opt.name_to_dtype_map[name]
+                scale = values.abs().max() / SCALED_DTYPES[dtype]
+                assert torch.equal(opt._scales[p][name], scale.reshape(1)), name
+                expected = (values / scale).half().float() * scale if dtype == torch.float16 else values
+                # E4M3: half a step of its 3 mantissa bits, and of its subnormal spacing 2^-9 (in units of the scale)
+                tol = {} if dtype == torch.float16 else {"rtol": 2**-4, "atol": scale.item() * 2**-10}
+                torch.testing.assert_close(opt.get_unscaled_state(p, name), expected, **tol)
+            torch.testing.assert_close(p.detach(), r.detach(), **FP32_TOL)  # the parameter: the master's new values
+
+
+def test_scaled_states_checkpoint_in_float32_and_load_back():
+    torch.manual_seed(4)
+    params = _params(torch.float32)
+    opt = FusedAdam(params, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.float16, **HYPER)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    assert all(v.dtype == torch.float32 for state in saved["state"].values() for v in state.values())
+    again = FusedAdam(params, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.float16, **HYPER)
+    again.load_state_dict(copy.deepcopy(saved))
+    for p in params:
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(again.get_unscaled_state(p, name), opt.get_unscaled_state(p, name))

@@ -7,7 +7,8 @@ Step t of a group (counted per group, from 1), gradient g, weight p (the paramet
     p = p - lr m_hat / (sqrt(v_hat) + eps),  m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t)
                                         (m_hat = m, v_hat = v with bias_correction=False)
 With ``master_weights`` the step runs on an fp32 copy of each parameter and the parameter (bf16, fp16)
-is that copy rounded; an FP8 parameter (a ``QuantizedTensor``, e.g. from ``quantized_model_init``) is
+is that copy rounded; states kept in fp16 or FP8 (``master_weight_dtype``, ``exp_avg_dtype``,
+``exp_avg_sq_dtype``; :mod:`._scaled_state`) are taken to float32 for the step and stored back with a new scale; an FP8 parameter (a ``QuantizedTensor``, e.g. from ``quantized_model_init``) is
 that copy re-quantized in place (``param.copy_(master)``), which needs ``master_weights``. ``capturable`` keeps lr and t on the device and reads a torch GradScaler's scale
 and found-inf flag there (no host synchronisation): g = g / scale, and when found_inf is set nothing
 changes and t does not advance.
@@ -15,6 +16,7 @@ changes and t does not advance.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from itertools import chain
@@ -26,12 +28,15 @@ from transformer_engine.plugin import ops
 
 from ..tensor.quantized_tensor import QuantizedTensor
 from ._common import ParamListCache, deprecated_set_grad_none, resolve_set_to_none
+from ._scaled_state import SCALED_DTYPES, new_scaled, store, unscaled
 from .multi_tensor_apply import multi_tensor_applier
 
 __all__ = ["FusedAdam"]
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+_MASTER_DTYPES = (torch.float32, torch.float16)
+_LIST_OF_STATE = {"exp_avg": "exp_avgs", "exp_avg_sq": "exp_avg_sqs"}
 
 
 @dataclass(frozen=True)
@@ -60,17 +65,18 @@ class _AdamScalars:
     bias_correction: bool
 
 
-def _check_state_dtypes(master_weights: bool, master_weight_dtype, exp_avg_dtype, exp_avg_sq_dtype) -> None:
-    """Raise NotImplementedError for state dtypes that need TE's per-tensor scaled storage."""
-    if master_weights and master_weight_dtype != torch.float32:
-        raise NotImplementedError(
-            f"FusedAdam: master_weight_dtype={master_weight_dtype} is not supported (scaled fp16 masters); use torch.float32"
-        )
+def _check_state_dtypes(master_weights: bool, master_weight_dtype, exp_avg_dtype, exp_avg_sq_dtype, capturable: bool) -> None:
+    """Raise ValueError for state dtypes NVIDIA TE does not offer either, NotImplementedError for scaled states
+    with ``capturable`` (their scales are recomputed on the host's schedule each step)."""
+    if master_weights and master_weight_dtype not in _MASTER_DTYPES:
+        raise ValueError(f"FusedAdam: master_weight_dtype={master_weight_dtype} must be torch.float32 or torch.float16")
     for option, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
         if dtype not in _MOMENT_DTYPES:
-            raise NotImplementedError(
-                f"FusedAdam: {option}={dtype} is not supported (scaled fp16 / fp8 moments); use torch.float32 or torch.bfloat16"
-            )
+            raise ValueError(f"FusedAdam: {option}={dtype} must be torch.float32, torch.bfloat16, torch.float16 or torch.uint8 (FP8)")
+    scaled = {exp_avg_dtype, exp_avg_sq_dtype, master_weight_dtype if master_weights else torch.float32} & set(SCALED_DTYPES)
+    if capturable and scaled:
+        raise NotImplementedError(f"FusedAdam: capturable=True with states stored in {sorted(map(str, scaled))} is not "
+                                  "implemented; use float32 or bfloat16 states")
 
 
 def _capturable_adam(lists: _AdamLists, grads: List[torch.Tensor], scalars: _AdamScalars, step, inv_scale, keep) -> None:
@@ -105,14 +111,15 @@ class FusedAdam(torch.optim.Optimizer):
         adam_w_mode: decoupled weight decay (AdamW) instead of an L2 term in the gradient.
         capturable: lr and step as device tensors, GradScaler-aware step without host synchronisation.
         master_weights: keep an fp32 master copy per parameter (state ``master_param``).
-        master_weight_dtype: torch.float32 (the only one supported here).
-        exp_avg_dtype, exp_avg_sq_dtype: torch.float32 or torch.bfloat16.
+        master_weight_dtype: torch.float32, or torch.float16 (stored with a per-tensor scale).
+        exp_avg_dtype, exp_avg_sq_dtype: torch.float32, torch.bfloat16, or torch.float16 / torch.uint8 (FP8 E4M3),
+            stored with a per-tensor scale.
         use_decoupled_grad: read gradients from ``param.decoupled_grad`` instead of ``param.grad``.
         store_param_remainders: accepted; the full fp32 master is kept (see the warning).
         set_grad_none: deprecated, pass ``set_to_none`` to :meth:`zero_grad`.
 
     Raises:
-        NotImplementedError: amsgrad=True, or a state dtype this implementation does not store.
+        NotImplementedError: amsgrad=True, or scaled states with capturable. ValueError: another state dtype.
 
     Example:
         >>> import torch
@@ -147,7 +154,7 @@ class FusedAdam(torch.optim.Optimizer):
     ):
         if amsgrad:
             raise NotImplementedError("FusedAdam: amsgrad=True (the AMSGrad variant) is not supported; use amsgrad=False")
-        _check_state_dtypes(master_weights, master_weight_dtype, exp_avg_dtype, exp_avg_sq_dtype)
+        _check_state_dtypes(master_weights, master_weight_dtype, exp_avg_dtype, exp_avg_sq_dtype, capturable)
         if store_param_remainders and master_weights:
             warnings.warn(
                 "FusedAdam: store_param_remainders=True keeps the full fp32 master weights (the 16-bit remainder "
@@ -164,6 +171,9 @@ class FusedAdam(torch.optim.Optimizer):
         self.exp_avg_dtype = exp_avg_dtype
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.name_to_dtype_map = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype, "master_param": master_weight_dtype}
+        self._scales = {}  # param -> {state name: float32 [1]} for the states stored with a scale
+        self._scaled_names = tuple(name for name, dtype in self.name_to_dtype_map.items()
+                                   if dtype in SCALED_DTYPES and (master_weights or name != "master_param"))
         self.use_decoupled_grad = use_decoupled_grad
         self.store_param_remainders = False  # remainders are never stored, whatever was asked
         self.set_grad_none = deprecated_set_grad_none("FusedAdam", set_grad_none)
@@ -221,14 +231,20 @@ class FusedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------ state
 
     def _new_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
-        return torch.empty_like(param, dtype=self.name_to_dtype_map[state_name], memory_format=torch.preserve_format)
+        """Zeros in the state's dtype (a scaled one gets its scale, 1)."""
+        dtype = self.name_to_dtype_map[state_name]
+        if dtype in SCALED_DTYPES:
+            self._scales.setdefault(param, {})[state_name] = torch.ones(1, dtype=torch.float32, device=param.device)
+            return new_scaled(param, dtype)
+        return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
     def _init_state(self, param: torch.Tensor) -> None:
         state = self.state[param]
-        state["exp_avg"] = self._new_state(param, "exp_avg").zero_()
-        state["exp_avg_sq"] = self._new_state(param, "exp_avg_sq").zero_()
+        state["exp_avg"] = self._new_state(param, "exp_avg")
+        state["exp_avg_sq"] = self._new_state(param, "exp_avg_sq")
         if self.master_weights:
-            state["master_param"] = self._new_state(param, "master_param").copy_(param.detach())
+            state["master_param"] = self._new_state(param, "master_param")
+            self.set_scaled_state(param, "master_param", param.detach().float())
 
     def initialize_state(self, param: torch.nn.Parameter, store_param_remainders: bool = False) -> None:
         """Create the zero moments (and the master copy of ``param`` with master_weights).
@@ -239,17 +255,20 @@ class FusedAdam(torch.optim.Optimizer):
         self._lists.clear()
 
     def get_unscaled_state(self, param: torch.nn.Parameter, state_name: str, skip_unscale: bool = False) -> torch.Tensor:
-        """State ``state_name`` (exp_avg, exp_avg_sq, master_param) of ``param`` in float32.
+        """State ``state_name`` (exp_avg, exp_avg_sq, master_param) of ``param`` in float32 (a scaled one times its scale).
 
         A bf16 state comes back as it is with ``skip_unscale``; a float32 one is the state itself.
         """
         state = self.state[param][state_name]
+        if state_name in self._scaled_names:
+            return unscaled(state, self._scales[param][state_name])
         if skip_unscale and state.dtype == torch.bfloat16:
             return state
         return state.float()
 
     def set_scaled_state(self, param: torch.nn.Parameter, state_name: str, unscaled_state: torch.Tensor) -> None:
-        """Store the float32 ``unscaled_state`` as state ``state_name`` of ``param`` (cast to that state's dtype).
+        """Store the float32 ``unscaled_state`` as state ``state_name`` of ``param`` (cast to that state's dtype; a
+        scaled one with the scale max|x| / range, see :mod:`._scaled_state`).
 
         Raises:
             NotImplementedError: an int16 master (TE's store_param_remainders format).
@@ -263,7 +282,10 @@ class FusedAdam(torch.optim.Optimizer):
         if state_name not in state:
             state[state_name] = self._new_state(param, state_name)
             self._lists.clear()
-        state[state_name].copy_(unscaled_state)
+        if state_name in self._scaled_names:
+            store(state[state_name], self._scales[param][state_name], unscaled_state.float())
+        else:
+            state[state_name].copy_(unscaled_state)
 
     def state_dict(self) -> dict:
         """torch's state dict with every state in float32 (the format TE saves)."""
@@ -357,13 +379,29 @@ class FusedAdam(torch.optim.Optimizer):
                 adam_w_mode=self.adam_w_mode,
                 bias_correction=bool(group["bias_correction"]),
             )
+            if self._scaled_names:
+                lists = self._unscaled_lists(lists)
             if self.capturable:
                 _capturable_adam(lists, grads, scalars, step=group["step"], inv_scale=inv_scale, keep=keep)
             else:
                 self._fused_adam(lists, grads, scalars, step=group["step"])
             if self.master_weights:
                 _copy_masters(lists)
+            for name in self._scaled_names:
+                for param, values in zip(lists.params, _state_list(lists, name)):
+                    self.set_scaled_state(param, name, values)
         return loss
+
+    def _unscaled_lists(self, lists: _AdamLists) -> _AdamLists:
+        """``lists`` with each scaled state replaced by its float32 values (the step updates those; they are stored back after)."""
+        values = {name: [self.get_unscaled_state(p, name) for p in lists.params] for name in self._scaled_names}
+        fields = {_LIST_OF_STATE[name]: v for name, v in values.items() if name in _LIST_OF_STATE}
+        masters = values.get("master_param")
+        if masters is not None:
+            fields["weights"] = masters
+            fields["copy_masters"] = [m for p, m in zip(lists.params, masters) if not isinstance(p, QuantizedTensor)]
+            fields["quantized"] = [(p, m) for p, m in zip(lists.params, masters) if isinstance(p, QuantizedTensor)]
+        return dataclasses.replace(lists, **fields)
 
     def _fused_adam(self, lists: _AdamLists, grads: List[torch.Tensor], scalars: _AdamScalars, step: int) -> None:
         """The catalog's multi_tensor_adam over the group (it never skips: the overflow flag stays 0, as in TE)."""
@@ -380,6 +418,11 @@ class FusedAdam(torch.optim.Optimizer):
             bias_correction=scalars.bias_correction,
             weight_decay=scalars.weight_decay,
         )
+
+
+def _state_list(lists: _AdamLists, name: str) -> List[torch.Tensor]:
+    """The list of ``lists`` that holds state ``name``."""
+    return lists.weights if name == "master_param" else getattr(lists, _LIST_OF_STATE[name])
 
 
 def _copy_masters(lists: _AdamLists) -> None:
