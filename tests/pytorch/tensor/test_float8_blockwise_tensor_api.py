@@ -134,3 +134,14 @@ def test_bad_arguments_are_named():
         Float8BlockwiseQTensor((128, 256), torch.float32, rowwise_data=None, rowwise_scale_inv=None, fp8_dtype=DType.kFloat8E4M3)
     with pytest.raises(ValueError, match="holds 2-D tiles"):
         _quantizer(1).update_quantized(torch.ones(128, 128), _quantizer(2)(torch.ones(128, 128)))
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("shape", [(256, 384), (250, 500), (7, 5, 3), (311,)])
+def test_scale_and_columnwise_shapes_are_those_of_the_casts(dim, shape):
+    """TE's quantizer helpers: the shapes a constructor needs, equal to what a cast makes."""
+    quantizer = _quantizer(dim)
+    x_q = quantizer(_x(shape))
+    assert quantizer.get_scale_shape(shape, columnwise=False) == tuple(x_q._rowwise_scale_inv.shape)
+    assert quantizer.get_scale_shape(shape, columnwise=True) == tuple(x_q._columnwise_scale_inv.shape)
+    assert quantizer.get_columnwise_shape(shape) == x_q._columnwise_data.shape

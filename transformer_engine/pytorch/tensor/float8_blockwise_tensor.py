@@ -86,6 +86,18 @@ class Float8BlockQuantizer(Quantizer):
                                     amax_epsilon=self.amax_epsilon, force_pow_2_scales=self.force_pow_2_scales,
                                     block_scaling_dim=self.block_scaling_dim)
 
+    def get_scale_shape(self, shape: Iterable[int], columnwise: bool) -> Tuple[int, int]:
+        """The shape of the scales of a tensor of ``shape``: [ceil(M / b), ceil(K / 128)] row-wise, [ceil(K / b),
+        ceil(M / 128)] column-wise (b = 128 for 128 x 128 tiles, 1 for 1 x 128), with [M, K] the tensor's matrix."""
+        shape = torch.Size(shape)
+        m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
+        rows = _tile(self.block_scaling_dim == 2)[0]
+        return (math.ceil(k / rows), math.ceil(m / _BLOCK_LEN)) if columnwise else (math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))
+
+    def get_columnwise_shape(self, shape: Iterable[int]) -> torch.Size:
+        """The shape of the column-wise data of a tensor of ``shape``: its last dimension first."""
+        return _columnwise_shape(shape)
+
     def module_quantizer(self) -> ModuleBlockQuantizer:
         """The quantizer the modules cast with under a ``CustomRecipe`` that returns this one (the same tiles and rule)."""
         qparams = QParams(power_2_scale=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
@@ -136,15 +148,13 @@ class Float8BlockQuantizer(Quantizer):
                    requires_grad: bool = False) -> Float8BlockwiseQTensor:
         """A Float8BlockwiseQTensor of ``shape`` with uninitialized values and unit scales."""
         device, shape = _default_device(device), torch.Size(shape)
-        m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
-        rows = _tile(self.block_scaling_dim == 2)[0]
-        ones = lambda *s: torch.ones(s, dtype=torch.float32, device=device)  # noqa: E731
+        ones = lambda s: torch.ones(s, dtype=torch.float32, device=device)  # noqa: E731
         data = scale_inv = data_t = scale_inv_t = None
         if self.rowwise_usage:
-            data, scale_inv = torch.empty(shape, dtype=torch.uint8, device=device), ones(math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))
+            data, scale_inv = torch.empty(shape, dtype=torch.uint8, device=device), ones(self.get_scale_shape(shape, columnwise=False))
         if self.columnwise_usage:
             data_t = torch.empty(_columnwise_shape(shape), dtype=torch.uint8, device=device)
-            scale_inv_t = ones(math.ceil(k / rows), math.ceil(m / _BLOCK_LEN))
+            scale_inv_t = ones(self.get_scale_shape(shape, columnwise=True))
         return Float8BlockwiseQTensor(shape=shape, dtype=dtype, rowwise_data=data, rowwise_scale_inv=scale_inv,
                                       columnwise_data=data_t, columnwise_scale_inv=scale_inv_t, fp8_dtype=self.dtype,
                                       quantizer=self, is_2D_scaled=self.block_scaling_dim == 2, requires_grad=requires_grad,
