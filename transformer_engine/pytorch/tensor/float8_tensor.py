@@ -212,7 +212,7 @@ class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
     Example:
         >>> q = Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu")
         >>> q(torch.tensor([1.0, -2.0]))._scale_inv  # 2 / 448
-        tensor(0.0045)
+        tensor([0.0045])
     """
 
     def __init__(self, fp8_dtype: FP8DType, device=None, *, rowwise: bool = True, columnwise: bool = True,
