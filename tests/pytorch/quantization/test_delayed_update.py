@@ -195,13 +195,25 @@ def test_update_follows_replaced_state_tensors():
     _step_and_check(states[1:2], recipe)
 
 
-def test_states_of_different_history_lengths_raise():
+def test_states_of_different_history_lengths_update_in_place_and_only_side_by_side_raise():
+    """The in-place op takes states of any history lengths (each checked by its oracle); the side-by-side path (a
+    recipe callable, or an amax reduction) needs one length and says so."""
     recipe = DelayedScaling(amax_history_len=2)
     states = _random_states(recipe, "forward", [3, 3])
     with pytest.warns(UserWarning):
         states[1].adjust_amax_history_length(4)
+    _step_and_check(states, recipe)
+    with_callable = DelayedScaling(amax_history_len=2, amax_compute_algo=lambda history: history.amax(dim=0))
     with pytest.raises(ValueError, match=r"lengths \[2, 4\]"):
-        reduce_and_update(states, recipe)
+        reduce_and_update(states, with_callable)
+
+
+def test_a_plan_that_updates_in_place_allocates_no_side_by_side_buffers():
+    recipe = DelayedScaling(amax_history_len=2)
+    states = _random_states(recipe, "backward", [2, 3])
+    reduce_and_update(states, recipe)
+    (group,) = delayed_update._plan(states, side_by_side=False)
+    assert group.history is None and group.scale is None and len(group.state_histories) == 2
 
 
 def test_plan_cache_is_bounded():
@@ -305,4 +317,4 @@ def test_hold_plans_collects_the_plans_used_inside():
     reduce_and_update(states[:1], recipe)  # after the context: not collected
     assert len(held) == 2 and held[0] is held[1]  # the cached plan, once per update
     (group,) = held[0]
-    assert group.history.shape == (3, 4) and all(h is s.amax_history for h, s in zip(group.state_histories, states))
+    assert all(h is s.amax_history for h, s in zip(group.state_histories, states))  # in place: the states' own tensors

@@ -22,14 +22,15 @@ step is ``ops.delayed_scaling_update`` (or the callables), two ``where`` and a `
 The host work that does not change from step to step (the side-by-side buffers and their per-state
 views, fp8_max per slot, the grouping by device) is a :class:`_Group` plan, cached per list of states
 by the identity of their tensors, so a replaced tensor (``adjust_amax_history_length``, ``move_to``,
-a checkpoint load) or another fp8 dtype (a recipe format change) gets a new plan.
+a checkpoint load) or another fp8 dtype (a recipe format change) gets a new plan; a plan that updates
+in place allocates no side-by-side buffers (and its states may differ in history length).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -54,18 +55,19 @@ class _Group:
     fused launch). The plan holds every state tensor of its cache key.
 
     Attributes:
-        history: H [L, sum N] float32; ``amax`` is its row 0.
-        scale, scale_inv: s and 1 / s, float32 [sum N].
+        history: H [L, sum N] float32; ``amax`` is its row 0 (both None in a plan of several states that
+            updates them in place: no side-by-side buffers).
+        scale, scale_inv: s and 1 / s, float32 [sum N] (None likewise).
         fp8_max: one float, or float32 [sum N] when the states' fp8 dtypes differ.
         state_histories, state_scales: the states' H and s (empty for one state).
         history_views, scale_targets, scale_views: the write-back pairs (empty for one state).
         state_scale_invs: the states' scale_inv (empty for one state).
     """
 
-    history: torch.Tensor
-    amax: torch.Tensor
-    scale: torch.Tensor
-    scale_inv: torch.Tensor
+    history: Optional[torch.Tensor]
+    amax: Optional[torch.Tensor]
+    scale: Optional[torch.Tensor]
+    scale_inv: Optional[torch.Tensor]
     fp8_max: Union[float, torch.Tensor]
     state_histories: Tuple[torch.Tensor, ...] = ()
     state_scales: Tuple[torch.Tensor, ...] = ()
@@ -128,7 +130,7 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> N
     if torch.compiler.is_compiling():
         _update_traced(states, recipe, group if reduce else None)
         return
-    plan = _plan(states)
+    plan = _plan(states, side_by_side=reduce or not _built_in(recipe))
     for held in _HOLDERS:
         held.append(plan)
     for part in plan:
@@ -182,42 +184,44 @@ def _built_in(recipe: DelayedScaling) -> bool:
     return not callable(recipe.amax_compute_algo) and recipe.scaling_factor_compute_algo is None
 
 
-def _plan(states: Sequence) -> Tuple[_Group, ...]:
-    """The cached plan of ``states``, keyed by their tensors' ids and fp8 dtypes (a plan holds the
-    tensors of its key, so no live tensor can take one of its ids)."""
-    key = tuple([(id(s.amax_history), id(s.scale), id(s.scale_inv), s.fp8_dtype) for s in states])
+def _plan(states: Sequence, side_by_side: bool) -> Tuple[_Group, ...]:
+    """The cached plan of ``states``, keyed by their tensors' ids and fp8 dtypes and whether the update needs
+    them side by side (a plan holds the tensors of its key, so no live tensor can take one of its ids)."""
+    key = (side_by_side,) + tuple([(id(s.amax_history), id(s.scale), id(s.scale_inv), s.fp8_dtype) for s in states])
     plan = _PLANS.get(key)
     if plan is None:
         by_device: Dict[torch.device, List] = {}
         for state in states:
             by_device.setdefault(state.amax_history.device, []).append(state)
-        plan = tuple(_make_group(same_device) for same_device in by_device.values())
+        plan = tuple(_make_group(same_device, side_by_side) for same_device in by_device.values())
         if len(_PLANS) >= _MAX_PLANS:
             del _PLANS[next(iter(_PLANS))]
         _PLANS[key] = plan
     return plan
 
 
-def _make_group(states: List) -> _Group:
-    """The plan of states on one device; several states need histories of one length L."""
-    lengths = {s.amax_history.shape[0] for s in states}
-    if len(lengths) > 1:
-        raise ValueError(
-            f"the states updated together have amax histories of lengths {sorted(lengths)}; they must share "
-            "one length: give their modules the same recipe amax_history_len"
-        )
+def _make_group(states: List, side_by_side: bool) -> _Group:
+    """The plan of states on one device: in place (one state, or several with one fp8_max and no need for
+    ``side_by_side``), else side-by-side buffers, which need histories of one length L."""
     fp8_max = _fp8_max(states)
     if len(states) == 1:
         (s,) = states
         return _Group(s.amax_history, s.amax_history[0], s.scale, s.scale_inv, fp8_max)
+    in_place = dict(state_histories=tuple(s.amax_history for s in states), state_scales=tuple(s.scale for s in states),
+                    state_scale_invs=tuple(s.scale_inv for s in states))
+    if not side_by_side and not isinstance(fp8_max, torch.Tensor):
+        return _Group(None, None, None, None, fp8_max, **in_place)
+    lengths = {s.amax_history.shape[0] for s in states}
+    if len(lengths) > 1:
+        raise ValueError(
+            f"the states updated together have amax histories of lengths {sorted(lengths)}; with an amax reduction or "
+            "a recipe callable they must share one length: give their modules the same recipe amax_history_len"
+        )
     sizes = [s.num_quantizers for s in states]
     history = torch.empty(lengths.pop(), sum(sizes), dtype=torch.float32, device=states[0].amax_history.device)
     scale, scale_inv = torch.empty_like(history[0]), torch.empty_like(history[0])
     return _Group(
-        history, history[0], scale, scale_inv, fp8_max,
-        state_histories=tuple(s.amax_history for s in states),
-        state_scales=tuple(s.scale for s in states),
-        state_scale_invs=tuple(s.scale_inv for s in states),
+        history, history[0], scale, scale_inv, fp8_max, **in_place,
         history_views=history.split(sizes, dim=1),
         scale_targets=tuple([s.scale for s in states] + [s.scale_inv for s in states]),
         scale_views=scale.split(sizes) + scale_inv.split(sizes),
