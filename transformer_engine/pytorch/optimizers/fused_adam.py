@@ -215,18 +215,9 @@ class FusedAdam(torch.optim.Optimizer):
             if not self.state[param]:
                 self._init_state(param)
         states = [self.state[p] for p in params]
-        weights = [s["master_param"] for s in states] if self.master_weights else list(params)
-        pairs = list(zip(params, weights)) if self.master_weights else []
-        plain = [(p, w) for p, w in pairs if not isinstance(p, QuantizedTensor)]
-        return _AdamLists(
-            params=list(params),
-            weights=weights,
-            exp_avgs=[s["exp_avg"] for s in states],
-            exp_avg_sqs=[s["exp_avg_sq"] for s in states],
-            copy_params=[p for p, _ in plain],
-            copy_masters=[w for _, w in plain],
-            quantized=[(p, w) for p, w in pairs if isinstance(p, QuantizedTensor)],
-        )
+        masters = [s["master_param"] for s in states] if self.master_weights else None
+        return _AdamLists(params=list(params), exp_avgs=[s["exp_avg"] for s in states], exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+                          **_master_fields(params, masters))
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -396,11 +387,8 @@ class FusedAdam(torch.optim.Optimizer):
         """``lists`` with each scaled state replaced by its float32 values (the step updates those; they are stored back after)."""
         values = {name: [self.get_unscaled_state(p, name) for p in lists.params] for name in self._scaled_names}
         fields = {_LIST_OF_STATE[name]: v for name, v in values.items() if name in _LIST_OF_STATE}
-        masters = values.get("master_param")
-        if masters is not None:
-            fields["weights"] = masters
-            fields["copy_masters"] = [m for p, m in zip(lists.params, masters) if not isinstance(p, QuantizedTensor)]
-            fields["quantized"] = [(p, m) for p, m in zip(lists.params, masters) if isinstance(p, QuantizedTensor)]
+        if "master_param" in values:
+            fields.update(_master_fields(lists.params, values["master_param"]))
         return dataclasses.replace(lists, **fields)
 
     def _fused_adam(self, lists: _AdamLists, grads: List[torch.Tensor], scalars: _AdamScalars, step: int) -> None:
@@ -418,6 +406,17 @@ class FusedAdam(torch.optim.Optimizer):
             bias_correction=scalars.bias_correction,
             weight_decay=scalars.weight_decay,
         )
+
+
+def _master_fields(params: List[torch.Tensor], masters: Optional[List[torch.Tensor]]) -> dict:
+    """The _AdamLists fields the masters decide: ``weights`` (the masters, or the parameters themselves without
+    them) and the plain / FP8 parameters paired with their masters (rounded into the former by one foreach copy,
+    the latter re-quantized one by one)."""
+    if masters is None:
+        return {"weights": list(params), "copy_params": [], "copy_masters": [], "quantized": []}
+    plain = [(p, m) for p, m in zip(params, masters) if not isinstance(p, QuantizedTensor)]
+    return {"weights": masters, "copy_params": [p for p, _ in plain], "copy_masters": [m for _, m in plain],
+            "quantized": [(p, m) for p, m in zip(params, masters) if isinstance(p, QuantizedTensor)]}
 
 
 def _state_list(lists: _AdamLists, name: str) -> List[torch.Tensor]:
