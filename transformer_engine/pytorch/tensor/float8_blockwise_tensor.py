@@ -23,13 +23,12 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import torch
 
 from transformer_engine.common.recipe import QParams
-from transformer_engine.plugin import ops
 
 from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor as BlockOperand
 from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
 from .dtype import DType, fp8_torch_dtype
 from ._block_scaled import BlockScaledTensor, write_copies
-from .float8_tensor import FP8DType, _as_2d, _byte_buffer, _columnwise_shape
+from .float8_tensor import FP8DType, _as_2d, _byte_buffer, _columnwise_shape, _matrix_dims, _transposed_bytes
 from .quantized_tensor import QuantizedTensor, Quantizer, _default_device, check_high_precision
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensor"]
@@ -40,6 +39,14 @@ _BLOCK_LEN = 128
 def _tile(is_2d: bool) -> Tuple[int, int]:
     """The (rows, cols) tile of the row-wise copy (the column-wise copy of 1-D tiles is also (1, 128))."""
     return (_BLOCK_LEN, _BLOCK_LEN) if is_2d else (1, _BLOCK_LEN)
+
+
+def _scale_grid(shape: Iterable[int], is_2d: bool, columnwise: bool) -> Tuple[int, int]:
+    """The shape of one copy's scales: [ceil(M / b), ceil(K / 128)] row-wise, [ceil(K / b), ceil(M / 128)]
+    column-wise (b = 128 for 128 x 128 tiles, 1 for 1 x 128), with [M, K] the tensor's matrix."""
+    m, k = _matrix_dims(shape)
+    rows = _tile(is_2d)[0]
+    return (math.ceil(k / rows), math.ceil(m / _BLOCK_LEN)) if columnwise else (math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))
 
 
 class Float8BlockQuantizer(Quantizer):
@@ -87,12 +94,8 @@ class Float8BlockQuantizer(Quantizer):
                                     block_scaling_dim=self.block_scaling_dim)
 
     def get_scale_shape(self, shape: Iterable[int], columnwise: bool) -> Tuple[int, int]:
-        """The shape of the scales of a tensor of ``shape``: [ceil(M / b), ceil(K / 128)] row-wise, [ceil(K / b),
-        ceil(M / 128)] column-wise (b = 128 for 128 x 128 tiles, 1 for 1 x 128), with [M, K] the tensor's matrix."""
-        shape = torch.Size(shape)
-        m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
-        rows = _tile(self.block_scaling_dim == 2)[0]
-        return (math.ceil(k / rows), math.ceil(m / _BLOCK_LEN)) if columnwise else (math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))
+        """The shape of the scales of a tensor of ``shape`` (see :func:`_scale_grid`)."""
+        return _scale_grid(shape, self.block_scaling_dim == 2, columnwise)
 
     def get_columnwise_shape(self, shape: Iterable[int]) -> torch.Size:
         """The shape of the column-wise data of a tensor of ``shape``: its last dimension first."""
@@ -245,8 +248,7 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
         if not self._is_2D_scaled:
             raise RuntimeError("the column-wise copy of 1 x 128 tiles is a quantization of x^T; it cannot be made from the "
                                "row-wise FP8 values: quantize with columnwise=True")
-        values_t = ops.fp8_transpose(_as_2d(self._values(self._rowwise_data)))
-        self._columnwise_data = values_t.view(torch.uint8).view(_columnwise_shape(self.shape))
+        self._columnwise_data = _transposed_bytes(self._rowwise_data, self._fp8_dtype, self.shape)
         self._columnwise_scale_inv = self._rowwise_scale_inv.t()
 
     def __reduce_ex__(self, protocol: int) -> tuple:
@@ -260,11 +262,9 @@ def _check_blocks(shape: torch.Size, is_2d: bool, data, scale_inv, data_t, scale
     """ValueError unless the given copies fit ``shape`` and each has scales of its tiles' grid."""
     if data is None and data_t is None:
         raise ValueError("a Float8BlockwiseQTensor needs rowwise_data, columnwise_data or both; got neither")
-    m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
-    rows = _tile(is_2d)[0]
     for name, values, scales, want, grid in (
-        ("rowwise", data, scale_inv, shape, (math.ceil(m / rows), math.ceil(k / _BLOCK_LEN))),
-        ("columnwise", data_t, scale_inv_t, _columnwise_shape(shape), (math.ceil(k / rows), math.ceil(m / _BLOCK_LEN))),
+        ("rowwise", data, scale_inv, shape, _scale_grid(shape, is_2d, columnwise=False)),
+        ("columnwise", data_t, scale_inv_t, _columnwise_shape(shape), _scale_grid(shape, is_2d, columnwise=True)),
     ):
         if values is None:
             continue

@@ -47,6 +47,12 @@ def _columnwise_shape(shape: Iterable[int]) -> torch.Size:
     return shape if len(shape) == 0 else torch.Size((shape[-1], *shape[:-1]))
 
 
+def _matrix_dims(shape: Iterable[int]) -> Tuple[int, int]:
+    """(M, K) of the matrix [prod(lead), last] a tensor of ``shape`` is quantized as (0-d: (1, 1))."""
+    shape = torch.Size(shape)
+    return math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
+
+
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     """x as the matrix [prod(lead), N] its transposed data is made from (0-d: [1, 1])."""
     if x.dim() == 0:
@@ -75,6 +81,12 @@ def _bytes(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _values(buffer: Optional[torch.Tensor], fp8_dtype: "DType") -> Optional[torch.Tensor]:
     """Stored uint8 bytes viewed as the FP8 values of ``fp8_dtype`` (what the casts and GEMMs read; None stays None)."""
     return None if buffer is None else buffer.view(fp8_torch_dtype(fp8_dtype))
+
+
+def _transposed_bytes(buffer: torch.Tensor, fp8_dtype: "DType", shape: Iterable[int]) -> torch.Tensor:
+    """The stored bytes of a tensor of logical ``shape``, transposed (``ops.fp8_transpose`` of its matrix), shaped
+    (last dim, *lead) as the column-wise data."""
+    return _bytes(ops.fp8_transpose(_as_2d(_values(buffer, fp8_dtype)))).view(_columnwise_shape(shape))
 
 
 def _one_element_f32(t, name: str) -> None:
@@ -349,8 +361,7 @@ class Float8Tensor(QuantizedTensor):
         if not (rowwise or columnwise):
             raise RuntimeError("update_usage(rowwise_usage=False, columnwise_usage=False) would leave the Float8Tensor without data")
         if columnwise and self._transpose is None:
-            values = _as_2d(_values(self._data, self._fp8_dtype))
-            self._transpose = _bytes(ops.fp8_transpose(values)).view(_columnwise_shape(self.shape))
+            self._transpose = _transposed_bytes(self._data, self._fp8_dtype, self.shape)
         self._data = self._data if rowwise else None
         self._transpose = self._transpose if columnwise else None
 
@@ -395,7 +406,7 @@ def _copy_fp8(dst: Float8Tensor, src: Float8Tensor) -> Float8Tensor:
     data = src._data.detach().to(dst.device)
     transpose = None
     if dst._transpose is not None:
-        transpose = src._transpose if src._transpose is not None else _bytes(ops.fp8_transpose(_as_2d(_values(data, src._fp8_dtype))))
+        transpose = src._transpose if src._transpose is not None else _transposed_bytes(data, src._fp8_dtype, src.shape)
         transpose = transpose.detach().to(dst.device).view(_columnwise_shape(dst.shape))
     dst._data = None if dst._data is None else _write(dst._data, data)
     dst._transpose = _write(dst._transpose, transpose)

@@ -17,7 +17,7 @@ Layout, as NVIDIA TE's: both data buffers have x's shape; the scales are compact
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -28,12 +28,18 @@ from ..quantization.mxfp8_tensor import MXFP8Tensor as MXFP8Operand
 from ..quantization.quantizer import MXFP8Quantizer as ModuleMXFP8Quantizer
 from ._block_scaled import BlockScaledTensor, write_copies
 from .dtype import DType, fp8_torch_dtype
-from .float8_tensor import FP8DType, _as_2d, _byte_buffer
+from .float8_tensor import FP8DType, _as_2d, _byte_buffer, _matrix_dims
 from .quantized_tensor import QuantizedTensor, Quantizer, _default_device, check_high_precision
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor"]
 
 _UNIT_SCALE = 127  # the E8M0 code of 2^0
+
+
+def _scale_grid(shape: Iterable[int], columnwise: bool) -> Tuple[int, int]:
+    """The shape of one copy's E8M0 scales: [M, K / 32] row-wise, [M / 32, K] column-wise ([M, K] the tensor's matrix)."""
+    m, k = _matrix_dims(shape)
+    return (m // MXFP8_BLOCK, k) if columnwise else (m, k // MXFP8_BLOCK)
 
 
 class MXFP8Quantizer(Quantizer):
@@ -107,13 +113,12 @@ class MXFP8Quantizer(Quantizer):
             ValueError: a shape MXFP8 cannot hold (see :meth:`is_quantizable`).
         """
         device, shape = _default_device(device), torch.Size(shape)
-        m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
-        units = lambda *s: torch.full(s, _UNIT_SCALE, dtype=torch.uint8, device=device)  # noqa: E731
+        units = lambda columnwise: torch.full(_scale_grid(shape, columnwise), _UNIT_SCALE, dtype=torch.uint8, device=device)  # noqa: E731
         data = scale_inv = data_c = scale_c = None
         if self.rowwise_usage:
-            data, scale_inv = torch.empty(shape, dtype=torch.uint8, device=device), units(m, k // MXFP8_BLOCK)
+            data, scale_inv = torch.empty(shape, dtype=torch.uint8, device=device), units(False)
         if self.columnwise_usage:
-            data_c, scale_c = torch.empty(shape, dtype=torch.uint8, device=device), units(m // MXFP8_BLOCK, k)
+            data_c, scale_c = torch.empty(shape, dtype=torch.uint8, device=device), units(True)
         return MXFP8Tensor(shape=shape, dtype=dtype, rowwise_data=data, rowwise_scale_inv=scale_inv, columnwise_data=data_c,
                            columnwise_scale_inv=scale_c, fp8_dtype=self.dtype, quantizer=self, requires_grad=requires_grad,
                            device=device)
@@ -201,10 +206,10 @@ def _check_copies(shape: torch.Size, data, scale_inv, data_c, scale_c) -> None:
     """ValueError unless the given copies fit ``shape`` and each has the uint8 scales of its blocks."""
     if data is None and data_c is None:
         raise ValueError("an MXFP8Tensor needs rowwise_data, columnwise_data or both; got neither")
-    m, k = math.prod(shape[:-1]), (shape[-1] if len(shape) else 1)
+    m, k = _matrix_dims(shape)
     for name, values, scales, blocked, grid in (
-        ("rowwise", data, scale_inv, ("last dim", k), (m, k // MXFP8_BLOCK)),
-        ("columnwise", data_c, scale_c, ("product of the leading dims", m), (m // MXFP8_BLOCK, k)),
+        ("rowwise", data, scale_inv, ("last dim", k), _scale_grid(shape, columnwise=False)),
+        ("columnwise", data_c, scale_c, ("product of the leading dims", m), _scale_grid(shape, columnwise=True)),
     ):
         if values is None:
             continue
