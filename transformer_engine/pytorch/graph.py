@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 from transformer_engine.common.recipe import Recipe
 
 from .distributed import get_all_rng_states
-from .graph_state import is_graph_capturing, restore_fp8_tensors, save_fp8_tensors, set_capture_end, set_capture_start
+from .graph_state import is_graph_capturing, restore_fp8_tensors, save_fp8_tensors, scaling_tensors, set_capture_end, set_capture_start
 from .graph_schedule import default_schedule, interleaved_schedule
 from .module.base import first_microbatch
 from .quantization.autocast import autocast, isolated_stack
@@ -500,13 +500,10 @@ class _ScalingSnapshot:
 
     def note(self, state) -> None:
         if id(state) not in self._saved:
-            self._saved[id(state)] = (state, tuple(t.clone() for t in _scaling_tensors(state)))
+            self._saved[id(state)] = (state, tuple(t.clone() for t in scaling_tensors(state)))
 
     def restore(self) -> None:
         for state, values in self._saved.values():
-            for tensor, value in zip(_scaling_tensors(state), values):
+            for tensor, value in zip(scaling_tensors(state), values):
                 tensor.copy_(value)
 
-
-def _scaling_tensors(state) -> Tuple[torch.Tensor, ...]:
-    return (state.amax_history, state.scale, state.scale_inv)

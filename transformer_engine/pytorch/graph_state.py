@@ -18,7 +18,7 @@ from transformer_engine.common.recipe import DelayedScaling, Recipe
 
 from .module.base import TransformerEngineBaseModule
 
-__all__ = ["is_graph_capturing", "restore_fp8_tensors", "save_fp8_tensors", "set_capture_end", "set_capture_start"]
+__all__ = ["is_graph_capturing", "restore_fp8_tensors", "save_fp8_tensors", "scaling_tensors", "set_capture_end", "set_capture_start"]
 
 _capturing = False
 
@@ -78,6 +78,11 @@ def _state_copy(m: torch.nn.Module, recipe: DelayedScaling) -> Optional[Tuple[to
     return tuple(t.clone() for t in _state_tensors(m))
 
 
+def scaling_tensors(state) -> Tuple[torch.Tensor, ...]:
+    """The tensors of one delayed-scaling state that an update writes: amax history, scale, scale_inv."""
+    return (state.amax_history, state.scale, state.scale_inv)
+
+
 def _state_tensors(m: TransformerEngineBaseModule) -> Tuple[torch.Tensor, ...]:
     states = (m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"])
-    return tuple(t for s in states if s is not None for t in (s.amax_history, s.scale, s.scale_inv))
+    return tuple(t for s in states if s is not None for t in scaling_tensors(s))
