@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .module._params import DEFAULT_INIT_STD
 from .quantization.availability import get_cudnn_version, get_device_compute_capability, is_bf16_available
 
 __all__ = [
@@ -45,7 +46,7 @@ def init_method_constant(val: float) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def get_default_init_method() -> Callable[[torch.Tensor], torch.Tensor]:
     """The modules' default weight initializer: N(0, 0.023^2)."""
-    return init_method_normal(0.023)
+    return init_method_normal(DEFAULT_INIT_STD)
 
 
 def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,16 @@ import torch
 from ..parallel.tensor_parallel import local_features, megatron_attributes
 from ._norm import NormConfig
 
-__all__ = ["LinearLayout", "add_linear_params", "add_norm_params", "default_init_method"]
+__all__ = ["DEFAULT_INIT_STD", "LinearLayout", "add_linear_params", "add_norm_params", "default_init_method"]
+
+
+#: the standard deviation of TE's default weight initialization
+DEFAULT_INIT_STD = 0.023
 
 
 def default_init_method(weight: torch.Tensor) -> None:
-    """TE's default init: weight ~ N(0, 0.023^2)."""
-    torch.nn.init.normal_(weight, mean=0.0, std=0.023)
+    """TE's default init: weight ~ N(0, DEFAULT_INIT_STD^2)."""
+    torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
 
 
 def _zeros(t: torch.Tensor) -> None:
