@@ -104,3 +104,20 @@ def test_bf16_default_dtype_changes_nothing(module_name, recipe_name):
         torch.testing.assert_close(value, expected[2][key], rtol=0, atol=0)
     if recipe_name == "delayed" and module_name not in ("LayerNorm", "RMSNorm", "DotProductAttention"):
         assert got[2], "delayed scaling kept no state"
+
+
+def test_public_quantizers_make_float32_scales_under_a_bf16_default():
+    """make_empty's unit scales name their dtype (a bf16 default made the per-tensor one bf16, which its own
+    constructor then refused)."""
+    from transformer_engine.pytorch.tensor import DType, Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer
+
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        fp8 = Float8CurrentScalingQuantizer(DType.kFloat8E4M3).make_empty((32, 64))
+        block = Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True).make_empty((32, 64))
+        mxfp8 = MXFP8Quantizer(DType.kFloat8E4M3).make_empty((32, 64))
+    finally:
+        torch.set_default_dtype(saved)
+    assert fp8._scale_inv.dtype == torch.float32 and block._rowwise_scale_inv.dtype == torch.float32
+    assert mxfp8._rowwise_scale_inv.dtype == torch.uint8

@@ -163,7 +163,7 @@ class _PerTensorQuantizer(Quantizer):
         device, shape = _default_device(device), torch.Size(shape)
         data = torch.empty(shape, dtype=torch.uint8, device=device) if self.rowwise_usage else None
         transpose = torch.empty(_columnwise_shape(shape), dtype=torch.uint8, device=device) if self.columnwise_usage else None
-        return Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=torch.ones(1, device=device),
+        return Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=torch.ones(1, dtype=torch.float32, device=device),
                             fp8_dtype=self.dtype, data_transpose=transpose, quantizer=self,
                             requires_grad=requires_grad, device=device)
 
