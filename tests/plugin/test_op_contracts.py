@@ -284,6 +284,33 @@ case("gemm", "empty_k_bias", lambda: (rnd(2, 0), rnd(0, 3), rnd(3)))
 case("gemm", "nonfinite", lambda: (nonfinite(2, 4), rnd(4, 3)))
 case("gemm", "noncontiguous", lambda: (transposed(2, 4), transposed(4, 3)))
 
+NVFP4_PLAIN = (True, True, False, False, False, None)  # rowwise, columnwise, block_2d, rht, stochastic_rounding, seed
+case("quantize_nvfp4", "empty", lambda: (rnd(0, 32), *NVFP4_PLAIN))
+case("quantize_nvfp4", "nonfinite", lambda: (nonfinite(16, 32), *NVFP4_PLAIN))
+case("quantize_nvfp4", "noncontiguous_2d", lambda: (transposed(16, 32, dtype=torch.bfloat16), True, True, True, False, False, None))
+case("quantize_nvfp4", "rht_stochastic", lambda: (rnd(32, 16, dtype=torch.bfloat16), True, True, False, True, True, torch.tensor([5])))
+case("quantize_nvfp4", "misaligned", lambda: (rnd(16, 24), *NVFP4_PLAIN))
+
+
+def _nvfp4_operand(rows, k):
+    """Every E2M1 code pair and every E4M3 scale code (0x7F: NaN) of a [rows, k] NVFP4 operand."""
+    q = torch.arange(rows * k // 2).remainder(256).to(torch.uint8).reshape(rows, k // 2)
+    return q, torch.arange(rows * k // 16).remainder(128).to(torch.uint8).reshape(rows, k // 16), torch.tensor([3.0])
+
+
+case("dequantize_nvfp4", "empty", lambda: (*_nvfp4_operand(0, 32), torch.float32))
+case("dequantize_nvfp4", "every_code", lambda: (*_nvfp4_operand(64, 64), torch.bfloat16))
+
+
+def _nvfp4_gemm(m, n, k):
+    (a, a_scale, a_amax), (b, b_scale, b_amax) = _nvfp4_operand(m, k), _nvfp4_operand(n, k)
+    return (a, b, a_scale, b_scale, a_amax, b_amax, torch.float32)
+
+
+case("gemm_nvfp4", "empty_m", lambda: _nvfp4_gemm(0, 4, 32))
+case("gemm_nvfp4", "empty_k_bias", lambda: _nvfp4_gemm(2, 3, 0) + (rnd(3),))
+case("gemm_nvfp4", "every_code", lambda: _nvfp4_gemm(16, 8, 64))
+
 
 # -- running and comparing -----------------------------------------------------------------------
 
