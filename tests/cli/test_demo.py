@@ -138,14 +138,14 @@ def test_fidelity_summary():
 
 
 def test_recipe_choices_are_the_runnable_recipes(capsys, monkeypatch):
-    assert demo_train.unavailable_recipes() == {}  # MXFP8 runs (emulated where the hardware lacks it)
+    assert demo_train.unavailable_recipes() == {}  # MXFP8 and NVFP4 run (emulated where the hardware lacks them)
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--recipe {block,current,delayed,mxfp8}" in help_text and "not offered" not in help_text
+    assert "--recipe {block,current,delayed,mxfp8,nvfp4}" in help_text and "not offered" not in help_text
     # a recipe the modules cannot run is left out of the choices with its reason
-    monkeypatch.setitem(demo_train.RECIPES, "nvfp4", lambda: NVFP4BlockScaling())
-    assert "not implemented" in demo_train.unavailable_recipes()["nvfp4"]
+    monkeypatch.setitem(demo_train.RECIPES, "nvfp4-row-scaled", lambda: NVFP4BlockScaling(row_scaled_activation=True))
+    assert "not implemented" in demo_train.unavailable_recipes()["nvfp4-row-scaled"]
 
 
 def test_same_seed_same_result():

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, NVFP4BlockScaling
 
 RECIPES = {
     "bf16": None,
     "delayed": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
     "current": Float8CurrentScaling(),
     "block": Float8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(),  # stochastic rounding included: its seeds come from torch's generator
 }
 
 

@@ -35,6 +35,7 @@ RECIPES: Dict[str, Callable[[], object]] = {
     "current": lambda: te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID),
     "block": lambda: te_recipe.Float8BlockScaling(),
     "mxfp8": lambda: te_recipe.MXFP8BlockScaling(),
+    "nvfp4": lambda: te_recipe.NVFP4BlockScaling(),
 }
 
 

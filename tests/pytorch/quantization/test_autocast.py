@@ -50,12 +50,15 @@ def test_default_recipe_on_cpu_is_delayed():
         assert isinstance(current_config().recipe, DelayedScaling)
 
 
-def test_nvfp4_constructs_but_is_not_implemented_yet():
-    recipe = NVFP4BlockScaling()
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        with te.autocast(recipe=recipe):
-            pass
-    assert not current_config().enabled
+def test_nvfp4_options_the_modules_do_not_implement_raise():
+    for options in ({"row_scaled_activation": True}, {"nvfp4_4over6": "weights"}, {"nvfp4_4over6_e4m3_use_256": "all"}):
+        name = next(iter(options))
+        with pytest.raises(NotImplementedError, match=f"NVFP4BlockScaling\\({name}="):
+            with te.autocast(recipe=NVFP4BlockScaling(**options)):
+                pass
+        assert not current_config().enabled
+    with te.autocast(recipe=NVFP4BlockScaling()):
+        assert current_config().recipe.nvfp4()
 
 
 def test_mxfp8_runs_emulated_on_every_device(monkeypatch):

@@ -15,7 +15,8 @@ dy^T and x^T as stored instead of having the backend transpose them per call. Bl
 (:class:`Float8BlockwiseTensor`) go to ``ops.gemm_blockwise``, which reads both operands along K only:
 each side passes the copy quantized along K (``data`` or ``data_t``). MXFP8 operands
 (:class:`MXFP8Tensor`, a block-scaled operand of 1 x 32 blocks with E8M0 scales) take the same path
-to ``ops.gemm_mxfp8`` (emulated by the reference backend: dequantize, then a float32 GEMM).
+to ``ops.gemm_mxfp8`` (emulated by the reference backend: dequantize, then a float32 GEMM), and NVFP4 operands
+(:class:`NVFP4Tensor`: packed E2M1 values, E4M3 block scales, an amax per copy) to ``ops.gemm_nvfp4`` (emulated alike).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..parallel.linear_comm import NO_COMM, LinearComm
 from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 from ..quantization.mxfp8_tensor import MXFP8Tensor
+from ..quantization.nvfp4_tensor import NVFP4Tensor
 from ._common import Operand, release
 
 __all__ = ["WgradTarget", "dgrad", "fprop", "fprop_with_comm", "gemm", "linear_backward"]
@@ -59,16 +61,22 @@ def gemm(a: Operand, b: Operand, *, trans_a=False, trans_b=False, bias=None, out
 def _gemm_blockwise(a: Operand, b: Operand, trans_a: bool, trans_b: bool, bias, out_dtype, out, accumulate) -> torch.Tensor:
     """D = op(a) @ op(b) + bias as ``ops.gemm_blockwise(A, B)`` with A = op(a) and B = op(b)^T, both along K.
 
-    MXFP8 operands go to ``ops.gemm_mxfp8`` (the same A and B, E8M0 scales).
+    MXFP8 operands go to ``ops.gemm_mxfp8`` (the same A and B, E8M0 scales), NVFP4 operands to ``ops.gemm_nvfp4``
+    (packed E2M1 values, E4M3 scales and each copy's amax).
 
     Raises:
         TypeError: the operands are not of one block-scaled kind (a module quantizes both with one recipe).
     """
     if type(a) is not type(b):  # one of them is block-scaled (gemm's test): the other must be of its kind
         raise TypeError(f"a block-scaled GEMM needs two block-scaled operands of one kind, got {type(a).__name__} and {type(b).__name__}")
+    dtype = out_dtype if out_dtype is not None else out.dtype
+    if type(a) is NVFP4Tensor:
+        a_data, a_scale, a_amax = a.nvfp4_operand(transposed=trans_a)
+        b_data, b_scale, b_amax = b.nvfp4_operand(transposed=not trans_b)
+        return ops.gemm_nvfp4(a_data, b_data, a_scale=a_scale, b_scale=b_scale, a_amax=a_amax, b_amax=b_amax, out_dtype=dtype,
+                              bias=bias, out=out, accumulate=accumulate)
     a_data, a_scale_inv, a_block = a.gemm_operand(transposed=trans_a)
     b_data, b_scale_inv, b_block = b.gemm_operand(transposed=not trans_b)
-    dtype = out_dtype if out_dtype is not None else out.dtype
     if type(a) is MXFP8Tensor:
         return ops.gemm_mxfp8(a_data, b_data, a_scale_e8m0=a_scale_inv, b_scale_e8m0=b_scale_inv, out_dtype=dtype, bias=bias,
                               out=out, accumulate=accumulate)

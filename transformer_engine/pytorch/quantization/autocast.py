@@ -33,6 +33,7 @@ from .availability import (
     check_fp8_block_scaling_support,
     check_fp8_support,
     check_mxfp8_support,
+    check_nvfp4_support,
     fp8_emulation_requested,
     get_default_recipe,
 )
@@ -220,7 +221,9 @@ def _check_runnable(recipe: Recipe) -> None:
             "unset NVTE_BACKWARD_OVERRIDE"
         )
     if recipe.mxfp8():  # emulated anywhere
-        _check_mxfp8_runnable(recipe)
+        _check_emulated_runnable(check_mxfp8_support)
+    elif recipe.nvfp4():
+        _check_emulated_runnable(check_nvfp4_support)
     elif recipe.float8_block_scaling():
         _check_block_scaling_runnable(recipe)
     else:
@@ -234,9 +237,9 @@ def _check_fp8_runnable(recipe) -> None:
         raise RuntimeError(reason)
 
 
-def _check_mxfp8_runnable(recipe) -> None:
-    """MXFP8BlockScaling: emulated exactly on every device (``check_mxfp8_support`` says why), no FP8 hardware needed."""
-    available, reason = check_mxfp8_support()
+def _check_emulated_runnable(check) -> None:
+    """MXFP8BlockScaling, NVFP4BlockScaling: emulated exactly on every device (``check()`` says why), no FP8 hardware needed."""
+    available, reason = check()
     if not available:
         raise RuntimeError(reason)
 

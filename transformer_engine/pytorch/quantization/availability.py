@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 FP8_EMULATION_ENV = "TE_FL_FP8_EMULATION"
-_NOT_IMPLEMENTED = "{} is not implemented yet in TransformerEngine-FL's PyTorch modules"
 
 
 def fp8_emulation_requested() -> bool:
@@ -155,9 +154,29 @@ def check_fp8_block_scaling_support() -> Tuple[bool, str]:
     )
 
 
+_NVFP4_EMULATED = ("NVFP4 is emulated exactly (E2M1 values, E4M3 block scales and the per-tensor scale as NVIDIA TE "
+                   "casts them, then a high-precision GEMM on the dequantized operands)")
+
+
 def check_nvfp4_support() -> Tuple[bool, str]:
-    """(available, reason) for NVFP4BlockScaling."""
-    return False, _NOT_IMPLEMENTED.format("NVFP4BlockScaling")
+    """(available, reason) for NVFP4BlockScaling: available everywhere, the reason says why it is emulated.
+
+    NVIDIA TE needs FP4 tensor cores (sm 10.0+); here the reference backend emulates the recipe on any
+    device, and no backend offers a native NVFP4 GEMM yet. Stochastic rounding draws its own random bits
+    (a counter-based hash, the same on every device), not TE's, so runs with it differ from TE's bit for bit.
+
+    Example:
+        >>> available, reason = check_nvfp4_support()
+        >>> available, "emulated" in reason
+        (True, True)
+    """
+    capability = _cuda_capability()
+    if capability is None:
+        return True, f"no CUDA device: {_NVFP4_EMULATED} by the reference backend on the CPU"
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if capability >= (10, 0):
+        return True, f"{sm} has FP4 tensor cores, but TransformerEngine-FL has no native NVFP4 GEMM yet: {_NVFP4_EMULATED}"
+    return True, f"{sm} has no FP4 tensor cores (NVIDIA TE needs sm 10.0+): {_NVFP4_EMULATED}"
 
 
 def _answer(result: Tuple[bool, str], return_reason: bool) -> Union[bool, Tuple[bool, str]]:

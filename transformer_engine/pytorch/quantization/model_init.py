@@ -53,7 +53,7 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     """Modules constructed inside belong to ``recipe`` (default: :func:`get_default_recipe`).
 
     Raises:
-        NotImplementedError: for a recipe the modules cannot run yet.
+        NotImplementedError: for a recipe the modules cannot run yet, and for NVFP4 (FP4 parameters are not built yet).
 
     Example:
         >>> import transformer_engine.pytorch as te
@@ -67,6 +67,11 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     if enabled:
         recipe = recipe if recipe is not None else get_default_recipe()
         check_recipe_implemented(recipe)
+        if recipe.nvfp4():
+            raise NotImplementedError(
+                "quantized_model_init with NVFP4BlockScaling (FP4 parameters) is not implemented yet in TransformerEngine-FL; "
+                "keep high-precision parameters and run the modules under te.autocast(recipe=NVFP4BlockScaling())"
+            )
     saved, _config = _config, ModelInitConfig(bool(enabled), recipe, bool(preserve_high_precision_init_val))
     try:
         yield

@@ -29,6 +29,7 @@ The recipe picks the quantizer class:
 | :class:`Float8CurrentScalingQuantizer` | Float8CurrentScaling | fp8_max / amax(x) of this very tensor |
 | :class:`Float8BlockQuantizer` | Float8BlockScaling | fp8_max / amax of each 1 x 128 or 128 x 128 tile |
 | :class:`MXFP8Quantizer` | MXFP8BlockScaling | E8M0 2^ceil(log2(amax / fp8_max)) of each block of 32 (``ops.quantize_mxfp8``) |
+| :class:`NVFP4Quantizer` | NVFP4BlockScaling | E4M3 scale of each block of 16 (or 16 x 16 tile) times a per-tensor one from amax (``ops.quantize_nvfp4``) |
 | :class:`FixedScaleQuantizer` | (a weight cast again in backward) | the scale forward used (a copy once saved for backward); records no amax |
 | :class:`AmaxObserver` | calibration (``autocast(calibrating=True)``) | none: records amax, stays high precision |
 """
@@ -47,6 +48,7 @@ from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import DeferredTranspose, Float8Tensor
 from .kept_scale import kept_copy
 from .mxfp8_tensor import MXFP8Tensor
+from .nvfp4_tensor import NVFP4_BLOCK, NVFP4Tensor
 
 __all__ = [
     "AmaxObserver",
@@ -57,6 +59,7 @@ __all__ = [
     "IDENTITY",
     "IdentityQuantizer",
     "MXFP8Quantizer",
+    "NVFP4Quantizer",
     "Quantizer",
 ]
 
@@ -387,6 +390,56 @@ class MXFP8Quantizer(Quantizer):
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "MXFP8Quantizer":
         """Self: sharded tensors are gathered in high precision and cast whole (``gathers_quantized``)."""
         return self
+
+
+class NVFP4Quantizer(Quantizer):
+    """NVFP4BlockScaling: E2M1 values, an E4M3 scale per block of 16 (or per 16 x 16 tile) and a float32 amax
+    per copy (``ops.quantize_nvfp4``, exact rule in plugin/catalog/nvfp4.py).
+
+    Every copy is quantized from the high-precision tensor: ``columnwise`` also writes x^T in blocks of
+    16 along the rows of x (what wgrad reads), after the random Hadamard transform when ``rht``. Stochastic
+    rounding draws a fresh seed per cast from torch's generator of x's device (``torch.manual_seed``
+    makes runs repeat). A weight's W^T for dgrad is cast again from W in backward (it depends on W alone).
+
+    Args:
+        rht: the random Hadamard transform on the column-wise copy (TE: inputs and gradients).
+        block_2d: 16 x 16 tiles (TE: weights).
+        stochastic_rounding: round to a random neighbour (TE: gradients).
+    """
+
+    is_fp8 = True
+    gathers_quantized = False  # a column-wise block of 16 rows may span the shards
+
+    def __init__(self, *, rht: bool = False, block_2d: bool = False, stochastic_rounding: bool = False):
+        self.rht, self.block_2d, self.stochastic_rounding = rht, block_2d, stochastic_rounding
+        self.block = (NVFP4_BLOCK if block_2d else 1, NVFP4_BLOCK)
+
+    def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> NVFP4Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"NVFP4 quantizes 2-D tensors [rows, features]; got shape {tuple(x.shape)}")
+        rht = self.rht and columnwise
+        seed = _random_seed(x.device) if self.stochastic_rounding else None
+        data, scale, amax, data_t, scale_t, amax_t = ops.quantize_nvfp4(
+            x, rowwise=rowwise, columnwise=columnwise, block_2d=self.block_2d, rht=rht, stochastic_rounding=self.stochastic_rounding,
+            seed=seed,
+        )
+        return NVFP4Tensor(data, scale, amax, data_t, scale_t, amax_t, rht_t=rht, block=self.block)
+
+    def quantize(self, x: torch.Tensor, columnwise: bool = False) -> NVFP4Tensor:
+        return self._cast(x, rowwise=True, columnwise=bool(columnwise))
+
+    def quantize_transposed(self, x: torch.Tensor) -> NVFP4Tensor:
+        """x^T alone, in blocks of 16 along the rows of x (a weight's W^T for dgrad): no row-wise copy is written."""
+        return self._cast(x, rowwise=False, columnwise=True)
+
+    def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "NVFP4Quantizer":
+        """Self: sharded tensors are gathered in high precision and cast whole (``gathers_quantized``)."""
+        return self
+
+
+def _random_seed(device: torch.device) -> torch.Tensor:
+    """A one-element int64 seed drawn from torch's generator of ``device`` (stochastic rounding)."""
+    return torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
 
 
 class FixedScaleQuantizer(Quantizer):

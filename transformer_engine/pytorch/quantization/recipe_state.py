@@ -11,9 +11,10 @@ with 3 slots per GEMM forward (input, weight, output) and 2 backward (grad outpu
     amax_history float32 [L, N], zeros at first: row 0 collects this step's amaxes; after an update
                  rows 1..L-1 hold the last L-1 amaxes, the newest in row L-1
 
-:class:`Float8CurrentScalingRecipeState`, :class:`Float8BlockScalingRecipeState` and
-:class:`MXFP8BlockScalingRecipeState` hold nothing: each cast computes its own scale (per tensor, per
-tile, or per block of 32 as an E8M0 power of two). :class:`CustomRecipeState` holds what the user's
+:class:`Float8CurrentScalingRecipeState`, :class:`Float8BlockScalingRecipeState`,
+:class:`MXFP8BlockScalingRecipeState` and :class:`NVFP4BlockScalingRecipeState` hold nothing: each cast
+computes its own scale (per tensor, per tile, per block of 32 as an E8M0 power of two, or per block of 16
+as E4M3 under a per-tensor scale). :class:`CustomRecipeState` holds what the user's
 quantizers hold (``CustomRecipe.qfactory``).
 """
 
@@ -30,6 +31,7 @@ from transformer_engine.common.recipe import (
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
 )
 
@@ -41,6 +43,7 @@ from .quantizer import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     MXFP8Quantizer,
+    NVFP4Quantizer,
     Quantizer,
 )
 from .roles import BWD_ROLES, FWD_ROLES, Role
@@ -52,23 +55,41 @@ __all__ = [
     "Float8CurrentScalingRecipeState",
     "CustomRecipeState",
     "MXFP8BlockScalingRecipeState",
+    "NVFP4BlockScalingRecipeState",
     "RecipeState",
     "check_recipe_implemented",
 ]
 
-_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, CustomRecipe)
+_IMPLEMENTED = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, CustomRecipe)
 _MODES = ("forward", "backward")
 
 
 def check_recipe_implemented(recipe: Recipe) -> None:
-    """Raise NotImplementedError for a recipe the PyTorch modules cannot run yet (NVFP4)."""
+    """Raise TypeError for what is not a recipe, NotImplementedError for a recipe option the modules cannot honour yet."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a transformer_engine.common.recipe recipe, got {type(recipe).__name__}")
     if not isinstance(recipe, _IMPLEMENTED):
         raise NotImplementedError(
             f"{type(recipe).__name__} is not implemented yet in TransformerEngine-FL's PyTorch modules; "
-            "use DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or CustomRecipe"
+            "use DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling or CustomRecipe"
         )
+    if isinstance(recipe, NVFP4BlockScaling):
+        _check_nvfp4_options(recipe)
+
+
+def _check_nvfp4_options(recipe: NVFP4BlockScaling) -> None:
+    """NotImplementedError for NVFP4 options newer than what the modules implement (never silently ignored)."""
+    unsupported = {name: getattr(recipe, name) for name, default in _NVFP4_DEFAULTS.items() if getattr(recipe, name) != default}
+    if unsupported:
+        settings = ", ".join(f"{name}={value!r}" for name, value in unsupported.items())
+        raise NotImplementedError(
+            f"NVFP4BlockScaling({settings}) is not implemented yet in TransformerEngine-FL (environment NVTE_NVFP4_*); "
+            "leave these options at their defaults"
+        )
+
+
+#: NVFP4 options (TE 2.16-2.17) whose non-default values the modules do not implement yet
+_NVFP4_DEFAULTS = {"row_scaled_activation": False, "nvfp4_4over6": "none", "nvfp4_4over6_e4m3_use_256": "none"}
 
 
 class RecipeState:
@@ -120,6 +141,8 @@ class RecipeState:
             return CustomRecipeState(recipe, mode, n)
         if isinstance(recipe, MXFP8BlockScaling):
             return MXFP8BlockScalingRecipeState(recipe, mode, n)
+        if isinstance(recipe, NVFP4BlockScaling):
+            return NVFP4BlockScalingRecipeState(recipe, mode, n)
         return Float8CurrentScalingRecipeState(recipe, mode, n)
 
     @property
@@ -279,6 +302,28 @@ class MXFP8BlockScalingRecipeState(RecipeState):
 
     def make_quantizers(self) -> List[Quantizer]:
         return [MXFP8Quantizer(self.fp8_dtype) for _ in range(self.num_quantizers)]
+
+
+class NVFP4BlockScalingRecipeState(RecipeState):
+    """NVFP4: no tensors; each slot's quantizer follows its role's QParams (TE's defaults: inputs RHT on the
+    column-wise copy, weights 16 x 16 tiles, gradients RHT and stochastic rounding)."""
+
+    @property
+    def split_accumulator(self) -> Tuple[bool, bool, bool]:
+        return (True, True, True)  # emulated: a float32 GEMM
+
+    def _qparams(self, index: int):
+        if self.mode == "backward":
+            return self.recipe.fp4_quant_bwd_grad
+        if FWD_ROLES[index % len(FWD_ROLES)] is Role.WEIGHT:
+            return self.recipe.fp4_quant_fwd_weight
+        return self.recipe.fp4_quant_fwd_inp
+
+    def make_quantizers(self) -> List[Quantizer]:
+        return [
+            NVFP4Quantizer(rht=q.random_hadamard_transform, block_2d=q.fp4_2d_quantization, stochastic_rounding=q.stochastic_rounding)
+            for q in map(self._qparams, range(self.num_quantizers))
+        ]
 
 
 #: TE's role names of the slots, per GEMM, that ``CustomRecipe.qfactory`` is asked for
