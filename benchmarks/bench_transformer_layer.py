@@ -3,7 +3,8 @@
 Layer: hidden 4096, FFN 16384, 32 heads, sequence 2048, batch 4, input [s, b, h], causal
 self-attention, dropout 0.1 (the modules' default), bf16 parameters. Each variant runs forward and
 backward with a random dy; the table gives the median time, the ratio to the plain layer measured
-in the same process, model TFLOP/s (causal attention counted as half) and peak memory.
+in the same process, model TFLOP/s (causal attention counted as half) and peak memory. MXFP8 and NVFP4
+run emulated (quantize-dequantize, then a high-precision GEMM): their target is the time of the bf16 layer.
 
 On a GPU, four variants are also captured with ``te.make_graphed_callables`` (plain, bf16, FP8
 delayed and current): the same GPU work without the host's launch overhead. The plain layer is timed twice,
@@ -158,6 +159,8 @@ def main() -> None:
         "te.TransformerLayer FP8 delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
         "te.TransformerLayer FP8 current": recipe.Float8CurrentScaling(),
         "te.TransformerLayer FP8 block": recipe.Float8BlockScaling(),
+        "te.TransformerLayer MXFP8 (emulated)": recipe.MXFP8BlockScaling(),
+        "te.TransformerLayer NVFP4 (emulated)": recipe.NVFP4BlockScaling(),
     }
     for name, rec in fp8_recipes.items():
         variants[name] = (lambda rec=rec: (_te_layer(te, s, device), lambda: te.autocast(recipe=rec)))
