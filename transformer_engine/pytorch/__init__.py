@@ -43,7 +43,7 @@ from .permutation import (
 )
 from .tensor import (
     DType, Float8BlockQuantizer, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, MXFP8Quantizer,
-    MXFP8Tensor, QuantizedTensor, Quantizer,
+    MXFP8Tensor, NVFP4Quantizer, NVFP4Tensor, QuantizedTensor, Quantizer,
 )
 from .transformer import TransformerLayer
 from . import ops, optimizers, router  # noqa: E402 - TE's submodules, reached as te.ops / te.optimizers / te.router
@@ -58,6 +58,8 @@ __all__ = [
     "Float8Tensor",
     "MXFP8Quantizer",
     "MXFP8Tensor",
+    "NVFP4Quantizer",
+    "NVFP4Tensor",
     "QuantizedTensor",
     "Quantizer",
     "DotProductAttention",

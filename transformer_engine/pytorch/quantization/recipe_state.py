@@ -335,8 +335,9 @@ class CustomRecipeState(RecipeState):
     ("linear_input", "linear_weight", "linear_output"; backward "linear_grad_output", "linear_grad_input").
 
     The factory returns TE's public quantizers (``Float8Quantizer``: its scale, amax max-accumulated into
-    its amax; ``Float8CurrentScalingQuantizer``, ``Float8BlockQuantizer``, ``MXFP8Quantizer``: their rules); each gives the
-    module-side quantizer that casts alike (``module_quantizer()``). No state of its own: nothing for autocast to update.
+    its amax; ``Float8CurrentScalingQuantizer``, ``Float8BlockQuantizer``, ``MXFP8Quantizer``, ``NVFP4Quantizer``: their
+    rules); each gives the module-side quantizer that casts alike (``module_quantizer()``). No state of its own: nothing
+    for autocast to update.
     """
 
     @property
@@ -353,7 +354,7 @@ class CustomRecipeState(RecipeState):
         if convert is None:
             raise TypeError(
                 f"CustomRecipe.qfactory({role!r}) returned {type(made).__name__}; return a Float8Quantizer, "
-                "Float8CurrentScalingQuantizer, Float8BlockQuantizer or MXFP8Quantizer of transformer_engine.pytorch (other quantizers are "
-                "not implemented yet)"
+                "Float8CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer or NVFP4Quantizer of transformer_engine.pytorch "
+                "(other quantizers are not implemented yet)"
             )
         return convert()

@@ -1,5 +1,6 @@
 """TE's public quantized-tensor API: ``QuantizedTensor``, ``Quantizer``, ``Float8Tensor`` and its quantizers,
-``Float8BlockwiseQTensor`` and ``Float8BlockQuantizer``, ``MXFP8Tensor`` and ``MXFP8Quantizer``, ``DType``.
+``Float8BlockwiseQTensor`` and ``Float8BlockQuantizer``, ``MXFP8Tensor`` and ``MXFP8Quantizer``, ``NVFP4Tensor`` and
+``NVFP4Quantizer``, ``DType``.
 
 These are the user-facing classes of NVIDIA TE's ``transformer_engine.pytorch.tensor``: ``torch.Tensor``
 subclasses that behave like high-precision tensors (ops they have no rule for dequantize and run in
@@ -16,6 +17,7 @@ from .dtype import DType
 from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
+from .nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
 from .quantized_tensor import QuantizedTensor, Quantizer
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "Float8Tensor",
     "MXFP8Quantizer",
     "MXFP8Tensor",
+    "NVFP4Quantizer",
+    "NVFP4Tensor",
     "QuantizedTensor",
     "Quantizer",
 ]

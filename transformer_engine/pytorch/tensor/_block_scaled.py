@@ -2,11 +2,12 @@
 
 A tensor of any rank is quantized as its matrix [M, K] = [prod(leading dims), last dim]: the row-wise copy
 has its blocks along K, the column-wise copy (what GEMMs that contract over M read) its blocks along M.
-Both subclasses (``Float8BlockwiseQTensor``, ``MXFP8Tensor``) keep the buffers ``_rowwise_data``,
+The subclasses (``Float8BlockwiseQTensor``, ``MXFP8Tensor``, ``NVFP4Tensor``) keep the buffers ``_rowwise_data``,
 ``_rowwise_scale_inv``, ``_columnwise_data``, ``_columnwise_scale_inv`` (the data as uint8 bytes, as NVIDIA TE
-stores them, read through views in the FP8 dtype: :meth:`BlockScaledTensor._values`); this base gives them the usage
-bookkeeping, views that keep the last dimension (which keep every block), byte copies between tensors of
-one layout and the in-place write of a new quantization.
+stores them, read through views in the FP8 dtype: :meth:`BlockScaledTensor._values`), NVFP4 also an amax per copy
+(``_amax_rowwise``, ``_amax_columnwise``); this base gives them the usage bookkeeping, views that keep the last
+dimension (which keep every block), byte copies between tensors of one layout and the in-place write of a new
+quantization.
 """
 
 from __future__ import annotations
@@ -26,13 +27,22 @@ _BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnw
 class BlockScaledTensor(QuantizedTensor):
     """Base of the block-scaled public tensors (see the module docstring).
 
-    A subclass gives ``_layout`` (the attributes besides the buffers and ``_fp8_dtype`` that a byte copy
+    A subclass gives ``_layout`` (the attributes besides the buffers and the element format that a byte copy
     must match), ``_columnwise_shape(shape)`` (the column-wise data's shape for a logical shape),
     ``_with_buffers(shape, data, data_t)`` (a tensor of its class over other data with these scales) and,
-    where a missing copy can be made from the other, ``_make_columnwise()``.
+    where a missing copy can be made from the other, ``_make_columnwise()``; where they differ from FP8's,
+    ``_rowwise_attrs`` / ``_columnwise_attrs`` (each copy's buffers, the data first), ``_format_attr`` (the
+    attribute naming the element format) and ``_rowwise_shape(shape)`` (the row-wise data's shape).
     """
 
     _layout: Tuple[str, ...] = ()
+    _rowwise_attrs: Tuple[str, ...] = ("_rowwise_data", "_rowwise_scale_inv")
+    _columnwise_attrs: Tuple[str, ...] = ("_columnwise_data", "_columnwise_scale_inv")
+    _format_attr = "_fp8_dtype"
+
+    @classmethod
+    def _rowwise_shape(cls, shape: torch.Size) -> torch.Size:
+        return shape
 
     @classmethod
     def _columnwise_shape(cls, shape: torch.Size) -> torch.Size:
@@ -44,7 +54,7 @@ class BlockScaledTensor(QuantizedTensor):
     def _make_columnwise(self) -> None:
         """Write the column-wise copy from the row-wise one, or raise RuntimeError saying why it cannot be."""
         raise RuntimeError(f"the column-wise copy of a {type(self).__name__} is a quantization of its own (blocks along the "
-                           "first dims); it cannot be made from the row-wise FP8 values: quantize with columnwise=True")
+                           "first dims); it cannot be made from the row-wise quantized values: quantize with columnwise=True")
 
     def get_usages(self) -> Dict[str, bool]:
         return {"rowwise": self._rowwise_data is not None, "columnwise": self._columnwise_data is not None}
@@ -66,16 +76,16 @@ class BlockScaledTensor(QuantizedTensor):
         if not (rowwise or columnwise):
             raise RuntimeError(f"update_usage(rowwise_usage=False, columnwise_usage=False) would leave the {name} without data")
         if rowwise and self._rowwise_data is None:
-            raise RuntimeError(f"cannot make row-wise FP8 data of a {name} that only holds its column-wise copy")
+            raise RuntimeError(f"cannot make the row-wise data of a {name} that only holds its column-wise copy")
         if columnwise and self._columnwise_data is None:
             self._make_columnwise()
-        if not rowwise:
-            self._rowwise_data = self._rowwise_scale_inv = None
-        if not columnwise:
-            self._columnwise_data = self._columnwise_scale_inv = None
+        for kept, keys in ((rowwise, self._rowwise_attrs), (columnwise, self._columnwise_attrs)):
+            if not kept:
+                for key in keys:
+                    setattr(self, key, None)
 
     def _adopt(self, other: BlockScaledTensor) -> None:
-        for key in _BUFFERS + ("_fp8_dtype",) + self._layout:
+        for key in self._rowwise_attrs + self._columnwise_attrs + (self._format_attr,) + self._layout:
             setattr(self, key, getattr(other, key))
         self._quantizer = None if other._quantizer is None else other._quantizer.copy()
 
@@ -92,7 +102,7 @@ class BlockScaledTensor(QuantizedTensor):
                 f"a {type(self).__name__} of shape {tuple(self.shape)} cannot take the shape {tuple(logical)}: its blocks run "
                 "along the last dimension, which must stay the same (dequantize first)"
             )
-        data = None if self._rowwise_data is None else getattr(self._rowwise_data, method)(logical)
+        data = None if self._rowwise_data is None else getattr(self._rowwise_data, method)(self._rowwise_shape(logical))
         data_t = None if self._columnwise_data is None else getattr(self._columnwise_data, method)(self._columnwise_shape(logical))
         return self._with_buffers(logical, data, data_t)
 
@@ -100,14 +110,17 @@ class BlockScaledTensor(QuantizedTensor):
         """True when src's bytes can be copied into self as they are: shape, FP8 dtype and layout agree, and src
         holds every copy self keeps (else self = Q(src) re-quantizes)."""
         held = all(not used or src.get_usages()[k] for k, used in self.get_usages().items())
-        return (self.shape == src.shape and self._fp8_dtype == src._fp8_dtype and held
+        return (self.shape == src.shape and getattr(self, self._format_attr) == getattr(src, self._format_attr) and held
                 and all(getattr(self, key) == getattr(src, key) for key in self._layout))
 
     def _copy_bytes(self, src: BlockScaledTensor) -> BlockScaledTensor:
-        """self.copy_(src) of one layout: src's FP8 bytes and scales into self's buffers (a checkpoint loads bit for bit)."""
+        """self.copy_(src) of one layout: src's bytes, scales (and amaxes) into self's buffers, the copies self holds (a
+        checkpoint loads bit for bit)."""
         held = self.get_usages()
-        moved = [None if t is None else t.detach().to(self.device) for t in (getattr(src, key) for key in _BUFFERS)]
-        write_copies(self, *(t if held["rowwise" if i < 2 else "columnwise"] else None for i, t in enumerate(moved)))
+        for usage, keys in (("rowwise", self._rowwise_attrs), ("columnwise", self._columnwise_attrs)):
+            if held[usage]:
+                for key in keys:
+                    setattr(self, key, _write(getattr(self, key), getattr(src, key).detach().to(self.device)))
         return self
 
     @classmethod
