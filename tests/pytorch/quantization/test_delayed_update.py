@@ -318,3 +318,17 @@ def test_hold_plans_collects_the_plans_used_inside():
     assert len(held) == 2 and held[0] is held[1]  # the cached plan, once per update
     (group,) = held[0]
     assert all(h is s.amax_history for h, s in zip(group.state_histories, states))  # in place: the states' own tensors
+
+
+@pytest.mark.parametrize("amax, expected", [(2.0, 224.0), (0.0, 1.0), (math.inf, 1.0), (math.nan, 1.0), (1e-40, FP32_MAX)])
+def test_amax_and_scale_update_is_te_private_step(amax, expected):
+    """NVIDIA TE's ``_amax_and_scale_update`` (its recipe tests call it): fp8_max / amax, the old scale where the
+    amax is zero, inf or NaN, float32 max where the scale overflows; every slot, in place."""
+    from transformer_engine.pytorch.quantization import _amax_and_scale_update
+
+    history = torch.tensor([[amax], [1.0]], dtype=torch.float32)
+    scale = torch.ones(1)
+    _amax_and_scale_update(history, scale, 448.0, DelayedScaling(amax_compute_algo="most_recent"))
+    assert scale.item() == expected
+    assert history[0].item() == 0.0  # rolled by one, row 0 zeroed: [[0], [amax]]
+    assert history[1].item() == amax or (math.isnan(amax) and history[1].isnan().all())

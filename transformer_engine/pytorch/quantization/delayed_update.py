@@ -37,7 +37,7 @@ import torch
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import ops
 
-__all__ = ["hold_plans", "reduce_and_update"]
+__all__ = ["amax_and_scale_update", "hold_plans", "reduce_and_update"]
 
 #: Plans kept (oldest dropped first): one per (autocast, direction) of a training loop is the usual need.
 _MAX_PLANS = 16
@@ -176,6 +176,26 @@ def _update(part: _Group, recipe: DelayedScaling, in_place_op: bool = True) -> N
     torch.where(active, new_history, part.history, out=part.history)
     torch.where(active, new_scale, part.scale, out=part.scale)
     torch.reciprocal(part.scale, out=part.scale_inv)
+
+
+def amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe: DelayedScaling) -> None:
+    """One delayed-scaling step of every slot of one state, in place (NVIDIA TE's ``_amax_and_scale_update``).
+
+    amax from the history by ``recipe.amax_compute_algo``; scale = (fp8_max / amax) / 2^margin where amax is
+    finite and > 0, else the old scale (float32 max where it overflows), or the recipe's callables; the
+    history rolled with row 0 zeroed. Unlike the autocast's update, slots not cast this step are updated too.
+
+    Example:
+        >>> import torch
+        >>> from transformer_engine.common.recipe import DelayedScaling
+        >>> history, scale = torch.tensor([[2.0, 0.0]]), torch.ones(2)
+        >>> amax_and_scale_update(history, scale, 448.0, DelayedScaling())
+        >>> scale.tolist(), history.tolist()
+        ([224.0, 1.0], [[0.0, 0.0]])
+    """
+    new_history, new_scale = _step(amax_history, scale, fp8_max, recipe)
+    scale.copy_(new_scale)
+    amax_history.copy_(new_history)
 
 
 def _built_in(recipe: DelayedScaling) -> bool:
