@@ -6,7 +6,8 @@
 # odd small shapes included, about 8 minutes of compiling);
 # also compile (the torch.compile GPU tests), sizes (bench_sizes.py; SIZES_HIDDEN picks the hidden sizes,
 # SIZES_COMPILE_OPS=traced,custom_op also times the compiled layer with opaque custom ops),
-# accelerate (a HF Llama trained through HF Accelerate, FP8 vs bf16, eager and with Inductor),
+# accelerate (a HF Llama trained through HF Accelerate, FP8 vs bf16, eager and with Inductor), demo (DEMO_ARGS: more
+# arguments of te-fl demo, e.g. "--recipe nvfp4 --size medium"),
 # graphs (the CUDA-graph tests alone, a quick check), memory (what the headline layer's peak consists of) and
 # ab (bench_ab.py: this tree against the tree in $AB_BASE, timed in turns; see its docstring).
 set -uo pipefail
@@ -55,7 +56,7 @@ for stage in $STAGES; do
         ab) if [ -n "${AB_BASE:-}" ]; then run ab 420 python3 benchmarks/bench_ab.py --base-tree "$AB_BASE" --json "$OUT/ab.json"
             else echo "ab: set AB_BASE to a directory holding the base tree's transformer_engine (see benchmarks/bench_ab.py)"; fi ;;
         jax) run jax 300 python3 benchmarks/bench_jax_transformer.py --json "$OUT/jax.json" ;;
-        demo) run demo 300 python3 -m transformer_engine demo --out "$OUT/demo" ;;
+        demo) run demo 300 python3 -m transformer_engine demo --out "$OUT/demo" ${DEMO_ARGS:-} ;;
         *) echo "unknown stage $stage" ;;
     esac
 done
