@@ -21,13 +21,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._fp8 import check_out_dtype, check_scalar, check_tensor
+from .._fp8 import check_out_dtype
+from .._nvfp4_checks import NVFP4_BLOCK, check_nvfp4_operand, check_quantize_nvfp4
 from .gemm import gemm
 
 __all__ = ["quantize_nvfp4", "dequantize_nvfp4", "gemm_nvfp4"]
 
-#: elements per NVFP4 block (TE's NVFP4_BLOCK_SCALING_SIZE), also the RHT size and the 2-D tile side
-BLOCK = 16
+#: elements per NVFP4 block, also the RHT size and the 2-D tile side
+BLOCK = NVFP4_BLOCK
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 #: E2M1 magnitudes by code 0..7 (code 8 + k is -E2M1_VALUES[k])
@@ -40,7 +41,6 @@ RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 _FP32_MAX = torch.finfo(torch.float32).max
 _GLOBAL_RANGE = E4M3_MAX * E2M1_MAX  # 2688, exact in float32
 _DECODE_FACTOR = struct.unpack("f", struct.pack("f", 1.0 / _GLOBAL_RANGE))[0]  # fp32(1 / 2688), TE's factor_inv
-_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _U32 = 0xFFFFFFFF
 
 
@@ -181,49 +181,6 @@ def _quantize_copy(x2d: torch.Tensor, amax: torch.Tensor, block_2d: bool,
     return pack_e2m1(_e2m1_signed_codes(y, bits)), scale
 
 
-def _check_bool(value, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a bool")
-
-
-def _check_aligned(size: int, which: str, shape, why: str) -> None:
-    if size % BLOCK:
-        raise ValueError(
-            f"NVFP4 quantization of x with shape {tuple(shape)}: its {which} dim ({size}) must be divisible by {BLOCK} "
-            f"({why}, as in NVIDIA TE); pad it to a multiple of {BLOCK}"
-        )
-
-
-def _check_seed(stochastic_rounding: bool, seed) -> None:
-    if not stochastic_rounding:
-        if seed is not None:
-            raise ValueError("a seed was given with stochastic_rounding=False; pass seed=None, or stochastic_rounding=True")
-        return
-    if seed is None:
-        raise ValueError("stochastic_rounding=True needs a seed: a one-element int64 tensor, fresh for every call")
-    check_scalar(seed, "seed")
-    if seed.dtype != torch.int64:
-        raise TypeError(f"seed has dtype {seed.dtype}; it must be a one-element torch.int64 tensor")
-
-
-def _check_quantize_args(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed) -> None:
-    check_tensor(x, "x")
-    if x.dtype not in _HP_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; NVFP4 quantizes float32, bfloat16 or float16 tensors")
-    if x.dim() != 2:
-        raise ValueError(f"quantize_nvfp4 takes a 2-D x [M, N], got shape {tuple(x.shape)}; reshape it to 2-D first")
-    for value, name in ((rowwise, "rowwise"), (columnwise, "columnwise"), (block_2d, "block_2d"), (rht, "rht"),
-                        (stochastic_rounding, "stochastic_rounding")):
-        _check_bool(value, name)
-    if not (rowwise or columnwise):
-        raise ValueError("quantize_nvfp4 with rowwise=False and columnwise=False writes nothing; ask for at least one copy")
-    if rowwise or block_2d:
-        _check_aligned(x.shape[1], "last", x.shape, "one E4M3 scale per 16 consecutive elements of a row")
-    if columnwise or block_2d:
-        _check_aligned(x.shape[0], "first", x.shape, "the column-wise copy has one scale per 16 rows; 2-D tiles are 16 x 16")
-    _check_seed(stochastic_rounding, seed)
-
-
 def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed=None):
     """NVFP4 cast of x [M, N] into its row-wise copy (blocks along N) and/or column-wise copy (x^T or RHT(x^T)).
 
@@ -242,7 +199,7 @@ def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, s
     >>> [hex(b) for b in data[0, :2].tolist()], hex(scale.item()), amax.tolist()
     (['0xd7', '0x2'], '0x7e', [6.0])
     """
-    _check_quantize_args(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed)
+    check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed)
     row = col = (None, None, None)
     if rowwise:
         amax = amax_ignoring_nan(x)
@@ -257,24 +214,6 @@ def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, s
 
 
 # -- dequantize and GEMM ---------------------------------------------------------------------------
-def _check_operand(q, scale, amax, name: str) -> None:
-    check_tensor(q, name)
-    check_tensor(scale, f"{name} scale")
-    if q.dtype != torch.uint8 or scale.dtype != torch.uint8:
-        raise TypeError(f"{name} ({q.dtype}) and its scale ({scale.dtype}) must be torch.uint8 (packed E2M1 codes, E4M3 bits)")
-    if q.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [M, K / 2], got shape {tuple(q.shape)}")
-    m, k = q.shape[0], 2 * q.shape[1]
-    if k % BLOCK or tuple(scale.shape) != (m, k // BLOCK):
-        raise ValueError(
-            f"{name} {tuple(q.shape)} (K = {k}) with scales {tuple(scale.shape)}: NVFP4 needs K % {BLOCK} == 0 and "
-            f"scales [{m}, K / {BLOCK}]"
-        )
-    check_scalar(amax, f"{name} amax")
-    if amax.dtype != torch.float32:
-        raise TypeError(f"the amax of {name} has dtype {amax.dtype}; it must be a one-element float32 tensor")
-
-
 def _dequantize_f32(q: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """x = e2m1(q) * fp32(fp32(s * amax) * fp32(1 / 2688)) in float32 (TE's dequantize kernel)."""
     m, k = q.shape[0], 2 * q.shape[1]
@@ -289,7 +228,7 @@ def dequantize_nvfp4(q, scale, amax, out_dtype):
     Raises:
         TypeError: q or scale not uint8, amax not float32. ValueError: shapes that do not fit, a bad out_dtype.
     """
-    _check_operand(q, scale, amax, "q")
+    check_nvfp4_operand(q, scale, amax, "q")
     check_out_dtype(out_dtype)
     return _dequantize_f32(q, scale, amax).to(out_dtype)
 
@@ -301,7 +240,7 @@ def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out
         TypeError / ValueError: as :func:`dequantize_nvfp4` for either operand; K that differ, a bad
         bias / out, accumulate without out (see the reference ``gemm``).
     """
-    _check_operand(a, a_scale, a_amax, "a")
-    _check_operand(b, b_scale, b_amax, "b")
+    check_nvfp4_operand(a, a_scale, a_amax, "a")
+    check_nvfp4_operand(b, b_scale, b_amax, "b")
     return gemm(_dequantize_f32(a, a_scale, a_amax), _dequantize_f32(b, b_scale, b_amax), bias, None, None, False, True,
                 out_dtype, out, accumulate)
