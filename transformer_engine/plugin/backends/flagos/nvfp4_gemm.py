@@ -1,0 +1,230 @@
+"""NVFP4 in Triton: dequantize_nvfp4, and gemm_nvfp4 emulated on bfloat16 tensor cores (contract: plugin/catalog/nvfp4.py;
+oracle: the reference backend's nvfp4.py). The casts: :mod:`.nvfp4`.
+
+dequantize_nvfp4: x_hat = q * ((s * amax) * fp32(1 / 2688)), bit for bit as the reference.
+
+gemm_nvfp4 on GPUs without FP4 tensor cores: v = e2m1 * e4m3 has at most 2 + 4 significant bits and lies in
+[2^-10, 2688], so it is exact in bfloat16. Each operand is decoded to v (``_nvfp4_decode_kernel``), the
+bfloat16 GEMM runs on the tensor cores with float32 output (exact products, float32 accumulation), and
+``_nvfp4_epilogue_kernel`` applies D = fp32(acc * (a_amax / 2688) * (b_amax / 2688)) (the per-tensor factors
+in float64, one rounding) + bias (+ out), then one cast. It equals the reference's float32 GEMM of the
+dequantized operands up to float32 accumulation order and the rounding of each element's factor (the
+reference rounds fp32(fp32(s * amax) * fp32(1 / 2688)) per block and e2m1 times it per element: a few float32
+ulps per product). Where the reference's dequantized operands are subnormal it loses bits that this keeps;
+with an infinite amax both give non-finite results, not always the same ones (the reference: e2m1 * inf per
+element, so 0 * inf = NaN terms; here acc * inf).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from transformer_engine.plugin.backends._fp8 import check_out_dtype, check_tensor
+from transformer_engine.plugin.backends._nvfp4_checks import check_nvfp4_operand
+
+from ._common import _fp8_decode, cdiv, device_guard, hw_fp8_cast, rows_contiguous
+from ._launch import cached_launch
+from .nvfp4 import _on_device, _store_rounded, _to_float32
+
+__all__ = ["dequantize_nvfp4", "gemm_nvfp4"]
+
+_DECODE_FACTOR = tl.constexpr(struct.unpack("f", struct.pack("f", 1.0 / 2688.0))[0])  # fp32(1 / 2688), TE's factor_inv
+_DECODE_TILE = (32, 128)  # rows, K per program of the decode kernels
+_EPILOGUE_TILE = (32, 128)
+
+
+@triton.jit
+def _e2m1_value(code):
+    """float32 value of E2M1 codes (int32): +-(0, 0.5, 1, 1.5, 2, 3, 4, 6)[code & 7], sign bit 8."""
+    k = code & 7
+    normal = (((k >> 1) + 126) << 23) | ((k & 1) << 22)  # k >= 2: 2^((k >> 1) - 1) * (1 + (k & 1) / 2)
+    bits = tl.where(k >= 2, normal, tl.where(k == 1, 0x3F000000, 0))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@cached_launch
+@triton.jit
+def _nvfp4_decode_kernel(
+    q_ptr,  # *uint8 [M, K / 2], row stride stride_qm, unit column stride: two E2M1 codes a byte, low nibble first
+    scale_ptr,  # *uint8 [M, K / 16], row stride stride_sm, unit column stride: E4M3 bits
+    amax_ptr,  # *float32, one element: the copy's amax (unused without TENSOR_SCALE)
+    out_ptr,  # *out [M, K], contiguous
+    M,  # rows
+    K,  # elements per row
+    stride_qm,  # bytes between rows of q
+    stride_sm,  # bytes between rows of scale
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    TENSOR_SCALE: tl.constexpr,  # x = e2m1 * ((s * amax) * fp32(1 / 2688)); False: v = e2m1 * s
+    HW_CAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, BK)
+    rows = ((pid // tiles_k) * BM + tl.arange(0, BM)).to(tl.int64)
+    k0 = (pid % tiles_k) * BK
+    row_ok = (rows < M)[:, None]
+    half = k0 // 2 + tl.arange(0, BK // 2)
+    codes = tl.load(q_ptr + rows[:, None] * stride_qm + half[None, :], mask=row_ok & (half < K // 2)[None, :], other=0).to(tl.int32)
+    v = tl.reshape(tl.join(_e2m1_value(codes & 0xF), _e2m1_value(codes >> 4)), [BM, BK])
+    block = k0 // 16 + tl.arange(0, BK // 16)
+    s_code = tl.load(scale_ptr + rows[:, None] * stride_sm + block[None, :], mask=row_ok & (block < K // 16)[None, :], other=0)
+    s = _fp8_decode(s_code, 3, 7, HW_CAST)
+    if TENSOR_SCALE:
+        s = (s * tl.load(amax_ptr)) * _DECODE_FACTOR
+    x = tl.reshape(tl.reshape(v, [BM, BK // 16, 16]) * s[:, :, None], [BM, BK])
+    cols = k0 + tl.arange(0, BK)
+    _store_rounded(out_ptr + rows[:, None] * K + cols[None, :], x, row_ok & (cols < K)[None, :])
+
+
+@cached_launch
+@triton.jit
+def _nvfp4_epilogue_kernel(
+    acc_ptr,  # *float32 [M, N], contiguous: sum_k v_a[i, k] v_b[j, k]
+    a_amax_ptr,  # *float32, one element
+    b_amax_ptr,  # *float32, one element
+    bias_ptr,  # *bias [N] (unused without HAS_BIAS)
+    out_ptr,  # *out [M, N], strides (stride_om, stride_on): receives D (and holds the addend with ACCUMULATE)
+    M,  # rows of D
+    N,  # columns of D
+    stride_om,  # elements between rows of out
+    stride_on,  # elements between columns of out
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """D = fp32(acc * (a_amax * fp32(1 / 2688)) * (b_amax * fp32(1 / 2688))) (float64, one rounding) + bias (+ out)."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    rows = ((pid // tiles_n) * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = ((pid % tiles_n) * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    acc = tl.load(acc_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    factor = (tl.load(a_amax_ptr).to(tl.float64) * _DECODE_FACTOR) * (tl.load(b_amax_ptr).to(tl.float64) * _DECODE_FACTOR)
+    d = (acc.to(tl.float64) * factor).to(tl.float32)
+    if HAS_BIAS:
+        d = d + _to_float32(tl.load(bias_ptr + cols, mask=cols < N, other=0.0))[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+    if ACCUMULATE:
+        d = d + _to_float32(tl.load(out_ptrs, mask=mask, other=0.0))
+    _store_rounded(out_ptrs, d, mask)
+
+
+# -- dequantize and GEMM ---------------------------------------------------------------------------
+def _decode(q: torch.Tensor, scale: torch.Tensor, amax, out_dtype: torch.dtype) -> torch.Tensor:
+    """[M, K] values of an NVFP4 operand: e2m1 * ((s * amax) * fp32(1 / 2688)) in out_dtype, or with amax None the
+    exact e2m1 * s (bfloat16 holds it: at most 6 significant bits, magnitudes in [2^-10, 2688])."""
+    q, scale = rows_contiguous(q), rows_contiguous(scale)
+    m, k = q.shape[0], 2 * q.shape[1]
+    out = torch.empty((m, k), dtype=out_dtype, device=q.device)
+    if out.numel():
+        tile_m, tile_k = _DECODE_TILE
+        with device_guard(q):
+            _nvfp4_decode_kernel[(cdiv(m, tile_m) * cdiv(k, tile_k),)](
+                q, scale, scale if amax is None else amax, out, m, k, q.stride(0), scale.stride(0), BM=tile_m, BK=tile_k,
+                TENSOR_SCALE=amax is not None, HW_CAST=hw_fp8_cast(q.device), num_warps=4,
+            )  # fmt: skip
+    return out
+
+
+def dequantize_nvfp4(q, scale, amax, out_dtype):
+    """x[i, j] = e2m1(q)[i, j] * ((e4m3(scale[i, j // 16]) * amax) * fp32(1 / 2688)), float32, cast to ``out_dtype``.
+
+    Bit-identical to the reference backend (one kernel).
+
+    Raises:
+        TypeError: q or scale not uint8, amax not float32. ValueError: shapes that do not fit, a bad out_dtype.
+    """
+    check_nvfp4_operand(q, scale, amax, "q")
+    check_out_dtype(out_dtype)
+    return _decode(q, scale, amax, out_dtype)
+
+
+def _gemm_result_dtype(out_dtype, out, accumulate) -> torch.dtype:
+    """The dtype of D, checked as the reference ``gemm`` does (out_dtype, else out's, else float32)."""
+    if accumulate and out is None:
+        raise ValueError("gemm(accumulate=True) adds into out, but out is None; pass out=[M, N] tensor")
+    if out is not None:
+        check_tensor(out, "out")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; make them agree or drop out_dtype")
+        out_dtype = out.dtype
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
+    check_out_dtype(out_dtype)
+    return out_dtype
+
+
+def _check_gemm_shapes(a, b, bias, out) -> None:
+    """ValueError unless a [M, K / 2] and b [N, K / 2] share K, bias is [N] and out [M, N]."""
+    (m, k), (n, k_b) = a.shape, b.shape
+    if k != k_b:
+        raise ValueError(f"gemm_nvfp4 inner dimensions differ: a {tuple(a.shape)} holds K = {2 * k}, b {tuple(b.shape)} "
+                         f"K = {2 * k_b}; quantize both operands along the same K")
+    if bias is not None:
+        check_tensor(bias, "bias")
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; gemm output is [{m}, {n}] so bias must be [{n}]")
+    if out is not None and tuple(out.shape) != (m, n):
+        raise ValueError(f"out has shape {tuple(out.shape)}; gemm output is [{m}, {n}]")
+
+
+def _mm_f32(v_a: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """v_a @ v_b^T in float32 from bfloat16 operands: cuBLAS with float32 output on the GPU (tensor cores,
+    float32 accumulation), a float32 GEMM elsewhere (the interpreter's CPU)."""
+    if v_a.is_cuda:
+        return torch.mm(v_a, v_b.t(), out_dtype=torch.float32)
+    return torch.mm(v_a.float(), v_b.float().t())
+
+
+def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False):
+    """D = A @ B^T + bias (+ out when ``accumulate``) on NVFP4 operands, emulated on bfloat16 tensor cores.
+
+    A @ B^T = (a_amax / 2688) (b_amax / 2688) V_a @ V_b^T with V = e2m1 * e4m3 exact in bfloat16 (see the
+    module docstring): two decode launches, one bfloat16 GEMM with float32 output, one epilogue launch.
+
+    Returns:
+        D [M, N] in ``out_dtype`` (``out`` itself when given).
+
+    Raises:
+        TypeError / ValueError: as the reference (either operand, K that differ, a bad bias / out,
+        accumulate without out).
+    """
+    check_nvfp4_operand(a, a_scale, a_amax, "a")
+    check_nvfp4_operand(b, b_scale, b_amax, "b")
+    dtype = _gemm_result_dtype(out_dtype, out, accumulate)
+    _check_gemm_shapes(a, b, bias, out)
+    result = out if out is not None else torch.empty((a.shape[0], b.shape[0]), dtype=dtype, device=a.device)
+    if result.numel():
+        acc = _mm_f32(_decode(a, a_scale, None, torch.bfloat16), _decode(b, b_scale, None, torch.bfloat16))
+        _launch_epilogue(acc, a_amax, b_amax, bias, result, accumulate)
+    return result
+
+
+def _launch_epilogue(acc, a_amax, b_amax, bias, result, accumulate: bool) -> None:
+    """result = fp32(acc * a_amax * b_amax / 2688^2) + bias (+ result when accumulate), cast to result's dtype."""
+    (m, n), (tile_m, tile_n) = acc.shape, _EPILOGUE_TILE
+    with device_guard(acc):
+        _nvfp4_epilogue_kernel[(cdiv(m, tile_m) * cdiv(n, tile_n),)](
+            acc, a_amax, b_amax, acc if bias is None else bias, result, m, n, result.stride(0), result.stride(1),
+            BM=tile_m, BN=tile_n, HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate), num_warps=4,
+        )  # fmt: skip
+
+
+# -- what the kernels decline ----------------------------------------------------------------------
+def _dequantize_supported(q, scale, amax, out_dtype):
+    """Decline a scale or an amax on another device than q (the reference moves the amax)."""
+    return _on_device(q.device, scale=scale, amax=amax) if isinstance(q, torch.Tensor) else True
+
+
+def _gemm_supported(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False):
+    """Decline any tensor on another device than a (the reference moves the amaxes)."""
+    if not isinstance(a, torch.Tensor):
+        return True
+    return _on_device(a.device, b=b, a_scale=a_scale, b_scale=b_scale, a_amax=a_amax, b_amax=b_amax, bias=bias, out=out)
+
+
+SUPPORTS = {"dequantize_nvfp4": _dequantize_supported, "gemm_nvfp4": _gemm_supported}
