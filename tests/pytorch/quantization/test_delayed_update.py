@@ -324,8 +324,9 @@ def test_hold_plans_collects_the_plans_used_inside():
 def test_amax_and_scale_update_is_te_private_step(amax, expected):
     """NVIDIA TE's ``_amax_and_scale_update`` (its recipe tests call it): fp8_max / amax, the old scale where the
     amax is zero, inf or NaN, float32 max where the scale overflows; every slot, in place."""
-    from transformer_engine.pytorch.quantization import _amax_and_scale_update
+    from transformer_engine.pytorch.quantization import _amax_and_scale_update, _default_sf_compute
 
+    assert _default_sf_compute(torch.tensor([amax]), torch.ones(1), 448.0, 0).item() == expected
     history = torch.tensor([[amax], [1.0]], dtype=torch.float32)
     scale = torch.ones(1)
     _amax_and_scale_update(history, scale, 448.0, DelayedScaling(amax_compute_algo="most_recent"))

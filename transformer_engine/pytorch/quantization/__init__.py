@@ -14,7 +14,8 @@
 """
 
 from .autocast import QuantizationConfig, autocast, current_config, fp8_autocast
-from .delayed_update import amax_and_scale_update as _amax_and_scale_update  # noqa: F401 - NVIDIA TE's name (its tests call it)
+from .delayed_update import amax_and_scale_update as _amax_and_scale_update  # noqa: F401 - NVIDIA TE's names (its tests call them)
+from .delayed_update import default_scale as _default_sf_compute  # noqa: F401
 from .availability import (
     FP8_EMULATION_ENV,
     check_fp8_block_scaling_support,

@@ -37,7 +37,7 @@ import torch
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import ops
 
-__all__ = ["amax_and_scale_update", "hold_plans", "reduce_and_update"]
+__all__ = ["amax_and_scale_update", "default_scale", "hold_plans", "reduce_and_update"]
 
 #: Plans kept (oldest dropped first): one per (autocast, direction) of a training loop is the usual need.
 _MAX_PLANS = 16
@@ -178,6 +178,19 @@ def _update(part: _Group, recipe: DelayedScaling, in_place_op: bool = True) -> N
     torch.reciprocal(part.scale, out=part.scale_inv)
 
 
+def default_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max, margin: float) -> torch.Tensor:
+    """The built-in scale rule (NVIDIA TE's ``_default_sf_compute``): (fp8_max / amax) / 2^margin where amax is
+    finite and > 0, else the old scale; float32 max where that overflows (the catalog's ``delayed_scaling_update``
+    applied to a one-row history).
+
+    Example:
+        >>> import torch
+        >>> default_scale(torch.tensor([2.0, 0.0, float("inf")]), torch.ones(3), 448.0, 0).tolist()
+        [224.0, 1.0, 1.0]
+    """
+    return ops.delayed_scaling_update(amax.reshape(1, -1), scale, fp8_max, float(margin), "most_recent")[1]
+
+
 def amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe: DelayedScaling) -> None:
     """One delayed-scaling step of every slot of one state, in place (NVIDIA TE's ``_amax_and_scale_update``).
 
@@ -275,6 +288,6 @@ def _step(
         if not isinstance(fp8_max, torch.Tensor):  # the callable gets fp8_max per slot, float32 [N]
             fp8_max = torch.full_like(scale, fp8_max, dtype=torch.float32)
         new_scale = scale_fn(amax, scale, fp8_max, recipe)
-    else:  # the built-in scale rule applied to the callable's amax: a one-row "history"
-        _, new_scale = ops.delayed_scaling_update(amax.reshape(1, -1), scale, fp8_max, margin, "most_recent")
+    else:  # the built-in scale rule applied to the callable's amax
+        new_scale = default_scale(amax, scale, fp8_max, margin)
     return new_history, new_scale.to(torch.float32)
