@@ -326,3 +326,24 @@ def test_no_graph_breaks(recipe_name, fresh_dynamo):
     assert explained.graph_count == 1
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     compiled(x).float().sum().backward()
+
+
+def test_basic_linear_exposes_its_quantizers_and_scaling_state_as_te_does():
+    """TE's ``get_quantizer(mode, index)`` and ``_fp8_metas`` (its recipe tests read the delayed-scaling state
+    through them): None before a quantized forward, then the scale of each slot and its amax history."""
+    op = te_ops.BasicLinear(32, 32, device=CPU)
+    assert op.get_quantizer("forward", 0) is None and op._fp8_metas == {"forward": None, "backward": None}
+    x = torch.full((32, 32), 0.25, requires_grad=True)
+    with torch.no_grad():
+        op.weight.fill_(0.5)
+    with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        y = op(x)
+    y.backward(torch.full_like(y, 0.75))
+    history = op._fp8_metas["forward"]["scaling_fwd"].amax_history
+    assert history[-1, :2].tolist() == [0.25, 0.5]  # the amaxes of x and W, rolled into the last row by the update
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731 - the scales are float32 quotients
+    assert op.get_quantizer("forward", 1).scale.item() == f32(448.0 / 0.5)
+    assert op._fp8_metas["backward"]["scaling_bwd"].amax_history[-1, 0].item() == 0.75
+    assert op.get_quantizer("backward", 0).scale.item() == f32(57344.0 / 0.75)
+    with pytest.raises(ValueError, match="'forward' or 'backward'"):
+        op.get_quantizer("fwd", 0)

@@ -66,6 +66,10 @@ def _kaiming_uniform(weight: torch.Tensor) -> None:
     torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+#: the scaling-state key of each mode of ``get_quantizer`` (TE's ``FP8GlobalStateManager.get_meta_tensor_key``)
+_STATE_KEYS = {"forward": "scaling_fwd", "backward": "scaling_bwd"}
+
+
 class BasicLinear(TransformerEngineBaseModule, BasicOperation):
     """y = x W^T, W of shape [out_features, in_features] (this rank's shard under tensor parallelism).
 
@@ -120,6 +124,24 @@ class BasicLinear(TransformerEngineBaseModule, BasicOperation):
     @property
     def tensor_parallel_size(self) -> int:
         return self.parallel.tp_size
+
+    def get_quantizer(self, mode: str, index: int):
+        """TE's accessor: the quantizer of slot ``index`` in ``mode`` ("forward": input 0, weight 1, output 2;
+        "backward": grad output 0, grad input 1), or None before the first quantized forward.
+
+        Raises:
+            ValueError: ``mode`` is neither "forward" nor "backward".
+        """
+        if mode not in _STATE_KEYS:
+            raise ValueError(f"mode must be 'forward' or 'backward', got {mode!r}")
+        quantizers = self.quantizers.get(_STATE_KEYS[mode])
+        return quantizers[index] if quantizers else None
+
+    @property
+    def _fp8_metas(self):
+        """TE's layout of the scaling state (its tests read it): {"forward": {"scaling_fwd": state}, "backward":
+        {"scaling_bwd": state}}, a mode None before the first quantized forward."""
+        return {mode: None if self.fp8_meta.get(key) is None else {key: self.fp8_meta[key]} for mode, key in _STATE_KEYS.items()}
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T over the last dim, in the autocast dtype or else the weight's (x is cast to it)."""
