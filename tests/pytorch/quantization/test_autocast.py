@@ -158,7 +158,7 @@ def test_history_length_change_resizes_in_place():
         with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
             layer(x)
     before = layer.fp8_meta["scaling_fwd"].amax_history.clone()
-    with pytest.warns(UserWarning, match="Quantizer is being updated"):
+    with pytest.warns(UserWarning, match="Quantizer is being updated, this may affect model behavior"):
         with te.autocast(recipe=DelayedScaling(amax_history_len=2)):
             layer(x * 0)  # amax 0: idle slots, so the resized history is kept as is
     assert torch.equal(layer.fp8_meta["scaling_fwd"].amax_history, before[:2])

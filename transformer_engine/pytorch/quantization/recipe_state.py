@@ -226,7 +226,8 @@ class DelayedScalingRecipeState(RecipeState):
         if length == current:
             return
         warnings.warn(
-            f"Quantizer is being updated: amax_history_len changes from {current} to {length}", UserWarning, stacklevel=3
+            f"Quantizer is being updated, this may affect model behavior: amax_history_len changes from "
+            f"{current} to {length}", UserWarning, stacklevel=3
         )
         if length < current:
             self.amax_history = self.amax_history[:length].clone()
