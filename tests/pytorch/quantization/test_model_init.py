@@ -10,6 +10,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (
     CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
 )
+from tests.utils import sqnr
 from transformer_engine.pytorch.optimizers import FusedAdam
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.tensor import (
@@ -557,6 +558,28 @@ def test_mxfp8_forward_and_backward_read_the_stored_copies_without_a_cast(monkey
     monkeypatch.setattr(ops, "quantize_mxfp8", lambda x, *a, **k: (shapes.append(tuple(x.shape)), original(x, *a, **k))[1])
     _mx_run(module, torch.randn(32, 64, dtype=torch.bfloat16))
     assert shapes and (96, 64) not in shapes, shapes  # x and dy only
+
+
+def test_mxfp8_weights_built_without_gradients_keep_the_row_wise_copy_only(monkeypatch):
+    """NVIDIA TE's inference heuristic: built under no_grad, an MXFP8 weight holds its row-wise copy alone, which an
+    inference forward reads as stored; a later training step casts the dequantized weight instead."""
+    from transformer_engine.plugin import ops
+
+    with torch.no_grad(), te.quantized_model_init(recipe=MXFP8BlockScaling()):
+        module = te.Linear(64, 96)
+    assert module.weight._rowwise_data is not None and module.weight._columnwise_data is None
+    shapes, original = [], ops.quantize_mxfp8
+    monkeypatch.setattr(ops, "quantize_mxfp8", lambda x, *a, **k: (shapes.append(tuple(x.shape)), original(x, *a, **k))[1])
+    x = torch.randn(32, 64)
+    with torch.inference_mode(), te.autocast(recipe=MXFP8BlockScaling()):
+        y = module(x)
+    assert shapes == [(32, 64)] and module.weight._columnwise_data is None  # x only: the weight is read as stored
+    expected = x @ module.weight.dequantize().t() + module.bias
+    assert sqnr(expected, y) > 25
+    x.requires_grad_(True)
+    with te.autocast(recipe=MXFP8BlockScaling()):
+        module(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(module.weight.grad.float()).all()
 
 
 def test_mxfp8_parameters_step_through_fused_adam_masters_and_load_from_a_weights_only_checkpoint():

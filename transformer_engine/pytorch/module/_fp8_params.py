@@ -77,7 +77,8 @@ class _SlotQuantizer(Float8Quantizer):
 
 def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp8_meta: dict, index: int) -> Quantizer:
     """The public quantizer that stores (and re-quantizes) a weight as the recipe casts weights: row-wise only,
-    but for 1 x 128 block tiles (see :func:`_block_weight_quantizer`) and MXFP8 (both copies).
+    but for 1 x 128 block tiles (see :func:`_block_weight_quantizer`) and MXFP8 (both copies, unless built with
+    gradients off: NVIDIA TE's heuristic for inference, whose GEMMs read the row-wise copy only).
 
     Args:
         recipe: the ``quantized_model_init`` recipe.
@@ -100,8 +101,8 @@ def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp
         made = made.copy()
     elif isinstance(module_quantizer, ModuleBlockQuantizer):
         return _block_weight_quantizer(module_quantizer)
-    elif isinstance(module_quantizer, ModuleMXFP8Quantizer):
-        return MXFP8Quantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=True)
+    elif isinstance(module_quantizer, ModuleMXFP8Quantizer):  # built under no_grad (inference): the row-wise copy only, as TE
+        return MXFP8Quantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=torch.is_grad_enabled())
     elif isinstance(module_quantizer, ModuleDelayedQuantizer):
         made = _SlotQuantizer(fp8_meta, index, module_quantizer.fp8_dtype)
     elif isinstance(module_quantizer, ModuleCurrentScalingQuantizer):
@@ -174,7 +175,10 @@ def fp8_param_operand(weight: torch.Tensor, quantizer: ModuleQuantizer) -> Optio
 
 
 def _reads(quantizer: ModuleQuantizer, weight: BlockScaledTensor) -> bool:
-    """Whether ``quantizer``'s GEMMs read ``weight`` as stored: block tiles of the same shape, or MXFP8 with both copies."""
+    """Whether ``quantizer``'s GEMMs read ``weight`` as stored: block tiles of the same shape, or MXFP8 with both copies
+    (the row-wise one alone where gradients are off)."""
     if isinstance(weight, Float8BlockwiseQTensor):
         return isinstance(quantizer, ModuleBlockQuantizer) and quantizer.block == weight._block
-    return isinstance(weight, MXFP8Tensor) and isinstance(quantizer, ModuleMXFP8Quantizer) and weight._columnwise_data is not None
+    needs_transpose = torch.is_grad_enabled()  # a dgrad may follow: it reads the column-wise copy
+    return isinstance(weight, MXFP8Tensor) and isinstance(quantizer, ModuleMXFP8Quantizer) and (
+        weight._columnwise_data is not None or not needs_transpose)
