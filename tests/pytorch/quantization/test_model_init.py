@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
+from tests.utils import sqnr
 from transformer_engine.common.recipe import (
     CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
 )
-from tests.utils import sqnr
 from transformer_engine.pytorch.optimizers import FusedAdam
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.tensor import (
