@@ -6,14 +6,13 @@ GEMM's K (x, W, dy in blocks of 32 along their rows for fprop / dgrad; W^T, x^T,
 for dgrad / wgrad), then a high-precision GEMM. Only the float32 accumulation order differs.
 """
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
 from tests.mxfp8_spec import spec_qdq
+from tests.pytorch.quantization._emulated import assert_linear_compiles_as_eager, train_losses, transformer_layer_sqnr
 from tests.pytorch.references import forward_backward
 from tests.utils import randn, sqnr
 from transformer_engine.common.recipe import Format, MXFP8BlockScaling
@@ -187,71 +186,18 @@ def test_alignment_errors_are_clear():
         assert layer(randn(16, 64)).shape == (16, 32)  # inference reads the row-wise copies only
 
 
-# -- training and the full layer ----------------------------------------------------------------------
-def _train(recipe, steps=12):
-    torch.manual_seed(7)
-    model = torch.nn.Sequential(te.LayerNormMLP(64, 128, activation="swiglu"), te.LayerNormLinear(64, 32))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    data = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 64, generator=data)
-    target = torch.tanh(x[:, :32] * 2.0)
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
-            out = model(x)
-        loss = F.mse_loss(out.float(), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
+# -- training, the full layer, torch.compile ----------------------------------------------------------
 def test_training_lowers_the_loss_and_tracks_bf16():
-    bf16, mxfp8 = _train(None), _train(MXFP8)
+    bf16, mxfp8 = train_losses(None), train_losses(MXFP8)
     assert mxfp8[-1] < 0.5 * mxfp8[0]
     for step, (a, b) in enumerate(zip(bf16, mxfp8)):
         assert abs(a - b) <= 0.05 * a + 1e-3, f"step {step}: bf16 {a:.4f} vs mxfp8 {b:.4f}"
 
 
 def test_transformer_layer_runs_forward_and_backward():
-    layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0)
-    x = randn(32, 2, 64)
-    hp_out, hp_dx, hp_grads = forward_backward(layer, x, torch.ones(32, 2, 64))
-    layer.zero_grad()
-    with te.autocast(recipe=MXFP8):
-        out, dx, grads = forward_backward(layer, x, torch.ones(32, 2, 64))
-    assert torch.isfinite(out).all() and torch.isfinite(dx).all()
-    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
-    assert sqnr(hp_out, out) > 20 and sqnr(hp_dx, dx) > 15
-
-
-# -- torch.compile ------------------------------------------------------------------------------------
-def _step(module):
-    def step(x):
-        with te.autocast(recipe=MXFP8):
-            return module(x)
-
-    return step
+    out_sqnr, dx_sqnr = transformer_layer_sqnr(MXFP8)
+    assert out_sqnr > 20 and dx_sqnr > 15
 
 
 def test_linear_compiles_without_graph_breaks_and_equals_eager():
-    torch._dynamo.reset()
-    eager = te.Linear(64, 32)
-    compiled_module = copy.deepcopy(eager)
-    x = randn(32, 2, 64).requires_grad_(True)
-    explained = torch._dynamo.explain(_step(eager))(x)
-    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
-    assert explained.graph_count == 1
-    step = torch.compile(_step(compiled_module), fullgraph=True, backend="aot_eager")
-    for _ in range(2):
-        x = randn(32, 2, 64)
-        outs = []
-        for run, module in ((_step(eager), eager), (step, compiled_module)):
-            x_in = x.clone().requires_grad_(True)
-            y = run(x_in)
-            y.square().mean().backward()
-            outs.append((y.detach(), x_in.grad, module.weight.grad.clone()))
-            module.zero_grad()
-        for e, c in zip(*outs):
-            assert torch.equal(c, e)
+    assert_linear_compiles_as_eager(MXFP8)

@@ -9,13 +9,12 @@ float32 accumulation order differs. Stochastic rounding is switched off where re
 by value, and tested for what it promises (repeatable under ``torch.manual_seed``, unbiased) on its own.
 """
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
+from tests.pytorch.quantization._emulated import assert_linear_compiles_as_eager, train_losses, transformer_layer_sqnr
 from tests.pytorch.references import forward_backward
 from tests.utils import randn, sqnr
 from transformer_engine.common.recipe import NVFP4BlockScaling
@@ -198,73 +197,19 @@ def test_alignment_errors_are_clear():
         assert layer(randn(8, 64)).shape == (8, 32)  # inference reads the row-wise copies only
 
 
-# -- training and the full layer ----------------------------------------------------------------------
-def _train(recipe, steps=12):
-    torch.manual_seed(7)
-    model = torch.nn.Sequential(te.LayerNormMLP(64, 128, activation="swiglu"), te.LayerNormLinear(64, 32))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    data = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 64, generator=data)
-    target = torch.tanh(x[:, :32] * 2.0)
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
-            out = model(x)
-        loss = F.mse_loss(out.float(), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
+# -- training, the full layer, torch.compile ----------------------------------------------------------
 def test_training_lowers_the_loss_and_tracks_bf16():
-    bf16, nvfp4 = _train(None), _train(NVFP4)
+    bf16, nvfp4 = train_losses(None), train_losses(NVFP4)
     assert nvfp4[-1] < 0.5 * nvfp4[0]
     for step, (a, b) in enumerate(zip(bf16, nvfp4)):
         assert abs(a - b) <= 0.15 * a + 1e-3, f"step {step}: bf16 {a:.4f} vs nvfp4 {b:.4f}"
 
 
 def test_transformer_layer_runs_forward_and_backward():
-    layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0)
-    x = randn(32, 2, 64)
-    hp_out, hp_dx, hp_grads = forward_backward(layer, x, torch.ones(32, 2, 64))
-    layer.zero_grad()
-    with te.autocast(recipe=NVFP4):
-        out, dx, grads = forward_backward(layer, x, torch.ones(32, 2, 64))
-    assert torch.isfinite(out).all() and torch.isfinite(dx).all()
-    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
-    assert sqnr(hp_out, out) > 10 and sqnr(hp_dx, dx) > 5
-
-
-# -- torch.compile ------------------------------------------------------------------------------------
-def _step(module, recipe):
-    def step(x):
-        with te.autocast(recipe=recipe):
-            return module(x)
-
-    return step
+    out_sqnr, dx_sqnr = transformer_layer_sqnr(NVFP4)
+    assert out_sqnr > 10 and dx_sqnr > 5
 
 
 @pytest.mark.parametrize("recipe", [NO_SR, NVFP4], ids=["nearest", "stochastic"])
 def test_linear_compiles_without_graph_breaks_and_equals_eager(recipe):
-    torch._dynamo.reset()
-    eager = te.Linear(64, 32)
-    compiled_module = copy.deepcopy(eager)
-    x = randn(32, 2, 64).requires_grad_(True)
-    explained = torch._dynamo.explain(_step(eager, recipe))(x)
-    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
-    assert explained.graph_count == 1
-    step = torch.compile(_step(compiled_module, recipe), fullgraph=True, backend="aot_eager")
-    for seed in range(2):
-        x = randn(32, 2, 64)
-        outs = []
-        for run, module in ((_step(eager, recipe), eager), (step, compiled_module)):
-            x_in = x.clone().requires_grad_(True)
-            torch.manual_seed(seed)  # the same stochastic-rounding seeds in both runs
-            y = run(x_in)
-            y.square().mean().backward()
-            outs.append((y.detach(), x_in.grad, module.weight.grad.clone()))
-            module.zero_grad()
-        for e, c in zip(*outs):
-            assert torch.equal(c, e)
+    assert_linear_compiles_as_eager(recipe)

@@ -1,0 +1,79 @@
+"""Checks shared by the tests of the emulated block-scaled recipes (MXFP8, NVFP4): a short training run, the
+full layer against high precision, and a compiled ``te.Linear`` step against the eager one."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import transformer_engine.pytorch as te
+from tests.pytorch.references import forward_backward
+from tests.utils import randn, sqnr
+
+
+def train_losses(recipe, steps: int = 12):
+    """Losses of ``steps`` Adam steps of LayerNormMLP(swiglu) + LayerNormLinear fitting tanh(2x) under torch's bf16
+    autocast and ``recipe`` (None: high precision), from fixed weights and data."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(te.LayerNormMLP(64, 128, activation="swiglu"), te.LayerNormLinear(64, 32))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    data = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, generator=data)
+    target = torch.tanh(x[:, :32] * 2.0)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = model(x)
+        loss = F.mse_loss(out.float(), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def transformer_layer_sqnr(recipe):
+    """(SQNR of the output, of dx) of a te.TransformerLayer step under ``recipe`` against the same step in high
+    precision, after checking every output and gradient is finite."""
+    layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    x = randn(32, 2, 64)
+    hp_out, hp_dx, _ = forward_backward(layer, x, torch.ones(32, 2, 64))
+    layer.zero_grad()
+    with te.autocast(recipe=recipe):
+        out, dx, grads = forward_backward(layer, x, torch.ones(32, 2, 64))
+    assert torch.isfinite(out).all() and torch.isfinite(dx).all()
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    return sqnr(hp_out, out), sqnr(hp_dx, dx)
+
+
+def _step(module, recipe):
+    def step(x):
+        with te.autocast(recipe=recipe):
+            return module(x)
+
+    return step
+
+
+def assert_linear_compiles_as_eager(recipe, steps: int = 2) -> None:
+    """``te.Linear`` under ``recipe`` traces as one graph without breaks, and compiled steps (aot_eager) equal the
+    eager ones bit for bit: outputs, dx, dW (both runs of a step start from the same torch seed)."""
+    torch._dynamo.reset()
+    eager = te.Linear(64, 32)
+    compiled_module = copy.deepcopy(eager)
+    x = randn(32, 2, 64).requires_grad_(True)
+    explained = torch._dynamo.explain(_step(eager, recipe))(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+    step = torch.compile(_step(compiled_module, recipe), fullgraph=True, backend="aot_eager")
+    for seed in range(steps):
+        x = randn(32, 2, 64)
+        outs = []
+        for run, module in ((_step(eager, recipe), eager), (step, compiled_module)):
+            x_in = x.clone().requires_grad_(True)
+            torch.manual_seed(seed)  # the same random draws (stochastic rounding) in both runs
+            y = run(x_in)
+            y.square().mean().backward()
+            outs.append((y.detach(), x_in.grad, module.weight.grad.clone()))
+            module.zero_grad()
+        for e, c in zip(*outs):
+            assert torch.equal(c, e)
