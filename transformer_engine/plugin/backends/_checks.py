@@ -34,6 +34,8 @@ __all__ = [
     "check_cross_entropy_bwd",
     "check_tensor_lists",
     "check_softmax_input",
+    "check_gemm_output",
+    "gemm_result_dtype",
 ]
 
 _AMAX_ALGOS = ("max", "most_recent")
@@ -259,3 +261,31 @@ def check_softmax_input(x, dims, layout: str) -> None:
     check_high_precision(x)
     if dims is not None and x.dim() != dims:
         raise ValueError(f"x must be {layout}, got shape {tuple(x.shape)}")
+
+
+def gemm_result_dtype(out_dtype, out, accumulate: bool, default: torch.dtype) -> torch.dtype:
+    """The dtype of a GEMM's D: ``out_dtype``, else out's dtype, else ``default``.
+
+    Raises:
+        ValueError: accumulate without out, an out_dtype that disagrees with out's, a dtype D cannot have.
+    """
+    if accumulate and out is None:
+        raise ValueError("gemm(accumulate=True) adds into out, but out is None; pass out=[M, N] tensor")
+    if out is not None:
+        check_tensor(out, "out")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; make them agree or drop out_dtype")
+        out_dtype = out.dtype
+    out_dtype = default if out_dtype is None else out_dtype
+    check_out_dtype(out_dtype)
+    return out_dtype
+
+
+def check_gemm_output(m: int, n: int, bias, out) -> None:
+    """ValueError unless bias is None or [N] and out is None or [M, N] (a GEMM's D is [M, N])."""
+    if bias is not None:
+        check_tensor(bias, "bias")
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; gemm output is [{m}, {n}] so bias must be [{n}]")
+    if out is not None and tuple(out.shape) != (m, n):
+        raise ValueError(f"out has shape {tuple(out.shape)}; gemm output is [{m}, {n}]")

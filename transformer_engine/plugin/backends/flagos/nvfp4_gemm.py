@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._fp8 import check_out_dtype, check_tensor
+from transformer_engine.plugin.backends._checks import check_gemm_output, gemm_result_dtype
+from transformer_engine.plugin.backends._fp8 import check_out_dtype
 from transformer_engine.plugin.backends._nvfp4_checks import check_nvfp4_operand
 
 from ._common import _fp8_decode, cdiv, device_guard, hw_fp8_cast, rows_contiguous
@@ -144,32 +145,13 @@ def dequantize_nvfp4(q, scale, amax, out_dtype):
     return _decode(q, scale, amax, out_dtype)
 
 
-def _gemm_result_dtype(out_dtype, out, accumulate) -> torch.dtype:
-    """The dtype of D, checked as the reference ``gemm`` does (out_dtype, else out's, else float32)."""
-    if accumulate and out is None:
-        raise ValueError("gemm(accumulate=True) adds into out, but out is None; pass out=[M, N] tensor")
-    if out is not None:
-        check_tensor(out, "out")
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise ValueError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; make them agree or drop out_dtype")
-        out_dtype = out.dtype
-    out_dtype = torch.float32 if out_dtype is None else out_dtype
-    check_out_dtype(out_dtype)
-    return out_dtype
-
-
 def _check_gemm_shapes(a, b, bias, out) -> None:
     """ValueError unless a [M, K / 2] and b [N, K / 2] share K, bias is [N] and out [M, N]."""
     (m, k), (n, k_b) = a.shape, b.shape
     if k != k_b:
         raise ValueError(f"gemm_nvfp4 inner dimensions differ: a {tuple(a.shape)} holds K = {2 * k}, b {tuple(b.shape)} "
                          f"K = {2 * k_b}; quantize both operands along the same K")
-    if bias is not None:
-        check_tensor(bias, "bias")
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; gemm output is [{m}, {n}] so bias must be [{n}]")
-    if out is not None and tuple(out.shape) != (m, n):
-        raise ValueError(f"out has shape {tuple(out.shape)}; gemm output is [{m}, {n}]")
+    check_gemm_output(m, n, bias, out)
 
 
 def _mm_f32(v_a: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
@@ -195,7 +177,7 @@ def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out
     """
     check_nvfp4_operand(a, a_scale, a_amax, "a")
     check_nvfp4_operand(b, b_scale, b_amax, "b")
-    dtype = _gemm_result_dtype(out_dtype, out, accumulate)
+    dtype = gemm_result_dtype(out_dtype, out, accumulate, default=torch.float32)
     _check_gemm_shapes(a, b, bias, out)
     result = out if out is not None else torch.empty((a.shape[0], b.shape[0]), dtype=dtype, device=a.device)
     if result.numel():

@@ -15,7 +15,8 @@ from typing import Tuple
 
 import torch
 
-from .._fp8 import check_out_dtype, check_tensor, is_fp8, scalar_f32
+from .._checks import check_gemm_output, gemm_result_dtype
+from .._fp8 import check_tensor, is_fp8, scalar_f32
 from .quantization import dequantize_blockwise
 
 __all__ = ["gemm", "gemm_blockwise"]
@@ -37,19 +38,11 @@ def _operand_f32(t, scale_inv, name: str) -> torch.Tensor:
     return t.float()
 
 
-def _result_dtype(a: torch.Tensor, out_dtype, out) -> torch.dtype:
+def _result_dtype(a: torch.Tensor, out_dtype, out, accumulate: bool) -> torch.dtype:
     """out_dtype, else out's dtype, else a's dtype (which an FP8 ``a`` cannot provide)."""
-    if out is not None:
-        check_tensor(out, "out")
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise ValueError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; make them agree or drop out_dtype")
-        out_dtype = out.dtype
-    if out_dtype is None:
-        if is_fp8(a):
-            raise ValueError(f"a is FP8 ({a.dtype}), so gemm needs out_dtype (e.g. torch.bfloat16)")
-        out_dtype = a.dtype
-    check_out_dtype(out_dtype)
-    return out_dtype
+    if out_dtype is None and out is None and is_fp8(a):
+        raise ValueError(f"a is FP8 ({a.dtype}), so gemm needs out_dtype (e.g. torch.bfloat16)")
+    return gemm_result_dtype(out_dtype, out, accumulate, default=a.dtype)
 
 
 def _check_shapes(a_op: torch.Tensor, b_op: torch.Tensor, bias, out, shapes: str) -> Tuple[int, int]:
@@ -57,12 +50,7 @@ def _check_shapes(a_op: torch.Tensor, b_op: torch.Tensor, bias, out, shapes: str
     (m, k), (k_b, n) = a_op.shape, b_op.shape
     if k != k_b:
         raise ValueError(f"gemm inner dimensions differ: op(a) is {tuple(a_op.shape)}, op(b) is {tuple(b_op.shape)} ({shapes})")
-    if bias is not None:
-        check_tensor(bias, "bias")
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; gemm output is [{m}, {n}] so bias must be [{n}]")
-    if out is not None and tuple(out.shape) != (m, n):
-        raise ValueError(f"out has shape {tuple(out.shape)}; gemm output is [{m}, {n}]")
+    check_gemm_output(m, n, bias, out)
     return m, n
 
 
@@ -88,9 +76,7 @@ def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, tra
     """
     a_f32 = _operand_f32(a, a_scale_inv, "a")
     b_f32 = _operand_f32(b, b_scale_inv, "b")
-    if accumulate and out is None:
-        raise ValueError("gemm(accumulate=True) adds into out, but out is None; pass out=[M, N] tensor")
-    result_dtype = _result_dtype(a, out_dtype, out)
+    result_dtype = _result_dtype(a, out_dtype, out, accumulate)
     a_op = a_f32.t() if trans_a else a_f32
     b_op = b_f32.t() if trans_b else b_f32
     shapes = f"a {tuple(a.shape)} trans_a={bool(trans_a)}, b {tuple(b.shape)} trans_b={bool(trans_b)}"
