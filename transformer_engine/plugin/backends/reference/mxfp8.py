@@ -20,13 +20,13 @@ from typing import Tuple
 
 import torch
 
-from .._fp8 import check_fp8_dtype, check_high_precision, check_out_dtype, check_tensor, fp8_max_of, is_fp8, saturating_cast
+from .._fp8 import check_out_dtype, fp8_max_of, saturating_cast
+from .._mxfp8_checks import MXFP8_BLOCK as BLOCK
+from .._mxfp8_checks import check_gemm_mxfp8, check_mxfp8_operand, check_quantize_mxfp8
 from .gemm import gemm
 
 __all__ = ["quantize_mxfp8", "dequantize_mxfp8", "gemm_mxfp8"]
 
-#: elements per MXFP8 block (OCP MX v1.0; TE's MXFP8_BLOCK_SCALING_SIZE)
-BLOCK = 32
 _MANTISSA_BITS = 23
 _TWO_POW_MINUS_127_BITS = 0x00400000  # 2^-127, a float32 subnormal: not reachable by shifting an exponent
 _NAN_BITS = 0x7FC00000
@@ -77,21 +77,6 @@ def _encode_multiplier(s: torch.Tensor) -> torch.Tensor:
     return _pow2_from_bits(torch.where(s == 255, _NAN_BITS, bits))
 
 
-def _check_bool(value, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a bool")
-
-
-def _check_aligned(x: torch.Tensor, dim: int, copy: str) -> None:
-    size = x.shape[dim]
-    if size % BLOCK:
-        which = "last" if dim == 1 else "first"
-        raise ValueError(
-            f"MXFP8 {copy} copy of x with shape {tuple(x.shape)}: its {which} dim ({size}) must be divisible by {BLOCK} "
-            f"(one E8M0 scale per {BLOCK} consecutive elements along it, as in NVIDIA TE); pad it to a multiple of {BLOCK}"
-        )
-
-
 def _quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q [R, C], s uint8 [R, C / 32]) of a 2-D x with C % 32 == 0: blocks of 32 along each row."""
     rows, cols = x.shape
@@ -113,38 +98,10 @@ def quantize_mxfp8(x, fp8_dtype, rowwise, columnwise):
         TypeError: x is not a high-precision float tensor, or a flag is not a bool.
         ValueError: x not 2-D, neither copy asked for, a bad fp8_dtype, or a dim not divisible by 32.
     """
-    check_high_precision(x)
-    if x.dim() != 2:
-        raise ValueError(f"quantize_mxfp8 takes a 2-D x [M, N], got shape {tuple(x.shape)}; reshape it to 2-D first")
-    check_fp8_dtype(fp8_dtype)
-    _check_bool(rowwise, "rowwise")
-    _check_bool(columnwise, "columnwise")
-    if not (rowwise or columnwise):
-        raise ValueError("quantize_mxfp8 with rowwise=False and columnwise=False writes nothing; ask for at least one copy")
-    if rowwise:
-        _check_aligned(x, 1, "row-wise")
-    if columnwise:
-        _check_aligned(x, 0, "column-wise")
+    check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
     data, scale = _quantize_rows(x, fp8_dtype) if rowwise else (None, None)
     data_t, scale_t = _quantize_rows(x.t(), fp8_dtype) if columnwise else (None, None)
     return data, scale, data_t, scale_t
-
-
-def _check_operand(q, scale_e8m0, name: str) -> None:
-    check_tensor(q, name)
-    if not is_fp8(q):
-        raise TypeError(f"{name} has dtype {q.dtype}; it must be FP8 (torch.float8_e4m3fn or torch.float8_e5m2)")
-    if q.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [M, K], got shape {tuple(q.shape)}")
-    check_tensor(scale_e8m0, f"{name} scale")
-    if scale_e8m0.dtype != torch.uint8:
-        raise TypeError(f"the E8M0 scale of {name} has dtype {scale_e8m0.dtype}; it must be torch.uint8 (biased exponents)")
-    m, k = q.shape
-    if k % BLOCK or tuple(scale_e8m0.shape) != (m, k // BLOCK):
-        raise ValueError(
-            f"{name} {tuple(q.shape)} with E8M0 scales {tuple(scale_e8m0.shape)}: MXFP8 needs K % {BLOCK} == 0 and "
-            f"scales [{m}, K / {BLOCK}]"
-        )
 
 
 def _dequantize_f32(q: torch.Tensor, scale_e8m0: torch.Tensor) -> torch.Tensor:
@@ -159,7 +116,7 @@ def dequantize_mxfp8(q, scale_e8m0, out_dtype):
     Raises:
         TypeError: q is not FP8 or the scale not uint8. ValueError: shapes that do not fit, a bad out_dtype.
     """
-    _check_operand(q, scale_e8m0, "q")
+    check_mxfp8_operand(q, scale_e8m0, "q")
     check_out_dtype(out_dtype)
     return _dequantize_f32(q, scale_e8m0).to(out_dtype)
 
@@ -171,7 +128,6 @@ def gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias=None, out=None,
         TypeError / ValueError: as :func:`dequantize_mxfp8` for either operand; K that differ, a bad
         bias / out, accumulate without out (see the reference ``gemm``).
     """
-    _check_operand(a, a_scale_e8m0, "a")
-    _check_operand(b, b_scale_e8m0, "b")
+    check_gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias, out, accumulate)
     return gemm(_dequantize_f32(a, a_scale_e8m0), _dequantize_f32(b, b_scale_e8m0), bias, None, None, False, True,
                 out_dtype, out, accumulate)
