@@ -311,6 +311,32 @@ case("gemm_nvfp4", "empty_m", lambda: _nvfp4_gemm(0, 4, 32))
 case("gemm_nvfp4", "empty_k_bias", lambda: _nvfp4_gemm(2, 3, 0) + (rnd(3),))
 case("gemm_nvfp4", "every_code", lambda: _nvfp4_gemm(16, 8, 64))
 
+MXFP8_BOTH = (E4M3, True, True)  # fp8_dtype, rowwise, columnwise
+case("quantize_mxfp8", "empty", lambda: (rnd(0, 32), *MXFP8_BOTH))
+case("quantize_mxfp8", "nonfinite", lambda: (nonfinite(32, 32), *MXFP8_BOTH))
+case("quantize_mxfp8", "noncontiguous_e5m2", lambda: (transposed(32, 64, dtype=torch.bfloat16), torch.float8_e5m2, True, True))
+case("quantize_mxfp8", "misaligned", lambda: (rnd(16, 48), *MXFP8_BOTH))
+
+
+def _mxfp8_operand(rows, k, scale_codes=256):
+    """Every E4M3 code (0x7F, 0xFF: NaN) and E8M0 scale codes 0 .. scale_codes - 1 (255: NaN) of a [rows, k] operand."""
+    q = torch.arange(rows * k).remainder(256).to(torch.uint8).reshape(rows, k).view(E4M3)
+    return q, (torch.arange(rows * k // 32).remainder(scale_codes) + (256 - scale_codes) // 2).to(torch.uint8).reshape(rows, k // 32)
+
+
+case("dequantize_mxfp8", "empty", lambda: (*_mxfp8_operand(0, 32), torch.float32))
+case("dequantize_mxfp8", "every_code", lambda: (*_mxfp8_operand(64, 128), torch.bfloat16))
+
+
+def _mxfp8_gemm(m, n, k):
+    (a, a_scale), (b, b_scale) = _mxfp8_operand(m, k, 64), _mxfp8_operand(n, k, 64)  # scales 2^-31 .. 2^32: finite sums
+    return (a, b, a_scale, b_scale, torch.float32)
+
+
+case("gemm_mxfp8", "empty_m", lambda: _mxfp8_gemm(0, 4, 32))
+case("gemm_mxfp8", "empty_k_bias", lambda: _mxfp8_gemm(2, 3, 0) + (rnd(3),))
+case("gemm_mxfp8", "every_code", lambda: _mxfp8_gemm(16, 8, 64))
+
 
 # -- running and comparing -----------------------------------------------------------------------
 
@@ -369,7 +395,6 @@ _PARAMS = [pytest.param(op, name, make, kwargs, id=f"{op}-{name}") for op, cases
 def test_every_op_has_edge_cases():
     """New catalog ops get edge cases here (attention backward reuses the forward's ctx: covered by its tier)."""
     missing = {spec.name for spec in list_specs()} - set(CASES) - {"fused_attn_bwd", "gemm_blockwise", "dactivation_", "delayed_scaling_update_"}
-    missing = {name for name in missing if "mxfp8" not in name}  # MXFP8 ops are being added elsewhere
     assert not missing, f"catalog ops without edge cases: {sorted(missing)}"
 
 
