@@ -278,6 +278,7 @@ def test_gpu_quantize_large_bit_exact(dtype):
     for fp8_dtype in FP8_DTYPES:
         _check_quantize(x, fp8_dtype)
         _check_quantize(x[:1000, :2016], fp8_dtype, True, False)  # ragged rows, strided
+        _check_quantize(x[:, :2000], fp8_dtype, False, True)  # the column-wise copy alone (a weight's W^T), N not % 32
         q, s, _, _ = fm.quantize_mxfp8(x, fp8_dtype, True, False)
         _assert_same_bits(fm.dequantize_mxfp8(q, s, dtype), ref.dequantize_mxfp8(q, s, dtype))
 

@@ -45,7 +45,7 @@ import triton.language as tl
 from transformer_engine.plugin.backends._fp8 import check_out_dtype
 from transformer_engine.plugin.backends._mxfp8_checks import check_gemm_mxfp8, check_mxfp8_operand, check_quantize_mxfp8
 
-from ._common import _fp8_decode, _fp8_encode, cdiv, device_guard, fp8_format, hw_fp8_cast, rows_contiguous
+from ._common import INTERPRET, _fp8_decode, _fp8_encode, cdiv, device_guard, fp8_format, hw_fp8_cast, rows_contiguous
 from ._launch import cached_launch
 from .nvfp4 import _magnitude_bits, _on_device, _store_rounded, _to_float32
 from .nvfp4_gemm import _mm_f32
@@ -254,16 +254,20 @@ def quantize_mxfp8(x, fp8_dtype, rowwise, columnwise):
     check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise)
     x = rows_contiguous(x)
     (m, n), device = x.shape, x.device
-    (data, scale), (data_t, scale_t) = _empty_copies(m, n, fp8_dtype, rowwise, columnwise, device)
+    # the column-only variant compiled by Triton 3.6 for sm_90 wrote a wrong data_t (an H100, 2026-11-26; the
+    # interpreter and the both-copies variant agree with the reference): on the GPU the row-wise copy is written
+    # too, into buffers dropped here
+    write_rows = rowwise or not INTERPRET
+    (data, scale), (data_t, scale_t) = _empty_copies(m, n, fp8_dtype, write_rows, columnwise, device)
     if x.numel():
         (tile_m, tile_n), fmt = _QUANTIZE_TILE, fp8_format(fp8_dtype)
         with device_guard(x):
             _mxfp8_quantize_kernel[(cdiv(m, tile_m) * cdiv(n, tile_n),)](
-                x, _bits(data), scale, _bits(data_t), scale_t, m, n, x.stride(0), BM=tile_m, BN=tile_n, ROWWISE=rowwise,
+                x, _bits(data), scale, _bits(data_t), scale_t, m, n, x.stride(0), BM=tile_m, BN=tile_n, ROWWISE=write_rows,
                 COLUMNWISE=columnwise, RCP=_rcp_fp8_max(fp8_dtype), **fmt.constexprs(hw_fp8_cast(device)),
                 num_warps=_QUANTIZE_WARPS,
             )  # fmt: skip
-    return data, scale, data_t, scale_t
+    return (data, scale, data_t, scale_t) if rowwise else (None, None, data_t, scale_t)
 
 
 def _decode_mxfp8(q: torch.Tensor, scale_e8m0: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
