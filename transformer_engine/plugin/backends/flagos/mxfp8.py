@@ -29,7 +29,7 @@ whenever V is a multiple of 2^-133: in every block with s >= 3 (E4M3, whose smal
 that range bfloat16 rounds V to a multiple of 2^-133 (nearest even; the reference keeps float32's 2^-149):
 an absolute error under 2^-134 per element, documented rather than handled (it would need a float32 GEMM).
 Each operand is decoded to V in bfloat16 (``_decode_mxfp8``, one launch), the GEMM runs on the tensor cores
-with float32 output (exact products, float32 accumulation), and ``_mxfp8_epilogue_kernel`` adds bias
+with float32 output (exact products, float32 accumulation), and the shared epilogue (``_emulated.finish_gemm``) adds bias
 (and out) in float32 and casts once: the reference's float32 GEMM of the dequantized operands up to the
 order of the float32 accumulation.
 """
@@ -46,9 +46,8 @@ from transformer_engine.plugin.backends._fp8 import check_out_dtype
 from transformer_engine.plugin.backends._mxfp8_checks import check_gemm_mxfp8, check_mxfp8_operand, check_quantize_mxfp8
 
 from ._common import INTERPRET, _fp8_decode, _fp8_encode, cdiv, device_guard, fp8_format, hw_fp8_cast, rows_contiguous
+from ._emulated import _magnitude_bits, _store_rounded, _to_float32, finish_gemm, mm_f32, on_device
 from ._launch import cached_launch
-from .nvfp4 import _magnitude_bits, _on_device, _store_rounded, _to_float32
-from .nvfp4_gemm import _mm_f32
 
 __all__ = ["quantize_mxfp8", "dequantize_mxfp8", "gemm_mxfp8"]
 
@@ -60,7 +59,6 @@ _NAN_BITS = tl.constexpr(0x7FC00000)
 _QUANTIZE_TILE = (32, 128)
 _QUANTIZE_WARPS = 4
 _DEQUANTIZE_TILE = (32, 256)  # rows, K per program of the decode
-_EPILOGUE_TILE = (32, 128)
 
 
 def _rcp_fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -184,36 +182,6 @@ def _mxfp8_dequantize_kernel(
     _store_rounded(out_ptr + rows[:, None] * K + cols[None, :], x, mask)
 
 
-@cached_launch
-@triton.jit
-def _mxfp8_epilogue_kernel(
-    acc_ptr,  # *float32 [M, N], contiguous: A @ B^T
-    bias_ptr,  # *bias [N] (unused without HAS_BIAS)
-    out_ptr,  # *out [M, N], strides (stride_om, stride_on): receives D (and holds the addend with ACCUMULATE)
-    M,  # rows of D
-    N,  # columns of D
-    stride_om,  # elements between rows of out
-    stride_on,  # elements between columns of out
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-):
-    """D = (acc + bias) + out in float32 (the reference's order), rounded once to out's dtype."""
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
-    rows = ((pid // tiles_n) * BM + tl.arange(0, BM)).to(tl.int64)
-    cols = ((pid % tiles_n) * BN + tl.arange(0, BN)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    d = tl.load(acc_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    if HAS_BIAS:
-        d = d + _to_float32(tl.load(bias_ptr + cols, mask=cols < N, other=0.0))[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
-    if ACCUMULATE:
-        d = d + _to_float32(tl.load(out_ptrs, mask=mask, other=0.0))
-    _store_rounded(out_ptrs, d, mask)
-
-
 # -- launchers -------------------------------------------------------------------------------------
 def _empty_copies(m: int, n: int, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, device):
     """(data [m, n], scale uint8 [m, n / 32]) and (data_t [n, m], scale_t uint8 [n, m / 32]), (None, None) where not asked."""
@@ -310,7 +278,7 @@ def gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias=None, out=None,
     """D = A @ B^T + bias (+ out when ``accumulate``) on MXFP8 operands, emulated on bfloat16 tensor cores.
 
     Each operand is decoded to V = q * 2^(s - 127) in bfloat16 (``_decode_mxfp8``: exact, see the module
-    docstring for the range), then one bfloat16 GEMM with float32 output (``_mm_f32``) and the epilogue launch.
+    docstring for the range), then one bfloat16 GEMM with float32 output (``mm_f32``) and the epilogue launch.
 
     Returns:
         D [M, N] in ``out_dtype`` (else out's dtype, else float32); ``out`` itself when given.
@@ -330,32 +298,22 @@ def gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias=None, out=None,
     dtype = check_gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias, out, accumulate)
     result = out if out is not None else torch.empty((a.shape[0], b.shape[0]), dtype=dtype, device=a.device)
     if result.numel():
-        acc = _mm_f32(_decode_mxfp8(a, a_scale_e8m0, torch.bfloat16), _decode_mxfp8(b, b_scale_e8m0, torch.bfloat16))
-        _launch_epilogue(acc, bias, result, accumulate)
+        acc = mm_f32(_decode_mxfp8(a, a_scale_e8m0, torch.bfloat16), _decode_mxfp8(b, b_scale_e8m0, torch.bfloat16))
+        finish_gemm(acc, result, bias=bias, accumulate=accumulate)
     return result
-
-
-def _launch_epilogue(acc, bias, result, accumulate: bool) -> None:
-    """result = (acc + bias) + result when accumulate, cast to result's dtype."""
-    (m, n), (tile_m, tile_n) = acc.shape, _EPILOGUE_TILE
-    with device_guard(acc):
-        _mxfp8_epilogue_kernel[(cdiv(m, tile_m) * cdiv(n, tile_n),)](
-            acc, acc if bias is None else bias, result, m, n, result.stride(0), result.stride(1), BM=tile_m, BN=tile_n,
-            HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate), num_warps=4,
-        )  # fmt: skip
 
 
 # -- what the kernels decline ----------------------------------------------------------------------
 def _dequantize_supported(q, scale_e8m0, out_dtype):
     """Decline a scale on another device than q."""
-    return _on_device(q.device, scale_e8m0=scale_e8m0) if isinstance(q, torch.Tensor) else True
+    return on_device(q.device, scale_e8m0=scale_e8m0) if isinstance(q, torch.Tensor) else True
 
 
 def _gemm_supported(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias=None, out=None, accumulate=False):
     """Decline any tensor on another device than a."""
     if not isinstance(a, torch.Tensor):
         return True
-    return _on_device(a.device, b=b, a_scale_e8m0=a_scale_e8m0, b_scale_e8m0=b_scale_e8m0, bias=bias, out=out)
+    return on_device(a.device, b=b, a_scale_e8m0=a_scale_e8m0, b_scale_e8m0=b_scale_e8m0, bias=bias, out=out)
 
 
 SUPPORTS = {"dequantize_mxfp8": _dequantize_supported, "gemm_mxfp8": _gemm_supported}

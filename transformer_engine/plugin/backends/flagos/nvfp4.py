@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from transformer_engine.plugin.backends._nvfp4_checks import check_quantize_nvfp4
-from transformer_engine.plugin.core import Reject
 
 from ._common import INTERPRET, _fp8_decode, _fp8_encode, cdiv, device_guard, hw_fp8_cast, rows_contiguous
+from ._emulated import _bf16_bits, _magnitude_bits, _to_float32, on_device
 from ._launch import cached_launch
 
 __all__ = ["quantize_nvfp4"]
@@ -61,20 +61,6 @@ _CAST_WARPS = 4
 
 # -- element helpers ---------------------------------------------------------------------------------
 @triton.jit
-def _magnitude_bits(v):
-    """int32 bit pattern of |v| (float32), NaN -> 0: ordered as |v| is (+inf counted, NaN ignored as TE's fmaxf)."""
-    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return tl.where(bits > 0x7F800000, 0, bits)
-
-
-@triton.jit
-def _bf16_bits(y):
-    """int32 bits of float32 y rounded to bfloat16 (nearest even; the low 16 bits zero, NaN -> 0x7FC00000)."""
-    bits = y.to(tl.int32, bitcast=True)
-    return tl.where(y == y, (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536, 0x7FC00000)
-
-
-@triton.jit
 def _round_to(y, DTYPE: tl.constexpr):
     """float32 y rounded to DTYPE (nearest even) and widened back."""
     if DTYPE == tl.bfloat16:
@@ -82,25 +68,6 @@ def _round_to(y, DTYPE: tl.constexpr):
     elif DTYPE == tl.float16:
         y = y.to(tl.float16).to(tl.float32)
     return y
-
-
-@triton.jit
-def _to_float32(x):
-    """Loaded x as float32, exactly. bfloat16 is widened on its bits, here and in _store_rounded narrowed on
-    them: the interpreter's bfloat16 casts truncate and mishandle subnormals, the GPU's are exact."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _store_rounded(ptrs, x, mask):
-    """Store float32 x at ``ptrs`` in their dtype, rounded to nearest even."""
-    ty: tl.constexpr = ptrs.dtype.element_ty
-    if ty == tl.bfloat16:
-        tl.store(ptrs, (_bf16_bits(x) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptrs, x.to(ty), mask=mask)
 
 
 @triton.jit
@@ -412,17 +379,9 @@ def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, s
 
 
 # -- what the kernels decline ----------------------------------------------------------------------
-def _on_device(device, **tensors):
-    """True when every tensor given is on ``device``, else a Reject naming the first that is not."""
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.device != device:
-            return Reject(f"{name} is on {t.device}, x / the operands on {device}: the flagos kernels read it there")
-    return True
-
-
 def _quantize_supported(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed=None):
     """Decline a seed on another device than x (the reference moves it)."""
-    return _on_device(x.device, seed=seed) if isinstance(x, torch.Tensor) else True
+    return on_device(x.device, seed=seed) if isinstance(x, torch.Tensor) else True
 
 
 SUPPORTS = {"quantize_nvfp4": _quantize_supported}

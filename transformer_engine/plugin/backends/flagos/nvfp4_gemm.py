@@ -6,7 +6,7 @@ dequantize_nvfp4: x_hat = q * ((s * amax) * fp32(1 / 2688)), bit for bit as the 
 gemm_nvfp4 on GPUs without FP4 tensor cores: v = e2m1 * e4m3 has at most 2 + 4 significant bits and lies in
 [2^-10, 2688], so it is exact in bfloat16. Each operand is decoded to v (``_nvfp4_decode_kernel``), the
 bfloat16 GEMM runs on the tensor cores with float32 output (exact products, float32 accumulation), and
-``_nvfp4_epilogue_kernel`` applies D = fp32(acc * (a_amax / 2688) * (b_amax / 2688)) (the per-tensor factors
+the shared epilogue (``_emulated.finish_gemm``) applies D = fp32(acc * (a_amax / 2688) * (b_amax / 2688)) (the per-tensor factors
 in float64, one rounding) + bias (+ out), then one cast. It equals the reference's float32 GEMM of the
 dequantized operands up to float32 accumulation order and the rounding of each element's factor (the
 reference rounds fp32(fp32(s * amax) * fp32(1 / 2688)) per block and e2m1 times it per element: a few float32
@@ -28,14 +28,13 @@ from transformer_engine.plugin.backends._fp8 import check_out_dtype
 from transformer_engine.plugin.backends._nvfp4_checks import check_nvfp4_operand
 
 from ._common import _fp8_decode, cdiv, device_guard, hw_fp8_cast, rows_contiguous
+from ._emulated import _store_rounded, finish_gemm, mm_f32, on_device
 from ._launch import cached_launch
-from .nvfp4 import _on_device, _store_rounded, _to_float32
 
 __all__ = ["dequantize_nvfp4", "gemm_nvfp4"]
 
 _DECODE_FACTOR = tl.constexpr(struct.unpack("f", struct.pack("f", 1.0 / 2688.0))[0])  # fp32(1 / 2688), TE's factor_inv
 _DECODE_TILE = (32, 128)  # rows, K per program of the decode kernels
-_EPILOGUE_TILE = (32, 128)
 
 
 @triton.jit
@@ -81,40 +80,6 @@ def _nvfp4_decode_kernel(
     _store_rounded(out_ptr + rows[:, None] * K + cols[None, :], x, row_ok & (cols < K)[None, :])
 
 
-@cached_launch
-@triton.jit
-def _nvfp4_epilogue_kernel(
-    acc_ptr,  # *float32 [M, N], contiguous: sum_k v_a[i, k] v_b[j, k]
-    a_amax_ptr,  # *float32, one element
-    b_amax_ptr,  # *float32, one element
-    bias_ptr,  # *bias [N] (unused without HAS_BIAS)
-    out_ptr,  # *out [M, N], strides (stride_om, stride_on): receives D (and holds the addend with ACCUMULATE)
-    M,  # rows of D
-    N,  # columns of D
-    stride_om,  # elements between rows of out
-    stride_on,  # elements between columns of out
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-):
-    """D = fp32(acc * (a_amax * fp32(1 / 2688)) * (b_amax * fp32(1 / 2688))) (float64, one rounding) + bias (+ out)."""
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
-    rows = ((pid // tiles_n) * BM + tl.arange(0, BM)).to(tl.int64)
-    cols = ((pid % tiles_n) * BN + tl.arange(0, BN)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    acc = tl.load(acc_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    factor = (tl.load(a_amax_ptr).to(tl.float64) * _DECODE_FACTOR) * (tl.load(b_amax_ptr).to(tl.float64) * _DECODE_FACTOR)
-    d = (acc.to(tl.float64) * factor).to(tl.float32)
-    if HAS_BIAS:
-        d = d + _to_float32(tl.load(bias_ptr + cols, mask=cols < N, other=0.0))[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
-    if ACCUMULATE:
-        d = d + _to_float32(tl.load(out_ptrs, mask=mask, other=0.0))
-    _store_rounded(out_ptrs, d, mask)
-
-
 # -- dequantize and GEMM ---------------------------------------------------------------------------
 def _decode(q: torch.Tensor, scale: torch.Tensor, amax, out_dtype: torch.dtype) -> torch.Tensor:
     """[M, K] values of an NVFP4 operand: e2m1 * ((s * amax) * fp32(1 / 2688)) in out_dtype, or with amax None the
@@ -154,14 +119,6 @@ def _check_gemm_shapes(a, b, bias, out) -> None:
     check_gemm_output(m, n, bias, out)
 
 
-def _mm_f32(v_a: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
-    """v_a @ v_b^T in float32 from bfloat16 operands: cuBLAS with float32 output on the GPU (tensor cores,
-    float32 accumulation), a float32 GEMM elsewhere (the interpreter's CPU)."""
-    if v_a.is_cuda:
-        return torch.mm(v_a, v_b.t(), out_dtype=torch.float32)
-    return torch.mm(v_a.float(), v_b.float().t())
-
-
 def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False):
     """D = A @ B^T + bias (+ out when ``accumulate``) on NVFP4 operands, emulated on bfloat16 tensor cores.
 
@@ -181,32 +138,22 @@ def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out
     _check_gemm_shapes(a, b, bias, out)
     result = out if out is not None else torch.empty((a.shape[0], b.shape[0]), dtype=dtype, device=a.device)
     if result.numel():
-        acc = _mm_f32(_decode(a, a_scale, None, torch.bfloat16), _decode(b, b_scale, None, torch.bfloat16))
-        _launch_epilogue(acc, a_amax, b_amax, bias, result, accumulate)
+        acc = mm_f32(_decode(a, a_scale, None, torch.bfloat16), _decode(b, b_scale, None, torch.bfloat16))
+        finish_gemm(acc, result, bias=bias, accumulate=accumulate, amaxes=(a_amax, b_amax), amax_factor=_DECODE_FACTOR.value)
     return result
-
-
-def _launch_epilogue(acc, a_amax, b_amax, bias, result, accumulate: bool) -> None:
-    """result = fp32(acc * a_amax * b_amax / 2688^2) + bias (+ result when accumulate), cast to result's dtype."""
-    (m, n), (tile_m, tile_n) = acc.shape, _EPILOGUE_TILE
-    with device_guard(acc):
-        _nvfp4_epilogue_kernel[(cdiv(m, tile_m) * cdiv(n, tile_n),)](
-            acc, a_amax, b_amax, acc if bias is None else bias, result, m, n, result.stride(0), result.stride(1),
-            BM=tile_m, BN=tile_n, HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate), num_warps=4,
-        )  # fmt: skip
 
 
 # -- what the kernels decline ----------------------------------------------------------------------
 def _dequantize_supported(q, scale, amax, out_dtype):
     """Decline a scale or an amax on another device than q (the reference moves the amax)."""
-    return _on_device(q.device, scale=scale, amax=amax) if isinstance(q, torch.Tensor) else True
+    return on_device(q.device, scale=scale, amax=amax) if isinstance(q, torch.Tensor) else True
 
 
 def _gemm_supported(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False):
     """Decline any tensor on another device than a (the reference moves the amaxes)."""
     if not isinstance(a, torch.Tensor):
         return True
-    return _on_device(a.device, b=b, a_scale=a_scale, b_scale=b_scale, a_amax=a_amax, b_amax=b_amax, bias=bias, out=out)
+    return on_device(a.device, b=b, a_scale=a_scale, b_scale=b_scale, a_amax=a_amax, b_amax=b_amax, bias=bias, out=out)
 
 
 SUPPORTS = {"dequantize_nvfp4": _dequantize_supported, "gemm_nvfp4": _gemm_supported}
