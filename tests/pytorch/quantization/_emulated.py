@@ -1,5 +1,6 @@
-"""Checks shared by the tests of the emulated block-scaled recipes (MXFP8, NVFP4): a short training run, the
-full layer against high precision, and a compiled ``te.Linear`` step against the eager one."""
+"""Checks shared by the tests of the emulated block-scaled recipes (MXFP8, NVFP4): GroupedLinear against a format's
+composed emulation, a short training run, the full layer against high precision, and a compiled ``te.Linear`` step
+against the eager one."""
 
 import copy
 
@@ -9,6 +10,27 @@ import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from tests.pytorch.references import forward_backward
 from tests.utils import randn, sqnr
+
+
+def assert_grouped_linear_matches(recipe, linear_reference, tols) -> None:
+    """te.GroupedLinear(3, 64, 32) with splits [32, 64, 0] under ``recipe``: each split's y, dx, dW, db equal
+    ``linear_reference(rows, w, b, dy) -> (y, dx, dW, db)`` (float64) within ``tols``; the empty split is skipped."""
+    layer = te.GroupedLinear(3, 64, 32)
+    splits = [32, 64, 0]
+    x, dy = randn(96, 64), randn(96, 32, scale=1e-2)
+    x_in = x.clone().requires_grad_(True)
+    with te.autocast(recipe=recipe):
+        out = layer(x_in, splits)
+    out.backward(dy)
+    for i, (rows, dy_i) in enumerate(zip(x.split(splits), dy.split(splits))):
+        if rows.shape[0] == 0:
+            continue
+        w, b = getattr(layer, f"weight{i}"), getattr(layer, f"bias{i}")
+        y, dx_ref, dw_ref, db_ref = linear_reference(rows, w, b.detach(), dy_i)
+        torch.testing.assert_close(out.split(splits)[i].double(), y, **tols)
+        torch.testing.assert_close(x_in.grad.split(splits)[i].double(), dx_ref, **tols)
+        torch.testing.assert_close(w.grad.double(), dw_ref, **tols)
+        torch.testing.assert_close(b.grad.double(), db_ref, **tols)
 
 
 def train_losses(recipe, steps: int = 12):

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
-from tests.pytorch.quantization._emulated import assert_linear_compiles_as_eager, train_losses, transformer_layer_sqnr
+from tests.pytorch.quantization._emulated import (
+    assert_grouped_linear_matches, assert_linear_compiles_as_eager, train_losses, transformer_layer_sqnr,
+)
 from tests.pytorch.references import forward_backward
 from tests.utils import randn, sqnr
 from transformer_engine.common.recipe import NVFP4BlockScaling
@@ -167,22 +169,7 @@ def test_layernorm_mlp_equals_the_composed_emulation():
 
 
 def test_grouped_linear_equals_the_composed_emulation():
-    layer = te.GroupedLinear(3, 64, 32)
-    splits = [32, 64, 0]
-    x, dy = randn(96, 64), randn(96, 32, scale=1e-2)
-    x_in = x.clone().requires_grad_(True)
-    with te.autocast(recipe=NO_SR):
-        out = layer(x_in, splits)
-    out.backward(dy)
-    for i, (rows, dy_i) in enumerate(zip(x.split(splits), dy.split(splits))):
-        if rows.shape[0] == 0:
-            continue
-        w, b = getattr(layer, f"weight{i}"), getattr(layer, f"bias{i}")
-        y, dx_ref, dw_ref, db_ref = linear_reference(rows, w, b.detach(), dy_i)
-        torch.testing.assert_close(out.split(splits)[i].double(), y, **TOLS)
-        torch.testing.assert_close(x_in.grad.split(splits)[i].double(), dx_ref, **TOLS)
-        torch.testing.assert_close(w.grad.double(), dw_ref, **TOLS)
-        torch.testing.assert_close(b.grad.double(), db_ref, **TOLS)
+    assert_grouped_linear_matches(NO_SR, linear_reference, TOLS)
 
 
 def test_alignment_errors_are_clear():
