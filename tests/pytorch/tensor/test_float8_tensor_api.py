@@ -357,3 +357,18 @@ def test_foreach_inplace_ops_requantize_each_quantized_element():
     torch._foreach_add_([x_fp8, plain], 0.5)
     assert isinstance(x_fp8, Float8Tensor) and torch.equal(x_fp8.dequantize(), torch.full((4, 6), 0.5))
     assert torch.equal(plain, torch.full((3,), 0.5))
+
+
+def test_current_scaling_quantizers_keep_their_own_scale_and_amax_of_the_last_cast():
+    """TE's per-quantizer buffers: distinct per instance, shared by ``copy``, written by each cast, kept by a skipped
+    update (``noop_flag``)."""
+    q1, q2 = Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu"), Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu")
+    assert q1.scale.data_ptr() != q2.scale.data_ptr() and q1.amax.data_ptr() != q2.amax.data_ptr()
+    assert q1.scale.tolist() == [1.0] and q1.amax.tolist() == [0.0]
+    q1.scale.fill_(123.0)
+    assert q2.scale.tolist() == [1.0]
+    x = q1(torch.tensor([1.0, -4.0]))
+    assert q1.amax.tolist() == [4.0] and q1.scale.tolist() == [112.0]  # 448 / 4
+    assert torch.equal(x._scale_inv, 1 / q1.scale) and q1.copy().scale is q1.scale
+    q1.update_quantized(torch.tensor([8.0, 0.0]), x, noop_flag=torch.ones(1))
+    assert q1.amax.tolist() == [4.0] and q1.scale.tolist() == [112.0]

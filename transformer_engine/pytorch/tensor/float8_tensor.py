@@ -214,9 +214,12 @@ class Float8Quantizer(_PerTensorQuantizer):
 class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
     """Current scaling: scale = fp8_max / max(max|x|, amax_epsilon) of each tensor cast (``ops.current_scale``).
 
+    ``scale`` and ``amax`` (float32 [1], TE's buffers, each quantizer its own) hold the values of the last cast;
+    they follow the device of the tensors cast.
+
     Args:
         fp8_dtype: ``DType.kFloat8E4M3`` or ``DType.kFloat8E5M2`` (or the torch float8 dtype).
-        device: accepted for TE compatibility and unused (the cast runs on the input's device).
+        device: where ``scale`` and ``amax`` start (default: the current CUDA device, else the CPU).
         rowwise, columnwise: usages (see :class:`Quantizer`).
         force_pow_2_scales: round the scale down to a power of two, 2^floor(log2(scale)).
         amax_epsilon: lower bound of the amax the scale is computed from (>= 0).
@@ -234,14 +237,28 @@ class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
         super().__init__(fp8_dtype, rowwise=rowwise, columnwise=columnwise)
         self.force_pow_2_scales = bool(force_pow_2_scales)
         self.amax_epsilon = float(amax_epsilon)
+        device = _default_device(device)
+        self.scale = torch.ones(1, dtype=torch.float32, device=device)
+        self.amax = torch.zeros(1, dtype=torch.float32, device=device)
 
     def copy(self) -> Float8CurrentScalingQuantizer:
-        return Float8CurrentScalingQuantizer(self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+        """A copy sharing ``scale`` and ``amax`` (as every quantizer's ``copy``)."""
+        made = Float8CurrentScalingQuantizer(self.dtype, self.scale.device, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
                                              force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
+        made.scale, made.amax = self.scale, self.amax
+        return made
+
+    def _state_tensors(self) -> List[torch.Tensor]:
+        return [self.scale, self.amax]
 
     def _scale_and_amax_out(self, x):
-        """The amax ``ops.current_scale`` returns already holds max|x|: the cast leaves it as it is."""
-        return ops.current_scale(x, fp8_torch_dtype(self.dtype), self.amax_epsilon, self.force_pow_2_scales)
+        """(scale, amax) of ``ops.current_scale`` (the cast max-accumulates into that amax, which already holds max|x|);
+        both are also written into ``scale`` / ``amax``, which move to x's device first when they are elsewhere."""
+        scale, amax = ops.current_scale(x, fp8_torch_dtype(self.dtype), self.amax_epsilon, self.force_pow_2_scales)
+        if self.scale.device != x.device:
+            self.scale, self.amax = self.scale.to(x.device), self.amax.to(x.device)
+        torch._foreach_copy_([self.scale, self.amax], [scale.view(1), amax.view(1)])
+        return scale, amax
 
     def module_quantizer(self) -> ModuleCurrentScalingQuantizer:
         """The quantizer the modules cast with under a ``CustomRecipe`` that returns this one (the same rule)."""
