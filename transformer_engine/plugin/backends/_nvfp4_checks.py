@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from transformer_engine.plugin.backends._checks import check_gemm_output, gemm_result_dtype
 from transformer_engine.plugin.backends._fp8 import check_scalar, check_tensor
 
-__all__ = ["NVFP4_BLOCK", "check_nvfp4_operand", "check_quantize_nvfp4"]
+__all__ = ["NVFP4_BLOCK", "check_gemm_nvfp4", "check_nvfp4_operand", "check_quantize_nvfp4"]
 
 #: elements per NVFP4 block (TE's NVFP4_BLOCK_SCALING_SIZE)
 NVFP4_BLOCK = 16
@@ -78,3 +79,20 @@ def check_nvfp4_operand(q, scale, amax, name: str) -> None:
     check_scalar(amax, f"{name} amax")
     if amax.dtype != torch.float32:
         raise TypeError(f"the amax of {name} has dtype {amax.dtype}; it must be a one-element float32 tensor")
+
+
+def check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate) -> torch.dtype:
+    """The arguments of ``gemm_nvfp4`` (both operands, accumulate / out / out_dtype, the shapes); returns D's dtype.
+
+    D's dtype is out_dtype, else out's dtype, else float32; a [M, K / 2] and b [N, K / 2] share K; accumulate
+    needs out; bias is [N], out [M, N].
+    """
+    check_nvfp4_operand(a, a_scale, a_amax, "a")
+    check_nvfp4_operand(b, b_scale, b_amax, "b")
+    dtype = gemm_result_dtype(out_dtype, out, accumulate, default=torch.float32)
+    (m, k), (n, k_b) = a.shape, b.shape
+    if k != k_b:
+        raise ValueError(f"gemm_nvfp4 inner dimensions differ: a {tuple(a.shape)} holds K = {2 * k}, b {tuple(b.shape)} "
+                         f"K = {2 * k_b}; quantize both operands along the same K")
+    check_gemm_output(m, n, bias, out)
+    return dtype

@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_gemm_output, gemm_result_dtype
 from transformer_engine.plugin.backends._fp8 import check_out_dtype
-from transformer_engine.plugin.backends._nvfp4_checks import check_nvfp4_operand
+from transformer_engine.plugin.backends._nvfp4_checks import check_gemm_nvfp4, check_nvfp4_operand
 
 from ._common import _fp8_decode, cdiv, device_guard, hw_fp8_cast, rows_contiguous
 from ._emulated import _store_rounded, finish_gemm, mm_f32, on_device
@@ -110,15 +109,6 @@ def dequantize_nvfp4(q, scale, amax, out_dtype):
     return _decode(q, scale, amax, out_dtype)
 
 
-def _check_gemm_shapes(a, b, bias, out) -> None:
-    """ValueError unless a [M, K / 2] and b [N, K / 2] share K, bias is [N] and out [M, N]."""
-    (m, k), (n, k_b) = a.shape, b.shape
-    if k != k_b:
-        raise ValueError(f"gemm_nvfp4 inner dimensions differ: a {tuple(a.shape)} holds K = {2 * k}, b {tuple(b.shape)} "
-                         f"K = {2 * k_b}; quantize both operands along the same K")
-    check_gemm_output(m, n, bias, out)
-
-
 def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False):
     """D = A @ B^T + bias (+ out when ``accumulate``) on NVFP4 operands, emulated on bfloat16 tensor cores.
 
@@ -132,10 +122,7 @@ def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out
         TypeError / ValueError: as the reference (either operand, K that differ, a bad bias / out,
         accumulate without out).
     """
-    check_nvfp4_operand(a, a_scale, a_amax, "a")
-    check_nvfp4_operand(b, b_scale, b_amax, "b")
-    dtype = gemm_result_dtype(out_dtype, out, accumulate, default=torch.float32)
-    _check_gemm_shapes(a, b, bias, out)
+    dtype = check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate)
     result = out if out is not None else torch.empty((a.shape[0], b.shape[0]), dtype=dtype, device=a.device)
     if result.numel():
         acc = mm_f32(_decode(a, a_scale, None, torch.bfloat16), _decode(b, b_scale, None, torch.bfloat16))

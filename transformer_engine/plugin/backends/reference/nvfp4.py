@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._fp8 import check_out_dtype
-from .._nvfp4_checks import NVFP4_BLOCK, check_nvfp4_operand, check_quantize_nvfp4
+from .._nvfp4_checks import NVFP4_BLOCK, check_gemm_nvfp4, check_nvfp4_operand, check_quantize_nvfp4
 from .gemm import gemm
 
 __all__ = ["quantize_nvfp4", "dequantize_nvfp4", "gemm_nvfp4"]
@@ -240,7 +240,6 @@ def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out
         TypeError / ValueError: as :func:`dequantize_nvfp4` for either operand; K that differ, a bad
         bias / out, accumulate without out (see the reference ``gemm``).
     """
-    check_nvfp4_operand(a, a_scale, a_amax, "a")
-    check_nvfp4_operand(b, b_scale, b_amax, "b")
+    check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate)
     return gemm(_dequantize_f32(a, a_scale, a_amax), _dequantize_f32(b, b_scale, b_amax), bias, None, None, False, True,
                 out_dtype, out, accumulate)
