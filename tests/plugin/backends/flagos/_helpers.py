@@ -40,6 +40,16 @@ def wide_range(shape, dtype, device="cpu") -> torch.Tensor:
     return (randn(*shape) * magnitude).to(dtype).to(device)
 
 
+def assert_outputs_identical(actual, expected) -> None:
+    """Two tuples of op outputs with identical dtypes, shapes and bits (None where the other is None)."""
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert (a is None) == (e is None), f"output {i}"
+        if a is not None:
+            assert a.dtype == e.dtype and a.shape == e.shape, f"output {i}: {a.dtype}{tuple(a.shape)} vs {e.dtype}{tuple(e.shape)}"
+            a_bits, e_bits = a.cpu().contiguous().view(torch.uint8), e.cpu().contiguous().view(torch.uint8)
+            assert torch.equal(a_bits, e_bits), f"output {i}: {int((a_bits != e_bits).sum())} of {a_bits.numel()} bytes differ"
+
+
 def _ordinal(q: torch.Tensor) -> torch.Tensor:
     """FP8 codes as signed integers ordered like their values (sign-magnitude -> two's complement)."""
     codes = q.cpu().view(torch.uint8).long()

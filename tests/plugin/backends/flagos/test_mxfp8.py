@@ -11,7 +11,7 @@ block maxima on the E8M0 rounding boundaries, every FP8 code under every E8M0 co
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, flagos_and_reference
+from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_outputs_identical, flagos_and_reference
 from transformer_engine.plugin.backends.flagos import mxfp8 as fm
 from transformer_engine.plugin.backends.reference import mxfp8 as ref
 
@@ -31,19 +31,9 @@ def _wide_range(shape, dtype, device):
     return x.to(dtype).to(device)
 
 
-def _assert_same(actual, expected):
-    """The four outputs of quantize_mxfp8 with identical bits (None where the other is None)."""
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        assert (a is None) == (e is None), f"output {i}"
-        if a is not None:
-            assert a.dtype == e.dtype and a.shape == e.shape, f"output {i}: {a.dtype}{tuple(a.shape)} vs {e.dtype}{tuple(e.shape)}"
-            a_bits, e_bits = a.cpu().view(torch.uint8), e.cpu().view(torch.uint8)
-            assert torch.equal(a_bits, e_bits), f"output {i}: {int((a_bits != e_bits).sum())} of {a.numel()} differ"
-
-
 def _check_quantize(x, fp8_dtype, rowwise=True, columnwise=True):
     args = (x, fp8_dtype, rowwise, columnwise)
-    _assert_same(fm.quantize_mxfp8(*args), ref.quantize_mxfp8(*args))
+    assert_outputs_identical(fm.quantize_mxfp8(*args), ref.quantize_mxfp8(*args))
 
 
 # -- quantize --------------------------------------------------------------------------------------
@@ -264,7 +254,7 @@ def test_dispatch_runs_flagos_and_explains_a_decline(monkeypatch, device):
     x = torch.randn(64, 32, device=device)
     out, impl = manager.dispatcher("quantize_mxfp8").traced(x, E4M3, True, True)
     assert impl.impl_id == "flagos.triton"
-    _assert_same(out, ref.quantize_mxfp8(x, E4M3, True, True))
+    assert_outputs_identical(out, ref.quantize_mxfp8(x, E4M3, True, True))
     declined = [d for d in manager.explain("dequantize_mxfp8", out[0], out[1].to("meta"), torch.float32) if d.impl_id == "flagos.triton"]
     assert declined[0].status == "rejected" and "scale_e8m0" in declined[0].reason
 

@@ -10,7 +10,7 @@ paths: zeros, NaN, +-inf, -0, subnormals, amaxes whose S_dec is subnormal, E2M1 
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import HP_DTYPES, flagos_and_reference
+from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_outputs_identical, flagos_and_reference
 from transformer_engine.plugin.backends.flagos import nvfp4 as fn
 from transformer_engine.plugin.backends.flagos import nvfp4_gemm as fg
 from transformer_engine.plugin.backends.reference import nvfp4 as ref
@@ -34,18 +34,9 @@ def _seed(sr, device):
     return torch.tensor([SEED], device=device) if sr else None
 
 
-def _assert_same(actual, expected):
-    """The six outputs of quantize_nvfp4 identical (None where the other is None)."""
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        assert (a is None) == (e is None), f"output {i}"
-        if a is not None:
-            assert a.dtype == e.dtype and a.shape == e.shape, f"output {i}: {a.dtype}{tuple(a.shape)} vs {e.dtype}{tuple(e.shape)}"
-            assert torch.equal(a.cpu(), e.cpu()), f"output {i}: {int((a.cpu() != e.cpu()).sum())} of {a.numel()} differ"
-
-
 def _check_quantize(x, rowwise, columnwise, block_2d, rht, sr):
     args = (x, rowwise, columnwise, block_2d, rht, sr, _seed(sr, x.device))
-    _assert_same(fn.quantize_nvfp4(*args), ref.quantize_nvfp4(*args))
+    assert_outputs_identical(fn.quantize_nvfp4(*args), ref.quantize_nvfp4(*args))
 
 
 # -- quantize --------------------------------------------------------------------------------------
@@ -106,7 +97,7 @@ def test_seeds_draw_their_own_bits(device):
     for seed in (0, 1, 2**32, -1, 2**63 - 1):
         s = torch.tensor([seed], device=device)
         got = fn.quantize_nvfp4(x, True, True, False, False, True, s)
-        _assert_same(got, ref.quantize_nvfp4(x, True, True, False, False, True, s))
+        assert_outputs_identical(got, ref.quantize_nvfp4(x, True, True, False, False, True, s))
     other = fn.quantize_nvfp4(x, True, True, False, False, True, torch.tensor([3], device=device))
     assert not torch.equal(other[0], got[0]) and torch.equal(other[1], got[1])  # other draws, the same scales
 
@@ -257,7 +248,7 @@ def test_dispatch_runs_flagos_and_explains_a_decline(monkeypatch, device):
     args = (x, True, True, False, True, True, torch.tensor([9], device=device))
     out, impl = manager.dispatcher("quantize_nvfp4").traced(*args)
     assert impl.impl_id == "flagos.triton"
-    _assert_same(out, ref.quantize_nvfp4(*args))
+    assert_outputs_identical(out, ref.quantize_nvfp4(*args))
     meta_seed = (*args[:-1], torch.tensor([9], device="meta"))
     declined = [d for d in manager.explain("quantize_nvfp4", *meta_seed) if d.impl_id == "flagos.triton"]
     assert declined[0].status == "rejected" and "seed" in declined[0].reason
