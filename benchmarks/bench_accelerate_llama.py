@@ -3,8 +3,10 @@
 The client case of the issue "Speed at the sizes people train": hidden 1024, 4 layers, 16 heads with 4 KV
 heads (GQA), 2048 tokens a step, AdamW. Variants: ``mixed_precision`` "bf16" or "fp8" (Accelerate's
 TransformerEngine path: ``convert_model`` swaps ``nn.Linear`` for ``te.Linear`` and every forward runs
-inside ``te.fp8_autocast`` with DelayedScaling), each eager and with ``dynamo_backend="inductor"``
-(``torch.compile`` of the model). Everything is Accelerate's default otherwise, as its users run it.
+inside ``te.fp8_autocast`` with DelayedScaling), each eager, with ``dynamo_backend="inductor"``
+(``torch.compile`` of the model) and with ``dynamo_backend="inductor"`` under Inductor's C++ wrapper
+(label ``inductor+cpp``: ``TORCHINDUCTOR_CPP_WRAPPER=1`` in a user's environment, the same kernels launched
+from generated C++). Everything is Accelerate's default otherwise, as its users run it.
 
 Columns: median ms of a training step (forward, backward, optimizer step; CUDA events), and FP8 / bf16 of
 the same mode. Needs a CUDA GPU with transformers and accelerate installed, and this package installed
@@ -15,6 +17,7 @@ Usage: python benchmarks/bench_accelerate_llama.py [--steps 20] [--json out.json
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List
 
 import torch
@@ -38,7 +41,23 @@ def _fp8_handlers() -> list:
     return [utils.FP8RecipeKwargs(backend="TE")]
 
 
-def measure(mixed_precision: str, dynamo_backend: str, steps: int, tokens: int) -> Dict[str, object]:
+def _inductor_wrapper(label: str):
+    """(Accelerate's dynamo_backend, context): ``inductor+cpp`` is Inductor with its C++ wrapper, set while the
+    model compiles and runs (as ``TORCHINDUCTOR_CPP_WRAPPER=1`` would for the whole process)."""
+    if label != "inductor+cpp":
+        return label, contextlib.nullcontext()
+    from torch._inductor import config
+
+    return "inductor", config.patch(cpp_wrapper=True)
+
+
+def measure(mixed_precision: str, label: str, steps: int, tokens: int) -> Dict[str, object]:
+    dynamo_backend, wrapper = _inductor_wrapper(label)
+    with wrapper:
+        return _measure(mixed_precision, dynamo_backend, steps, tokens) | {"dynamo_backend": label}
+
+
+def _measure(mixed_precision: str, dynamo_backend: str, steps: int, tokens: int) -> Dict[str, object]:
     from accelerate import Accelerator
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -73,7 +92,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     args = parser.parse_args()
     rows = []
-    for dynamo_backend in ("no", "inductor"):
+    for dynamo_backend in ("no", "inductor", "inductor+cpp"):
         for mixed_precision in ("bf16", "fp8"):
             try:
                 rows.append(measure(mixed_precision, dynamo_backend, args.steps, args.tokens))

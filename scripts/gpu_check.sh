@@ -5,7 +5,7 @@
 # in order; tests: the GPU tests outside tests/plugin/backends/flagos, kernel-tests: every flagos kernel test compiled,
 # odd small shapes included, about 8 minutes of compiling);
 # also compile (the torch.compile GPU tests), sizes (bench_sizes.py; SIZES_HIDDEN picks the hidden sizes,
-# SIZES_COMPILE_OPS=traced,custom_op also times the compiled layer with opaque custom ops),
+# SIZES_COMPILE_OPS=traced,custom_op also times the compiled layer with opaque custom ops, SIZES_MODES the modes timed),
 # accelerate (a HF Llama trained through HF Accelerate, FP8 vs bf16, eager and with Inductor), demo (DEMO_ARGS: more
 # arguments of te-fl demo, e.g. "--recipe nvfp4 --size medium"),
 # graphs (the CUDA-graph tests alone, a quick check), memory (what the headline layer's peak consists of) and
@@ -41,7 +41,8 @@ for stage in $STAGES; do
         kernel-tests) run kernel-tests 590 python3 -m pytest -q -p no:cacheprovider tests/plugin/backends/flagos ;;
         compile) run compile 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_compile.py ;;
         accelerate) install; run accelerate 420 python3 benchmarks/bench_accelerate_llama.py --json "$OUT/accelerate.json" ;;
-        sizes) run sizes 560 python3 benchmarks/bench_sizes.py --hidden "${SIZES_HIDDEN:-1024,2048,4096}" --compile-ops "${SIZES_COMPILE_OPS:-traced}" --json "$OUT/sizes.json" --plot "$OUT/sizes.png" ;;
+        sizes) run sizes 560 python3 benchmarks/bench_sizes.py --hidden "${SIZES_HIDDEN:-1024,2048,4096}" --compile-ops "${SIZES_COMPILE_OPS:-traced}" \
+                   --modes "${SIZES_MODES:-eager,compile,compile-cpp,compile-graphs,graphs}" --json "$OUT/sizes.json" --plot "$OUT/sizes.png" ;;
         graphs) run graphs 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_graph.py ;;
         kernels) run kernels 300 python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ;;
         norms) run norms 120 python3 benchmarks/bench_norm_modules.py --json "$OUT/norms.json" ;;

@@ -449,11 +449,13 @@ def test_reduce_overhead_training_step_on_gpu(recipe_name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cpp_wrapper", [False, True])
 @pytest.mark.parametrize("recipe_name", ["bf16", "delayed", "current"])
-def test_dynamic_shapes_on_gpu_use_the_fast_kernels(recipe_name):
-    """dynamic=True on the GPU: at every token count the compiled steps track eager ones, and the graphs
-    hold cuBLASLt's GEMMs (torch._scaled_mm for FP8) and the traced casts: nothing falls back to the
-    reference backend's float32 GEMM or to an opaque dispatch."""
+def test_dynamic_shapes_on_gpu_use_the_fast_kernels(recipe_name, cpp_wrapper):
+    """dynamic=True on the GPU (Inductor's Python or C++ wrapper): at every token count the compiled steps
+    track eager ones, and the graphs hold cuBLASLt's GEMMs (torch._scaled_mm for FP8) and the traced casts:
+    nothing falls back to the reference backend's float32 GEMM or to an opaque dispatch."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     torch._dynamo.reset()
@@ -469,7 +471,9 @@ def test_dynamic_shapes_on_gpu_use_the_fast_kernels(recipe_name):
 
     step = torch.compile(_step_fn(compiled, recipe), backend=inductor, dynamic=True, fullgraph=True)
     xs = [torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16) for rows in (32, 96, 160)]
-    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs), _train(step, compiled, xs)):
+    with inductor_config.patch(cpp_wrapper=cpp_wrapper):
+        runs = list(zip(_train(_step_fn(eager, recipe), eager, xs), _train(step, compiled, xs)))
+    for (y_e, dx_e), (y_c, dx_c) in runs:
         assert sqnr(y_e, y_c) > 30.0 and sqnr(dx_e, dx_c) > 30.0
     targets = [str(node.target) for graph in graphs for gm in graph.modules() if isinstance(gm, torch.fx.GraphModule)
                for node in gm.graph.nodes if node.op == "call_function"]  # module Functions: fwd / bwd subgraphs
@@ -482,11 +486,18 @@ def test_dynamic_shapes_on_gpu_use_the_fast_kernels(recipe_name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cpp_wrapper", [False, True])
 @pytest.mark.parametrize("recipe_name", ["bf16", "delayed", "current"])
-def test_transformer_layer_inductor_on_gpu_tracks_eager(recipe_name):
-    """te.TransformerLayer (bf16 parameters, no dropout) fullgraph under Inductor on the GPU: three steps
-    track eager by SQNR (the compiled attention is SDPA, the eager one the vendor backend's cuDNN call:
-    two bf16 kernels, so no bit equality; 30 dB is far above what a wrong scale or operand gives)."""
+def test_transformer_layer_inductor_on_gpu_tracks_eager(recipe_name, cpp_wrapper):
+    """te.TransformerLayer (bf16 parameters, no dropout) fullgraph under Inductor on the GPU, with Inductor's
+    Python wrapper and with its C++ one (``cpp_wrapper``, which launches the same kernels, ours included, from
+    generated C++): three steps track eager by SQNR (the compiled attention is SDPA, the eager one the vendor
+    backend's cuDNN call: two bf16 kernels, so no bit equality; 30 dB is far above what a wrong scale or
+    operand gives). The C++ wrapper is set for the whole run, as ``TORCHINDUCTOR_CPP_WRAPPER=1`` sets it: the
+    backward graph compiles at the first backward (torch 2.11 does not carry ``options={"cpp_wrapper": True}``
+    there)."""
+    from torch._inductor import config as inductor_config
+
     torch._dynamo.reset()
     recipe = RECIPES[recipe_name]
     with torch.device("cuda"):
@@ -496,7 +507,9 @@ def test_transformer_layer_inductor_on_gpu_tracks_eager(recipe_name):
     _train(_step_fn(eager, recipe), eager, xs[:1])
     compiled = copy.deepcopy(eager)
     step = torch.compile(_step_fn(compiled, recipe), fullgraph=True)
-    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs[1:]), _train(step, compiled, xs[1:])):
+    with inductor_config.patch(cpp_wrapper=cpp_wrapper):
+        runs = list(zip(_train(_step_fn(eager, recipe), eager, xs[1:]), _train(step, compiled, xs[1:])))
+    for (y_e, dx_e), (y_c, dx_c) in runs:
         assert sqnr(y_e, y_c) > 30.0 and sqnr(dx_e, dx_c) > 30.0
 
 
