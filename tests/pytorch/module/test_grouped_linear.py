@@ -8,7 +8,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from tests.utils import randn
-from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
 
 RECIPES = {
@@ -17,7 +17,7 @@ RECIPES = {
     "current": Float8CurrentScaling(),
     "block": Float8BlockScaling(),
 }
-SPLITS = [32, 0, 48, 16]  # uneven, one empty; each a multiple of 8 (TE's FP8 shape rule per split)
+SPLITS = [32, 0, 48, 16]  # uneven, one empty; multiples of 8, so that te.Linear (TE's FP8 shape rule) takes each
 IN, OUT = 64, 32
 
 
@@ -210,9 +210,38 @@ def test_bad_m_splits(m_splits, match):
         GroupedLinear(2, 16, 8)(randn(16, 16), m_splits)
 
 
-def test_fp8_shape_rule_applies_to_each_split():
-    with pytest.raises(ValueError, match="input split 0"):
-        _run(GroupedLinear(2, 16, 8), randn(16, 16), RECIPES["current"], m_splits=[4, 12])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
+def test_splits_of_any_row_count_equal_the_padded_splits(recipe_name):
+    """Splits of 11 / 11 / 10 rows (not multiples of 16, as NVIDIA TE's grouped GEMM takes them) give what the
+    same module gives on the splits padded with zero rows (``Fp8Padding``, then ``Fp8Unpadding``): the same FP8
+    operands (zero rows leave every amax as it is), so outputs and gradients agree up to float32 summation
+    order (the float32 GEMM of the emulation runs 11 and 16 rows through different BLAS kernels, and the
+    weight gradients sum exact zeros in another order), and the scaling state ends equal."""
+    torch.manual_seed(0)
+    recipe, splits = RECIPES[recipe_name], [11, 11, 10]
+    direct = GroupedLinear(3, IN, OUT)
+    padded = copy.deepcopy(direct)
+    pad, unpad = te.Fp8Padding(3), te.Fp8Unpadding(3)
+    x, dy = randn(sum(splits), IN), randn(sum(splits), OUT)
+    x_d, x_p = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_d = _run(direct, x_d, recipe, m_splits=splits)
+    x_padded, padded_splits = pad(x_p, splits)
+    y_p = unpad(_run(padded, x_padded, recipe, m_splits=padded_splits), splits)
+    y_d.backward(dy)
+    y_p.backward(dy)
+    torch.testing.assert_close(y_d, y_p, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x_d.grad, x_p.grad, rtol=1e-6, atol=1e-6)
+    for name, param in direct.named_parameters():
+        torch.testing.assert_close(param.grad, dict(padded.named_parameters())[name].grad, rtol=1e-6, atol=1e-6)
+    if recipe.delayed():
+        for key in ("scaling_fwd", "scaling_bwd"):
+            assert torch.equal(_state([direct], key)[0], _state([padded], key)[0]), key
+
+
+def test_mxfp8_splits_need_32_rows():
+    """MXFP8's column-wise copy has one scale per 32 rows: a split of another row count is refused, naming it."""
+    with pytest.raises(ValueError, match=r"first dim \(11\) must be divisible by 32"):
+        _run(GroupedLinear(2, 64, 32), randn(32, 64), MXFP8BlockScaling(), m_splits=[11, 21])
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

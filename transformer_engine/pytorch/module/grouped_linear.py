@@ -59,6 +59,10 @@ class GroupedLinear(TransformerEngineBaseModule):
     Forward: ``forward(inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None)``; ``m_splits``
     is a list of n non-negative ints summing to the rows of ``inp`` (a tensor is accepted in eager mode;
     torch.compile needs the list). ``out`` / ``dgrad_out`` buffers are not implemented yet (must be None).
+    Under FP8 a split may have any row count, as in TE (the weights follow TE's FP8 shape rule); MXFP8 and
+    NVFP4 need multiples of 32 / 16 rows (their column-wise block scales; the error names the split). A split
+    whose rows are not a multiple of 16 cannot take cuBLASLt's FP8 GEMM for its weight gradient (K = its rows):
+    that GEMM runs on the reference backend (dequantized, float32); ``Fp8Padding`` aligns the splits.
 
     Example:
         >>> import torch
@@ -182,8 +186,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         act_dtype = self._activation_dtype(inp, weights[0].dtype)
         self._check_features(inp, self.in_features)
         splits = self._check_splits(inp, m_splits)
-        shapes = [(f"input split {i}", (m, self.in_features)) for i, m in enumerate(splits)]
-        q = self._prepare_quantization(inp.device, shapes + [("weight", weights[0].shape)])
+        q = self._prepare_quantization(inp.device, [("weight", weights[0].shape)])
         args = GroupedLinearArgs(
             dtype=act_dtype,
             quantization=q,
