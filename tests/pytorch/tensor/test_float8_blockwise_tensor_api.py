@@ -7,6 +7,7 @@ import torch
 
 from transformer_engine.plugin import ops
 from transformer_engine.pytorch.tensor import DType, Float8BlockQuantizer, Float8BlockwiseQTensor, QuantizedTensor
+from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockScaleTensorFormat
 
 FP8 = {DType.kFloat8E4M3: torch.float8_e4m3fn, DType.kFloat8E5M2: torch.float8_e5m2}
 
@@ -123,7 +124,7 @@ def test_bad_arguments_are_named():
         Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False, block_scaling_dim=3)
     with pytest.raises(ValueError, match="amax_epsilon=-1"):
         Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False, amax_epsilon=-1.0)
-    with pytest.raises(NotImplementedError, match="all_gather_usage"):
+    with pytest.raises(ValueError, match="all_gather_usage=True.*block_scaling_dim=1"):
         Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False, all_gather_usage=True)
     with pytest.raises(ValueError, match="rowwise=False and columnwise=False"):
         _quantizer(2, rowwise=False, columnwise=False)(torch.ones(128, 128))
@@ -145,3 +146,55 @@ def test_scale_and_columnwise_shapes_are_those_of_the_casts(dim, shape):
     assert quantizer.get_scale_shape(shape, columnwise=False) == tuple(x_q._rowwise_scale_inv.shape)
     assert quantizer.get_scale_shape(shape, columnwise=True) == tuple(x_q._columnwise_scale_inv.shape)
     assert quantizer.get_columnwise_shape(shape) == x_q._columnwise_data.shape
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (130, 200), (2, 96, 256)])
+def test_compact_format_holds_the_gemm_ready_values_untransposed(shape):
+    """all_gather_usage=True (1 x 128 tiles): the row-wise copy as GEMM_READY's, the column-wise copy untransposed
+    (data of the tensor's shape, scales [ceil(M / 128), K], one per 128 x 1 block) holding the same values; the
+    shapes are the quantizer's; dequantization, the GEMM operand and a pickle agree with GEMM_READY's."""
+    x = _x(shape, torch.bfloat16)
+    compact_q = Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1, all_gather_usage=True)
+    compact, ready = compact_q(x), _quantizer(1)(x)
+    m, k = x.numel() // shape[-1], shape[-1]
+    assert compact._data_format is Float8BlockScaleTensorFormat.COMPACT and ready._data_format is Float8BlockScaleTensorFormat.GEMM_READY
+    assert compact._columnwise_data.shape == shape == compact_q.get_columnwise_shape(shape)
+    assert compact._columnwise_scale_inv.shape == ((m + 127) // 128, k) == compact_q.get_scale_shape(shape, columnwise=True)
+    assert compact._rowwise_scale_inv.shape == compact_q.get_scale_shape(shape, columnwise=False)
+    assert torch.equal(compact._rowwise_data, ready._rowwise_data) and torch.equal(compact._rowwise_scale_inv, ready._rowwise_scale_inv)
+    assert torch.equal(compact._columnwise_data.reshape(m, k), ready._columnwise_data.reshape(k, m).t())
+    assert torch.equal(compact._columnwise_scale_inv, ready._columnwise_scale_inv.t())
+    assert torch.equal(compact.dequantize(), ready.dequantize())
+    compact_operand, ready_operand = compact.operand(), ready.operand()
+    assert torch.equal(compact_operand.data_t.view(torch.uint8), ready_operand.data_t.view(torch.uint8))
+    assert torch.equal(compact_operand.scale_inv_t, ready_operand.scale_inv_t)
+    compact.update_usage(rowwise_usage=False)  # the column-wise copy alone dequantizes to the same values
+    ready.update_usage(rowwise_usage=False)
+    assert torch.equal(compact.dequantize(), ready.dequantize())
+    buffer = io.BytesIO()
+    torch.save(compact, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded._data_format is Float8BlockScaleTensorFormat.COMPACT and torch.equal(loaded.dequantize(), compact.dequantize())
+
+
+def test_compact_tensors_reshape_copy_and_update_in_their_format():
+    """Shapes that keep the last dimension, clone, make_empty and in-place updates keep the COMPACT format; a copy_
+    between the formats re-quantizes the source (the same values)."""
+    q = Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1, all_gather_usage=True)
+    x = _x((2, 128, 256))
+    compact = q(x)
+    flat = compact.view(256, 256)
+    assert flat._data_format is Float8BlockScaleTensorFormat.COMPACT and torch.equal(flat.dequantize(), compact.dequantize().view(256, 256))
+    assert compact.clone()._data_format is Float8BlockScaleTensorFormat.COMPACT
+    empty = q.make_empty((2, 128, 256), device="cpu")
+    assert empty._data_format is Float8BlockScaleTensorFormat.COMPACT and empty._columnwise_data.shape == (2, 128, 256)
+    q.update_quantized(x, empty)
+    assert torch.equal(empty._columnwise_data, compact._columnwise_data) and torch.equal(empty.dequantize(), compact.dequantize())
+    ready = _quantizer(1)(torch.zeros(2, 128, 256))
+    ready.copy_(compact)
+    assert ready._data_format is Float8BlockScaleTensorFormat.GEMM_READY and torch.equal(ready.dequantize(), compact.dequantize())
+    with pytest.raises(ValueError, match="COMPACT Float8BlockwiseQTensor holds 1 x 128 tiles"):
+        Float8BlockwiseQTensor((128, 128), torch.float32, rowwise_data=torch.zeros(128, 128, dtype=torch.uint8),
+                               rowwise_scale_inv=torch.ones(1, 1), fp8_dtype=DType.kFloat8E4M3,
+                               data_format=Float8BlockScaleTensorFormat.COMPACT)
