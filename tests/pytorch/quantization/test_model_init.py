@@ -1,5 +1,6 @@
 """quantized_model_init / fp8_model_init: FP8 weight parameters, their numerics, training, checkpoints, memory."""
 
+import copy
 import gc
 import io
 
@@ -671,19 +672,53 @@ def test_fp8_weight_bytes_moved_into_a_flat_uint8_buffer_as_megatrons_distribute
 # ------------------------------------------------------------------------------------------ torch.compile
 
 
-def test_fp8_parameters_under_torch_compile_say_they_do_not_trace_and_run_eagerly_without_fullgraph():
-    """The public quantized tensors are not traceable subclasses yet: fullgraph names that (instead of Dynamo's
-    'method dim of class Float8Tensor'); without fullgraph the module's frame runs eagerly, equal to eager."""
-    recipe = Float8CurrentScaling()
-    module = _build("Linear", recipe)
-    x = torch.randn(16, 32, dtype=torch.bfloat16)
+@pytest.mark.parametrize("name", list(MODULES))
+@pytest.mark.parametrize("recipe", RECIPES + [MXFP8BlockScaling()], ids=RECIPE_IDS + ["mxfp8"])
+def test_fp8_parameters_train_under_torch_compile_as_eagerly(name, recipe):
+    """FP8 weight parameters trace whole (the quantized tensors are traceable wrapper subclasses: torch.compile sees
+    their buffers); three SGD steps compiled (fullgraph, ``aot_eager``) give eager's outputs, input gradients,
+    parameters and scaling state bit for bit."""
+    if isinstance(recipe, MXFP8BlockScaling) and name not in MX_MODULES:
+        pytest.skip("MXFP8 weights need dims that are multiples of 32 (MX_MODULES)")
+    torch.manual_seed(0)
+    eager = _mx_build(name) if isinstance(recipe, MXFP8BlockScaling) else _build(name, recipe)
+    rows, features = (32, 64) if isinstance(recipe, MXFP8BlockScaling) else (24, 32)  # GroupedLinear's splits: 8, 0, 16 rows
+    call = MODULES[name][1]
+    xs = [torch.randn(rows, features, dtype=torch.bfloat16) for _ in range(4)]
 
-    def step(x):
-        with te.autocast(recipe=recipe):
-            return module(x)
+    def train(step, module, inputs):
+        opt = torch.optim.SGD(module.parameters(), lr=0.01)
+        outs = []
+        for x in inputs:
+            x = x.clone().requires_grad_()
+            y = step(x)
+            y.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append((y.detach(), x.grad))
+        return outs
 
+    def stepper(module):
+        def step(x):
+            with te.autocast(recipe=recipe):
+                return call(module, x)
+        return step
+
+    train(stepper(eager), eager, xs[:1])  # the scaling state exists before tracing
+    compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="FP8 weight parameters .* do not trace under torch.compile yet"):
-        torch.compile(step, fullgraph=True, backend="aot_eager")(x)
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(step, backend="aot_eager")(x), step(x))
+    step = torch.compile(stepper(compiled), fullgraph=True, backend="aot_eager")
+    for (y_e, dx_e), (y_c, dx_c) in zip(train(stepper(eager), eager, xs[1:]), train(step, compiled, xs[1:])):
+        assert torch.equal(y_c, y_e) and torch.equal(dx_c, dx_e)
+    for (key, p_e), p_c in zip(eager.named_parameters(), compiled.parameters()):
+        assert type(p_c) is type(p_e), key
+        if isinstance(p_e, QuantizedTensor):  # the FP8 buffers and scales, byte for byte
+            names, context = p_e.__tensor_flatten__()
+            assert p_c.__tensor_flatten__() == (names, context), key
+            assert all(torch.equal(getattr(p_c, attr), getattr(p_e, attr)) for attr in names), key
+        else:
+            assert torch.equal(p_c, p_e), key
+    for role in ("scaling_fwd", "scaling_bwd"):
+        state_e, state_c = eager.fp8_meta[role], compiled.fp8_meta[role]
+        if getattr(state_e, "has_amax_history", False):
+            assert torch.equal(state_c.amax_history, state_e.amax_history) and torch.equal(state_c.scale, state_e.scale), role

@@ -45,7 +45,7 @@ from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8Blockwi
 from ..tensor._block_scaled import BlockScaledTensor
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, _PerTensorQuantizer
 from ..tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
-from ..tensor.quantized_tensor import Quantizer
+from ..tensor.quantized_tensor import QuantizedTensor, Quantizer
 
 __all__ = ["attach_high_precision_init_val", "fp8_param_operand", "quantize_param", "weight_param_quantizer"]
 
@@ -168,10 +168,16 @@ def fp8_param_operand(weight: torch.Tensor, quantizer: ModuleQuantizer) -> Optio
     calibration) or the weight is not stored as this call's quantizer reads it: the caller then casts the
     dequantized weight."""
     if isinstance(weight, BlockScaledTensor):
-        return weight.operand() if weight.dim() == 2 and weight._rowwise_data is not None and _reads(quantizer, weight) else None
+        return _operand(weight) if weight.dim() == 2 and weight._rowwise_data is not None and _reads(quantizer, weight) else None
     if not quantizer.is_fp8 or not isinstance(weight, Float8Tensor) or weight._data is None or weight.dim() != 2:
         return None
-    return weight.operand()
+    return _operand(weight)
+
+
+def _operand(weight: QuantizedTensor):
+    """``weight.operand()`` called through its class: torch.compile traces that function of the tensor's buffers,
+    where it would record a method call on a tensor subclass as one opaque graph op and fail."""
+    return type(weight).operand(weight)
 
 
 def _reads(quantizer: ModuleQuantizer, weight: BlockScaledTensor) -> bool:

@@ -355,12 +355,6 @@ class TransformerEngineBaseModule(torch.nn.Module):
         scale that AOTAutograd's partitioner may take from the state after the forward's update.
         """
         if self.primary_weights_in_fp8 and isinstance(weight, QuantizedTensor):
-            if torch.compiler.is_compiling():
-                raise NotImplementedError(
-                    f"{type(self).__name__}: FP8 weight parameters ({type(weight).__name__}, from quantized_model_init) do not "
-                    "trace under torch.compile yet (the quantized tensor classes are not traceable subclasses); compile a model "
-                    "built outside quantized_model_init, or run this one eagerly"
-                )
             operand = fp8_param_operand(weight, quantizer)
             if operand is not None:
                 return operand

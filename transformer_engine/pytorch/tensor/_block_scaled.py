@@ -59,6 +59,11 @@ class BlockScaledTensor(QuantizedTensor):
     def get_usages(self) -> Dict[str, bool]:
         return {"rowwise": self._rowwise_data is not None, "columnwise": self._columnwise_data is not None}
 
+    @classmethod
+    def _buffer_keywords(cls) -> Dict[str, str]:
+        """Each copy's buffers by attribute, the constructor keyword being the attribute's name without its underscore."""
+        return {attr: attr[1:] for attr in cls._rowwise_attrs + cls._columnwise_attrs}
+
     def _values(self, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """A stored data buffer viewed as the FP8 values of this tensor's dtype."""
         return _values(buffer, self._fp8_dtype)

@@ -316,6 +316,10 @@ class Float8Tensor(QuantizedTensor):
         return {"data": self._data, "fp8_scale_inv": self._scale_inv, "fp8_dtype": self._fp8_dtype,
                 "data_transpose": self._transpose, "quantizer": self._quantizer}
 
+    @classmethod
+    def _buffer_keywords(cls) -> Dict[str, str]:
+        return {"_data": "data", "_transpose": "data_transpose", "_scale_inv": "fp8_scale_inv"}
+
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """x = data * scale_inv (``ops.dequantize``), from the transposed data when there is no row-wise copy."""
         if self._data is not None:

@@ -18,7 +18,7 @@ subclass. Autograd treats quantize and dequantize as identities (straight-throug
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -179,6 +179,27 @@ class QuantizedTensor(torch.Tensor):
     def get_usages(self) -> Dict[str, bool]:
         """Which data the tensor holds: {"rowwise": ..., "columnwise": ...}."""
         raise NotImplementedError(f"{type(self).__name__} class does not implement get_usages")
+
+    @classmethod
+    def _buffer_keywords(cls) -> Dict[str, str]:
+        """Attribute -> constructor keyword of every buffer (tensor) a tensor of this class may hold."""
+        raise NotImplementedError(f"{cls.__name__} class does not name its buffers")
+
+    # ---- torch.compile: a traceable wrapper subclass -----------------------------------------------
+
+    def __tensor_flatten__(self) -> Tuple[List[str], tuple]:
+        """The buffers this tensor holds (by attribute), and what rebuilds it around them: the nominal dtype and the
+        constructor's other keywords (formats, tile flags; not the quantizer, which a traced step does not use)."""
+        buffers = self._buffer_keywords()
+        constants = tuple((k, v) for k, v in self.get_metadata().items() if k not in buffers.values() and k != "quantizer")
+        return [attr for attr in buffers if getattr(self, attr) is not None], (self.dtype, constants)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner: Dict[str, torch.Tensor], context: tuple, outer_size, outer_stride) -> QuantizedTensor:
+        """The tensor of :meth:`__tensor_flatten__`'s buffers and context, with the given shape and strides."""
+        dtype, constants = context
+        buffers = {keyword: inner.get(attr) for attr, keyword in cls._buffer_keywords().items()}
+        return cls(shape=outer_size, dtype=dtype, stride=outer_stride, **dict(constants), **buffers)
 
     # ---- public API --------------------------------------------------------------------------------
 
