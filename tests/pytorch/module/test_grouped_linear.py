@@ -245,7 +245,6 @@ def test_mxfp8_splits_need_32_rows():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"delay_wgrad_compute": True}, NotImplementedError, "delay_wgrad_compute"),
     ({"save_original_input": True}, NotImplementedError, "save_original_input"),
     ({"single_grouped_weight": True}, NotImplementedError, "single_grouped_weight"),
     ({"single_grouped_bias": True}, NotImplementedError, "single_grouped_bias"),

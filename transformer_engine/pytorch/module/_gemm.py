@@ -21,6 +21,7 @@ to ``ops.gemm_mxfp8`` (emulated by the reference backend: dequantize, then a flo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -33,7 +34,8 @@ from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 from ..quantization.mxfp8_tensor import MXFP8Tensor
 from ..quantization.nvfp4_tensor import NVFP4Tensor
-from ._common import Operand, release
+from ._common import Operand, no_torch_autocast, release
+from ._wgrad_store import WeightGradStore
 
 __all__ = ["WgradTarget", "dgrad", "fprop", "fprop_with_comm", "gemm", "linear_backward"]
 
@@ -122,10 +124,15 @@ class WgradTarget:
         dtype: dtype of the returned gradient (the parameter's).
         main_grad_params: with ``fuse_wgrad_accumulation``, the parameters whose ``main_grad`` receive
             dW (split along dim 0 when the weight is several concatenated parameters); else empty.
+        delayed: with ``delay_wgrad_compute``, the module's queue: backward queues dW there, which later goes to
+            ``main_grad_params`` or, without them, into the ``.grad`` of ``params`` (see :mod:`._wgrad_store`).
+        params: the weight parameters (for a delayed dW without ``main_grad_params``).
     """
 
     dtype: torch.dtype
     main_grad_params: Tuple[torch.nn.Parameter, ...] = ()
+    delayed: Optional[WeightGradStore] = None
+    params: Tuple[torch.nn.Parameter, ...] = ()
 
 
 def _wgrad(dy: Operand, x: Operand, target: WgradTarget, split_accumulator: bool) -> Optional[torch.Tensor]:
@@ -140,6 +147,18 @@ def _wgrad(dy: Operand, x: Operand, target: WgradTarget, split_accumulator: bool
         for param, part in zip(params, dw.split([p.shape[0] for p in params])):
             param.main_grad.add_(part)
     return _main_grad_placeholder(params)
+
+
+def _delayed_wgrad(dy: Operand, x: Operand, target: WgradTarget, split_accumulator: bool) -> None:
+    """A queued wgrad: dW = dy^T @ x into main_grad, or added to the weight parameters' ``.grad`` (split along dim 0
+    as they are), as autograd would have added it."""
+    with torch.no_grad(), no_torch_autocast(target.params[0].device):
+        dw = _wgrad(dy, x, target, split_accumulator)
+    if target.main_grad_params:
+        return
+    with torch.no_grad():
+        for param, part in zip(target.params, dw.split([p.shape[0] for p in target.params])):
+            param.grad = part.clone() if param.grad is None else param.grad.add_(part)
 
 
 def _main_grad_placeholder(params) -> Optional[torch.Tensor]:
@@ -191,8 +210,13 @@ def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTransp
             dy_op = comm.gather_grad_output(dy_op)  # comm
         if gather_dy and need_dw and isinstance(dy_op, Float8Tensor):
             dy_op = dy_op.with_transpose()
-    dw = _wgrad(dy_op, x, target, split_accumulator[2]) if need_dw else None
-    if release_wgrad_operands:
+    dw = None
+    if need_dw and target.delayed is not None:  # queued: dy and x live until backward_dw
+        target.delayed.put(functools.partial(_delayed_wgrad, dy_op, x, target, split_accumulator[2]))
+        dw = _main_grad_placeholder(target.main_grad_params) if target.main_grad_params else None
+    elif need_dw:
+        dw = _wgrad(dy_op, x, target, split_accumulator[2])
+    if release_wgrad_operands and target.delayed is None:
         release(x)
         release(dy_op, transpose_only=True)
     if need_dx and dx is None:

@@ -26,6 +26,7 @@ from ._common import (
 )
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop, linear_backward
+from ._wgrad_store import backward_batch
 
 __all__ = ["GroupedLinearArgs", "GroupedLinearFunction"]
 
@@ -92,7 +93,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         need_dx, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
         frees_graph = backward_frees_graph()
         dxs, dws, dbs = [], [], []
-        with no_torch_autocast(dy.device):
+        with no_torch_autocast(dy.device), backward_batch(args.wgrads[0].delayed if args.wgrads else None):
             for i, dy_i in enumerate(_row_splits(cast(rows_of(dy), args.dtype), args.m_splits)):
                 db_dtype = ctx.bias_dtypes[i] if need_b[i] else None
                 dy_op, db, _ = grad_output_operand(q.gemms[i].grad_output, dy_i, NO_COMM, need_w[i], db_dtype)

@@ -26,6 +26,7 @@ from ._common import (
 )
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop_with_comm, linear_backward
+from ._wgrad_store import backward_batch
 from ._norm import NormConfig, norm_backward, norm_forward
 
 __all__ = ["LayerNormLinearArgs", "LayerNormLinearFunction", "norm_then_quantize"]
@@ -88,7 +89,7 @@ class LayerNormLinearFunction(torch.autograd.Function):
         args, (inp_shape, inp_dtype, gamma_dtype, beta_dtype, bias_dtype) = ctx.args, ctx.meta
         q, comm = args.quantization, args.comm
         x, gamma, ln_op, w_op, *stats = saved(ctx)
-        with no_torch_autocast(dy.device):
+        with no_torch_autocast(dy.device), backward_batch(args.wgrad.delayed):
             dy_hp = cast(rows_of(dy), args.dtype)
             need_dw, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
             dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, bias_dtype if need_db else None)  # comm

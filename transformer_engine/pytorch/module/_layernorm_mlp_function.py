@@ -26,6 +26,7 @@ from ._common import (
 )
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop_with_comm, linear_backward
+from ._wgrad_store import backward_batch
 from ._layernorm_linear_function import norm_then_quantize
 from ._norm import NormConfig, norm_backward
 
@@ -88,7 +89,7 @@ class LayerNormMLPFunction(torch.autograd.Function):
         inp_dtype, gamma_dtype, beta_dtype, b1_dtype, b2_dtype = ctx.dtypes
         x, gamma, ln_op, w1, h, a_op, w2, *stats = saved(ctx)
         frees_graph = backward_frees_graph()
-        with no_torch_autocast(dy.device):
+        with no_torch_autocast(dy.device), backward_batch(args.fc1_wgrad.delayed):
             dy_hp = cast(rows_of(dy), dtype)
             dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], b2_dtype if needs[6] else None)  # comm
             da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,

@@ -25,6 +25,7 @@ from ._common import (
 )
 from ._fp8_meta import ForwardQuantization
 from ._gemm import WgradTarget, fprop_with_comm, linear_backward
+from ._wgrad_store import backward_batch
 
 __all__ = ["LinearArgs", "LinearFunction"]
 
@@ -74,7 +75,7 @@ class LinearFunction(torch.autograd.Function):
         args, (inp_shape, inp_dtype) = ctx.args, ctx.inp_meta
         q, comm = args.quantization, args.comm
         x_op, w_op = saved(ctx)
-        with no_torch_autocast(dy.device):
+        with no_torch_autocast(dy.device), backward_batch(args.wgrad.delayed):
             dy_hp = cast(rows_of(dy), args.dtype)
             need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
             dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, ctx.bias_dtype if need_db else None)  # comm

@@ -81,13 +81,14 @@ class _ConcatView(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *tensors):
         first = tensors[0]
+        ctx.set_materialize_grads(False)  # no gradient (delayed wgrads): none for the parts either, not zeros
         ctx.rows = [t.shape[0] for t in tensors]
         shape = (sum(ctx.rows),) + tuple(first.shape[1:])
         return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, first.stride())
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.split(ctx.rows)
+        return (None,) * len(ctx.rows) if grad is None else grad.split(ctx.rows)
 
 
 def _back_to_back(tensors) -> bool:

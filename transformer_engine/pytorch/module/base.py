@@ -46,6 +46,8 @@ from . import _extra_state
 from ._common import Operand
 from ._fp8_params import fp8_param_operand, quantize_param, weight_param_quantizer
 from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
+from ._gemm import WgradTarget
+from ._wgrad_store import WeightGradStore
 
 #: the two directions of a module's scaling state and the tensor roles of each
 _MODE_ROLES = (("forward", FWD_ROLES), ("backward", BWD_ROLES))
@@ -141,6 +143,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.primary_weights_in_fp8 = init.enabled
         self._model_init_recipe = init.recipe if init.enabled else None
         self._keep_init_val = init.enabled and init.preserve_high_precision_init_val
+        self.wgrad_store = WeightGradStore(False)  # see _delay_wgrads
+        self.wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
 
     # ----------------------------------------------------------------------------- parallel settings
     parallel = ParallelConfig()
@@ -241,6 +245,46 @@ class TransformerEngineBaseModule(torch.nn.Module):
         new.__dict__.update(param.__dict__)
         setattr(self, name, new)
         return new
+
+    # ----------------------------------------------------------------------------- delayed weight gradients
+    def _delay_wgrads(self, delay: bool, names: Iterable[str]) -> None:
+        """TE's ``delay_wgrad_compute``: backward queues this module's wgrads for :meth:`backward_dw` (see
+        :mod:`._wgrad_store`); its GEMM parameters ``names`` get ``skip_backward_post_hook`` (their gradients come later)."""
+        self.wgrad_store = WeightGradStore(delay)
+        for name in names if delay else ():
+            getattr(self, name).skip_backward_post_hook = True
+
+    def _wgrad_target(self, dtype: torch.dtype, params: Sequence[torch.nn.Parameter]) -> WgradTarget:
+        """Where the dW of the weight ``params`` goes: their ``main_grad`` with ``fuse_wgrad_accumulation``, through the
+        delayed queue with ``delay_wgrad_compute``.
+
+        Raises:
+            NotImplementedError: delayed wgrads under torch.compile (the queue is Python state a compiled backward
+                would not update).
+        """
+        delayed = self.wgrad_store if self.wgrad_store.delay_wgrad_compute() else None
+        if delayed is not None and torch.compiler.is_compiling():
+            raise NotImplementedError(f"{type(self).__name__}(delay_wgrad_compute=True) does not run under torch.compile; "
+                                      "compile the model without it")
+        params = tuple(params)
+        return WgradTarget(dtype, params if self.fuse_wgrad_accumulation else (), delayed=delayed, params=params)
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradients the oldest backward queued (``delay_wgrad_compute``), then call the hooks of
+        :meth:`register_wgrad_accumulation_and_reduce_hooks`; nothing for a module that does not delay them.
+
+        Raises:
+            RuntimeError: no backward queued wgrads.
+        """
+        if not self.wgrad_store.delay_wgrad_compute():
+            return
+        self.wgrad_store.pop()
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, wgrad_accumulation_and_reduce_hook: Callable[[], None]) -> None:
+        """Call ``wgrad_accumulation_and_reduce_hook()`` after each :meth:`backward_dw` (TE's API, for Megatron-Core)."""
+        self.wgrad_accumulation_and_reduce_hooks.append(wgrad_accumulation_and_reduce_hook)
 
     # ----------------------------------------------------------------------------- forward checks
     def _activation_dtype(self, inp: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype:

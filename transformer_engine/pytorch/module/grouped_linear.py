@@ -11,7 +11,6 @@ from ..parallel.tensor_parallel import local_features, megatron_attributes
 from ..quantization.autocast import current_config
 from ._checks import check_sizes
 from ._common import apply_without_torch_autocast, cast
-from ._gemm import WgradTarget
 from ._grouped_linear_function import GroupedLinearArgs, GroupedLinearFunction
 from ._params import default_init_method
 from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype
@@ -50,8 +49,9 @@ class GroupedLinear(TransformerEngineBaseModule):
         use_grouped_tensor: None or a bool, stored: the split path (a GEMM per split) always runs, as
             TE falls back to it for per-GEMM parameters.
         ub_overlap_rs, ub_overlap_ag: unsupported, as in TE (ValueError).
-        delay_wgrad_compute, save_original_input, single_grouped_weight, single_grouped_bias: not
-            implemented yet (must stay False).
+        delay_wgrad_compute: backward computes dgrad only and queues every dW_i for :meth:`backward_dw` (see
+            :mod:`._wgrad_store`).
+        save_original_input, single_grouped_weight, single_grouped_bias: not implemented yet (must stay False).
 
     Parameters: ``weight0`` .. ``weight{n-1}`` [out, in] and ``bias0`` .. ``bias{n-1}`` [out] (None
     without bias).
@@ -103,8 +103,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         super().__init__(num_gemms, get_rng_state_tracker, rng_tracker_name, name)
         if ub_overlap_rs or ub_overlap_ag:
             raise ValueError("GroupedLinear does not support Userbuffer overlap (ub_overlap_rs / ub_overlap_ag); leave them False")
-        check_unsupported(delay_wgrad_compute=delay_wgrad_compute, save_original_input=save_original_input,
-                          single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias)
+        check_unsupported(save_original_input=save_original_input, single_grouped_weight=single_grouped_weight,
+                          single_grouped_bias=single_grouped_bias)
         if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
             raise TypeError(f"use_grouped_tensor must be a bool or None, got {type(use_grouped_tensor).__name__}")
         self.parallel = ParallelConfig(tp_group, tp_size, sequence_parallel, parallel_mode, ub_name=ub_name)
@@ -121,6 +121,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         device = default_device(device)
         self._add_params(init_method or default_init_method, device)
         self.reset_parameters(defer_init=device.type == "meta")
+        self._delay_wgrads(delay_wgrad_compute, self._weight_names + (self._bias_names if bias else ()))
 
     def _add_params(self, init_method: Callable, device: torch.device) -> None:
         """Register ``weight{i}`` [out, in] and ``bias{i}`` [out] (or None) for each GEMM."""
@@ -193,7 +194,7 @@ class GroupedLinear(TransformerEngineBaseModule):
             m_splits=splits,
             weight_operands=tuple(self._weight_operand(name, w, g.weight, is_first_microbatch)
                                   for name, w, g in zip(self._weight_names, weights, q.gemms)),
-            wgrads=tuple(WgradTarget(w.dtype, (w,) if self.fuse_wgrad_accumulation else ()) for w in weights),
+            wgrads=tuple(self._wgrad_target(w.dtype, (w,)) for w in weights),
         )
         out = apply_without_torch_autocast(GroupedLinearFunction, inp.device, inp, args, *weights,
                                            *([None] * self.num_gemms if self.return_bias else biases))

@@ -9,12 +9,11 @@ import torch
 from ..parallel.comm import gather_from_sequence_parallel_region
 from ..parallel.linear_comm import share_scales
 from ._common import apply_without_torch_autocast, cast
-from ._gemm import WgradTarget
 from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
 from ._checks import check_eps, check_sizes
 from ._norm import NormConfig
 from ._params import add_linear_params, add_norm_params
-from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
+from .base import ParallelConfig, TransformerEngineBaseModule, default_device, resolve_params_dtype, te_outputs
 
 __all__ = ["LayerNormLinear"]
 
@@ -83,7 +82,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
         check_eps("LayerNormLinear", eps)
         NormConfig(normalization, eps, zero_centered_gamma)  # an unknown normalization raises here, before any work
         super().__init__(1, get_rng_state_tracker, None, name)
-        check_unsupported(delay_wgrad_compute=delay_wgrad_compute)
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.return_layernorm_output, self.return_layernorm_output_gathered = return_layernorm_output, return_layernorm_output_gathered
@@ -109,6 +107,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
             dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=self.tp_size,
         )
         self.reset_parameters(defer_init=device.type == "meta")
+        self._delay_wgrads(delay_wgrad_compute, self.layout.weight_names + self.layout.bias_names)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
@@ -122,7 +121,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
             dtype=act_dtype,
             quantization=share_scales(q, comm),
             weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
-            wgrad=WgradTarget(weight.dtype, self.layout.weight_params(self) if self.fuse_wgrad_accumulation else ()),
+            wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
             norm=self.norm,
             return_layernorm_output=self.return_layernorm_output,
             comm=comm,

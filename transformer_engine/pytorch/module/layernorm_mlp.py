@@ -10,7 +10,6 @@ from ..parallel.comm import gather_from_sequence_parallel_region
 from ..parallel.linear_comm import share_scales
 from ._activation import ActivationConfig
 from ._common import apply_without_torch_autocast, cast
-from ._gemm import WgradTarget
 from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
 from ._checks import check_eps, check_sizes
 from ._norm import NormConfig
@@ -38,7 +37,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
         return_layernorm_output(_gathered), fuse_wgrad_accumulation, params_dtype, device, tp_group,
             tp_size, sequence_parallel, get_rng_state_tracker, ub_*, name, symmetric_ar_type: as in Linear.
         seq_length, micro_batch_size: stored.
-        delay_wgrad_compute, checkpoint: not implemented yet (must stay False).
+        delay_wgrad_compute: backward computes dgrad only and queues both dW for :meth:`backward_dw` (see
+            :mod:`._wgrad_store`).
+        checkpoint: not implemented yet (must stay False).
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight`` [F or 2F, H], ``fc1_bias``,
     ``fc2_weight`` [H, F], ``fc2_bias``.
@@ -92,7 +93,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         NormConfig(normalization, eps, zero_centered_gamma)  # an unknown normalization raises here, before any work
         ActivationConfig.create(activation, activation_params)  # so does an unknown activation
         super().__init__(2, get_rng_state_tracker, None, name)
-        check_unsupported(delay_wgrad_compute=delay_wgrad_compute, checkpoint=checkpoint)
+        check_unsupported(checkpoint=checkpoint)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.activation = ActivationConfig.create(activation, activation_params)
         self.use_bias, self.return_bias = bias, return_bias
@@ -117,6 +118,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.fc2 = add_linear_params(self, "fc2_", ffn_hidden_size, hidden_size, init_method=output_layer_init_method,
                                      parallel_mode="row" if set_parallel_mode else None, fp8_gemm=1, **common)
         self.reset_parameters(defer_init=device.type == "meta")
+        self._delay_wgrads(delay_wgrad_compute, [*self.fc1.weight_names, *self.fc1.bias_names, *self.fc2.weight_names, *self.fc2.bias_names])
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """out = fc2(act(fc1(norm(inp)))); returns out[, fc2_bias][, ln_out] (TE's order)."""
@@ -126,14 +128,13 @@ class LayerNormMLP(TransformerEngineBaseModule):
         split = self.set_parallel_mode  # tensor parallelism: what the Function communicates
         fc1_comm, fc2_comm = self._comm("column" if split else None), self._comm("row" if split else None)
         q = self._prepare_quantization(inp.device, [("input", inp.shape), ("fc1_weight", w1.shape), ("fc2_weight", w2.shape)])
-        fuse = self.fuse_wgrad_accumulation
         args = LayerNormMLPArgs(
             dtype=act_dtype,
             quantization=share_scales(q, fc1_comm, fc2_comm),
             fc1_operand=self._weight_operand("fc1_weight", w1, q.gemms[0].weight, is_first_microbatch),
             fc2_operand=self._weight_operand("fc2_weight", w2, q.gemms[1].weight, is_first_microbatch),
-            fc1_wgrad=WgradTarget(w1.dtype, self.fc1.weight_params(self) if fuse else ()),
-            fc2_wgrad=WgradTarget(w2.dtype, self.fc2.weight_params(self) if fuse else ()),
+            fc1_wgrad=self._wgrad_target(w1.dtype, self.fc1.weight_params(self)),
+            fc2_wgrad=self._wgrad_target(w2.dtype, self.fc2.weight_params(self)),
             norm=self.norm,
             activation=self.activation,
             return_layernorm_output=self.return_layernorm_output,

@@ -8,7 +8,6 @@ import torch
 
 from ..parallel.linear_comm import share_scales
 from ._common import apply_without_torch_autocast, cast
-from ._gemm import WgradTarget
 from ._linear_function import LinearArgs, LinearFunction
 from ._checks import check_sizes
 from ._params import add_linear_params
@@ -44,7 +43,9 @@ class Linear(TransformerEngineBaseModule):
             before the fprop (column) and of dy before the dgrad (row), ``ub_overlap_rs`` the reduce-scatter
             of the output after the fprop (row), ``ub_overlap_rs_dgrad`` (or ``ub_bulk_wgrad``) that of dx
             after the dgrad (column). ``ub_bulk_dgrad`` and ``ub_name`` are accepted and have no effect.
-        delay_wgrad_compute, save_original_input: not implemented yet (must stay False).
+        delay_wgrad_compute: backward computes dgrad only and queues dW for :meth:`backward_dw` (see
+            :mod:`._wgrad_store`).
+        save_original_input: not implemented yet (must stay False).
         symmetric_ar_type: stored.
         name: debug name.
         dtype: alias of ``params_dtype`` (``torch.nn.Linear``'s keyword, so the classes can be swapped).
@@ -91,7 +92,7 @@ class Linear(TransformerEngineBaseModule):
     ):
         check_sizes("Linear", in_features=in_features, out_features=out_features)
         super().__init__(1, get_rng_state_tracker, rng_tracker_name, name)
-        check_unsupported(delay_wgrad_compute=delay_wgrad_compute, save_original_input=save_original_input)
+        check_unsupported(save_original_input=save_original_input)
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
@@ -108,6 +109,7 @@ class Linear(TransformerEngineBaseModule):
             dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=self.tp_size,
         )
         self.reset_parameters(defer_init=device.type == "meta")
+        self._delay_wgrads(delay_wgrad_compute, self.layout.weight_names + self.layout.bias_names)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
@@ -121,7 +123,7 @@ class Linear(TransformerEngineBaseModule):
             dtype=act_dtype,
             quantization=share_scales(q, comm),
             weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
-            wgrad=WgradTarget(weight.dtype, self.layout.weight_params(self) if self.fuse_wgrad_accumulation else ()),
+            wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
             comm=comm,
         )
         out = apply_without_torch_autocast(LinearFunction, inp.device, inp, weight, None if self.return_bias else bias, args)
