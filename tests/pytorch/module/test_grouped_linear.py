@@ -245,7 +245,6 @@ def test_mxfp8_splits_need_32_rows():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"save_original_input": True}, NotImplementedError, "save_original_input"),
     ({"single_grouped_weight": True}, NotImplementedError, "single_grouped_weight"),
     ({"single_grouped_bias": True}, NotImplementedError, "single_grouped_bias"),
     ({"ub_overlap_ag": True}, ValueError, "Userbuffer overlap"),

@@ -46,6 +46,8 @@ class GroupedLinearArgs:
         m_splits: rows of each split (non-negative, summing to the input's rows).
         weight_operands: W_i as GEMM operands (FP8 or the high-precision weights).
         wgrads: where each dW_i goes.
+        save_original_input: keep the input as given for backward, whose wgrads cast each x_i^T again (FP8 only;
+            the caller checked that the input casts depend on the input alone).
     """
 
     dtype: torch.dtype
@@ -53,6 +55,7 @@ class GroupedLinearArgs:
     m_splits: Tuple[int, ...]
     weight_operands: Tuple[Operand, ...]
     wgrads: Tuple[WgradTarget, ...]
+    save_original_input: bool = False
 
 
 def _row_splits(rows: torch.Tensor, m_splits: Sequence[int]):
@@ -71,13 +74,14 @@ class GroupedLinearFunction(torch.autograd.Function):
         q, n = args.quantization, len(args.m_splits)
         weights, biases = params[:n], params[n:]
         x_ops, w_ops, ys = [], [], []
+        keep_input = args.save_original_input and q.gemms[0].input.is_fp8  # backward casts each x_i^T from x_i
         with no_torch_autocast(inp.device):
             for i, x_i in enumerate(_row_splits(cast(rows_of(inp), args.dtype), args.m_splits)):
                 need_dw = weights[i].requires_grad and q.for_training
-                x_op = quantize_operand(q.gemms[i].input, x_i, _no_gather, gathered=False, columnwise=need_dw)
+                x_op = quantize_operand(q.gemms[i].input, x_i, _no_gather, gathered=False, columnwise=need_dw and not keep_input)
                 w_op = cast(args.weight_operands[i], args.dtype)
                 ys.append(fprop(x_op, w_op, cast(biases[i], args.dtype), args.dtype, q.split_accumulator[0]))
-                x_ops.append(for_backward(x_op) if need_dw else None)
+                x_ops.append((x_i if keep_input else for_backward(x_op)) if need_dw else None)
                 w_ops.append(for_backward(w_op) if inp.requires_grad and q.for_training else None)
             save(ctx, *x_ops, *w_ops)
         ctx.args = without_operands(args, "weight_operands")
@@ -97,6 +101,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             for i, dy_i in enumerate(_row_splits(cast(rows_of(dy), args.dtype), args.m_splits)):
                 db_dtype = ctx.bias_dtypes[i] if need_b[i] else None
                 dy_op, db, _ = grad_output_operand(q.gemms[i].grad_output, dy_i, NO_COMM, need_w[i], db_dtype)
+                if operands[i] is not None and args.save_original_input and q.gemms[i].input.is_fp8:
+                    operands[i] = q.gemms[i].input.quantize_transposed(operands[i])
                 dx_i, dw = linear_backward(dy_op, operands[i], operands[n + i], (need_dx, need_w[i]), args.wgrads[i],
                                            q.split_accumulator, args.dtype, release_wgrad_operands=frees_graph)
                 dxs.append(dx_i)

@@ -100,6 +100,21 @@ def check_unsupported(**flags) -> None:
             raise NotImplementedError(f"{name}={value!r} is not implemented yet in TransformerEngine-FL; leave it at its default")
 
 
+def check_saved_input(module_name: str, quantizer: Quantizer) -> None:
+    """``save_original_input``: backward casts x^T from x again, which gives forward's operand only where the cast
+    depends on x alone.
+
+    Raises:
+        ValueError: an FP8 input cast that reads the step's scaling state (DelayedScaling).
+    """
+    if quantizer.is_fp8 and not quantizer.casts_from_input_alone:
+        raise ValueError(
+            f"{module_name}(save_original_input=True) needs an input cast that depends on the input alone (current "
+            "scaling, block scaling, MXFP8, NVFP4): under DelayedScaling backward would cast x^T with the scale the "
+            "step's update has changed (NVIDIA TE refuses it too); use save_original_input=False"
+        )
+
+
 def resolve_params_dtype(params_dtype: Optional[torch.dtype], dtype: Optional[torch.dtype]) -> torch.dtype:
     """``params_dtype`` or its alias ``dtype`` (not both), default ``torch.get_default_dtype()``."""
     if params_dtype is not None and dtype is not None and params_dtype != dtype:

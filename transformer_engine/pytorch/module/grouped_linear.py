@@ -13,7 +13,7 @@ from ._checks import check_sizes
 from ._common import apply_without_torch_autocast, cast
 from ._grouped_linear_function import GroupedLinearArgs, GroupedLinearFunction
 from ._params import default_init_method
-from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype
+from .base import ParallelConfig, TransformerEngineBaseModule, check_saved_input, check_unsupported, default_device, resolve_params_dtype
 
 __all__ = ["GroupedLinear"]
 
@@ -51,7 +51,9 @@ class GroupedLinear(TransformerEngineBaseModule):
         ub_overlap_rs, ub_overlap_ag: unsupported, as in TE (ValueError).
         delay_wgrad_compute: backward computes dgrad only and queues every dW_i for :meth:`backward_dw` (see
             :mod:`._wgrad_store`).
-        save_original_input, single_grouped_weight, single_grouped_bias: not implemented yet (must stay False).
+        save_original_input: keep the input as given for backward (as the MoE layer keeps it anyway) rather than
+            each split's FP8 x_i^T, which backward casts again; not with DelayedScaling (ValueError).
+        single_grouped_weight, single_grouped_bias: not implemented yet (must stay False).
 
     Parameters: ``weight0`` .. ``weight{n-1}`` [out, in] and ``bias0`` .. ``bias{n-1}`` [out] (None
     without bias).
@@ -103,8 +105,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         super().__init__(num_gemms, get_rng_state_tracker, rng_tracker_name, name)
         if ub_overlap_rs or ub_overlap_ag:
             raise ValueError("GroupedLinear does not support Userbuffer overlap (ub_overlap_rs / ub_overlap_ag); leave them False")
-        check_unsupported(save_original_input=save_original_input, single_grouped_weight=single_grouped_weight,
-                          single_grouped_bias=single_grouped_bias)
+        check_unsupported(single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias)
+        self.save_original_input = save_original_input
         if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
             raise TypeError(f"use_grouped_tensor must be a bool or None, got {type(use_grouped_tensor).__name__}")
         self.parallel = ParallelConfig(tp_group, tp_size, sequence_parallel, parallel_mode, ub_name=ub_name)
@@ -188,6 +190,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         self._check_features(inp, self.in_features)
         splits = self._check_splits(inp, m_splits)
         q = self._prepare_quantization(inp.device, [("weight", weights[0].shape)])
+        if self.save_original_input:
+            check_saved_input("GroupedLinear", q.gemms[0].input)
         args = GroupedLinearArgs(
             dtype=act_dtype,
             quantization=q,
@@ -195,6 +199,7 @@ class GroupedLinear(TransformerEngineBaseModule):
             weight_operands=tuple(self._weight_operand(name, w, g.weight, is_first_microbatch)
                                   for name, w, g in zip(self._weight_names, weights, q.gemms)),
             wgrads=tuple(self._wgrad_target(w.dtype, (w,)) for w in weights),
+            save_original_input=self.save_original_input,
         )
         out = apply_without_torch_autocast(GroupedLinearFunction, inp.device, inp, args, *weights,
                                            *([None] * self.num_gemms if self.return_bias else biases))

@@ -11,7 +11,7 @@ from ._common import apply_without_torch_autocast, cast
 from ._linear_function import LinearArgs, LinearFunction
 from ._checks import check_sizes
 from ._params import add_linear_params
-from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
+from .base import ParallelConfig, TransformerEngineBaseModule, check_saved_input, default_device, resolve_params_dtype, te_outputs
 
 __all__ = ["Linear"]
 
@@ -45,7 +45,9 @@ class Linear(TransformerEngineBaseModule):
             after the dgrad (column). ``ub_bulk_dgrad`` and ``ub_name`` are accepted and have no effect.
         delay_wgrad_compute: backward computes dgrad only and queues dW for :meth:`backward_dw` (see
             :mod:`._wgrad_store`).
-        save_original_input: not implemented yet (must stay False).
+        save_original_input: keep the input as given for backward (memory shared with whoever else keeps it) rather
+            than its FP8 x^T, which backward casts again; not with DelayedScaling (ValueError), nor yet with
+            sequence parallelism in column mode (NotImplementedError).
         symmetric_ar_type: stored.
         name: debug name.
         dtype: alias of ``params_dtype`` (``torch.nn.Linear``'s keyword, so the classes can be swapped).
@@ -92,7 +94,10 @@ class Linear(TransformerEngineBaseModule):
     ):
         check_sizes("Linear", in_features=in_features, out_features=out_features)
         super().__init__(1, get_rng_state_tracker, rng_tracker_name, name)
-        check_unsupported(save_original_input=save_original_input)
+        if save_original_input and sequence_parallel and parallel_mode == "column":
+            raise NotImplementedError("Linear(save_original_input=True) with sequence parallelism in column mode (the input "
+                                      "all-gathered) is not implemented yet; leave save_original_input False there")
+        self.save_original_input = save_original_input
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
@@ -119,12 +124,15 @@ class Linear(TransformerEngineBaseModule):
         self._check_features(inp, self.layout.in_features)
         comm = self._comm(self.parallel_mode)  # tensor parallelism: what the Function communicates
         q = self._prepare_quantization(inp.device, [("input", inp.shape), ("weight", weight.shape)])
+        if self.save_original_input:
+            check_saved_input("Linear", q.gemms[0].input)
         args = LinearArgs(
             dtype=act_dtype,
             quantization=share_scales(q, comm),
             weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
             wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
             comm=comm,
+            save_original_input=self.save_original_input,
         )
         out = apply_without_torch_autocast(LinearFunction, inp.device, inp, weight, None if self.return_bias else bias, args)
         return te_outputs(out, comm.deferred_bias(cast(bias, act_dtype)), return_bias=self.return_bias, return_layernorm_output=False)

@@ -79,6 +79,9 @@ class Quantizer:
     #: True when ``quantize_with_dbias`` takes the column sums in the cast's own pass over x; the base
     #: method casts and then sums, which a caller may as well do itself (in the dtype it needs).
     fuses_dbias = False
+    #: True when a cast depends on the tensor alone, so casting it again later gives the same operand
+    #: (False where it reads state that the step's update changes: delayed scaling's scale).
+    casts_from_input_alone = True
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False):
         """The GEMM operand for ``x``; FP8 operands of a 2-D ``x`` also carry ``data_t`` when ``columnwise``."""
@@ -140,6 +143,7 @@ class Float8Quantizer(Quantizer):
     """
 
     is_fp8 = True
+    casts_from_input_alone = False
     fuses_dbias = True
 
     def __init__(self, state, index: int, kept: Optional[Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]] = None):
@@ -452,6 +456,7 @@ class FixedScaleQuantizer(Quantizer):
     """
 
     is_fp8 = True
+    casts_from_input_alone = False
 
     def __init__(self, scale: torch.Tensor, fp8_dtype: torch.dtype, amax_scratch: Optional[torch.Tensor] = None):
         self.scale = scale
