@@ -672,6 +672,27 @@ def test_fp8_weight_bytes_moved_into_a_flat_uint8_buffer_as_megatrons_distribute
 # ------------------------------------------------------------------------------------------ torch.compile
 
 
+def _autocast_step(module, call, recipe):
+    """x -> call(module, x) under ``te.autocast(recipe=recipe)``."""
+    def step(x):
+        with te.autocast(recipe=recipe):
+            return call(module, x)
+    return step
+
+
+def _sgd_steps(step, module, inputs):
+    """Forward, backward and SGD on each input; (output, input gradient) of each."""
+    opt, outs = torch.optim.SGD(module.parameters(), lr=0.01), []
+    for x in inputs:
+        x = x.clone().requires_grad_()
+        y = step(x)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append((y.detach(), x.grad))
+    return outs
+
+
 @pytest.mark.parametrize("name", list(MODULES))
 @pytest.mark.parametrize("recipe", RECIPES + [MXFP8BlockScaling()], ids=RECIPE_IDS + ["mxfp8"])
 def test_fp8_parameters_train_under_torch_compile_as_eagerly(name, recipe):
@@ -686,29 +707,11 @@ def test_fp8_parameters_train_under_torch_compile_as_eagerly(name, recipe):
     call = MODULES[name][1]
     xs = [torch.randn(rows, features, dtype=torch.bfloat16) for _ in range(4)]
 
-    def train(step, module, inputs):
-        opt = torch.optim.SGD(module.parameters(), lr=0.01)
-        outs = []
-        for x in inputs:
-            x = x.clone().requires_grad_()
-            y = step(x)
-            y.float().square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            outs.append((y.detach(), x.grad))
-        return outs
-
-    def stepper(module):
-        def step(x):
-            with te.autocast(recipe=recipe):
-                return call(module, x)
-        return step
-
-    train(stepper(eager), eager, xs[:1])  # the scaling state exists before tracing
+    _sgd_steps(_autocast_step(eager, call, recipe), eager, xs[:1])  # the scaling state exists before tracing
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
-    step = torch.compile(stepper(compiled), fullgraph=True, backend="aot_eager")
-    for (y_e, dx_e), (y_c, dx_c) in zip(train(stepper(eager), eager, xs[1:]), train(step, compiled, xs[1:])):
+    step = torch.compile(_autocast_step(compiled, call, recipe), fullgraph=True, backend="aot_eager")
+    for (y_e, dx_e), (y_c, dx_c) in zip(_sgd_steps(_autocast_step(eager, call, recipe), eager, xs[1:]), _sgd_steps(step, compiled, xs[1:])):
         assert torch.equal(y_c, y_e) and torch.equal(dx_c, dx_e)
     for (key, p_e), p_c in zip(eager.named_parameters(), compiled.parameters()):
         assert type(p_c) is type(p_e), key
@@ -722,3 +725,22 @@ def test_fp8_parameters_train_under_torch_compile_as_eagerly(name, recipe):
         state_e, state_c = eager.fp8_meta[role], compiled.fp8_meta[role]
         if getattr(state_e, "has_amax_history", False):
             assert torch.equal(state_c.amax_history, state_e.amax_history) and torch.equal(state_c.scale, state_e.scale), role
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=RECIPE_IDS[:2])
+def test_fp8_parameters_under_inductor_on_gpu_track_eager(recipe):
+    """FP8 weight parameters compiled by Inductor on the GPU (fullgraph): three training steps track eager's (the
+    compiled casts are Inductor's kernels, eager's flagos', so SQNR, not bits; a wrong scale or operand falls far
+    below 30 dB)."""
+    with torch.device("cuda"):
+        eager = _build("LayerNormMLP", recipe)
+        xs = [torch.randn(32, 32, dtype=torch.bfloat16) for _ in range(4)]
+
+    call = MODULES["LayerNormMLP"][1]
+    _sgd_steps(_autocast_step(eager, call, recipe), eager, xs[:1])
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    step = torch.compile(_autocast_step(compiled, call, recipe), fullgraph=True)
+    for (y_e, dx_e), (y_c, dx_c) in zip(_sgd_steps(_autocast_step(eager, call, recipe), eager, xs[1:]), _sgd_steps(step, compiled, xs[1:])):
+        assert sqnr(y_e, y_c) > 30.0 and sqnr(dx_e, dx_c) > 30.0
