@@ -111,7 +111,7 @@ def test_parameters_and_errors():
         te.LayerNormMLP(32, 64, activation="gelu", activation_params={"limit": 1.0})
     with pytest.raises(ValueError, match="glu_linear_offset"):
         te.LayerNormMLP(32, 64, activation="clamped_swiglu", activation_params={"glu_linear_offset": 0.0})
-    with pytest.raises(NotImplementedError, match="checkpoint"):
-        te.LayerNormMLP(32, 64, checkpoint=True)
+    with pytest.raises(NotImplementedError, match="checkpoint=True.* tensor or sequence parallelism"):
+        te.LayerNormMLP(32, 64, checkpoint=True, sequence_parallel=True)
     with te.autocast(recipe=DelayedScaling()), pytest.raises(ValueError, match=r"fc1_weight has shape \(20, 32\)"):
         te.LayerNormMLP(32, 20)(randn(8, 32))

@@ -5,7 +5,10 @@ activation backward); a = act(h) -> FP8 by the fused activation cast (slot GEMM2
 Saved: x, gamma, statistics, h, the transposed FP8 norm output and activation output (what wgrad
 reads) and both weights (backward casts W^T again for dgrad, see ``DeferredTranspose``).
 Backward: dy -> FP8 (GRAD_OUTPUT2) with dy^T; fc2 wgrad/dgrad; dh = dact(da, h) -> FP8 (GRAD_OUTPUT1)
-with dh^T; fc1 wgrad/dgrad; norm backward. Peak memory: when the backward frees its graph (the usual
+with dh^T; fc1 wgrad/dgrad; norm backward. With ``checkpoint`` (TE's selective recomputation) forward keeps
+none of the [tokens, F] activations: it saves fc1's bias and its fprop operand (W1 as fprop reads it) and the
+norm's input, and backward recomputes norm -> cast -> fc1 -> act -> cast (not fc2) with forward's scales
+(``Quantizer.for_recompute``), the same values bit for bit. Peak memory: when the backward frees its graph (the usual
 ``retain_graph=False``), act(h)^T goes after fc2's wgrad, dh is written over h and h goes once dh is
 cast, so the [tokens, F]-sized tensors never pile up.
 Tensor / sequence parallelism: fc1 is column-parallel (``args.fc1_comm``), fc2 row-parallel
@@ -48,6 +51,7 @@ class LayerNormMLPArgs:
     fc1_comm: LinearComm  # no default: torch 2.11's Dynamo cannot rebuild an object default of a dataclass made in a traced call
     fc2_comm: LinearComm
     return_layernorm_output: bool = False
+    checkpoint: bool = False
 
 
 class LayerNormMLPFunction(torch.autograd.Function):
@@ -73,8 +77,12 @@ class LayerNormMLPFunction(torch.autograd.Function):
             y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, q.split_accumulator[0], comm2,
                                    gather=False, columnwise=False)
             w1_t, w2_t = (for_backward(w) if q.for_training else None for w in (w1, w2))
-            save(ctx, x, gamma, for_backward(ln_op) if need_dw1 else None, w1_t, h,
-                 for_backward(a_op) if need_dw2 else None, w2_t, *stats)
+            if args.checkpoint:  # recomputed in backward from the norm's input (see the module docstring)
+                ctx.recompute = (g1.input.for_recompute(), g2.input.for_recompute(), need_dw1, need_dw2)
+                save(ctx, x, gamma, None, w1_t, None, None, w2_t, cast(ln_bias, dtype), cast(fc1_bias, dtype), w1, *stats)
+            else:
+                save(ctx, x, gamma, for_backward(ln_op) if need_dw1 else None, w1_t, h,
+                     for_backward(a_op) if need_dw2 else None, w2_t, None, None, None, *stats)
         ctx.args = without_operands(args, "fc1_operand", "fc2_operand")
         ctx.dtypes = (inp.dtype, ln_weight.dtype) + tuple(None if t is None else t.dtype for t in (ln_bias, fc1_bias, fc2_bias))
         ctx.inp_shape = inp.shape
@@ -87,9 +95,11 @@ class LayerNormMLPFunction(torch.autograd.Function):
         q, dtype, comm1, comm2 = args.quantization, args.dtype, args.fc1_comm, args.fc2_comm
         g1, g2 = q.gemms
         inp_dtype, gamma_dtype, beta_dtype, b1_dtype, b2_dtype = ctx.dtypes
-        x, gamma, ln_op, w1, h, a_op, w2, *stats = saved(ctx)
+        x, gamma, ln_op, w1, h, a_op, w2, beta, b1, w1_fprop, *stats = saved(ctx)
         frees_graph = backward_frees_graph()
         with no_torch_autocast(dy.device), backward_batch(args.fc1_wgrad.delayed):
+            if args.checkpoint:
+                ln_op, h, a_op = _recompute(x, gamma, beta, w1_fprop, b1, args, ctx.recompute)
             dy_hp = cast(rows_of(dy), dtype)
             dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], b2_dtype if needs[6] else None)  # comm
             da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,
@@ -113,3 +123,16 @@ class LayerNormMLPFunction(torch.autograd.Function):
             q.backward_update()
         return (cast(dx.view(*ctx.inp_shape), inp_dtype), cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype),
                 dw1, cast(db1, b1_dtype), dw2, cast(db2, b2_dtype), None)
+
+
+def _recompute(x, gamma, beta, w1, b1, args: LayerNormMLPArgs, recompute):
+    """(norm output's wgrad operand, h, act(h)'s wgrad operand) as forward made them: the norm and its cast, fc1's
+    fprop and the activation's cast again, with forward's scales (no tensor parallelism: the module refuses it)."""
+    quantizer1, quantizer2, need_dw1, need_dw2 = recompute
+    dtype, comm1 = args.dtype, args.fc1_comm
+    ln_op, _, _ = norm_then_quantize(x, gamma, beta, args.norm, quantizer1, dtype, args.return_layernorm_output, need_dw1,
+                                     comm1.for_cast(quantizer1))
+    h, ln_op = fprop_with_comm(ln_op, w1, b1, dtype, args.quantization.split_accumulator[0], comm1, gather=False,
+                               columnwise=need_dw1)
+    a_op, _ = quantizer2.produce(args.activation.producer(h), need_dw2)
+    return for_backward(ln_op) if need_dw1 else None, h, for_backward(a_op) if need_dw2 else None

@@ -14,7 +14,7 @@ from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
 from ._checks import check_eps, check_sizes
 from ._norm import NormConfig
 from ._params import add_linear_params, add_norm_params
-from .base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device, resolve_params_dtype, te_outputs
+from .base import ParallelConfig, TransformerEngineBaseModule, default_device, resolve_params_dtype, te_outputs
 
 __all__ = ["LayerNormMLP"]
 
@@ -39,7 +39,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
         seq_length, micro_batch_size: stored.
         delay_wgrad_compute: backward computes dgrad only and queues both dW for :meth:`backward_dw` (see
             :mod:`._wgrad_store`).
-        checkpoint: not implemented yet (must stay False).
+        checkpoint: TE's selective recomputation: forward keeps none of the [tokens, ffn] activations and backward
+            recomputes the norm, fc1 and the activation (not fc2) with forward's scales: the same results for
+            less memory and one more norm and fc1 GEMM. Not yet with tensor or sequence parallelism.
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight`` [F or 2F, H], ``fc1_bias``,
     ``fc2_weight`` [H, F], ``fc2_bias``.
@@ -93,7 +95,6 @@ class LayerNormMLP(TransformerEngineBaseModule):
         NormConfig(normalization, eps, zero_centered_gamma)  # an unknown normalization raises here, before any work
         ActivationConfig.create(activation, activation_params)  # so does an unknown activation
         super().__init__(2, get_rng_state_tracker, None, name)
-        check_unsupported(checkpoint=checkpoint)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.activation = ActivationConfig.create(activation, activation_params)
         self.use_bias, self.return_bias = bias, return_bias
@@ -106,6 +107,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
                                                     ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                                                     ub_bulk_wgrad=ub_bulk_wgrad),
         )
+        if checkpoint and (self.tp_size > 1 or sequence_parallel):
+            raise NotImplementedError("LayerNormMLP(checkpoint=True) with tensor or sequence parallelism is not implemented yet "
+                                      "(the recomputation would redo fc1's communication); leave checkpoint False there")
+        self.checkpoint = checkpoint
         self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
         self.norm = NormConfig(normalization, eps, zero_centered_gamma)
         device = default_device(device)
@@ -140,6 +145,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             return_layernorm_output=self.return_layernorm_output,
             fc1_comm=fc1_comm,
             fc2_comm=fc2_comm,
+            checkpoint=self.checkpoint,
         )
         b2 = self.fc2.bias(self)
         result = apply_without_torch_autocast(

@@ -114,6 +114,12 @@ class Quantizer:
         y, _, _, extras = run(None, None, None)
         return self.quantize(y, columnwise), extras
 
+    def for_recompute(self) -> "Quantizer":
+        """A quantizer that casts later in the step (a recomputation in backward) as this one casts now, and
+        records nothing: self where the cast depends on the input alone (a recorded amax is recorded again,
+        which a max leaves as it is)."""
+        return self
+
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Quantizer":
         """A quantizer for one shard of a tensor split over ranks, casting with the scale every rank shares.
 
@@ -234,11 +240,11 @@ class Float8Quantizer(Quantizer):
     def produce(self, run: ProducerFn, columnwise: bool = False):
         """Fused cast: the producer writes FP8 with this scale and records the amax of its output
         (row-major only: ``transpose_only`` makes the transpose for backward)."""
-        def cast(scale, amax_out):
-            q, scale_inv, amax, extras = run(scale, self.fp8_dtype, amax_out)
-            return (Float8Tensor(q, scale_inv), extras), amax
+        return self._recording(lambda scale, amax_out: _produced(run, scale, self.fp8_dtype, amax_out))
 
-        return self._recording(cast)
+    def for_recompute(self) -> "FixedScaleQuantizer":
+        """Casts with a copy of this step's scale (the update at the autocast's exit changes the state's), recording nothing."""
+        return FixedScaleQuantizer(self.scale.clone(), self.fp8_dtype)
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8Quantizer":
         """Self: the scale comes from the state, the same on every rank once their amaxes are MAX-reduced.
@@ -417,6 +423,7 @@ class NVFP4Quantizer(Quantizer):
     def __init__(self, *, rht: bool = False, block_2d: bool = False, stochastic_rounding: bool = False):
         self.rht, self.block_2d, self.stochastic_rounding = rht, block_2d, stochastic_rounding
         self.block = (NVFP4_BLOCK if block_2d else 1, NVFP4_BLOCK)
+        self.casts_from_input_alone = not stochastic_rounding  # (each stochastic cast draws a new seed)
 
     def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> NVFP4Tensor:
         if x.dim() != 2:
@@ -480,6 +487,19 @@ class FixedScaleQuantizer(Quantizer):
         """x^T alone in one pass (``ops.quantize_transposed``): no row-major copy is written."""
         q_t, scale_inv, _ = ops.quantize_transposed(x, self.scale, self.fp8_dtype, self.amax_scratch)
         return Float8Tensor(None, scale_inv, q_t)
+
+    def produce(self, run: ProducerFn, columnwise: bool = False):
+        """Fused cast with this scale (as :meth:`Float8Quantizer.produce` casts, recording nothing)."""
+        return _produced(run, self.scale, self.fp8_dtype, self.amax_scratch)[0]
+
+    def for_recompute(self) -> "FixedScaleQuantizer":
+        return self.snapshot()
+
+
+def _produced(run: ProducerFn, scale: torch.Tensor, fp8_dtype: torch.dtype, amax_out: Optional[torch.Tensor]):
+    """((the producer's FP8 output as operand, its extras), amax): ``run`` writes FP8 with ``scale``."""
+    q, scale_inv, amax, extras = run(scale, fp8_dtype, amax_out)
+    return (Float8Tensor(q, scale_inv), extras), amax
 
 
 @functools.lru_cache(maxsize=None)
