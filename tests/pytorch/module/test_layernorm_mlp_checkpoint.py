@@ -59,6 +59,25 @@ def test_recomputation_gives_the_saved_activations_results(recipe_name, config):
             assert torch.equal(state_c.amax_history, state_d.amax_history) and torch.equal(state_c.scale, state_d.scale), role
 
 
+def test_calibration_records_the_amaxes_of_the_default():
+    """Calibration (FP8 off, amaxes recorded): the amax histories equal the default module's after several steps
+    (the recomputation in high precision records nothing of its own)."""
+    recipe = RECIPES["delayed"]
+    torch.manual_seed(0)
+    default = te.LayerNormMLP(HIDDEN, FFN)
+    checkpointed = te.LayerNormMLP(HIDDEN, FFN, checkpoint=True)
+    checkpointed.load_state_dict(default.state_dict())
+    for _ in range(3):
+        x, dy = randn(TOKENS, HIDDEN), randn(TOKENS, HIDDEN)
+        for module in (default, checkpointed):
+            x_m = x.clone().requires_grad_()
+            with te.autocast(enabled=False, calibrating=True, recipe=recipe):
+                y = module(x_m)
+            y.backward(dy)
+    history = default.fp8_meta["scaling_fwd"].amax_history
+    assert history.abs().sum() > 0 and torch.equal(checkpointed.fp8_meta["scaling_fwd"].amax_history, history)
+
+
 def test_tensor_parallelism_is_refused():
     with pytest.raises(NotImplementedError, match="checkpoint=True.* tensor or sequence parallelism"):
         te.LayerNormMLP(HIDDEN, FFN, checkpoint=True, tp_size=2, set_parallel_mode=True)

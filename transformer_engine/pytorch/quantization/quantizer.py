@@ -116,8 +116,7 @@ class Quantizer:
 
     def for_recompute(self) -> "Quantizer":
         """A quantizer that casts later in the step (a recomputation in backward) as this one casts now, and
-        records nothing: self where the cast depends on the input alone (a recorded amax is recorded again,
-        which a max leaves as it is)."""
+        records nothing: self where the cast depends on the input alone and records nothing."""
         return self
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Quantizer":
@@ -528,6 +527,11 @@ class AmaxObserver(Quantizer):
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> torch.Tensor:
         self.target.record(ops.compute_amax(x))
         return x
+
+    def for_recompute(self) -> Quantizer:
+        """High precision without recording: the first run recorded this amax (again would change nothing, at the
+        cost of one more pass over the tensor)."""
+        return IDENTITY
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool,
