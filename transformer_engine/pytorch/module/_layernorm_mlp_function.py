@@ -77,7 +77,7 @@ class LayerNormMLPFunction(torch.autograd.Function):
             y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, q.split_accumulator[0], comm2,
                                    gather=False, columnwise=False)
             w1_t, w2_t = (for_backward(w) if q.for_training else None for w in (w1, w2))
-            if args.checkpoint:  # recomputed in backward from the norm's input (see the module docstring)
+            if args.checkpoint and q.for_training:  # recomputed in backward from the norm's input (see the module docstring)
                 ctx.recompute = (g1.input.for_recompute(), g2.input.for_recompute(), need_dw1, need_dw2)
                 save(ctx, x, gamma, None, w1_t, None, None, w2_t, cast(ln_bias, dtype), cast(fc1_bias, dtype), w1, *stats)
             else:
