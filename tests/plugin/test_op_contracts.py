@@ -278,6 +278,8 @@ for op in ("fused_rope_forward", "fused_rope_backward"):
 _CFG = AttentionConfig(softmax_scale=0.5, mask_type="causal")
 case("fused_attn_fwd", "empty_batch", lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
 case("fused_attn_fwd", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(3)) + (_CFG,))
+case("attention_max_logit", "empty_batch", lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
+case("attention_max_logit", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(2)) + (_CFG,))
 
 case("gemm", "empty_m", lambda: (rnd(0, 4), rnd(4, 3)))
 case("gemm", "empty_k_bias", lambda: (rnd(2, 0), rnd(0, 3), rnd(3)))

@@ -2,6 +2,7 @@
 
 - :func:`allowed_mask`: which keys each query sees (padding, causal, window, arbitrary mask, alignment);
 - :func:`attention`: softmax(scale Q K^T + bias) V with GQA and softmax sinks;
+- :func:`max_logit`: the largest attended score of each head (``return_max_logit``);
 - :func:`rope_angles` / :func:`rotate`: rotary embedding, each feature pair turned by its angle.
 """
 
@@ -45,6 +46,16 @@ def attention(q, k, v, allowed, scale, bias=None, alpha=None):
     p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)[..., : allowed.shape[-1]]
     return torch.einsum("bhij,bjhd->bihd", p, v)
+
+
+def max_logit(q, k, allowed, scale, bias=None):
+    """float64 [h]: the largest attended score scale q_i . k_j (+ bias) of each head over the batch (-inf if none)."""
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if bias is not None:
+        s = s + bias.double()
+    return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
 
 
 def rope_angles(positions, d_rot, base=10000.0):

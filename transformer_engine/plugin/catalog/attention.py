@@ -30,7 +30,7 @@ from typing import Tuple
 
 from transformer_engine.plugin.core.catalog import declare
 
-__all__ = ["AttentionConfig", "fused_attn_fwd", "fused_attn_bwd"]
+__all__ = ["AttentionConfig", "attention_max_logit", "fused_attn_fwd", "fused_attn_bwd"]
 
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -105,4 +105,14 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
     dalpha_h = -sum_i exp(alpha_h - lse_i) * D_i for "learnable".
     dout has out's shape and any strides (an sbhd layer passes a transposed view, not a copy).
     Returns: (dq, dk, dv, dbias or None, dsoftmax_offset or None).
+    """
+
+
+@declare
+def attention_max_logit(q, k, config, attn_mask=None, attn_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+    """max_logit [h] float32: for each query head, the maximum of the scores S over the batch (every packed sequence
+    for "thd") and the query and key positions, masked entries left out (S before the softmax, as in the module
+    docstring; -inf for a head whose every score is masked or when there is none). What TE's
+    ``DotProductAttention(return_max_logit=True)`` returns (Muon's QK-clip rescales W_Q and W_K with it).
+    ``config``'s dropout and softmax type play no part.
     """

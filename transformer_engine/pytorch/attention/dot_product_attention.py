@@ -233,8 +233,10 @@ class DotProductAttention(torch.nn.Module):
 
     O = dropout(softmax(softmax_scale Q K^T (+ bias), masked)) V, per head; keys/values may have
     ``num_gqa_groups`` heads (GQA / MQA). Arguments, defaults and shapes follow TE 2.x
-    ``transformer_engine.pytorch.DotProductAttention``; ``return_max_logit`` and FP8 attention are
-    not supported here (NotImplementedError). Context parallelism (``cp_group`` or
+    ``transformer_engine.pytorch.DotProductAttention``; FP8 attention is not supported here
+    (NotImplementedError). ``return_max_logit=True``: forward returns (output, max_logit), max_logit [h]
+    float32 the largest masked score of each head (``ops.attention_max_logit``; not differentiable, and not
+    with context parallelism or KV caching). Context parallelism (``cp_group`` or
     :meth:`set_context_parallel_group`) splits the sequence over a group's ranks in TE's load-balanced
     layout, "bshd" / "sbhd" with no_mask or causal masks (see :mod:`.context_parallel`).
 
@@ -275,8 +277,10 @@ class DotProductAttention(torch.nn.Module):
         d_qk, d_v = check_kv_channels("DotProductAttention", kv_channels)
         check_probability("DotProductAttention", "attention_dropout", attention_dropout)
         super().__init__()
-        if return_max_logit:
-            raise NotImplementedError("return_max_logit is not supported yet")
+        self.return_max_logit = bool(return_max_logit)
+        #: what torch.compile traces for ``ops.attention_max_logit`` (whose AttentionConfig argument gives it no custom
+        #: op): the reference backend's tensor ops, looked up here (the lookup itself does not trace)
+        self._traced_max_logit = get_default_manager().reference_impl("attention_max_logit").fn if return_max_logit else None
         self.qkv_format = qkv_format
         self.attn_mask_type = _masks.canonical_mask_type(attn_mask_type)
         self.window_size = _masks.check_set_window_size(self.attn_mask_type, window_size)
@@ -393,7 +397,7 @@ class DotProductAttention(torch.nn.Module):
 
         Raises:
             ValueError / TypeError: inconsistent shapes, dtypes or settings (the message names them).
-            NotImplementedError: FP8 output or score_mod.
+            NotImplementedError: FP8 output or score_mod; ``return_max_logit`` with context parallelism or KV caching.
             NoImplementationError: no backend accepts the call (each backend's reason is listed).
         """
         if fp8_output or score_mod is not None or score_mod_bprop is not None:
@@ -404,7 +408,11 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"qkv_format={fmt!r} is not one of {', '.join(_layout.FORMATS)}")
         self._check_heads(q, k, v)
         spec = self._mask_spec(attn_mask_type, window_size, bottom_right_diagonal, inference_params is not None)
-        if self._cp_group_settings is not None and self._cp_group_settings.size > 1:
+        cp = self._cp_group_settings is not None and self._cp_group_settings.size > 1
+        if self.return_max_logit and (cp or inference_params is not None):
+            raise NotImplementedError("DotProductAttention(return_max_logit=True) with context parallelism or KV caching "
+                                      "(inference_params) is not implemented yet")
+        if cp:
             bias_type = "alibi" if alibi_slopes is not None else core_attention_bias_type
             return self._cp_forward(q, k, v, fmt, spec, bias_type, inference_params is not None, checkpoint_core_attention)
         seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
@@ -418,7 +426,14 @@ class DotProductAttention(torch.nn.Module):
             out = checkpoint(_attend, *args, get_rng_state_tracker=self.get_rng_state_tracker)
         else:
             out = _attend(*args)
-        return problem.restore(out)
+        if not self.return_max_logit:
+            return problem.restore(out)
+        max_logit_op = self._traced_max_logit if torch.compiler.is_compiling() else ops.attention_max_logit
+        with torch.no_grad():
+            max_logit = max_logit_op(problem.q, problem.k, config, attn_mask=extras.attn_mask, attn_bias=attn_bias,
+                                     alibi_slopes=extras.alibi_slopes, cu_seqlens_q=extras.cu_seqlens_q,
+                                     cu_seqlens_kv=extras.cu_seqlens_kv)
+        return problem.restore(out), max_logit
 
     def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, bias_type: str, inference: bool, checkpointed: bool):
         """Context-parallel attention of this rank's tokens (checked before any communication)."""

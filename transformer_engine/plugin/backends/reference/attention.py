@@ -24,7 +24,7 @@ from transformer_engine.plugin.catalog.attention import AttentionConfig
 
 from .misc import dropout_bwd, dropout_fwd
 
-__all__ = ["fused_attn_fwd", "fused_attn_bwd"]
+__all__ = ["attention_max_logit", "fused_attn_fwd", "fused_attn_bwd"]
 
 _BIASED = ("pre_scale_bias", "post_scale_bias")
 
@@ -111,30 +111,38 @@ def _require(name: str, value, needed: bool, rule: str) -> None:
         raise ValueError(f"{name} was given but is not used unless {rule}; pass None or change the config")
 
 
-def _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes, device) -> _Operands:
-    """Validate the optional tensors against ``config`` and the score shape; shape them for broadcasting
-    (the zero offset of ``softmax_type='off-by-one'`` made on ``device``)."""
+def _score_operands(config, shape, attn_mask, attn_bias, alibi_slopes) -> _Operands:
+    """Validate the tensors the scores read (mask, bias, ALiBi slopes) against ``config`` and the score shape;
+    shape them for broadcasting (no softmax offset)."""
     b, h = shape[0], shape[1]
     _require("attn_bias", attn_bias, config.bias_type in _BIASED, f"bias_type is one of {_BIASED}")
     _require("alibi_slopes", alibi_slopes, config.bias_type == "alibi", "bias_type='alibi'")
-    learnable = config.softmax_type == "learnable"
-    if config.softmax_type != "off-by-one":  # off-by-one ignores it: TE passes a zero buffer there
-        _require("softmax_offset", softmax_offset, learnable, "softmax_type='learnable'")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be a bool tensor (True = masked out), got {attn_mask.dtype}")
     if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((h,), (b, h)):
         raise ValueError(f"alibi_slopes shape {tuple(alibi_slopes.shape)} must be [h] = [{h}] or [b, h] = [{b}, {h}]")
-    if learnable and softmax_offset.numel() != h:
-        raise ValueError(f"softmax_offset has {softmax_offset.numel()} values; it needs one per head ({h})")
-    alpha = None
-    if config.softmax_type != "vanilla":
-        alpha = softmax_offset.float().reshape(1, h, 1, 1) if learnable else torch.zeros(1, h, 1, 1, dtype=torch.float32, device=device)
     return _Operands(
         attn_mask=None if attn_mask is None else _as_4d("attn_mask", attn_mask, shape),
         attn_bias=None if attn_bias is None else _as_4d("attn_bias", attn_bias, shape),
         slopes=None if alibi_slopes is None else alibi_slopes.float().reshape(-1, h, 1, 1),
-        alpha=alpha,
+        alpha=None,
     )
+
+
+def _operands(config, shape, attn_mask, attn_bias, softmax_offset, alibi_slopes, device) -> _Operands:
+    """:func:`_score_operands` and the softmax offset ``alpha`` (the zero offset of ``softmax_type='off-by-one'``
+    made on ``device``)."""
+    h = shape[1]
+    learnable = config.softmax_type == "learnable"
+    if config.softmax_type != "off-by-one":  # off-by-one ignores it: TE passes a zero buffer there
+        _require("softmax_offset", softmax_offset, learnable, "softmax_type='learnable'")
+    operands = _score_operands(config, shape, attn_mask, attn_bias, alibi_slopes)
+    if learnable and softmax_offset.numel() != h:
+        raise ValueError(f"softmax_offset has {softmax_offset.numel()} values; it needs one per head ({h})")
+    if config.softmax_type == "vanilla":
+        return operands
+    alpha = softmax_offset.float().reshape(1, h, 1, 1) if learnable else torch.zeros(1, h, 1, 1, dtype=torch.float32, device=device)
+    return _Operands(operands.attn_mask, operands.attn_bias, operands.slopes, alpha)
 
 
 def _segments(config, cu_seqlens_q, cu_seqlens_kv) -> List[_Segment]:
@@ -186,8 +194,9 @@ def _mask(config, s_q: int, s_kv: int, attn_mask, device) -> torch.Tensor:
     return masked if attn_mask is None else masked | attn_mask.to(device)
 
 
-def _probs(qh, kh, config, operands: _Operands, seg: _Segment):
-    """(P, lse) of one segment from qh [b, h, s_q, d] and kh [b, h, s_kv, d] (kv heads expanded)."""
+def _scores(qh, kh, config, operands: _Operands, seg: _Segment) -> torch.Tensor:
+    """The masked scores S [b, h, s_q, s_kv] float32 (-inf where masked) of one segment from qh [b, h, s_q, d] and
+    kh [b, h, s_kv, d] (kv heads expanded)."""
     s_q, s_kv, device = qh.shape[-2], kh.shape[-2], qh.device
     scores = qh @ kh.transpose(-1, -2)
     bias = _part(operands.attn_bias, seg, s_q, s_kv)
@@ -199,11 +208,16 @@ def _probs(qh, kh, config, operands: _Operands, seg: _Segment):
     elif config.bias_type == "alibi":
         distance = (torch.arange(s_q, device=device)[:, None] + s_kv - s_q - torch.arange(s_kv, device=device)).abs()
         scores = scores - _part(operands.slopes, seg, 1, 1).to(device) * distance
-    scores = scores.masked_fill(_mask(config, s_q, s_kv, _part(operands.attn_mask, seg, s_q, s_kv), device), float("-inf"))
+    return scores.masked_fill(_mask(config, s_q, s_kv, _part(operands.attn_mask, seg, s_q, s_kv), device), float("-inf"))
+
+
+def _probs(qh, kh, config, operands: _Operands, seg: _Segment):
+    """(P, lse) of one segment from qh [b, h, s_q, d] and kh [b, h, s_kv, d] (kv heads expanded)."""
+    scores = _scores(qh, kh, config, operands, seg)
     if operands.alpha is None:
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     else:
-        extra = operands.alpha.to(device).expand(*scores.shape[:-1], 1)
+        extra = operands.alpha.to(scores.device).expand(*scores.shape[:-1], 1)
         lse = torch.logsumexp(torch.cat((scores, extra), dim=-1), dim=-1, keepdim=True)
     # a fully masked row has lse = -inf (vanilla): subtracting 0 instead keeps exp(-inf) = 0, not NaN
     return torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)), lse
@@ -327,3 +341,16 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
         None if dbias is None else dbias.reshape(attn_bias.shape).to(attn_bias.dtype),
         None if dalpha is None else dalpha.reshape(softmax_offset.shape).to(softmax_offset.dtype),
     )
+
+
+def attention_max_logit(q, k, config, attn_mask=None, attn_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+    """max over the batch and positions of each head's masked scores (the forward's S, see the module docstring)."""
+    shape = _check_qkv(q, k, k, config, cu_seqlens_q, cu_seqlens_kv)
+    operands = _score_operands(config, shape, attn_mask, attn_bias, alibi_slopes)
+    max_logit = torch.full((shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
+    for seg in _segments(config, cu_seqlens_q, cu_seqlens_kv):
+        qh, kh, _ = _qkv_heads(q, k, k, seg)
+        scores = _scores(qh, kh, config, operands, seg)
+        if scores.numel():
+            max_logit = torch.maximum(max_logit, scores.amax(dim=(0, 2, 3)))
+    return max_logit
