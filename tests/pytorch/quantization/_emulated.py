@@ -1,11 +1,10 @@
 """Checks shared by the tests of the emulated block-scaled recipes (MXFP8, NVFP4): GroupedLinear against a format's
-composed emulation, a short training run, the full layer against high precision, and a compiled ``te.Linear`` step
+composed emulation, the full layer against high precision, and a compiled ``te.Linear`` step
 against the eager one."""
 
 import copy
 
 import torch
-import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
 from tests.pytorch.references import forward_backward
@@ -31,27 +30,6 @@ def assert_grouped_linear_matches(recipe, linear_reference, tols) -> None:
         torch.testing.assert_close(x_in.grad.split(splits)[i].double(), dx_ref, **tols)
         torch.testing.assert_close(w.grad.double(), dw_ref, **tols)
         torch.testing.assert_close(b.grad.double(), db_ref, **tols)
-
-
-def train_losses(recipe, steps: int = 12):
-    """Losses of ``steps`` Adam steps of LayerNormMLP(swiglu) + LayerNormLinear fitting tanh(2x) under torch's bf16
-    autocast and ``recipe`` (None: high precision), from fixed weights and data."""
-    torch.manual_seed(7)
-    model = torch.nn.Sequential(te.LayerNormMLP(64, 128, activation="swiglu"), te.LayerNormLinear(64, 32))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    data = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 64, generator=data)
-    target = torch.tanh(x[:, :32] * 2.0)
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=recipe is not None, recipe=recipe):
-            out = model(x)
-        loss = F.mse_loss(out.float(), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def transformer_layer_sqnr(recipe):

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from tests.mxfp8_spec import spec_qdq
 from tests.pytorch.quantization._emulated import (
-    assert_grouped_linear_matches, assert_linear_compiles_as_eager, train_losses, transformer_layer_sqnr,
+    assert_grouped_linear_matches, assert_linear_compiles_as_eager, transformer_layer_sqnr,
 )
+from tests.pytorch._training import train_losses
 from tests.pytorch.references import forward_backward
 from tests.utils import randn, sqnr
 from transformer_engine.common.recipe import Format, MXFP8BlockScaling
