@@ -50,6 +50,15 @@ def assert_outputs_identical(actual, expected) -> None:
             assert torch.equal(a_bits, e_bits), f"output {i}: {int((a_bits != e_bits).sum())} of {a_bits.numel()} bytes differ"
 
 
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal values bit for bit (any dtype), any NaN matching any NaN."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    a, e = actual.cpu(), expected.cpu()
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(e))
+    assert torch.equal(a[~nan].view(-1, 1).view(torch.uint8), e[~nan].view(-1, 1).view(torch.uint8))
+
+
 def _ordinal(q: torch.Tensor) -> torch.Tensor:
     """FP8 codes as signed integers ordered like their values (sign-magnitude -> two's complement)."""
     codes = q.cpu().view(torch.uint8).long()

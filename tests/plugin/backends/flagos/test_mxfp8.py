@@ -11,7 +11,7 @@ block maxima on the E8M0 rounding boundaries, every FP8 code under every E8M0 co
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_outputs_identical, flagos_and_reference
+from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_outputs_identical, assert_same_bits, flagos_and_reference
 from transformer_engine.plugin.backends.flagos import mxfp8 as fm
 from transformer_engine.plugin.backends.reference import mxfp8 as ref
 
@@ -97,15 +97,6 @@ def test_zeros_empty_and_strided_inputs(device):
 
 
 # -- dequantize ------------------------------------------------------------------------------------
-def _assert_same_bits(actual, expected):
-    """Equal values bit for bit, any NaN matching any NaN."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    a, e = actual.cpu(), expected.cpu()
-    nan = torch.isnan(a)
-    assert torch.equal(nan, torch.isnan(e))
-    assert torch.equal(a[~nan].view(-1, 1).view(torch.uint8), e[~nan].view(-1, 1).view(torch.uint8))
-
-
 def _every_code(rows, k, fp8_dtype, device):
     """[rows, k] FP8 with every code, and E8M0 scales with every code (255: NaN) in a scrambled order."""
     q = torch.arange(rows * k).remainder(256).to(torch.uint8).reshape(rows, k).view(fp8_dtype)
@@ -117,9 +108,9 @@ def _every_code(rows, k, fp8_dtype, device):
 def test_dequantize_every_code_bit_exact(fp8_dtype, device):
     q, scale = _every_code(64, 320, fp8_dtype, device)  # 640 blocks: every scale code with many FP8 codes
     for out_dtype in HP_DTYPES:
-        _assert_same_bits(fm.dequantize_mxfp8(q, scale, out_dtype), ref.dequantize_mxfp8(q, scale, out_dtype))
+        assert_same_bits(fm.dequantize_mxfp8(q, scale, out_dtype), ref.dequantize_mxfp8(q, scale, out_dtype))
     args = (q[1:40, 32:96], scale[1:40, 1:3], torch.bfloat16)  # row-strided views
-    _assert_same_bits(fm.dequantize_mxfp8(*args), ref.dequantize_mxfp8(*args))
+    assert_same_bits(fm.dequantize_mxfp8(*args), ref.dequantize_mxfp8(*args))
 
 
 @pytest.mark.parametrize("fp8_dtype, exact_from", [(E4M3, 3), (E5M2, 10)], ids=FP8_IDS)
@@ -270,7 +261,7 @@ def test_gpu_quantize_large_bit_exact(dtype):
         _check_quantize(x[:1000, :2016], fp8_dtype, True, False)  # ragged rows, strided
         _check_quantize(x[:, :2000], fp8_dtype, False, True)  # the column-wise copy alone (a weight's W^T), N not % 32
         q, s, _, _ = fm.quantize_mxfp8(x, fp8_dtype, True, False)
-        _assert_same_bits(fm.dequantize_mxfp8(q, s, dtype), ref.dequantize_mxfp8(q, s, dtype))
+        assert_same_bits(fm.dequantize_mxfp8(q, s, dtype), ref.dequantize_mxfp8(q, s, dtype))
 
 
 @pytest.mark.gpu

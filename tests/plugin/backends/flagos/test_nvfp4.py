@@ -10,7 +10,7 @@ paths: zeros, NaN, +-inf, -0, subnormals, amaxes whose S_dec is subnormal, E2M1 
 import pytest
 import torch
 
-from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_outputs_identical, flagos_and_reference
+from tests.plugin.backends.flagos._helpers import HP_DTYPES, assert_outputs_identical, assert_same_bits, flagos_and_reference
 from transformer_engine.plugin.backends.flagos import nvfp4 as fn
 from transformer_engine.plugin.backends.flagos import nvfp4_gemm as fg
 from transformer_engine.plugin.backends.reference import nvfp4 as ref
@@ -103,15 +103,6 @@ def test_seeds_draw_their_own_bits(device):
 
 
 # -- dequantize ------------------------------------------------------------------------------------
-def _assert_same_bits(actual, expected):
-    """Equal values bit for bit, any NaN matching any NaN."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    a, e = actual.cpu(), expected.cpu()
-    nan = torch.isnan(a)
-    assert torch.equal(nan, torch.isnan(e))
-    assert torch.equal(a[~nan].view(-1, 1).view(torch.uint8), e[~nan].view(-1, 1).view(torch.uint8))
-
-
 def _every_code(rows, k, device):
     """Every E2M1 code pair and every E4M3 scale code (0x7F, 0xFF: NaN) of a [rows, k] operand."""
     q = torch.arange(rows * k // 2).remainder(256).to(torch.uint8).reshape(rows, k // 2)
@@ -124,10 +115,10 @@ def test_dequantize_every_code_bit_exact(amax, device):
     q, scale = _every_code(64, 48, device)
     amax_t = torch.tensor([amax], device=device)
     for out_dtype in HP_DTYPES:
-        _assert_same_bits(fg.dequantize_nvfp4(q, scale, amax_t, out_dtype), ref.dequantize_nvfp4(q, scale, amax_t, out_dtype))
+        assert_same_bits(fg.dequantize_nvfp4(q, scale, amax_t, out_dtype), ref.dequantize_nvfp4(q, scale, amax_t, out_dtype))
     wide_q, wide_s = _every_code(64, 96, device)  # row-strided views
     args = (wide_q[:, :24], wide_s[:, :3], amax_t, torch.bfloat16)
-    _assert_same_bits(fg.dequantize_nvfp4(*args), ref.dequantize_nvfp4(*args))
+    assert_same_bits(fg.dequantize_nvfp4(*args), ref.dequantize_nvfp4(*args))
 
 
 # -- GEMM ------------------------------------------------------------------------------------------
