@@ -223,6 +223,17 @@ def fp8_outputs(shape, fp8_dtype: torch.dtype, device: torch.device, amax_out: O
 
 
 @triton.jit
+def _tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows as int64, cols, mask) of output tile ``tile`` of an [M, N] grid of tiles."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile = tile.to(tl.int64)  # plain ops have N = numel: tile * BLOCK_N may pass 2^31
+    rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows, cols, mask
+
+
+@triton.jit
 def _fp8_encode(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EBIAS: tl.constexpr, HW_CAST: tl.constexpr):
     """uint8 code of cast_fp8(clip(y, -FP8_MAX, FP8_MAX)), round-to-nearest-even, NaN kept."""
     y = y.to(tl.float32)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from transformer_engine.plugin.core import Reject
 
-from ._common import cdiv, device_guard
+from ._common import _tile_offsets, cdiv, device_guard
 from ._launch import cached_launch
 
 __all__ = ["finish_gemm", "mm_f32", "on_device"]
@@ -83,11 +83,7 @@ def _epilogue_kernel(
     ACCUMULATE: tl.constexpr,
 ):
     """D = fp32(acc * factor) (SCALED) + bias (+ out), rounded once to out's dtype (see the module docstring)."""
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
-    rows = ((pid // tiles_n) * BM + tl.arange(0, BM)).to(tl.int64)
-    cols = ((pid % tiles_n) * BN + tl.arange(0, BN)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows, cols, mask = _tile_offsets(tl.program_id(0), M, N, BM, BN)
     d = tl.load(acc_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
     if SCALED:
         factor = (tl.load(a_amax_ptr).to(tl.float64) * AMAX_FACTOR) * (tl.load(b_amax_ptr).to(tl.float64) * AMAX_FACTOR)

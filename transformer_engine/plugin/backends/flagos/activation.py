@@ -43,6 +43,7 @@ from ._common import (
     _finite_abs,
     _fp8_encode,
     _scale_inv_store,
+    _tile_offsets,
     cdiv,
     device_guard,
     fp8_outputs,
@@ -123,17 +124,6 @@ def _act_grad(a, ACT: tl.constexpr, limit, alpha):
         s = _sigmoid(alpha * a_c)
         grad = tl.where(a <= limit, s + alpha * a_c * s * (1.0 - s), 0.0)
     return grad
-
-
-@triton.jit
-def _tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(rows as int64, cols, mask) of output tile ``tile`` of an [M, N] grid of tiles."""
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tile = tile.to(tl.int64)  # plain ops have N = numel: tile * BLOCK_N may pass 2^31
-    rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    return rows, cols, mask
 
 
 @cached_launch

@@ -53,6 +53,7 @@ from ._common import (
     _fp8_decode,
     _fp8_encode,
     _scale_inv_store,
+    _tile_offsets,
     cdiv,
     check_2d,
     device_guard,
@@ -214,11 +215,7 @@ def _transpose_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    rows = ((pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = ((pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows, cols, mask = _tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N)
     tile = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :], mask=mask, other=0)
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
 
