@@ -21,6 +21,7 @@ __all__ = [
     "FP8_DTYPES",
     "amax_finite",
     "check_amax_out",
+    "check_bool",
     "check_fp8_dtype",
     "check_fp8_output",
     "check_high_precision",
@@ -70,6 +71,12 @@ def check_last_dim(x: torch.Tensor, t: Optional[torch.Tensor], name: str) -> Non
     """Raise ValueError unless ``t`` (if given) has shape [H] with H = x's last dim."""
     if t is not None and tuple(t.shape) != (x.shape[-1],):
         raise ValueError(f"{name} has shape {tuple(t.shape)} but x has shape {tuple(x.shape)}; {name} must be [{x.shape[-1]}]")
+
+
+def check_bool(value, name: str) -> None:
+    """TypeError unless ``value`` is a bool (a flag of an op)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a bool")
 
 
 def check_scalar(t, name: str) -> None:

@@ -9,17 +9,12 @@ from __future__ import annotations
 import torch
 
 from transformer_engine.plugin.backends._checks import check_gemm_output, gemm_result_dtype
-from transformer_engine.plugin.backends._fp8 import check_fp8_dtype, check_high_precision, check_tensor, is_fp8
+from transformer_engine.plugin.backends._fp8 import check_bool, check_fp8_dtype, check_high_precision, check_tensor, is_fp8
 
 __all__ = ["MXFP8_BLOCK", "check_gemm_mxfp8", "check_mxfp8_operand", "check_quantize_mxfp8"]
 
 #: elements per MXFP8 block (OCP MX v1.0; TE's MXFP8_BLOCK_SCALING_SIZE)
 MXFP8_BLOCK = 32
-
-
-def _check_bool(value, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a bool")
 
 
 def _check_aligned(x: torch.Tensor, dim: int, copy: str) -> None:
@@ -39,8 +34,8 @@ def check_quantize_mxfp8(x, fp8_dtype, rowwise, columnwise) -> None:
     if x.dim() != 2:
         raise ValueError(f"quantize_mxfp8 takes a 2-D x [M, N], got shape {tuple(x.shape)}; reshape it to 2-D first")
     check_fp8_dtype(fp8_dtype)
-    _check_bool(rowwise, "rowwise")
-    _check_bool(columnwise, "columnwise")
+    check_bool(rowwise, "rowwise")
+    check_bool(columnwise, "columnwise")
     if not (rowwise or columnwise):
         raise ValueError("quantize_mxfp8 with rowwise=False and columnwise=False writes nothing; ask for at least one copy")
     if rowwise:

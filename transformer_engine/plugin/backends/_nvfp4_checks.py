@@ -9,18 +9,13 @@ from __future__ import annotations
 import torch
 
 from transformer_engine.plugin.backends._checks import check_gemm_output, gemm_result_dtype
-from transformer_engine.plugin.backends._fp8 import check_scalar, check_tensor
+from transformer_engine.plugin.backends._fp8 import check_bool, check_scalar, check_tensor
 
 __all__ = ["NVFP4_BLOCK", "check_gemm_nvfp4", "check_nvfp4_operand", "check_quantize_nvfp4"]
 
 #: elements per NVFP4 block (TE's NVFP4_BLOCK_SCALING_SIZE)
 NVFP4_BLOCK = 16
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_bool(value, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a bool")
 
 
 def _check_aligned(size: int, which: str, shape, why: str) -> None:
@@ -52,7 +47,7 @@ def check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_round
         raise ValueError(f"quantize_nvfp4 takes a 2-D x [M, N], got shape {tuple(x.shape)}; reshape it to 2-D first")
     for value, name in ((rowwise, "rowwise"), (columnwise, "columnwise"), (block_2d, "block_2d"), (rht, "rht"),
                         (stochastic_rounding, "stochastic_rounding")):
-        _check_bool(value, name)
+        check_bool(value, name)
     if not (rowwise or columnwise):
         raise ValueError("quantize_nvfp4 with rowwise=False and columnwise=False writes nothing; ask for at least one copy")
     if rowwise or block_2d:
