@@ -49,3 +49,28 @@ def test_delayed_scaling_is_refused(name):
     with pytest.raises(ValueError, match="save_original_input=True.* DelayedScaling"):
         with te.autocast(recipe=DelayedScaling()):
             MODULES[name][1](module, randn(96, 64))
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_traces_whole_and_compiled_equals_eager(name):
+    """fullgraph (aot_eager): the backward's cast of x^T traces into the backward graph; one step equals eager's."""
+    torch.manual_seed(0)
+    eager = MODULES[name][0](save_original_input=True)
+    compiled = MODULES[name][0](save_original_input=True)
+    compiled.load_state_dict(eager.state_dict())
+    recipe = RECIPES["current"]
+
+    def step(x):
+        with te.autocast(recipe=recipe):
+            return MODULES[name][1](compiled, x)
+
+    x, dy = randn(96, 64), randn(96, 96)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    y_e, dx_e, grads_e, _, _ = _step(eager, name, x, dy, recipe)
+    x_c = x.clone().requires_grad_()
+    y_c = torch.compile(step, fullgraph=True, backend="aot_eager")(x_c)
+    y_c.backward(dy)
+    assert torch.equal(y_c, y_e) and torch.equal(x_c.grad, dx_e)
+    assert all(torch.equal(p.grad, g) for p, g in zip(compiled.parameters(), grads_e))
