@@ -86,14 +86,25 @@ def _measure(mixed_precision: str, dynamo_backend: str, steps: int, tokens: int)
             "last_loss": float(losses[-1])}
 
 
+def _choices(text: str, known: tuple, flag: str) -> list:
+    """The comma-separated names of ``text``, each one of ``known`` (SystemExit naming the others)."""
+    names = [name for name in text.split(",") if name]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        raise SystemExit(f"{flag} {text!r}: pick from {', '.join(known)}")
+    return names
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--backends", default="no,inductor,inductor+cpp", help="comma-separated dynamo backends to time")
+    parser.add_argument("--precisions", default="bf16,fp8", help="comma-separated mixed precisions to time")
     args = parser.parse_args()
     rows = []
-    for dynamo_backend in ("no", "inductor", "inductor+cpp"):
-        for mixed_precision in ("bf16", "fp8"):
+    for dynamo_backend in _choices(args.backends, ("no", "inductor", "inductor+cpp"), "--backends"):
+        for mixed_precision in _choices(args.precisions, ("bf16", "fp8"), "--precisions"):
             try:
                 rows.append(measure(mixed_precision, dynamo_backend, args.steps, args.tokens))
             except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others

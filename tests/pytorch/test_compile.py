@@ -206,6 +206,76 @@ def _assert_inductor_tracks_eager(eager, recipe, xs, **train_kwargs):
     return eager, compiled
 
 
+def _assert_same_scaling_state(compiled, eager):
+    expected, actual = _scaling_state(eager), _scaling_state(compiled)
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        for a, e in zip(actual[key], expected[key]):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, msg=str(key))
+
+
+def _train_delayed_both_ways(make_step, xs):
+    """The steps ``make_step(module)`` of a LayerNormMLP, eager and fullgraph-compiled (aot_eager) from one
+    eager warm-up step: bit-identical outputs, input gradients and scaling state."""
+    torch._dynamo.reset()
+    eager = te.LayerNormMLP(64, 128)
+    _train(make_step(eager), eager, xs[:1])
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(make_step(compiled), fullgraph=True, backend="aot_eager")
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(make_step(eager), eager, xs[1:]), _train(step, compiled, xs[1:])):
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_e, rtol=0, atol=0)
+    _assert_same_scaling_state(compiled, eager)
+    return eager, compiled
+
+
+def test_compiled_module_under_an_eager_autocast_equals_eager():
+    """The autocast outside the compiled call (its update runs eagerly at exit): the traced casts write their
+    amaxes into the histories themselves, which the eager update then reads, as in an eager step."""
+    recipe, xs = RECIPES["delayed"], [torch.randn(16, 2, 64) for _ in range(4)]
+    torch._dynamo.reset()
+    eager = te.LayerNormMLP(64, 128)
+    _train(_step_fn(eager, recipe), eager, xs[:1])
+    compiled = copy.deepcopy(eager)
+    compiled_module = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    runs = zip(_train(_step_fn(eager, recipe), eager, xs[1:]), _train(_step_fn(compiled_module, recipe), compiled, xs[1:]))
+    for (y_e, dx_e), (y_c, dx_c) in runs:
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_e, rtol=0, atol=0)
+    _assert_same_scaling_state(compiled, eager)
+
+
+def test_module_called_twice_in_one_traced_autocast_keeps_the_larger_amax():
+    """One module run twice in one step: each slot's amax is the larger of its two casts', forward (the
+    buffer the traced update folds in) and backward (the amaxes one backward hands its update)."""
+    def make_step(module):
+        def step(x):
+            with te.autocast(recipe=RECIPES["delayed"]):
+                return module(module(x) * 3.0)
+        return step
+
+    _train_delayed_both_ways(make_step, [torch.randn(16, 2, 64) for _ in range(4)])
+
+
+def test_traced_forward_without_grad_leaves_its_amaxes_in_the_history():
+    """Under torch.no_grad the autocast's exit runs no update: the amaxes of a traced forward go into the
+    histories' row 0, as an eager forward leaves them, for the next training step's update."""
+    recipe = RECIPES["delayed"]
+
+    def make_step(module):
+        def step(x):
+            with torch.no_grad(), te.autocast(recipe=recipe):
+                module(x * 4.0)
+            with te.autocast(recipe=recipe):
+                return module(x)
+        return step
+
+    eager, _ = _train_delayed_both_ways(make_step, [torch.randn(16, 2, 64) for _ in range(3)])
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        eager(torch.randn(16, 2, 64))
+    assert eager.fp8_meta["scaling_fwd"].amax_history[0].abs().sum() > 0  # what this test relies on eagerly
+
+
 def test_delayed_state_tensors_are_static_addresses():
     """The state tensors carry what torch._dynamo.mark_static_address sets (set without importing Dynamo)."""
     from transformer_engine.pytorch.quantization.recipe_state import _static

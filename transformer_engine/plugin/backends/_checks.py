@@ -147,16 +147,19 @@ def check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_comp
     _check_margin_and_algo(margin, amax_compute_algo)
 
 
-def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo) -> None:
-    """delayed_scaling_update_: as delayed_scaling_update, plus H, s and scale_inv [N] float32 on one device."""
+def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax=None) -> None:
+    """delayed_scaling_update_: as delayed_scaling_update, plus H, s, scale_inv [N] and amax [N] (if given)
+    float32 on one device."""
     check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo)
-    check_tensor(scale_inv, "scale_inv")
     n = amax_history.shape[1]
-    if tuple(scale_inv.shape) != (n,):
-        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
-    for name, t in (("amax_history", amax_history), ("scale", scale), ("scale_inv", scale_inv)):
+    vectors = (("scale_inv", scale_inv),) + ((("amax", amax),) if amax is not None else ())
+    for name, t in vectors:
+        check_tensor(t, name)
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
+    for name, t in (("amax_history", amax_history), ("scale", scale)) + vectors:
         if t.dtype != torch.float32:
-            raise TypeError(f"{name} has dtype {t.dtype}; the in-place update writes it, so it must be float32")
+            raise TypeError(f"{name} has dtype {t.dtype}; the in-place update reads it as float32, so it must be float32")
         if t.device != amax_history.device:
             raise ValueError(f"{name} is on {t.device} but amax_history on {amax_history.device}; move them to one device")
 

@@ -85,8 +85,11 @@ def bias_grad(rows: torch.Tensor, dtype: torch.dtype, keep_float32: bool = False
     return rows.sum(dim=0, dtype=torch.float32).to(dtype)
 
 
-def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, db_dtype: Optional[torch.dtype]):
+def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, db_dtype: Optional[torch.dtype], amaxes: list):
     """(dy as GEMM operand, db = column sums of this rank's dy or None, gather_dy), dy [M, N].
+
+    ``amaxes``: the backward's list for the amaxes of traced delayed-scaling casts, handed to
+    ``backward_update`` (``Quantizer.recording_into``; eager casts record in their own kernel).
 
     ``db_dtype``: the bias's dtype, None when no bias gradient is needed. db comes in float32 where the
     cast fuses it or ``comm`` all-reduces it afterwards (``LinearComm.reduces_bias_grad``), else in
@@ -99,6 +102,7 @@ def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, db_dty
     (``quantize_with_dbias``) unless ``comm`` all-gathers dy first (row-parallel + SP), which leaves the
     sum to its own pass.
     """
+    quantizer = quantizer.recording_into(amaxes)
     gather_dy = comm.pipelines_grad_gather(quantizer)
     reduces_db = comm.reduces_bias_grad
     comm, need_dw = comm.for_grad_cast(quantizer), need_dw and not gather_dy

@@ -54,15 +54,15 @@ class ForwardQuantization:
     Attributes:
         gemms: quantizers per GEMM.
         split_accumulator: ``use_split_accumulator`` of the (fprop, dgrad, wgrad) GEMMs.
-        backward_update: run at the end of this module's backward (the delayed-scaling update of the
-            gradients' scales), or None.
+        backward_update: run at the end of this module's backward with the backward's list of traced
+            grad-cast amaxes (the delayed-scaling update of the gradients' scales), or None.
         for_training: grad mode was on: the casts also write the copies that backward reads (x^T);
             off (inference under ``torch.no_grad``), the forward casts only what it multiplies.
     """
 
     gemms: Tuple[GemmQuantizers, ...]
     split_accumulator: Tuple[bool, bool, bool] = (True, True, True)
-    backward_update: Optional[Callable[[], None]] = None
+    backward_update: Optional[Callable[..., None]] = None
     for_training: bool = True
 
 

@@ -96,11 +96,11 @@ class GroupedLinearFunction(torch.autograd.Function):
         operands = saved(ctx)
         need_dx, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
         frees_graph = backward_frees_graph()
-        dxs, dws, dbs = [], [], []
+        dxs, dws, dbs, amaxes = [], [], [], []  # amaxes: of the traced grad casts, for the update
         with no_torch_autocast(dy.device), backward_batch(args.wgrads[0].delayed if args.wgrads else None):
             for i, dy_i in enumerate(_row_splits(cast(rows_of(dy), args.dtype), args.m_splits)):
                 db_dtype = ctx.bias_dtypes[i] if need_b[i] else None
-                dy_op, db, _ = grad_output_operand(q.gemms[i].grad_output, dy_i, NO_COMM, need_w[i], db_dtype)
+                dy_op, db, _ = grad_output_operand(q.gemms[i].grad_output, dy_i, NO_COMM, need_w[i], db_dtype, amaxes)
                 if operands[i] is not None and args.save_original_input and q.gemms[i].input.is_fp8:
                     operands[i] = q.gemms[i].input.quantize_transposed(operands[i])
                 dx_i, dw = linear_backward(dy_op, operands[i], operands[n + i], (need_dx, need_w[i]), args.wgrads[i],
@@ -109,6 +109,6 @@ class GroupedLinearFunction(torch.autograd.Function):
                 dws.append(dw)
                 dbs.append(cast(db, db_dtype))
         if q.backward_update is not None:
-            q.backward_update()
+            q.backward_update(amaxes)
         dx = cast(torch.cat(dxs).view(*inp_shape), inp_dtype) if need_dx else None
         return (dx, None, *dws, *dbs)

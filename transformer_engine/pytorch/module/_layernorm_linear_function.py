@@ -89,10 +89,12 @@ class LayerNormLinearFunction(torch.autograd.Function):
         args, (inp_shape, inp_dtype, gamma_dtype, beta_dtype, bias_dtype) = ctx.args, ctx.meta
         q, comm = args.quantization, args.comm
         x, gamma, ln_op, w_op, *stats = saved(ctx)
+        amaxes = []  # of the traced grad casts, for the update
         with no_torch_autocast(dy.device), backward_batch(args.wgrad.delayed):
             dy_hp = cast(rows_of(dy), args.dtype)
             need_dw, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, bias_dtype if need_db else None)  # comm
+            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, bias_dtype if need_db else None,
+                                                        amaxes)  # comm
             need = (any(ctx.needs_input_grad[:3]), need_dw)
             d_ln, dw = linear_backward(dy_op, ln_op, w_op, need, args.wgrad, q.split_accumulator, args.dtype,
                                        release_wgrad_operands=backward_frees_graph(), comm=comm, gather_dy=gather_dy)  # comm
@@ -104,6 +106,6 @@ class LayerNormLinearFunction(torch.autograd.Function):
                 dx, dgamma, dbeta = norm_backward(d_ln, x, tuple(stats), gamma, args.norm)
                 dgamma, dbeta = comm.reduce_norm_grads(dgamma, dbeta)  # comm
         if q.backward_update is not None:
-            q.backward_update()
+            q.backward_update(amaxes)
         dx = None if dx is None else cast(dx.view(*inp_shape), inp_dtype)
         return dx, cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype), dw, cast(db, bias_dtype), None

@@ -97,18 +97,19 @@ class LayerNormMLPFunction(torch.autograd.Function):
         inp_dtype, gamma_dtype, beta_dtype, b1_dtype, b2_dtype = ctx.dtypes
         x, gamma, ln_op, w1, h, a_op, w2, beta, b1, w1_fprop, *stats = saved(ctx)
         frees_graph = backward_frees_graph()
+        amaxes = []  # of the traced grad casts, for the update
         with no_torch_autocast(dy.device), backward_batch(args.fc1_wgrad.delayed):
             if args.checkpoint:
                 ln_op, h, a_op = _recompute(x, gamma, beta, w1_fprop, b1, args, ctx.recompute)
             dy_hp = cast(rows_of(dy), dtype)
-            dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], b2_dtype if needs[6] else None)  # comm
+            dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], b2_dtype if needs[6] else None, amaxes)  # comm
             da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,
                                       release_wgrad_operands=frees_graph, comm=comm2, gather_dy=gather_dy)  # comm
             db2 = comm2.reduce_bias_grad(db2)  # comm
             del dy_op, dy_hp
             dh = args.activation.backward(da, h, overwrite_h=frees_graph)
             del da
-            dh_op, db1, gather_dh = grad_output_operand(g1.grad_output, dh, comm1, needs[3], b1_dtype if needs[4] else None)  # comm
+            dh_op, db1, gather_dh = grad_output_operand(g1.grad_output, dh, comm1, needs[3], b1_dtype if needs[4] else None, amaxes)  # comm
             if frees_graph and dh_op is not dh:  # dh is cast: h's storage goes (the saved h would keep it)
                 release(dh, owned=True)
             del dh
@@ -120,7 +121,7 @@ class LayerNormMLPFunction(torch.autograd.Function):
             dx, dgamma, dbeta = norm_backward(d_ln, x, tuple(stats), gamma, args.norm)
             dgamma, dbeta = comm1.reduce_norm_grads(dgamma, dbeta)  # comm
         if q.backward_update is not None:
-            q.backward_update()
+            q.backward_update(amaxes)
         return (cast(dx.view(*ctx.inp_shape), inp_dtype), cast(dgamma, gamma_dtype), cast(dbeta, beta_dtype),
                 dw1, cast(db1, b1_dtype), dw2, cast(db2, b2_dtype), None)
 

@@ -81,16 +81,18 @@ class LinearFunction(torch.autograd.Function):
         args, (inp_shape, inp_dtype) = ctx.args, ctx.inp_meta
         q, comm = args.quantization, args.comm
         x_op, w_op = saved(ctx)
+        amaxes = []  # of the traced grad casts, for the update
         with no_torch_autocast(dy.device), backward_batch(args.wgrad.delayed):
             if x_op is not None and args.save_original_input and q.gemms[0].input.is_fp8:
                 x_op = q.gemms[0].input.quantize_transposed(cast(x_op, args.dtype))
             dy_hp = cast(rows_of(dy), args.dtype)
             need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, ctx.bias_dtype if need_db else None)  # comm
+            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, ctx.bias_dtype if need_db else None,
+                                                        amaxes)  # comm
             dx, dw = linear_backward(dy_op, x_op, w_op, (need_dx, need_dw), args.wgrad, q.split_accumulator, args.dtype,
                                      release_wgrad_operands=backward_frees_graph(), comm=comm, gather_dy=gather_dy)  # comm
             db = comm.reduce_bias_grad(db)  # comm
         if q.backward_update is not None:
-            q.backward_update()
+            q.backward_update(amaxes)
         dx = None if dx is None else cast(dx.view(*inp_shape), inp_dtype)
         return dx, dw, cast(db, ctx.bias_dtype), None

@@ -33,7 +33,7 @@ import torch
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import ops
 
-from ..quantization.autocast import current_config, register_states
+from ..quantization.autocast import current_config, forward_amax_buffer, register_states
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.model_init import model_init_config
 from ..quantization.quantizer import IDENTITY, Quantizer
@@ -357,8 +357,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             observers = fwd_state.make_observers()
             return ForwardQuantization(GemmQuantizers.from_slots(observers, [IDENTITY] * bwd_state.num_quantizers, n))
         gemms = self._fp8_gemms
-        if torch.compiler.is_compiling() and config.recipe.delayed():  # one kept scale vector per traced call
-            gemms = GemmQuantizers.from_slots(fwd_state.traced_quantizers(), self.quantizers["scaling_bwd"], n)
+        if torch.compiler.is_compiling() and config.recipe.delayed():  # one kept scale copy per traced call
+            gemms = GemmQuantizers.from_slots(fwd_state.traced_quantizers(forward_amax_buffer(fwd_state)), self.quantizers["scaling_bwd"], n)
         return ForwardQuantization(
             gemms=gemms,
             split_accumulator=fwd_state.split_accumulator,

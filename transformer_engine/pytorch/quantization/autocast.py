@@ -23,7 +23,7 @@ import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 import warnings
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,12 +37,12 @@ from .availability import (
     fp8_emulation_requested,
     get_default_recipe,
 )
-from .delayed_update import reduce_and_update
+from .delayed_update import fold_amaxes, reduce_and_update
 from .recipe_state import check_recipe_implemented
 
 __all__ = [
-    "BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "fp8_autocast", "isolated_stack", "recompute_region",
-    "register_states", "reset_autocast_state",
+    "BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "forward_amax_buffer", "fp8_autocast", "isolated_stack",
+    "recompute_region", "register_states", "reset_autocast_state",
 ]
 
 
@@ -69,19 +69,38 @@ class QuantizationConfig:
 
 
 class _UpdateGroups:
-    """Delayed-scaling states waiting for their update, grouped per (recipe, amax_reduction_group)."""
+    """Delayed-scaling states waiting for their update, grouped per (recipe, amax_reduction_group).
 
-    def __init__(self):
+    ``traced``: made while torch.compile traces (an outermost autocast entered inside the compiled code),
+    so the update runs in the same trace: the traced casts of the queued states hand it their amaxes
+    (:meth:`amax_buffer`) rather than writing them into the histories first."""
+
+    def __init__(self, traced: bool = False):
         self._groups: Dict[Tuple[Recipe, Any], Tuple[Recipe, Any, Dict[Any, Any]]] = {}
+        self.traced = traced
+        self._amaxes: Dict[Any, torch.Tensor] = {}
 
     def add(self, state, group) -> None:
         entry = self._groups.setdefault((state.recipe, group), (state.recipe, group, {}))
         entry[2][state] = state  # states and groups hash by identity
 
+    def amax_buffer(self, state) -> torch.Tensor:
+        """float32 [N], zeros at first: the traced casts of ``state`` max their amaxes into it, for :meth:`run`."""
+        if state not in self._amaxes:
+            self._amaxes[state] = torch.zeros(state.num_quantizers, dtype=torch.float32, device=state.scale.device)
+        return self._amaxes[state]
+
     def run(self) -> None:
         groups, self._groups = self._groups, {}
+        amaxes, self._amaxes = self._amaxes, {}
         for recipe, group, states in groups.values():
-            reduce_and_update(list(states.values()), recipe, group)
+            reduce_and_update(list(states.values()), recipe, group, amaxes)
+
+    def keep_amaxes(self) -> None:
+        """No update at the autocast's exit (grad mode off, an exception, a graph capture): the amaxes handed
+        over go into the histories' row 0, where an eager step leaves them for a later update."""
+        amaxes, self._amaxes = self._amaxes, {}
+        fold_amaxes(amaxes)
 
 
 class BackwardUpdate:
@@ -98,12 +117,14 @@ class BackwardUpdate:
         self._claimed = False
         self._states_claimed = set()
 
-    def claim_state(self, state, group) -> Optional[Callable[[], None]]:
-        """The update of ``state`` alone for its first caller, None afterwards."""
+    def claim_state(self, state, group) -> Callable[..., None]:
+        """The update of ``state`` alone for its first caller; for later callers (whose backwards run
+        before it) the fold of their amaxes into the history. Both take the (slot, amax) list of the
+        backward's traced grad casts (``Quantizer.recording_into``)."""
         if state in self._states_claimed:
-            return None
+            return functools.partial(_fold_state, state)
         self._states_claimed.add(state)
-        return functools.partial(reduce_and_update, [state], state.recipe, group)
+        return functools.partial(_update_state, state, group)
 
     def claim(self) -> Optional["BackwardUpdate"]:
         """Self for the first caller (the first module to run forward), None afterwards."""
@@ -112,8 +133,20 @@ class BackwardUpdate:
         self._claimed = True
         return self
 
-    def __call__(self) -> None:
+    def __call__(self, amaxes: Sequence = ()) -> None:
+        """The update of every queued state (eager: the casts wrote their amaxes, ``amaxes`` is empty)."""
         self.groups.run()
+
+
+def _update_state(state, group, amaxes: Sequence = ()) -> None:
+    """The update of one backward state, its traced grad casts' ``amaxes`` ((slot, amax) pairs) folded in."""
+    reduce_and_update([state], state.recipe, group, {state: amaxes})
+
+
+def _fold_state(state, amaxes: Sequence = ()) -> None:
+    """H[0] = max(H[0], amax) for a traced backward that does not update ``state`` (another call of its module
+    does, later in the backward)."""
+    fold_amaxes({state: amaxes})
 
 
 class _GlobalState:
@@ -132,7 +165,7 @@ class _GlobalState:
 
     def enter(self, config: QuantizationConfig) -> QuantizationConfig:
         if self.depth == 0:
-            self.forward = _UpdateGroups()
+            self.forward = _UpdateGroups(traced=torch.compiler.is_compiling())
             self.backward = BackwardUpdate()
         saved, self.config = self.config, config
         self.depth += 1
@@ -143,6 +176,8 @@ class _GlobalState:
         self.depth -= 1
         if self.depth == 0 and update:
             self.forward.run()
+        elif self.depth == 0:
+            self.forward.keep_amaxes()
 
 
 _STATE = _GlobalState()
@@ -153,14 +188,24 @@ def current_config() -> QuantizationConfig:
     return _STATE.config
 
 
-def register_states(fwd_state, bwd_state) -> Optional[Callable[[], None]]:
+def forward_amax_buffer(fwd_state) -> Optional[torch.Tensor]:
+    """While torch.compile traces an FP8 forward whose outermost autocast it traced too: the buffer the casts
+    of ``fwd_state`` max their amaxes into, folded in by the update at that autocast's exit; else None
+    (the casts write them into the history themselves)."""
+    config, forward = _STATE.config, _STATE.forward
+    if not (forward.traced and config.enabled and fwd_state.has_amax_history and not _STATE.recompute_phase):
+        return None
+    return forward.amax_buffer(fwd_state)
+
+
+def register_states(fwd_state, bwd_state) -> Optional[Callable[..., None]]:
     """Queue a module's delayed-scaling states for their updates (call once per FP8 forward).
 
     Returns:
         The backward update that this module must run at the end of its backward, if it is the first
         module of the outermost autocast to run forward with grad enabled; else None. Traced by
-        torch.compile: the update of this module's own backward state, for its first call (see
-        :class:`BackwardUpdate`).
+        torch.compile: the update of this module's own backward state for its first call, the fold of
+        the amaxes into its history for later calls (see :class:`BackwardUpdate`).
     """
     config = _STATE.config
     if not (config.enabled and fwd_state.has_amax_history):

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import ops
 
-__all__ = ["amax_and_scale_update", "default_scale", "hold_plans", "reduce_and_update"]
+__all__ = ["amax_and_scale_update", "default_scale", "fold_amaxes", "hold_plans", "reduce_and_update"]
 
 #: Plans kept (oldest dropped first): one per (autocast, direction) of a training loop is the usual need.
 _MAX_PLANS = 16
@@ -117,7 +117,7 @@ def hold_plans() -> Iterator[List[Tuple[_Group, ...]]]:
         _HOLDERS.remove(held)
 
 
-def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> None:
+def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None, amaxes: Optional[Mapping] = None) -> None:
     """Reduce the amaxes of ``states`` over ``group`` and advance their scales and histories one step.
 
     Per device: one in-place catalog op on the states' own tensors (``delayed_scaling_update_many_``, or
@@ -125,11 +125,17 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> N
     reduction or a recipe callable, several states go through ``cat`` of H and s, the all-reduce, the
     update (a callable: the op or the callables, two ``where`` and ``reciprocal``) and two
     ``_foreach_copy_`` back into their tensors, which stay the same objects.
+
+    ``amaxes``: {state: amaxes} recorded by casts that torch.compile traced, not yet in the states' H[0]:
+    a float32 [N] buffer, or a list of (slot, amax) pairs (see ``Float8Quantizer.recording_into``);
+    folded in first, max per slot.
     """
     reduce = _reduces(recipe, group)
     if torch.compiler.is_compiling():
-        _update_traced(states, recipe, group if reduce else None)
+        _update_traced(states, recipe, group if reduce else None, amaxes or {})
         return
+    if amaxes:
+        fold_amaxes(amaxes)
     plan = _plan(states, side_by_side=reduce or not _built_in(recipe))
     for held in _HOLDERS:
         held.append(plan)
@@ -143,17 +149,49 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None) -> N
         part.write_back()
 
 
-def _update_traced(states: Sequence, recipe: DelayedScaling, group) -> None:
+def fold_amaxes(amaxes: Mapping) -> None:
+    """H[0] = max(H[0], amax) of each state of ``amaxes`` ({state: a float32 [N] buffer or (slot, amax) pairs})."""
+    for state, recorded in amaxes.items():
+        slot_amaxes = _slot_amaxes(state, recorded)
+        if slot_amaxes is not None:
+            row = state.amax_history[0]
+            row.copy_(torch.maximum(row, slot_amaxes))
+
+
+def _update_traced(states: Sequence, recipe: DelayedScaling, group, amaxes: Mapping) -> None:
     """:func:`reduce_and_update` as torch.compile traces it: each state on its own tensors, without the
-    cached side-by-side buffers (the same math per slot; the compiler plans the buffers), and the new
-    H, s and scale_inv written by plain tensor ops rather than the in-place catalog op, whose writes
-    Inductor may order after a later read of the old scale (the copy a backward cast keeps).
-    ``group``: MAX-reduce the amaxes over it first (None: no reduction)."""
+    cached side-by-side buffers (the same math per slot; the compiler plans the buffers), its traced
+    casts' amaxes handed to the in-place op (``amax``), which folds them into H[0] as it updates: on the
+    GPU the flagos update kernel, one launch per state, without the history ever being written twice.
+    ``group``: MAX-reduce the amaxes over it first (None: no reduction). A recipe callable takes the
+    tensor ops of :func:`_update` on the folded history."""
     for state in states:
-        part = _Group(state.amax_history, state.amax_history[0], state.scale, state.scale_inv, state.fp8_max)
+        history = state.amax_history
+        amax = _slot_amaxes(state, amaxes.get(state, ()))
         if group is not None:
-            torch.distributed.all_reduce(part.amax, op=torch.distributed.ReduceOp.MAX, group=group)
-        _update(part, recipe, in_place_op=False)
+            amax = history[0] if amax is None else torch.maximum(history[0], amax)
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        if _built_in(recipe):
+            ops.delayed_scaling_update_(history, state.scale, state.scale_inv, fp8_max=state.fp8_max, margin=float(recipe.margin),
+                                        amax_compute_algo=recipe.amax_compute_algo, amax=amax)
+            continue
+        if amax is not None:
+            history[0].copy_(torch.maximum(history[0], amax))
+        _update(_Group(history, history[0], state.scale, state.scale_inv, state.fp8_max), recipe, in_place_op=False)
+
+
+def _slot_amaxes(state, recorded: Union[torch.Tensor, Sequence]) -> Optional[torch.Tensor]:
+    """float32 [N]: ``recorded`` when it is that buffer; for (slot, amax) pairs, per slot the max of the
+    amaxes recorded for it, 0 where none (None when nothing was recorded)."""
+    if isinstance(recorded, torch.Tensor):
+        return recorded
+    if not recorded:
+        return None
+    per_slot: Dict[int, torch.Tensor] = {}
+    for index, amax in recorded:
+        per_slot[index] = amax if index not in per_slot else torch.maximum(per_slot[index], amax)
+    zero = recorded[0][1].new_zeros(())
+    return torch.stack([per_slot.get(i, zero) for i in range(state.num_quantizers)])
 
 
 def _reduces(recipe: DelayedScaling, group) -> bool:

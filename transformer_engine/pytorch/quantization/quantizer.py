@@ -37,7 +37,7 @@ The recipe picks the quantizer class:
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -114,6 +114,11 @@ class Quantizer:
         y, _, _, extras = run(None, None, None)
         return self.quantize(y, columnwise), extras
 
+    def recording_into(self, amaxes: list) -> "Quantizer":
+        """A quantizer that casts as this one and hands the amaxes it records to ``amaxes`` instead (delayed
+        scaling, traced by torch.compile); self for quantizers that record nothing."""
+        return self
+
     def for_recompute(self) -> "Quantizer":
         """A quantizer that casts later in the step (a recomputation in backward) as this one casts now, and
         records nothing: self where the cast depends on the input alone and records nothing."""
@@ -151,14 +156,19 @@ class Float8Quantizer(Quantizer):
     casts_from_input_alone = False
     fuses_dbias = True
 
-    def __init__(self, state, index: int, kept: Optional[Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]] = None):
+    def __init__(self, state, index: int, kept: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                 amaxes: Union[None, torch.Tensor, list] = None):
         self.state = state
         self.index = index
         self._viewed: Tuple = ()  # (state.scale, state.amax_history) the cached views below were taken of
         self._scale = self._slot = None
-        #: traced forward casts only (``DelayedScalingRecipeState.traced_quantizers``): (kept copy of the
-        #: state's whole scale vector, the 0-d reciprocal of each slot), shared by one traced call's quantizers
+        #: traced forward casts only (``DelayedScalingRecipeState.traced_quantizers``): (scale, scale_inv) of
+        #: this slot from the kept copy of the scale vector that one traced call's quantizers share
         self._kept = kept
+        #: traced casts only, what the update of the same trace folds into the history: a float32 [N] buffer
+        #: (forward) whose slot this quantizer's casts max into, or a list (backward) they append
+        #: (index, amax) to; None: each cast folds its amax into H[0] itself
+        self._amaxes = amaxes
 
     def __getstate__(self):  # copies and pickles take the state, not views of the original's tensors
         return {"state": self.state, "index": self.index}
@@ -179,11 +189,12 @@ class Float8Quantizer(Quantizer):
         state = self.state
         if torch.compiler.is_compiling():  # the scale as saved for a backward that recomputes a cast (see kept_scale)
             if self._kept is not None:
-                scale = self._kept[0][self.index]
+                scale = self._kept[0]
             else:
                 scale = state.scale[self.index]
                 scale = kept_copy(scale) if state.mode == "forward" else scale
-            return scale, state.amax_history[0, self.index]
+            pending = self._amaxes if isinstance(self._amaxes, torch.Tensor) else state.amax_history[0]
+            return scale, pending[self.index]
         if not self._viewed or self._viewed[0] is not state.scale or self._viewed[1] is not state.amax_history:
             self._viewed = (state.scale, state.amax_history)
             self._scale, self._slot = state.scale[self.index], state.amax_history[0, self.index]
@@ -204,20 +215,31 @@ class Float8Quantizer(Quantizer):
         max-accumulated into the history slot.
 
         The cast writes the slot itself (``amax_out``). Traced by torch.compile it writes no slot: the amax
-        it returns is folded into the history by one ``maximum`` (no zeroed scratch slot to write first):
+        it returns goes to the backward's list (``amaxes``), or is folded by one ``maximum`` into the
+        forward's amax buffer, or else into the history (no zeroed scratch slot to write first):
         AOTAutograd keeps a write into a forward input inside the backward graph only as a plain tensor
-        op, not as a custom op's mutation (and the grad casts run in backward). With kept
-        scales, the operand's scale_inv is the shared reciprocal (the same values: the cast's own
-        1 / scale is then dead code, no kernel of its own)."""
+        op, not as a custom op's mutation. With kept scales, the operand's scale_inv is the kept
+        reciprocal (the same values: the cast's own 1 / scale is then dead code, no kernel of its own)."""
         scale, slot = self._views()
         if not torch.compiler.is_compiling():
             return cast(scale, slot)[0]
         result, amax = cast(scale, None)
-        slot.copy_(torch.maximum(slot, amax))
+        if isinstance(self._amaxes, list):
+            self._amaxes.append((self.index, amax))
+        else:
+            slot.copy_(torch.maximum(slot, amax))
         if self._kept is not None:
             operand = result if isinstance(result, Float8Tensor) else result[0]
-            operand.scale_inv = self._kept[1][self.index]
+            operand.scale_inv = self._kept[1]
         return result
+
+    def recording_into(self, amaxes: list) -> "Float8Quantizer":
+        """While torch.compile traces: a quantizer that casts as this one and appends (index, amax) of each
+        cast to ``amaxes`` for the update of the same trace to fold in (``backward_update(amaxes)``); eager:
+        self (the casts write the history slot in their own kernel)."""
+        if not torch.compiler.is_compiling():
+            return self
+        return Float8Quantizer(self.state, self.index, self._kept, amaxes)
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
         return self._recording(lambda scale, amax_out: _cast(x, scale, self.fp8_dtype, columnwise, amax_out))

@@ -242,15 +242,17 @@ class DelayedScalingRecipeState(RecipeState):
     def make_quantizers(self) -> List[Quantizer]:
         return [Float8Quantizer(self, i) for i in range(self.num_quantizers)]
 
-    def traced_quantizers(self) -> List[Quantizer]:
-        """Quantizers of this forward state for one call that torch.compile traces: the scale vector is
-        kept (``kept_copy``) once for all of them, rather than copied per cast, and their scale_inv are
-        reciprocals of that one copy (the same values; see ``Float8Quantizer._recording``), which
-        Inductor groups into fewer kernels than one per cast. Each reciprocal is a 0-d tensor of its own:
-        Inductor's ``_scaled_mm`` lowering takes no view into a vector as a scale."""
+    def traced_quantizers(self, amaxes: Optional[torch.Tensor] = None) -> List[Quantizer]:
+        """Quantizers of this forward state for one call that torch.compile traces.
+
+        The scale vector is kept (``kept_copy``) once for all of them, rather than copied per cast, and
+        their scale_inv are reciprocals of that one copy (the same values; see ``Float8Quantizer._recording``).
+        Each reciprocal is a 0-d tensor of its own: Inductor's ``_scaled_mm`` lowering takes no view into a
+        vector as a scale. ``amaxes``: a float32 [N] buffer their casts max their amaxes into, for an update
+        in the same trace to fold (:func:`~.delayed_update.reduce_and_update`); None: each cast folds its
+        amax into H[0]."""
         scale = kept_copy(self.scale)
-        kept = (scale, tuple(torch.reciprocal(scale[i]) for i in range(self.num_quantizers)))
-        return [Float8Quantizer(self, i, kept) for i in range(self.num_quantizers)]
+        return [Float8Quantizer(self, i, (scale[i], torch.reciprocal(scale[i])), amaxes) for i in range(self.num_quantizers)]
 
     def make_observers(self) -> List[Quantizer]:
         return [AmaxObserver(q) for q in self.make_quantizers()]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.plugin.backends.flagos._helpers import FP8_DTYPES, HP_DTYPES, assert_close, assert_dbias_close, assert_fp8_equal, wide_range
-from tests.plugin.backends.reference.test_quantization import five_step_update
+from tests.plugin.backends.reference.test_quantization import amaxes_to_fold, five_step_update, fold_then_update
 from tests.utils import randn, sqnr
 from transformer_engine.plugin.backends.flagos import activation as fa
 from transformer_engine.plugin.backends.flagos import normalization as fn
@@ -434,6 +434,24 @@ def test_delayed_scaling_update_in_place_strided(device):
     assert torch.all(inv_buf[::2] == 7.0)
     history_t = _idle_histories(5, 11, device)[0].t().contiguous().t()  # column-major H
     _assert_same_update_(history_t, scale.clone(), torch.empty(11, device=device), 448.0, 0.0, "most_recent")
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length, n", [(1, 7), (31, 300), (1024, 37)])
+def test_delayed_scaling_update_in_place_folds_amax(length, n, algo, device):
+    """``amax`` folded into H[0] in the kernel (NaN from either side, idle slots in both) gives the fold by
+    torch.maximum then the reference's update, bit for bit, and leaves amax as it was; strided amax too."""
+    history, scale = _idle_histories(length, n, device)
+    wide = amaxes_to_fold(2 * n).to(device)
+    amax = wide[::2]
+    expected, wide_before = fold_then_update(history, scale, amax, 448.0, 1.0, algo), wide.clone()
+    scale_inv = torch.empty(n, device=device)
+    assert fd.delayed_scaling_update_(history, scale, scale_inv, 448.0, 1.0, algo, amax=amax) is None
+    for got, want in zip((history, scale, scale_inv), expected):
+        _assert_bitwise_equal(got, want)
+    _assert_bitwise_equal(wide, wide_before)
+    verdict = fd.SUPPORTS["delayed_scaling_update_"](history, scale, scale_inv, 448.0, 0.0, "max", torch.ones(n, device="meta"))
+    assert not verdict and "amax" in verdict.reason
 
 
 def test_delayed_scaling_update_in_place_empty_errors_and_supports(device):

@@ -468,6 +468,57 @@ def test_delayed_scaling_in_place_long_and_strided():
     assert torch.all(inv_buf[1::2] == 7.0)
 
 
+def fold_then_update(history, scale, amax, fp8_max, margin, algo):
+    """(H, s, scale_inv) of H[0] = max(H[0], amax) by torch.maximum, then the 5-step sequence."""
+    history = history.clone()
+    history[0] = torch.maximum(history[0], amax)
+    return five_step_update(history, scale, fp8_max, margin, algo)
+
+
+def amaxes_to_fold(n):
+    """float32 [n] amaxes over 40 decades with idle (0), NaN, inf and a subnormal among them."""
+    amax = torch.rand(n) * 10.0 ** (torch.rand(n) * 40 - 20)
+    amax[::4] = 0.0
+    amax[: min(n, 4)] = torch.tensor([math.nan, math.inf, 1e-40, 0.0])[: min(n, 4)]
+    return amax
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length, n", [(1, 7), (16, 300), (1024, 9)])
+def test_delayed_scaling_in_place_folds_amax_first(length, n, algo):
+    """``amax``: H[0] = max(H[0], amax) (NaN from either side), then the update, bit for bit; amax untouched."""
+    history, scale = _idle_histories(length, n)
+    amax = amaxes_to_fold(n)
+    expected, amax_before = fold_then_update(history, scale, amax, 448.0, 1.0, algo), amax.clone()
+    scale_inv = torch.empty(n)
+    ref.delayed_scaling_update_(history, scale, scale_inv, 448.0, 1.0, algo, amax=amax)
+    for got, want in zip((history, scale, scale_inv), expected):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(amax.view(torch.int32), amax_before.view(torch.int32))
+
+
+def test_delayed_scaling_in_place_amax_hand_computed():
+    """H[0] = [2, 0, 0], amax = [1, 0, 4]: slot 0 keeps its 2, slot 1 stays idle, slot 2 becomes active with 4."""
+    history, scale, scale_inv = torch.tensor([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]]), torch.ones(3), torch.empty(3)
+    ref.delayed_scaling_update_(history, scale, scale_inv, 448.0, 0.0, "most_recent", amax=torch.tensor([1.0, 0.0, 4.0]))
+    assert history.tolist() == [[0.0, 0.0, 0.0], [2.0, 1.0, 4.0]]
+    assert scale.tolist() == [224.0, 1.0, 112.0]
+
+
+def test_delayed_scaling_in_place_rejects_a_bad_amax_before_any_work():
+    history, scale, scale_inv = torch.tensor([[2.0, 0.0]]), torch.ones(2), torch.zeros(2)
+    bad = [
+        (torch.ones(3), ValueError, r"amax has shape \(3,\).*needs \[2\]"),
+        (torch.ones(2, dtype=torch.float16), TypeError, "amax has dtype torch.float16"),
+        (torch.ones(2, device="meta"), ValueError, "amax is on meta"),
+        ([1.0, 2.0], TypeError, "amax must be a torch.Tensor"),
+    ]
+    for amax, error, match in bad:
+        with pytest.raises(error, match=match):
+            ref.delayed_scaling_update_(history, scale, scale_inv, 448.0, 0.0, "max", amax=amax)
+    assert history.tolist() == [[2.0, 0.0]] and scale.tolist() == [1.0, 1.0]
+
+
 def test_delayed_scaling_in_place_is_one_in_place_op():
     spec = get_spec("delayed_scaling_update_")
     assert spec.inplace and spec.key_param == "amax_history"

@@ -12,7 +12,9 @@ Math (plugin/catalog/quantization.py), float32 throughout:
     delayed_scaling_update_
                     the same step in place where H[0] != 0 (NaN included; idle columns keep H and s),
                     then scale_inv = 1 / s: the same kernel (IN_PLACE), one launch; each chunk of rows
-                    is loaded, then a barrier, then stored one row up, so no row is written unread
+                    is loaded, then a barrier, then stored one row up, so no row is written unread;
+                    with ``amax`` (this step's amaxes, not yet in H), H[0] = max(H[0], amax) first, in
+                    registers (HAS_AMAX): a traced step hands its casts' amaxes to the update this way
     delayed_scaling_update_many_
                     delayed_scaling_update_ of every state: one launch, program (block, state) reads the
                     state's addresses, sizes and strides from a device table built once per layout
@@ -46,10 +48,10 @@ _STATE_TABLES = TableCache(64)  # the state tables of delayed_scaling_update_man
 
 @triton.jit
 def _update_columns(
-    history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, margin_scale, L, N,
-    stride_hl, stride_hn, stride_s, stride_si, fp8_max_stride, block,
+    history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, amax_ptr, margin_scale, L, N,
+    stride_hl, stride_hn, stride_s, stride_si, stride_a, fp8_max_stride, block,
     BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX_IS_PTR: tl.constexpr,
-    IN_PLACE: tl.constexpr,
+    IN_PLACE: tl.constexpr, HAS_AMAX: tl.constexpr,
 ):
     """The update of columns [block * BLOCK_N, (block + 1) * BLOCK_N) of one state (arguments as
     ``_delayed_scaling_update_kernel``'s)."""
@@ -61,6 +63,9 @@ def _update_columns(
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     h0 = tl.load(history_ptr + cols * stride_hn, mask=col_mask, other=0.0).to(tl.float32)  # H[0]
+    if HAS_AMAX:  # H[0] = max(H[0], amax), NaN from either side kept (torch.maximum)
+        a = tl.load(amax_ptr + cols * stride_a, mask=col_mask, other=0.0).to(tl.float32)
+        h0 = tl.where(h0 != h0, h0, tl.where(a != a, a, tl.maximum(h0, a)))
     if IN_PLACE:  # H and s themselves, in the active columns only: H[0] != 0 on the bit pattern (NaN is
         # active; a float compare may flush a subnormal to zero on the GPU)
         stride_nl, stride_nn, stride_ns = stride_hl, stride_hn, stride_s
@@ -80,6 +85,8 @@ def _update_columns(
         mask = (rows < L)[:, None] & col_mask[None, :]
         h = tl.load(history_ptr + rows[:, None] * stride_hl + cols[None, :] * stride_hn, mask=mask, other=0.0)
         h = h.to(tl.float32)
+        if HAS_AMAX:  # row 0 as folded above
+            h = tl.where((rows == 0)[:, None], h0[None, :], h)
         if AMAX_MAX:
             amax = tl.maximum(amax, tl.max(tl.where(mask, h, float("-inf")), axis=0))
             nan_seen = nan_seen | (tl.max((h != h).to(tl.int32), axis=0) > 0)
@@ -116,6 +123,7 @@ def _delayed_scaling_update_kernel(
     history_new_ptr,  # *float32 [L, N] receiving H_new: a new contiguous tensor, or H itself when IN_PLACE
     scale_new_ptr,  # *float32 [N] receiving s_new: a new tensor, or s itself when IN_PLACE
     scale_inv_ptr,  # *float32 [N], stride stride_si: receives 1 / s (IN_PLACE only)
+    amax_ptr,  # *float32 [N], stride stride_a: this step's amaxes, folded into H[0] (HAS_AMAX only)
     margin_scale,  # float32 scalar: 2^margin
     L,  # rows of H (>= 1)
     N,  # columns of H
@@ -123,16 +131,18 @@ def _delayed_scaling_update_kernel(
     stride_hn,  # elements between columns of H
     stride_s,  # elements between entries of s
     stride_si,  # elements between entries of scale_inv
+    stride_a,  # elements between entries of amax
     fp8_max_stride,  # elements between entries of fp8_max: 0 (one value for all) or its stride
     BLOCK_L: tl.constexpr,  # rows per loop step
     BLOCK_N: tl.constexpr,  # columns per program
     AMAX_MAX: tl.constexpr,  # True: amax = max over the L rows ("max"); False: amax = H[0] ("most_recent")
     FP8_MAX_IS_PTR: tl.constexpr,
     IN_PLACE: tl.constexpr,  # True: delayed_scaling_update_ (idle rule, H and s overwritten, scale_inv written)
+    HAS_AMAX: tl.constexpr,  # True: H[0] = max(H[0], amax) before the step
 ):
-    _update_columns(history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, margin_scale, L, N,
-                    stride_hl, stride_hn, stride_s, stride_si, fp8_max_stride, tl.program_id(0),
-                    BLOCK_L, BLOCK_N, AMAX_MAX, FP8_MAX_IS_PTR, IN_PLACE)  # fmt: skip
+    _update_columns(history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, amax_ptr, margin_scale, L, N,
+                    stride_hl, stride_hn, stride_s, stride_si, stride_a, fp8_max_stride, tl.program_id(0),
+                    BLOCK_L, BLOCK_N, AMAX_MAX, FP8_MAX_IS_PTR, IN_PLACE, HAS_AMAX)  # fmt: skip
 
 
 @cached_launch
@@ -152,9 +162,9 @@ def _delayed_scaling_update_many_kernel(
         history = tl.load(row).to(tl.pointer_type(tl.float32))
         scale = tl.load(row + 1).to(tl.pointer_type(tl.float32))
         scale_inv = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        _update_columns(history, scale, fp8_max, history, scale, scale_inv, margin_scale, tl.load(row + 3), n,
-                        tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), 0, tl.program_id(0),
-                        BLOCK_L, BLOCK_N, AMAX_MAX, False, True)  # fmt: skip
+        _update_columns(history, scale, fp8_max, history, scale, scale_inv, scale_inv, margin_scale, tl.load(row + 3), n,
+                        tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), 0, 0, tl.program_id(0),
+                        BLOCK_L, BLOCK_N, AMAX_MAX, False, True, False)  # fmt: skip
 
 
 def _fp8_max_arg(fp8_max, device: torch.device, n: int):
@@ -179,14 +189,18 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     return history_new, scale_new
 
 
-def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo) -> None:
+def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax=None) -> None:
     """The catalog's ``delayed_scaling_update_`` (H, s and scale_inv of the active columns, in place; H
-    may have any strides) in one launch of ``delayed_scaling_update``'s kernel (IN_PLACE), bit-identical
-    to the reference backend's. Raises as the reference backend does (float32 tensors, matching shapes
-    and devices, a finite margin, a known amax_compute_algo)."""
-    check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo)
+    may have any strides; ``amax`` folded into H[0] first) in one launch of ``delayed_scaling_update``'s
+    kernel (IN_PLACE), bit-identical to the reference backend's. Raises as the reference backend does
+    (float32 tensors, matching shapes and devices, a finite margin, a known amax_compute_algo).
+
+    Under torch.compile this function is traced as it is (``UNDER_COMPILE``): Dynamo records the kernel,
+    which Inductor launches on the states' own tensors, one launch per state where the tensor ops of
+    the reference take three or four."""
+    check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax)
     if amax_history.shape[1]:
-        _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, (amax_history, scale, scale_inv))
+        _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, (amax_history, scale, scale_inv), amax)
 
 
 def delayed_scaling_update_many_(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo) -> None:
@@ -230,10 +244,11 @@ def _blocks(length: int, n: int):
     return min(next_power_of_2(length), _UPDATE_TILE // block_n), block_n
 
 
-def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, outputs) -> None:
+def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_algo, outputs, amax=None) -> None:
     """One launch of ``_delayed_scaling_update_kernel`` on checked arguments with N > 0.
 
     ``outputs`` = (H_new, s_new, None): new contiguous float32 tensors; or (H, s, scale_inv): in place.
+    ``amax``: float32 [N] folded into H[0] first (in place only), or None.
     """
     history_new, scale_new, scale_inv = outputs
     length, n = amax_history.shape
@@ -243,10 +258,10 @@ def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_al
     with device_guard(amax_history):
         _delayed_scaling_update_kernel[(cdiv(n, block_n),)](
             amax_history, scale, fp8_max_arg, history_new, scale_new, scale_inv if in_place else scale_new,
-            2.0 ** float(margin), length, n, amax_history.stride(0), amax_history.stride(1), scale.stride(0),
-            scale_inv.stride(0) if in_place else 0, fp8_max_stride,
+            scale if amax is None else amax, 2.0 ** float(margin), length, n, amax_history.stride(0), amax_history.stride(1),
+            scale.stride(0), scale_inv.stride(0) if in_place else 0, 0 if amax is None else amax.stride(0), fp8_max_stride,
             BLOCK_L=block_l, BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
-            FP8_MAX_IS_PTR=isinstance(fp8_max_arg, torch.Tensor), IN_PLACE=in_place,
+            FP8_MAX_IS_PTR=isinstance(fp8_max_arg, torch.Tensor), IN_PLACE=in_place, HAS_AMAX=amax is not None,
         )  # fmt: skip
 
 
@@ -263,12 +278,13 @@ def _scale_with_history(amax_history, scale, fp8_max, margin, amax_compute_algo)
     return _on_history_device(amax_history, (("scale", scale),))
 
 
-def _scales_with_history(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo):
-    """Reject a scale or scale_inv on another device than the history."""
-    return _on_history_device(amax_history, (("scale", scale), ("scale_inv", scale_inv)))
+def _scales_with_history(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax=None):
+    """Reject a scale, scale_inv or amax on another device than the history."""
+    return _on_history_device(amax_history, (("scale", scale), ("scale_inv", scale_inv), ("amax", amax)))
 
 
 SUPPORTS = {
     "delayed_scaling_update": _scale_with_history,
     "delayed_scaling_update_": _scales_with_history,
 }
+UNDER_COMPILE = {"delayed_scaling_update_": "trace"}

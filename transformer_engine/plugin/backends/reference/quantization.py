@@ -309,7 +309,7 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
     return _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo)
 
 
-def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo) -> None:
+def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax=None) -> None:
     """``delayed_scaling_update`` in place on the active columns (H[0] != 0, NaN included), then scale_inv = 1 / s.
 
     Args:
@@ -317,13 +317,16 @@ def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, ama
         scale: s float32 [N], updated in place.
         scale_inv: float32 [N], receives 1 / s for every column (idle ones included).
         fp8_max, margin, amax_compute_algo: as in ``delayed_scaling_update``.
+        amax: None, or float32 [N] of amaxes not yet in H: H[0] = max(H[0], amax) first.
 
     Raises:
-        TypeError: H, s or scale_inv not float32.
+        TypeError: H, s, scale_inv or amax not float32.
         ValueError: shapes that do not match, tensors on different devices, a non-finite margin or an
             unknown amax_compute_algo.
     """
-    check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo)
+    check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax)
+    if amax is not None:
+        amax_history[0].copy_(torch.maximum(amax_history[0], amax))
     history_new, scale_new = _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo)
     active = amax_history[0] != 0  # NaN != 0: a NaN amax is active
     torch.where(active, history_new, amax_history, out=amax_history)
