@@ -19,6 +19,11 @@ own tensors (``ops.delayed_scaling_update_`` for one state); only an amax reduct
 callable needs the states side by side, copied into the plan's buffers and back, where a callable's
 step is ``ops.delayed_scaling_update`` (or the callables), two ``where`` and a ``reciprocal``.
 
+Traced by torch.compile, each state is updated on its own tensors by ``ops.delayed_scaling_update_``
+(on the GPU the flagos kernel, one launch per state), which also folds in the amaxes of the traced casts
+(its ``amax`` argument): they reach the update in a buffer or list rather than through H[0], so the history
+is written once per step.
+
 The host work that does not change from step to step (the side-by-side buffers and their per-state
 views, fp8_max per slot, the grouping by device) is a :class:`_Group` plan, cached per list of states
 by the identity of their tensors, so a replaced tensor (``adjust_amax_history_length``, ``move_to``,
