@@ -4,13 +4,15 @@ changes between forwards, device default."""
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from tests.utils import randn
-from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, NVFP4BlockScaling
+from transformer_engine.pytorch.tensor import DType, Float8CurrentScalingQuantizer
 from transformer_engine.pytorch.module.base import first_microbatch
 
 RECIPE = DelayedScaling(margin=1, fp8_format=Format.HYBRID, amax_history_len=5, amax_compute_algo="max")
@@ -143,6 +145,39 @@ def test_recipe_type_change_casts_with_the_new_quantizers():
         expected = fresh(x * 3)
     assert torch.equal(out, expected)
     assert torch.equal(old_state.amax_history, old_history)
+
+
+@pytest.mark.parametrize("first, second", [
+    (Float8BlockScaling(), Float8BlockScaling(w_block_scaling_dim=1)),
+    (NVFP4BlockScaling(), NVFP4BlockScaling(disable_stochastic_rounding=True, disable_rht=True)),
+    (CustomRecipe(qfactory=lambda role: Float8CurrentScalingQuantizer(DType.kFloat8E4M3)),
+     CustomRecipe(qfactory=lambda role: Float8CurrentScalingQuantizer(DType.kFloat8E5M2))),
+], ids=["block", "nvfp4", "custom"])
+def test_same_recipe_type_with_other_rules_casts_with_the_new_quantizers(first, second):
+    """A recipe of the same type but other fields (tiles, QParams, a CustomRecipe's factory): the module's casts follow
+    the new recipe (its quantizers are rebuilt, without a warning), as a fresh module's do, forward and backward.
+    The weight's rows span 2^0 .. 2^4, so per-row and per-tile scales differ."""
+    layer = te.Linear(32, 32)
+    with torch.no_grad():
+        layer.weight.mul_(2.0 ** (torch.arange(32) % 5).unsqueeze(1))
+    fresh = copy.deepcopy(layer)
+    x = randn(32, 32)
+    with te.autocast(recipe=first):
+        layer(x)
+
+    def step(module):
+        torch.manual_seed(0)
+        x_grad = (x * 3).requires_grad_()
+        with te.autocast(recipe=second):
+            out = module(x_grad)
+        out.square().sum().backward()
+        return out, x_grad.grad, module.weight.grad
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = step(layer)
+    for actual, expected in zip(got, step(fresh)):
+        assert torch.equal(actual, expected)
 
 
 def test_same_recipe_type_in_another_format_casts_gradients_in_it():

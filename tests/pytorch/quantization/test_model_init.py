@@ -15,7 +15,8 @@ from transformer_engine.common.recipe import (
 from transformer_engine.pytorch.optimizers import FusedAdam
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.tensor import (
-    DType, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Tensor, MXFP8Quantizer, MXFP8Tensor, QuantizedTensor,
+    DType, Float8BlockwiseQTensor, Float8CurrentScalingQuantizer, Float8Tensor, MXFP8Quantizer, MXFP8Tensor, NVFP4Quantizer,
+    NVFP4Tensor, QuantizedTensor,
 )
 
 RECIPES = [DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()]
@@ -430,6 +431,8 @@ def _bytes(tensors):
             inner = [t._data, t._transpose, t._scale_inv]
         elif isinstance(t, (Float8BlockwiseQTensor, MXFP8Tensor)):
             inner = [t._rowwise_data, t._rowwise_scale_inv, t._columnwise_data, t._columnwise_scale_inv]
+        elif isinstance(t, NVFP4Tensor):
+            inner = [t._rowwise_data, t._rowwise_scale_inv, t._amax_rowwise, t._columnwise_data, t._columnwise_scale_inv, t._amax_columnwise]
         for s in inner:
             if s is not None:
                 storages[s.untyped_storage().data_ptr()] = s.untyped_storage().nbytes()
@@ -487,12 +490,6 @@ def test_disabled_keeps_high_precision_weights():
     with te.quantized_model_init(enabled=False, recipe=DelayedScaling()):
         layer = te.Linear(16, 16)
     assert type(layer.weight) is torch.nn.Parameter and not layer.primary_weights_in_fp8
-
-
-def test_unimplemented_recipes_raise():
-    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling \\(FP4 parameters\\) is not implemented"):
-        with te.quantized_model_init(recipe=NVFP4BlockScaling()):
-            pass
 
 
 # ------------------------------------------------------------------------------------------ MXFP8 parameters
@@ -615,6 +612,104 @@ def test_mxfp8_weight_memory_is_both_copies_and_their_scales():
     assert ratio == pytest.approx((2 + 2 / 32) / 2)
 
 
+# ------------------------------------------------------------------------------------------ NVFP4 parameters
+
+NV_CUSTOM = CustomRecipe(qfactory=lambda role: NVFP4Quantizer(with_2d_quantization=role == "linear_weight"))
+
+
+def _nv_build(name, recipe=NVFP4BlockScaling(), preserve=False):
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=preserve):
+        return MX_MODULES[name][0](torch.bfloat16)
+
+
+def _nv_run(module, x, recipe=NVFP4BlockScaling(), seed=5):
+    """``_mx_run`` with torch's generator seeded first: NVFP4 gradients round stochastically from seeds it draws."""
+    torch.manual_seed(seed)
+    return _mx_run(module, x, recipe)
+
+
+@pytest.mark.parametrize("recipe", [NVFP4BlockScaling(), NV_CUSTOM], ids=["nvfp4", "custom"])
+@pytest.mark.parametrize("name", MX_MODULES)
+def test_nvfp4_weights_are_parameters_holding_both_copies_and_train_as_the_dequantized_module(name, recipe):
+    """An NVFP4 weight keeps the module's two quantizations of W (16 x 16 tiles under the recipe's defaults): the
+    module computes bit for bit what a bf16 module holding W computes with the same random bits, and dW is a plain
+    high-precision tensor."""
+    torch.manual_seed(8)
+    module = _nv_build(name, recipe, preserve=True)
+    for weight_name in MX_MODULES[name][1]:
+        weight = getattr(module, weight_name)
+        assert isinstance(weight, NVFP4Tensor) and isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.bfloat16
+        assert weight.get_usages() == {"rowwise": True, "columnwise": True}
+        assert weight._get_quantizer().with_2d_quantization
+    ref = _holding_the_initial_weights(module, MX_MODULES[name][0](torch.bfloat16))
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    (y, dx), (y_ref, dx_ref) = _nv_run(module, x, recipe), _nv_run(ref, x, recipe)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    for (param_name, p), p_ref in zip(module.named_parameters(), ref.parameters()):
+        assert type(p.grad) is torch.Tensor and torch.equal(p.grad, p_ref.grad), param_name
+
+
+def test_nvfp4_forward_and_backward_read_the_stored_copies_without_a_cast(monkeypatch):
+    from transformer_engine.plugin import ops
+
+    module, shapes = _nv_build("Linear"), []
+    original = ops.quantize_nvfp4
+    monkeypatch.setattr(ops, "quantize_nvfp4", lambda x, *a, **k: (shapes.append(tuple(x.shape)), original(x, *a, **k))[1])
+    _nv_run(module, torch.randn(32, 64, dtype=torch.bfloat16))
+    assert shapes and (96, 64) not in shapes, shapes  # x and dy only
+
+
+def test_nvfp4_weight_stored_with_other_tiles_is_cast_as_the_autocast_recipe_casts():
+    """A weight stored in 1 x 16 blocks (a CustomRecipe) under an autocast whose weights take 16 x 16 tiles: the stored
+    copies are not what the GEMMs read, so the module casts the dequantized weight (as an MXFP8 weight read under
+    no_grad-built usages), and still trains."""
+    with te.quantized_model_init(recipe=CustomRecipe(qfactory=lambda role: NVFP4Quantizer())):
+        module = te.Linear(64, 96, params_dtype=torch.bfloat16)
+    assert not module.weight._get_quantizer().with_2d_quantization
+    recipe = CustomRecipe(qfactory=lambda role: NVFP4Quantizer(with_2d_quantization=role == "linear_weight"))
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    y, dx = _nv_run(module, x, recipe)
+    ref = te.Linear(64, 96, params_dtype=torch.bfloat16)
+    ref.load_state_dict(module.state_dict())
+    with torch.no_grad():
+        ref.weight.copy_(module.weight.dequantize())
+    y_ref, dx_ref = _nv_run(ref, x, recipe)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+
+
+def test_nvfp4_parameters_step_through_fused_adam_masters_and_load_from_a_weights_only_checkpoint():
+    torch.manual_seed(9)
+    module = _nv_build("LayerNormMLP", preserve=True)
+    opt = FusedAdam(module.parameters(), lr=1e-2, master_weights=True)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    before = module.fc1_weight.dequantize()
+    _nv_run(module, x)
+    opt.step()
+    for weight_name in MX_MODULES["LayerNormMLP"][1]:
+        p = getattr(module, weight_name)
+        assert isinstance(p, NVFP4Tensor) and p.get_usages() == {"rowwise": True, "columnwise": True}
+        expected = p._get_quantizer().quantize_impl(opt.state[p]["master_param"])
+        for key in ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv"):  # re-quantized from the master
+            assert torch.equal(getattr(p, key), getattr(expected, key)), (weight_name, key)
+    assert not torch.equal(module.fc1_weight.dequantize(), before)
+    buffer = io.BytesIO()
+    torch.save(module.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = _nv_build("LayerNormMLP")
+    loaded.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(loaded.fc2_weight._columnwise_data, module.fc2_weight._columnwise_data)
+    assert torch.equal(_nv_run(loaded, x)[0], _nv_run(module, x)[0])
+
+
+def test_nvfp4_weight_memory_is_two_fp4_copies_and_their_tile_scales():
+    """Per element and copy half a byte of E2M1 codes plus one E4M3 byte per 16 (the tile's scale in each of its 16 rows),
+    both copies: (2 * (0.5 + 1/16)) / 2 = 0.5625x of bf16, plus two float32 amaxes a weight."""
+    bf16, nv = MX_MODULES["LayerNormMLP"][0](torch.bfloat16), _nv_build("LayerNormMLP")
+    names = MX_MODULES["LayerNormMLP"][1]
+    stored, dense = _bytes([getattr(nv, n) for n in names]), _bytes([getattr(bf16, n) for n in names])
+    assert stored == dense * (2 * (0.5 + 1 / 16)) / 2 + len(names) * 2 * 4
+
+
 # ------------------------------------------------------------------------------------------ ops.Linear
 
 
@@ -694,16 +789,19 @@ def _sgd_steps(step, module, inputs):
 
 
 @pytest.mark.parametrize("name", list(MODULES))
-@pytest.mark.parametrize("recipe", RECIPES + [MXFP8BlockScaling()], ids=RECIPE_IDS + ["mxfp8"])
+@pytest.mark.parametrize("recipe", RECIPES + [MXFP8BlockScaling(), NVFP4BlockScaling(disable_stochastic_rounding=True)],
+                         ids=RECIPE_IDS + ["mxfp8", "nvfp4"])
 def test_fp8_parameters_train_under_torch_compile_as_eagerly(name, recipe):
-    """FP8 weight parameters trace whole (the quantized tensors are traceable wrapper subclasses: torch.compile sees
-    their buffers); three SGD steps compiled (fullgraph, ``aot_eager``) give eager's outputs, input gradients,
-    parameters and scaling state bit for bit."""
-    if isinstance(recipe, MXFP8BlockScaling) and name not in MX_MODULES:
-        pytest.skip("MXFP8 weights need dims that are multiples of 32 (MX_MODULES)")
+    """FP8 (and FP4) weight parameters trace whole (the quantized tensors are traceable wrapper subclasses: torch.compile
+    sees their buffers); three SGD steps compiled (fullgraph, ``aot_eager``) give eager's outputs, input gradients,
+    parameters and scaling state bit for bit (NVFP4 without stochastic rounding, whose random bits the two runs
+    would draw from different generator states)."""
+    blocked = isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling))
+    if blocked and name not in MX_MODULES:
+        pytest.skip("MXFP8 / NVFP4 weights need dims that are multiples of 32 / 16 (MX_MODULES)")
     torch.manual_seed(0)
-    eager = _mx_build(name) if isinstance(recipe, MXFP8BlockScaling) else _build(name, recipe)
-    rows, features = (32, 64) if isinstance(recipe, MXFP8BlockScaling) else (24, 32)  # GroupedLinear's splits: 8, 0, 16 rows
+    eager = _mx_build(name, recipe) if blocked else _build(name, recipe)
+    rows, features = (32, 64) if blocked else (24, 32)  # GroupedLinear's splits: 8, 0, 16 rows
     call = MODULES[name][1]
     xs = [torch.randn(rows, features, dtype=torch.bfloat16) for _ in range(4)]
 

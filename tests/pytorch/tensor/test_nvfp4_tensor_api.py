@@ -298,10 +298,14 @@ def test_custom_recipe_of_nvfp4_quantizers_trains_as_nvfp4_block_scaling(stochas
     assert not torch.equal(layers[2](xs[0]), got[0])  # NVFP4 did run: the bf16 layer's first output differs
 
 
-def test_nvfp4_weights_under_a_custom_recipe_are_not_built_yet():
-    with pytest.raises(NotImplementedError, match="returns NVFP4Quantizer"):
-        with te.quantized_model_init(recipe=CustomRecipe(qfactory=_nvfp4_factory(False))):
-            te.Linear(64, 32)
+def test_nvfp4_weights_under_a_custom_recipe_are_its_weight_quantization():
+    """quantized_model_init with a CustomRecipe of NVFP4Quantizers: the weight is an NVFP4Tensor of the factory's
+    "linear_weight" settings (the parameter tests are in tests/pytorch/quantization/test_model_init.py)."""
+    with te.quantized_model_init(recipe=CustomRecipe(qfactory=_nvfp4_factory(False))):
+        layer = te.Linear(64, 32)
+    assert isinstance(layer.weight, NVFP4Tensor)
+    made = _nvfp4_factory(False)("linear_weight")
+    assert layer.weight._get_quantizer().with_2d_quantization == made.with_2d_quantization
 
 
 def test_exported_at_tes_paths():

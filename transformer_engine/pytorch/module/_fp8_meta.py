@@ -85,15 +85,18 @@ def install_states(fp8_meta: Dict, quantizers: Dict, fwd: RecipeState, bwd: Reci
 
 
 def ensure_states(fp8_meta: Dict, quantizers: Dict, recipe: Recipe, device, owner: str, reserved: Optional[Dict] = None) -> bool:
-    """Bring the states in line with ``recipe``; returns True when they were (re)built.
+    """Bring the states in line with ``recipe``; returns True when they or their quantizers were (re)built.
 
     A new recipe *type* rebuilds them (with a "Recipe type changed" UserWarning if there were any);
     the same type keeps the scales and histories (moved to ``device`` if the module moved), adopting the
-    recipe's fields (the history is resized in place when ``amax_history_len`` changed). ``reserved``:
-    tensors allocated ahead per mode ("forward", "backward"), taken (popped) by new delayed-scaling states.
+    recipe's fields (the history is resized in place when ``amax_history_len`` changed); a recipe of other
+    field values also rebuilds the quantizers of states without a history, whose casts take their rules
+    from those fields (block tiles, QParams, a CustomRecipe's factory). ``reserved``: tensors allocated
+    ahead per mode ("forward", "backward"), taken (popped) by new delayed-scaling states.
     """
     old = fp8_meta["scaling_fwd"]
     if old is not None and type(old.recipe) is type(recipe):
+        new_rules = old.recipe is not recipe and old.recipe != recipe and not old.has_amax_history
         for state in (old, fp8_meta["scaling_bwd"]):
             state.move_to(device)
             if state.recipe is not recipe:  # recipes are frozen: the same object has the same fields
@@ -101,7 +104,9 @@ def ensure_states(fp8_meta: Dict, quantizers: Dict, recipe: Recipe, device, owne
                 if state.has_amax_history:
                     state.adjust_amax_history_length(recipe.amax_history_len)
         fp8_meta["recipe"] = recipe
-        return False
+        if new_rules:
+            install_states(fp8_meta, quantizers, old, fp8_meta["scaling_bwd"])
+        return new_rules
     if old is not None:
         warnings.warn(
             f"Recipe type changed from {type(old.recipe).__name__} to {type(recipe).__name__} in {owner}: "

@@ -8,7 +8,10 @@ exact transpose of the tiles; 1 x 128 weight tiles keep their column-wise copy t
 is a quantization of W^T); under ``MXFP8BlockScaling`` an
 :class:`~transformer_engine.pytorch.tensor.MXFP8Tensor` holding both of W's copies (blocks of 32 along K for
 fprop, along N for dgrad's W^T: two quantizations, neither made from the other; 1.0x of bf16 plus the
-E8M0 scales, as NVIDIA TE's MXFP8 weights):
+E8M0 scales, as NVIDIA TE's MXFP8 weights); under ``NVFP4BlockScaling`` an
+:class:`~transformer_engine.pytorch.tensor.NVFP4Tensor` holding both of the module's quantizations of W (16 x 16
+tiles by default, the recipe's weight settings: half a byte per element and copy, 0.5x of bf16 plus the E4M3
+tile scales):
 
 - storage: W's row-wise FP8 data (1 byte per element) and its float32 ``scale_inv``, nothing else:
   0.5x the bytes of a bf16 weight plus 4. No transposed copy is kept (TE on Hopper keeps one, 1.0x of
@@ -40,11 +43,13 @@ from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantize
 from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
 from ..quantization.quantizer import Float8Quantizer as ModuleDelayedQuantizer
 from ..quantization.quantizer import MXFP8Quantizer as ModuleMXFP8Quantizer
+from ..quantization.quantizer import NVFP4Quantizer as ModuleNVFP4Quantizer
 from ..quantization.quantizer import Quantizer as ModuleQuantizer
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from ..tensor._block_scaled import BlockScaledTensor
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, _PerTensorQuantizer
 from ..tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
+from ..tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
 from ..tensor.quantized_tensor import QuantizedTensor, Quantizer
 
 __all__ = ["attach_high_precision_init_val", "fp8_param_operand", "quantize_param", "weight_param_quantizer"]
@@ -77,8 +82,8 @@ class _SlotQuantizer(Float8Quantizer):
 
 def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp8_meta: dict, index: int) -> Quantizer:
     """The public quantizer that stores (and re-quantizes) a weight as the recipe casts weights: row-wise only,
-    but for 1 x 128 block tiles (see :func:`_block_weight_quantizer`) and MXFP8 (both copies, unless built with
-    gradients off: NVIDIA TE's heuristic for inference, whose GEMMs read the row-wise copy only).
+    but for 1 x 128 block tiles (see :func:`_block_weight_quantizer`), MXFP8 and NVFP4 (both copies, unless built
+    with gradients off: NVIDIA TE's heuristic for inference, whose GEMMs read the row-wise copy only).
 
     Args:
         recipe: the ``quantized_model_init`` recipe.
@@ -91,18 +96,23 @@ def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp
     """
     if isinstance(recipe, CustomRecipe):
         made = recipe.qfactory("linear_weight")
-        if not isinstance(made, (Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer)):
+        if not isinstance(made, (Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)):
             raise NotImplementedError(
                 f"quantized_model_init with a CustomRecipe whose qfactory('linear_weight') returns {type(made).__name__}: "
-                "FP8 parameters need a Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer or MXFP8Quantizer"
+                "quantized parameters need a Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer "
+                "or NVFP4Quantizer"
             )
-        if isinstance(made, (Float8BlockQuantizer, MXFP8Quantizer)):
+        if isinstance(made, (Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)):
             return weight_param_quantizer(recipe=None, module_quantizer=made.module_quantizer(), fp8_meta=fp8_meta, index=index)
         made = made.copy()
     elif isinstance(module_quantizer, ModuleBlockQuantizer):
         return _block_weight_quantizer(module_quantizer)
     elif isinstance(module_quantizer, ModuleMXFP8Quantizer):  # built under no_grad (inference): the row-wise copy only, as TE
         return MXFP8Quantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=torch.is_grad_enabled())
+    elif isinstance(module_quantizer, ModuleNVFP4Quantizer):  # the module's weight cast: the same copies, bit for bit
+        rht = module_quantizer.rht
+        return NVFP4Quantizer(rowwise=True, columnwise=torch.is_grad_enabled(), with_rht=rht, with_post_rht_amax=rht,
+                              with_2d_quantization=module_quantizer.block_2d, stochastic_rounding=module_quantizer.stochastic_rounding)
     elif isinstance(module_quantizer, ModuleDelayedQuantizer):
         made = _SlotQuantizer(fp8_meta, index, module_quantizer.fp8_dtype)
     elif isinstance(module_quantizer, ModuleCurrentScalingQuantizer):
@@ -112,8 +122,8 @@ def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp
     else:
         raise NotImplementedError(
             f"quantized_model_init with {type(recipe).__name__}: storing the weights in this recipe's format is not "
-            "implemented yet; use DelayedScaling, Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling, or build the model outside "
-            "quantized_model_init"
+            "implemented yet; use DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or NVFP4BlockScaling, "
+            "or build the model outside quantized_model_init"
         )
     made.set_usage(rowwise=True, columnwise=False)  # one FP8 copy: W^T is transposed from it in backward
     return made
@@ -181,10 +191,18 @@ def _operand(weight: QuantizedTensor):
 
 
 def _reads(quantizer: ModuleQuantizer, weight: BlockScaledTensor) -> bool:
-    """Whether ``quantizer``'s GEMMs read ``weight`` as stored: block tiles of the same shape, or MXFP8 with both copies
-    (the row-wise one alone where gradients are off)."""
+    """Whether ``quantizer``'s GEMMs read ``weight`` as stored: block tiles of the same shape, or MXFP8 / NVFP4 (of the
+    same settings) with both copies (the row-wise one alone where gradients are off)."""
     if isinstance(weight, Float8BlockwiseQTensor):
         return isinstance(quantizer, ModuleBlockQuantizer) and quantizer.block == weight._block
-    needs_transpose = torch.is_grad_enabled()  # a dgrad may follow: it reads the column-wise copy
-    return isinstance(weight, MXFP8Tensor) and isinstance(quantizer, ModuleMXFP8Quantizer) and (
-        weight._columnwise_data is not None or not needs_transpose)
+    has_copies = weight._columnwise_data is not None or not torch.is_grad_enabled()  # a dgrad may follow: it reads the column-wise copy
+    if isinstance(weight, NVFP4Tensor):
+        return isinstance(quantizer, ModuleNVFP4Quantizer) and has_copies and _casts_alike(quantizer, type(weight)._get_quantizer(weight))
+    return isinstance(weight, MXFP8Tensor) and isinstance(quantizer, ModuleMXFP8Quantizer) and has_copies
+
+
+def _casts_alike(quantizer: ModuleNVFP4Quantizer, stored: NVFP4Quantizer) -> bool:
+    """Whether an NVFP4 weight stored by ``stored`` holds what ``quantizer`` casts (the same tiles and transform; stochastic
+    rounding draws new bits per cast, so a stored stochastic quantization is one of its casts). The caller reads
+    ``stored`` through the tensor's class, as :func:`_operand` does."""
+    return quantizer.block_2d == stored.with_2d_quantization and quantizer.rht == stored.with_rht

@@ -5,14 +5,13 @@
 
 Modules built inside store their GEMM weights as FP8 ``Float8Tensor`` parameters (DelayedScaling,
 Float8CurrentScaling, or a CustomRecipe of per-tensor quantizers), ``Float8BlockwiseQTensor`` parameters
-(Float8BlockScaling) or ``MXFP8Tensor`` parameters (MXFP8BlockScaling), which forward uses as they are: no
-weight cast per step, half the bytes of bf16 but for the layouts that keep two quantizations
-(see ``module/_fp8_params.py``). They remember the
+(Float8BlockScaling), ``MXFP8Tensor`` parameters (MXFP8BlockScaling) or ``NVFP4Tensor`` parameters
+(NVFP4BlockScaling), which forward uses as they are: no weight cast per step, half the bytes of bf16 but for
+the layouts that keep two quantizations (see ``module/_fp8_params.py``). They remember the
 recipe: running them under an ``autocast`` of another recipe type raises ``RuntimeError("Recipe
 mismatch ...")``, and so does loading a checkpoint of another recipe. With
 ``preserve_high_precision_init_val=True`` each FP8 weight keeps a CPU copy of its initial values, read
 with ``param.get_high_precision_init_val()`` and freed with ``param.clear_high_precision_init_val()``.
-NVFP4 does not run yet (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     """Modules constructed inside belong to ``recipe`` (default: :func:`get_default_recipe`).
 
     Raises:
-        NotImplementedError: for a recipe the modules cannot run yet, and for NVFP4 (FP4 parameters are not built yet).
+        NotImplementedError: for a recipe the modules cannot run yet.
 
     Example:
         >>> import transformer_engine.pytorch as te
@@ -67,11 +66,6 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     if enabled:
         recipe = recipe if recipe is not None else get_default_recipe()
         check_recipe_implemented(recipe)
-        if recipe.nvfp4():
-            raise NotImplementedError(
-                "quantized_model_init with NVFP4BlockScaling (FP4 parameters) is not implemented yet in TransformerEngine-FL; "
-                "keep high-precision parameters and run the modules under te.autocast(recipe=NVFP4BlockScaling())"
-            )
     saved, _config = _config, ModelInitConfig(bool(enabled), recipe, bool(preserve_high_precision_init_val))
     try:
         yield
