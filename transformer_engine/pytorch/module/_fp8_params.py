@@ -40,50 +40,25 @@ from transformer_engine.common.recipe import CustomRecipe, Recipe
 
 from ..quantization.float8_tensor import Float8Tensor as Float8Operand
 from ..quantization.quantizer import Float8BlockQuantizer as ModuleBlockQuantizer
-from ..quantization.quantizer import Float8CurrentScalingQuantizer as ModuleCurrentScalingQuantizer
-from ..quantization.quantizer import Float8Quantizer as ModuleDelayedQuantizer
 from ..quantization.quantizer import MXFP8Quantizer as ModuleMXFP8Quantizer
 from ..quantization.quantizer import NVFP4Quantizer as ModuleNVFP4Quantizer
 from ..quantization.quantizer import Quantizer as ModuleQuantizer
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from ..tensor._block_scaled import BlockScaledTensor
-from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, _PerTensorQuantizer
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from ..tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 from ..tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
 from ..tensor.quantized_tensor import QuantizedTensor, Quantizer
+from ._public_quantizers import public_quantizer
 
 __all__ = ["attach_high_precision_init_val", "fp8_param_operand", "quantize_param", "weight_param_quantizer"]
 
 
-class _SlotQuantizer(Float8Quantizer):
-    """A public ``Float8Quantizer`` whose scale and amax are slot ``index`` of a module's forward
-    delayed-scaling state, looked up at each cast: the state replaces its tensors when the history length
-    changes, the module moves, or a checkpoint is loaded, and the parameter must follow.
-
-    scale = fp8_meta["scaling_fwd"].scale[index], amax = fp8_meta["scaling_fwd"].amax_history[0, index]
-    """
-
-    def __init__(self, fp8_meta: dict, index: int, fp8_dtype, *, rowwise: bool = True, columnwise: bool = False) -> None:
-        _PerTensorQuantizer.__init__(self, fp8_dtype, rowwise=rowwise, columnwise=columnwise)  # pylint: disable=non-parent-init-called
-        self._fp8_meta = fp8_meta
-        self._index = index
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self._fp8_meta["scaling_fwd"].scale[self._index:self._index + 1]
-
-    @property
-    def amax(self) -> torch.Tensor:
-        return self._fp8_meta["scaling_fwd"].amax_history[0, self._index:self._index + 1]
-
-    def copy(self) -> "_SlotQuantizer":
-        return _SlotQuantizer(self._fp8_meta, self._index, self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
-
-
 def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp8_meta: dict, index: int) -> Quantizer:
-    """The public quantizer that stores (and re-quantizes) a weight as the recipe casts weights: row-wise only,
-    but for 1 x 128 block tiles (see :func:`_block_weight_quantizer`), MXFP8 and NVFP4 (both copies, unless built
-    with gradients off: NVIDIA TE's heuristic for inference, whose GEMMs read the row-wise copy only).
+    """The public quantizer that stores (and re-quantizes) a weight as the recipe casts weights (the slot's public
+    quantizer, see ``_public_quantizers``): row-wise only, but for 1 x 128 block tiles (their column-wise copy is
+    W^T's own quantization, which the row-wise FP8 values cannot give), MXFP8 and NVFP4 (both copies, unless
+    built with gradients off: NVIDIA TE's heuristic for inference, whose GEMMs read the row-wise copy only).
 
     Args:
         recipe: the ``quantized_model_init`` recipe.
@@ -102,40 +77,23 @@ def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp
                 "quantized parameters need a Float8Quantizer, Float8CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer "
                 "or NVFP4Quantizer"
             )
-        if isinstance(made, (Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)):
-            return weight_param_quantizer(recipe=None, module_quantizer=made.module_quantizer(), fp8_meta=fp8_meta, index=index)
         made = made.copy()
-    elif isinstance(module_quantizer, ModuleBlockQuantizer):
-        return _block_weight_quantizer(module_quantizer)
-    elif isinstance(module_quantizer, ModuleMXFP8Quantizer):  # built under no_grad (inference): the row-wise copy only, as TE
-        return MXFP8Quantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=torch.is_grad_enabled())
-    elif isinstance(module_quantizer, ModuleNVFP4Quantizer):  # the module's weight cast: the same copies, bit for bit
-        rht = module_quantizer.rht
-        return NVFP4Quantizer(rowwise=True, columnwise=torch.is_grad_enabled(), with_rht=rht, with_post_rht_amax=rht,
-                              with_2d_quantization=module_quantizer.block_2d, stochastic_rounding=module_quantizer.stochastic_rounding)
-    elif isinstance(module_quantizer, ModuleDelayedQuantizer):
-        made = _SlotQuantizer(fp8_meta, index, module_quantizer.fp8_dtype)
-    elif isinstance(module_quantizer, ModuleCurrentScalingQuantizer):
-        qparams = module_quantizer.qparams
-        made = Float8CurrentScalingQuantizer(module_quantizer.fp8_dtype, force_pow_2_scales=qparams.power_2_scale,
-                                             amax_epsilon=qparams.amax_epsilon)
     else:
-        raise NotImplementedError(
-            f"quantized_model_init with {type(recipe).__name__}: storing the weights in this recipe's format is not "
-            "implemented yet; use DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or NVFP4BlockScaling, "
-            "or build the model outside quantized_model_init"
-        )
-    made.set_usage(rowwise=True, columnwise=False)  # one FP8 copy: W^T is transposed from it in backward
+        try:
+            made = public_quantizer(module_quantizer, fp8_meta, "scaling_fwd", index)
+        except TypeError:
+            raise NotImplementedError(
+                f"quantized_model_init with {type(recipe).__name__}: storing the weights in this recipe's format is not "
+                "implemented yet; use DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or NVFP4BlockScaling, "
+                "or build the model outside quantized_model_init"
+            ) from None
+    if isinstance(made, Float8BlockQuantizer):  # 1 x 128 tiles keep W^T's own quantization
+        made.set_usage(rowwise=True, columnwise=made.block_scaling_dim == 1)
+    elif isinstance(made, (MXFP8Quantizer, NVFP4Quantizer)):  # built under no_grad (inference): the row-wise copy only, as TE
+        made.set_usage(rowwise=True, columnwise=torch.is_grad_enabled())
+    else:
+        made.set_usage(rowwise=True, columnwise=False)  # one FP8 copy: W^T is transposed from it in backward
     return made
-
-
-def _block_weight_quantizer(module_quantizer: ModuleBlockQuantizer) -> Float8BlockQuantizer:
-    """The public quantizer of ``module_quantizer``'s tiles and rule: 128 x 128 tiles row-wise only (W^T is the
-    transpose of the tiles), 1 x 128 tiles with their column-wise copy (W^T's own quantization, which the
-    row-wise FP8 values cannot give)."""
-    qparams, two_d = module_quantizer.qparams, module_quantizer.block[0] > 1
-    return Float8BlockQuantizer(module_quantizer.fp8_dtype, rowwise=True, columnwise=not two_d, amax_epsilon=qparams.amax_epsilon,
-                                force_pow_2_scales=qparams.power_2_scale, block_scaling_dim=2 if two_d else 1)
 
 
 def quantize_param(param: torch.Tensor, quantizer: Quantizer, preserve_init_val: bool) -> torch.nn.Parameter:

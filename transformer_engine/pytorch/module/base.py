@@ -45,6 +45,7 @@ from ..parallel.tensor_parallel import ParallelConfig, initialize
 from . import _extra_state
 from ._common import Operand
 from ._fp8_params import fp8_param_operand, quantize_param, weight_param_quantizer
+from ._public_quantizers import public_quantizers
 from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
 from ._gemm import WgradTarget
 from ._wgrad_store import WeightGradStore
@@ -147,12 +148,13 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.fp8_meta = new_fp8_meta(num_gemms)
         self._high_precision = high_precision(num_gemms)  # the quantization of a call outside FP8: made once
         self._reserved_states: Dict[str, Tuple[torch.Tensor, ...]] = {}  # see _reserve_states
-        self.quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}
+        self._slot_quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}  # what the casts use, per slot
+        self.quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}  # TE's: public classes, see _states_installed
         self.name = name
         self._param_init: Dict[str, Callable[[torch.Tensor], None]] = {}
         self._fp8_weight_gemms: Dict[str, int] = {}  # GEMM weight name -> its GEMM (stored in FP8 under quantized_model_init)
         self._weight_cache: Dict[str, Float8Tensor] = {}
-        self._fp8_gemms: Tuple[GemmQuantizers, ...] = ()  # self.quantizers grouped per GEMM, see _states_installed
+        self._fp8_gemms: Tuple[GemmQuantizers, ...] = ()  # self._slot_quantizers grouped per GEMM, see _states_installed
         self._rng = (get_rng_state_tracker, rng_tracker_name)
         init = model_init_config()
         self.primary_weights_in_fp8 = init.enabled
@@ -241,7 +243,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         """Parameter ``name`` := its initial ``values`` quantized with the weight quantizer of its GEMM under
         the ``quantized_model_init`` recipe (a new FP8 parameter, or re-quantized in place if it is one)."""
         recipe = self._model_init_recipe
-        if ensure_states(self.fp8_meta, self.quantizers, recipe, values.device, type(self).__name__, self._reserved_states):
+        if ensure_states(self.fp8_meta, self._slot_quantizers, recipe, values.device, type(self).__name__, self._reserved_states):
             self._states_installed()
         index = slot(self._fp8_weight_gemms[name], Role.WEIGHT)
         param = getattr(self, name)
@@ -251,7 +253,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if self._keep_init_val:
                 param._high_precision_init_val = values.detach().to("cpu", copy=True)
             return
-        quantizer = weight_param_quantizer(recipe, self.quantizers["scaling_fwd"][index], self.fp8_meta, index)
+        quantizer = weight_param_quantizer(recipe, self._slot_quantizers["scaling_fwd"][index], self.fp8_meta, index)
         setattr(self, name, quantize_param(param, quantizer, self._keep_init_val))
 
     def _materialize(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -350,7 +352,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 check_fp8_shape(what, shape)
         if torch.compiler.is_compiling() and config.recipe.delayed() and self._lacks_states(config.recipe, device):
             torch.compiler.disable(self._build_states_eagerly)(config.recipe, device)  # (wrapped here: the decorator imports Dynamo)
-        elif ensure_states(self.fp8_meta, self.quantizers, config.recipe, device, type(self).__name__, self._reserved_states):
+        elif ensure_states(self.fp8_meta, self._slot_quantizers, config.recipe, device, type(self).__name__, self._reserved_states):
             self._states_installed()
         fwd_state, bwd_state = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
         if not config.enabled:  # calibration: high precision, amaxes recorded
@@ -358,7 +360,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return ForwardQuantization(GemmQuantizers.from_slots(observers, [IDENTITY] * bwd_state.num_quantizers, n))
         gemms = self._fp8_gemms
         if torch.compiler.is_compiling() and config.recipe.delayed():  # one kept scale copy per traced call
-            gemms = GemmQuantizers.from_slots(fwd_state.traced_quantizers(forward_amax_buffer(fwd_state)), self.quantizers["scaling_bwd"], n)
+            gemms = GemmQuantizers.from_slots(fwd_state.traced_quantizers(forward_amax_buffer(fwd_state)), self._slot_quantizers["scaling_bwd"], n)
         return ForwardQuantization(
             gemms=gemms,
             split_accumulator=fwd_state.split_accumulator,
@@ -391,15 +393,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
         would be its outputs, and the grad casts write their amax histories in the backward graph, which
         AOTAutograd allows for graph inputs only; the next trace takes them as inputs. Code compiled with
         ``fullgraph=True`` must therefore run one eager FP8 step of the model first."""
-        if ensure_states(self.fp8_meta, self.quantizers, recipe, device, type(self).__name__, self._reserved_states):
+        if ensure_states(self.fp8_meta, self._slot_quantizers, recipe, device, type(self).__name__, self._reserved_states):
             self._states_installed()
 
     def _states_installed(self) -> None:
         """After new scaling states and quantizers: forget the weights they cast, group the quantizers per GEMM
-        (once here rather than per forward: the quantizers change only with the states)."""
+        and make TE's public ``quantizers`` of them (once here rather than per forward: the quantizers change
+        only with the states)."""
         self._weight_cache.clear()
-        quantizers = self.quantizers
-        self._fp8_gemms = GemmQuantizers.from_slots(quantizers["scaling_fwd"], quantizers["scaling_bwd"], self.fp8_meta["num_gemms"])
+        slots = self._slot_quantizers
+        self._fp8_gemms = GemmQuantizers.from_slots(slots["scaling_fwd"], slots["scaling_bwd"], self.fp8_meta["num_gemms"])
+        self.quantizers = {key: public_quantizers(self.fp8_meta, key, slots[key]) for key in slots}
 
     def _weight_operand(self, key: str, weight: torch.Tensor, quantizer: Quantizer,
                         is_first_microbatch: Optional[bool]) -> Operand:
@@ -467,7 +471,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 raise ValueError(f"the _extra_state has {tensors['amax_history'].shape[1]} {state.mode} slots, expected {state.num_quantizers}")
             for key, value in tensors.items():
                 setattr(state, key, value.to(device))
-        install_states(self.fp8_meta, self.quantizers, *states)
+        install_states(self.fp8_meta, self._slot_quantizers, *states)
         self._states_installed()
 
     def _state_device(self) -> torch.device:

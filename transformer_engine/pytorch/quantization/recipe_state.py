@@ -341,7 +341,13 @@ class CustomRecipeState(RecipeState):
     its amax; ``Float8CurrentScalingQuantizer``, ``Float8BlockQuantizer``, ``MXFP8Quantizer``, ``NVFP4Quantizer``: their
     rules); each gives the module-side quantizer that casts alike (``module_quantizer()``). No state of its own: nothing
     for autocast to update.
+
+    Attributes:
+        factory_quantizers: what the factory returned for each slot at the last :meth:`make_quantizers` (the module's
+            public ``quantizers``).
     """
+
+    factory_quantizers: Tuple = ()
 
     @property
     def split_accumulator(self) -> Tuple[bool, bool, bool]:
@@ -349,10 +355,11 @@ class CustomRecipeState(RecipeState):
 
     def make_quantizers(self) -> List[Quantizer]:
         roles = _CUSTOM_ROLES[self.mode]
-        return [self._module_quantizer(roles[i % len(roles)]) for i in range(self.num_quantizers)]
+        self.factory_quantizers = tuple(self.recipe.qfactory(roles[i % len(roles)]) for i in range(self.num_quantizers))
+        return [self._module_quantizer(made, roles[i % len(roles)]) for i, made in enumerate(self.factory_quantizers)]
 
-    def _module_quantizer(self, role: str) -> Quantizer:
-        made = self.recipe.qfactory(role)
+    @staticmethod
+    def _module_quantizer(made, role: str) -> Quantizer:
         convert = getattr(made, "module_quantizer", None)
         if convert is None:
             raise TypeError(
