@@ -10,6 +10,7 @@ from .dense import DenseGeneral, LayerNormDenseGeneral
 from .layernorm import LayerNorm
 from .mlp import LayerNormMLP
 from .relative_position import RelativePositionBiases
+from .state_module import make_dot_general_cls, make_grouped_dense_cls, wrap_function_in_te_state_module
 from .transformer import TransformerLayer, TransformerLayerType
 
 __all__ = [
@@ -23,4 +24,7 @@ __all__ = [
     "TransformerLayer",
     "TransformerLayerType",
     "extend_logical_axis_rules",
+    "make_dot_general_cls",
+    "make_grouped_dense_cls",
+    "wrap_function_in_te_state_module",
 ]

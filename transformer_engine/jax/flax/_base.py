@@ -45,9 +45,10 @@ def logical_param(module: nn.Module, name: str, init: Initializer, shape, dtype,
     return module.param(name, init, tuple(shape), dtype)
 
 
-def _meta_variables(module: nn.Module, prefix: str, initial: QuantizeMeta) -> QuantizeMeta:
-    scale = module.variable(NVTE_FP8_COLLECTION_NAME, f"{prefix}_scale", lambda: initial.scale)
-    history = module.variable(NVTE_FP8_COLLECTION_NAME, f"{prefix}_amax_history", lambda: initial.amax_history)
+def _meta_variables(module: nn.Module, prefix: str, initial: QuantizeMeta, collection: str = NVTE_FP8_COLLECTION_NAME) -> QuantizeMeta:
+    """The delayed-scaling state ``{prefix}_scale`` and ``{prefix}_amax_history`` of ``module`` in ``collection``."""
+    scale = module.variable(collection, f"{prefix}_scale", lambda: initial.scale)
+    history = module.variable(collection, f"{prefix}_amax_history", lambda: initial.amax_history)
     return QuantizeMeta(scale.value, history.value)
 
 

@@ -1,4 +1,5 @@
-"""Flax ``LayerNormMLP``: y = dropout(act(norm(x) . W_i + b_i)) . W_o + b_o; returns ``(y, ln_out)``.
+"""Flax ``LayerNormMLP``: y = dropout(act(norm(x) . W_i + b_i)) . W_o + b_o; returns ``(y, ln_out)`` (no norm with
+``enable_layernorm=False``).
 
 Parameters: ``scale``, ``ln_bias`` (the norm), ``wi_kernel`` (hidden, n_acts, intermediate) with one
 independently initialised kernel per activation, ``wo_kernel`` (intermediate, hidden), and with
@@ -29,6 +30,7 @@ class LayerNormMLP(nn.Module):
 
     Attributes:
         intermediate_dim: width of the hidden layer.
+        enable_layernorm: apply the norm (else the MLP reads x itself and there are no norm parameters).
         layernorm_type, epsilon, zero_centered_gamma, scale_init, scale_axes, ln_bias_init,
             ln_bias_axes: the norm (see :class:`LayerNorm`).
         kernel_init: None = variance_scaling(1.0, "fan_in", "truncated_normal").
@@ -54,6 +56,7 @@ class LayerNormMLP(nn.Module):
     """
 
     intermediate_dim: int = 2048
+    enable_layernorm: bool = True
     layernorm_type: str = "layernorm"
     epsilon: float = 1e-6
     zero_centered_gamma: bool = False
@@ -107,9 +110,11 @@ class LayerNormMLP(nn.Module):
             raise NotImplementedError("LayerNormMLP: only axis=-1 and activation_params=None are implemented")
         names = canonicalize_activations(self.activations)
         x = with_sharding_constraint_by_logical_axes(inputs, self.layernorm_input_axes)
-        gamma, beta = norm_params(self, x.shape[-1], self.ln_bias_init, self.ln_bias_axes)
-        beta = None if beta is None else beta.astype(x.dtype)
-        normed = layernorm(x, gamma.astype(x.dtype), beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
+        normed = x
+        if self.enable_layernorm:
+            gamma, beta = norm_params(self, x.shape[-1], self.ln_bias_init, self.ln_bias_axes)
+            beta = None if beta is None else beta.astype(x.dtype)
+            normed = layernorm(x, gamma.astype(x.dtype), beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
         kernels, biases = self._kernels_and_biases(x.shape[-1], len(names), x.dtype)
         dropout = nn.Dropout(
             rate=self.intermediate_dropout_rate, broadcast_dims=self.intermediate_hidden_dropout_dims,
