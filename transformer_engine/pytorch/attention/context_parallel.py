@@ -22,7 +22,9 @@ Communication types (TE's ``cp_comm_type``):
 
   Causal blocks (rank r, K/V from rank j): j = r is the diagonal (local causal mask), j < r is seen in
   full by both query chunks but only through its first chunk (chunk j), j > r only by the second query
-  chunk (chunk 2P-1-r), in full. The backward runs the same ring with the global lse and
+  chunk (chunk 2P-1-r), in full. With a sliding window every block is computed whole, masked by the
+  sequence positions of its queries and keys (a query row with no key in the window contributes
+  lse_b = -inf, P_b = 0). The backward runs the same ring with the global lse and
   D_i = sum_d dO_id O_id: P_b = exp(S_b - lse), dS_b = P_b (dO V_b^T - D), dQ += scale dS_b K_b,
   dK_b = scale dS_b^T Q, dV_b = P_b^T dO; the dK/dV accumulator of a block travels with it and is
   home after the P-th hop.
@@ -145,8 +147,8 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
     q and k are in "bshd" order ([b, s_local, h, d]).
 
     Raises:
-        NotImplementedError: thd, KV caching, padding / arbitrary masks, biases, ALiBi; windows with
-            "p2p"; softmax offsets except with "a2a"; dropout with "p2p".
+        NotImplementedError: thd, KV caching, padding / arbitrary masks, biases, ALiBi; softmax offsets
+            except with "a2a"; dropout with "p2p".
         ValueError: odd local sequence lengths, q / k lengths that differ under a causal mask or a
             window, head counts that "a2a" cannot split over the group.
     """
@@ -159,8 +161,6 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         raise NotImplementedError(f"{name} supports attn_mask_type no_mask / causal / causal_bottom_right, not {mask_type!r}")
     if bias_type != "no_bias":
         raise NotImplementedError(f"{name} does not support core_attention_bias_type={bias_type!r}; use 'no_bias'")
-    if cp.comm_type == "p2p" and tuple(window_size) not in ((-1, -1), (-1, 0)):
-        raise NotImplementedError(f"{name} does not support sliding windows {tuple(window_size)}; use 'all_gather' or 'a2a'")
     if softmax_type != "vanilla" and cp.comm_type != "a2a":
         raise NotImplementedError(f"{name} supports softmax_type={softmax_type!r} only with cp_comm_type='a2a'")
     if dropout_p > 0 and cp.comm_type == "p2p":
@@ -354,17 +354,37 @@ def _unpack(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch.Tens
     return [part.view(x.shape) for part, x in zip(flat.split(sizes), like)]
 
 
-def _blocks(step: int, ring: _Ring, causal: bool, s_q: int, s_kv: int):
-    """(query rows, key rows, causal) of the step's block for this rank (see the module docstring)."""
+def _blocks(step: int, ring: _Ring, settings: CPAttention, s_q: int, s_kv: int, device):
+    """(query rows, key rows, hidden) of the step's block for this rank (see the module docstring); hidden: bool
+    [rows, keys], True where the mask hides a key from a query, or None (nothing hidden)."""
     every_q, every_kv = slice(0, s_q), slice(0, s_kv)
-    if not causal:
-        return every_q, every_kv, False
     src = (ring.rank - step) % ring.size
-    if src == ring.rank:
-        return every_q, every_kv, True
+    if tuple(settings.window_size) not in ((-1, -1), (-1, 0)):
+        return every_q, every_kv, _window_hidden(settings, ring, src, s_q, device)
+    if not settings.causal:
+        return every_q, every_kv, None
+    if src == ring.rank:  # the local order of positions is increasing: the diagonal block's causal mask is top-left
+        return every_q, every_kv, torch.ones(s_q, s_kv, dtype=torch.bool, device=device).triu_(1)
     if src < ring.rank:
-        return every_q, slice(0, s_kv // 2), False
-    return slice(s_q // 2, s_q), every_kv, False
+        return every_q, slice(0, s_kv // 2), None
+    return slice(s_q // 2, s_q), every_kv, None
+
+
+def _positions(rank: int, size: int, length: int, device) -> torch.Tensor:
+    """Sequence positions of a rank's 2L tokens: chunks ``rank`` and 2P-1-``rank`` of L tokens."""
+    first = torch.arange(length, device=device)
+    return torch.cat([rank * length + first, (2 * size - 1 - rank) * length + first])
+
+
+def _window_hidden(settings: CPAttention, ring: _Ring, src: int, s_local: int, device) -> torch.Tensor:
+    """What a sliding window (and the causal mask) hides in the block of this rank's queries and rank ``src``'s keys:
+    key position j is hidden from query position i where j - i > right (0 when causal) or i - j > left."""
+    length = s_local // 2
+    offset = _positions(src, ring.size, length, device)[None, :] - _positions(ring.rank, ring.size, length, device)[:, None]
+    left, right = settings.window_size
+    right = 0 if settings.causal else right
+    hidden = offset > right if right >= 0 else torch.zeros_like(offset, dtype=torch.bool)
+    return hidden | (offset < -left) if left >= 0 else hidden
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -372,19 +392,23 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.float().transpose(1, 2)
 
 
-def _probs(q, k, scale: float, causal: bool, lse: Optional[torch.Tensor] = None):
-    """(P, lse) of one block: S = scale q k^T (top-left causal mask), P = exp(S - lse).
+def _probs(q, k, scale: float, hidden: Optional[torch.Tensor], lse: Optional[torch.Tensor] = None):
+    """(P, lse) of one block: S = scale q k^T with -inf where ``hidden``, P = exp(S - lse).
 
-    q [b, h, s_q, d] and k [b, h, s_kv, d] (kv heads expanded); ``lse`` None means this block's own.
+    q [b, h, s_q, d] and k [b, h, s_kv, d] (kv heads expanded); ``lse`` None means this block's own. A row
+    whose keys are all hidden has lse = -inf and P = 0.
     """
     scores = scale * (q @ k.transpose(-1, -2))
-    if causal:
-        s_q, s_kv = scores.shape[-2:]
-        future = torch.ones(s_q, s_kv, dtype=torch.bool, device=q.device).triu_(1)
-        scores = scores.masked_fill(future, float("-inf"))
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)), lse
+    return torch.exp(scores - _finite(lse).unsqueeze(-1)), lse
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (no visible key) as 0, so that exp(-inf - lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -394,7 +418,8 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _merge(out, lse, rows: slice, o_b, lse_b) -> None:
     """out, lse over rows <- the exact merge with a block's (o_b, lse_b) (see the module docstring)."""
     new = torch.logaddexp(lse[..., rows], lse_b)
-    out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(-1) + o_b * torch.exp(lse_b - new).unsqueeze(-1)
+    weight_old, weight_b = torch.exp(lse[..., rows] - _finite(new)), torch.exp(lse_b - _finite(new))
+    out[..., rows, :] = out[..., rows, :] * weight_old.unsqueeze(-1) + o_b * weight_b.unsqueeze(-1)
     lse[..., rows] = new
 
 
@@ -408,20 +433,20 @@ def _ring_forward(q, k, v, settings: CPAttention, ring: _Ring):
     for step in range(ring.size):
         arriving = ring.shift(kv) if step < ring.size - 1 else None  # overlaps the block's compute
         k_blk, v_blk = _unpack(kv, (k, v))
-        rows, cols, causal = _blocks(step, ring, settings.causal, s_q, s_kv)
+        rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         kh, vh = _expand(_heads_first(k_blk[:, cols]), heads), _expand(_heads_first(v_blk[:, cols]), heads)
-        p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, causal)
+        p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, hidden)
         _merge(out, lse, rows, p @ vh, lse_b)
         if arriving is not None:
             kv = arriving()
     return out, lse
 
 
-def _block_grads(qh, doh, lse, delta, k_blk, v_blk, settings: CPAttention, causal: bool):
+def _block_grads(qh, doh, lse, delta, k_blk, v_blk, settings: CPAttention, hidden: Optional[torch.Tensor]):
     """(dq, dk, dv) float32 of one block given the global lse and D (see the module docstring)."""
     heads, heads_kv = qh.shape[1], k_blk.shape[2]
     kh, vh = _expand(_heads_first(k_blk), heads), _expand(_heads_first(v_blk), heads)
-    p, _ = _probs(qh, kh, settings.softmax_scale, causal, lse)
+    p, _ = _probs(qh, kh, settings.softmax_scale, hidden, lse)
     ds = p * (doh @ vh.transpose(-1, -2) - delta.unsqueeze(-1))
     scale = settings.softmax_scale
     dk = (scale * ds.transpose(-1, -2) @ qh).unflatten(1, (heads_kv, -1)).sum(dim=2)
@@ -439,9 +464,9 @@ def _ring_backward(dout, q, k, v, out, lse, settings: CPAttention, ring: _Ring):
     for step in range(ring.size):
         arriving = ring.shift(kv) if step < ring.size - 1 else None
         k_blk, v_blk = _unpack(kv, (k, v))
-        rows, cols, causal = _blocks(step, ring, settings.causal, s_q, s_kv)
+        rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         dq_b, dk_b, dv_b = _block_grads(qh[:, :, rows], doh[:, :, rows], lse[..., rows], delta[..., rows],
-                                        k_blk[:, cols], v_blk[:, cols], settings, causal)
+                                        k_blk[:, cols], v_blk[:, cols], settings, hidden)
         dq[:, :, rows] += dq_b
         dkv = dkv_arriving() if dkv_arriving is not None else k.new_zeros(k.numel() + v.numel(), dtype=torch.float32)
         dk_acc, dv_acc = _unpack(dkv, (k, v))
