@@ -137,7 +137,7 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None, amax
     """
     reduce = _reduces(recipe, group)
     if torch.compiler.is_compiling():
-        _update_traced(states, recipe, group if reduce else None, amaxes or {})
+        _update_traced(states, recipe, reduce, group, amaxes or {})
         return
     if amaxes:
         fold_amaxes(amaxes)
@@ -163,19 +163,20 @@ def fold_amaxes(amaxes: Mapping) -> None:
             row.copy_(torch.maximum(row, slot_amaxes))
 
 
-def _update_traced(states: Sequence, recipe: DelayedScaling, group, amaxes: Mapping) -> None:
+def _update_traced(states: Sequence, recipe: DelayedScaling, reduce: bool, group, amaxes: Mapping) -> None:
     """:func:`reduce_and_update` as torch.compile traces it: each state on its own tensors, without the
     cached side-by-side buffers (the same math per slot; the compiler plans the buffers), its traced
     casts' amaxes handed to the in-place op (``amax``), which folds them into H[0] as it updates: on the
     GPU the flagos update kernel, one launch per state, without the history ever being written twice.
-    ``group``: MAX-reduce the amaxes over it first (None: no reduction). A recipe callable takes the
-    tensor ops of :func:`_update` on the folded history."""
+    ``reduce``: MAX-reduce the amaxes over ``group`` first (None: the default group). A recipe callable
+    takes the tensor ops of :func:`_update` on the folded history."""
     for state in states:
         history = state.amax_history
         amax = _slot_amaxes(state, amaxes.get(state, ()))
-        if group is not None:
-            amax = history[0] if amax is None else torch.maximum(history[0], amax)
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        if reduce:  # H[0] itself when nothing was handed over (no tensor that aliases H goes to the op)
+            if amax is not None:
+                amax = torch.maximum(history[0], amax)
+            torch.distributed.all_reduce(history[0] if amax is None else amax, op=torch.distributed.ReduceOp.MAX, group=group)
         if _built_in(recipe):
             ops.delayed_scaling_update_(history, state.scale, state.scale_inv, fp8_max=state.fp8_max, margin=float(recipe.margin),
                                         amax_compute_algo=recipe.amax_compute_algo, amax=amax)
