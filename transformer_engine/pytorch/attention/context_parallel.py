@@ -24,7 +24,10 @@ Communication types (TE's ``cp_comm_type``):
   full by both query chunks but only through its first chunk (chunk j), j > r only by the second query
   chunk (chunk 2P-1-r), in full. With a sliding window every block is computed whole, masked by the
   sequence positions of its queries and keys (a query row with no key in the window contributes
-  lse_b = -inf, P_b = 0). The backward runs the same ring with the global lse and
+  lse_b = -inf, P_b = 0). Dropout multiplies each block's probabilities by a mask Z = keep / (1 - p) drawn
+  on the rank (dropping after the softmax commutes with the merge's rescaling); the backward draws the
+  same masks again from the generator state the forward started from. The backward runs the same ring
+  with the global lse and
   D_i = sum_d dO_id O_id: P_b = exp(S_b - lse), dS_b = P_b (dO V_b^T - D), dQ += scale dS_b K_b,
   dK_b = scale dS_b^T Q, dV_b = P_b^T dO; the dK/dV accumulator of a block travels with it and is
   home after the P-th hop.
@@ -39,8 +42,9 @@ not through the catalog; "all_gather" and "a2a" run the catalog op on whichever 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,7 +110,7 @@ class CPAttention:
         causal: causal mask (TE's "causal" / "causal_bottom_right": the same for self-attention).
         window_size: (left, right) sliding window in sequence positions, -1 unbounded.
         softmax_scale: multiplier of Q K^T.
-        dropout_p: attention dropout ("all_gather" / "a2a": drawn per rank from its own generator).
+        dropout_p: attention dropout (drawn per rank from its own generator).
         softmax_type: "vanilla" ("off-by-one" / "learnable" with "a2a" only, as TE).
     """
 
@@ -148,7 +152,7 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
 
     Raises:
         NotImplementedError: thd, KV caching, padding / arbitrary masks, biases, ALiBi; softmax offsets
-            except with "a2a"; dropout with "p2p".
+            except with "a2a".
         ValueError: odd local sequence lengths, q / k lengths that differ under a causal mask or a
             window, head counts that "a2a" cannot split over the group.
     """
@@ -163,8 +167,6 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         raise NotImplementedError(f"{name} does not support core_attention_bias_type={bias_type!r}; use 'no_bias'")
     if softmax_type != "vanilla" and cp.comm_type != "a2a":
         raise NotImplementedError(f"{name} supports softmax_type={softmax_type!r} only with cp_comm_type='a2a'")
-    if dropout_p > 0 and cp.comm_type == "p2p":
-        raise NotImplementedError(f"{name} does not support attention dropout yet; set attention_dropout=0 or use 'all_gather'")
     s_q, s_kv = q.shape[1], k.shape[1]
     if s_q % 2 or s_kv % 2:
         raise ValueError(f"{name}: each rank holds two sequence chunks, so its q / k lengths ({s_q}, {s_kv}) must be even")
@@ -211,16 +213,19 @@ def _to_gathered(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def context_parallel_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend,
-                               softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               softmax_offset: Optional[torch.Tensor] = None,
+                               rng_ctx: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence; q, k, v and the result are "bshd".
 
-    Call :func:`check_cp_call` first. ``attend`` runs the catalog op ("all_gather", "a2a").
+    Call :func:`check_cp_call` first. ``attend`` runs the catalog op ("all_gather", "a2a", which enters
+    ``rng_ctx`` itself); "p2p" draws its dropout masks inside ``rng_ctx()`` (e.g. a model-parallel RNG tracker).
     """
     if cp.comm_type == "all_gather":
         return _all_gather_attention(q, k, v, settings, cp, attend, softmax_offset)
     if cp.comm_type == "a2a":
         return _a2a_attention(q, k, v, settings, cp, attend, softmax_offset)
-    return _RingAttention.apply(q, k, v, settings, cp)
+    with rng_ctx():
+        return _RingAttention.apply(q, k, v, settings, cp)
 
 
 # ---------------------------------------------------------------------------------------- all_gather
@@ -423,8 +428,34 @@ def _merge(out, lse, rows: slice, o_b, lse_b) -> None:
     lse[..., rows] = new
 
 
+def _dropout_scale(p: torch.Tensor, dropout_p: float) -> Optional[torch.Tensor]:
+    """Z = keep / (1 - dropout_p) for a block of probabilities ``p`` (keep ~ Bernoulli(1 - dropout_p), drawn from
+    the current generator of p's device), or None without dropout."""
+    if dropout_p == 0.0:
+        return None
+    keep = torch.rand(p.shape, dtype=torch.float32, device=p.device) >= dropout_p
+    return keep.float() / (1.0 - dropout_p)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator the dropout masks of ``device`` are drawn from."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _replayed_rng(device: torch.device, state: torch.Tensor):
+    """The generator of ``device`` set to ``state`` inside (the forward's masks drawn again), as it was after."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the CPU generator is always forked
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
+
+
 def _ring_forward(q, k, v, settings: CPAttention, ring: _Ring):
-    """(out [b, h, s_q, d_v], lse [b, h, s_q]) in float32; q, k, v "bshd"."""
+    """(out [b, h, s_q, d_v], lse [b, h, s_q]) in float32; q, k, v "bshd". With dropout the block's probabilities
+    (normalised by the block's lse, rescaled by the merge) are multiplied by their mask Z before P V."""
     qh = _heads_first(q)
     heads, s_q, s_kv = qh.shape[1], q.shape[1], k.shape[1]
     out = qh.new_zeros(*qh.shape[:-1], v.shape[-1])
@@ -436,21 +467,25 @@ def _ring_forward(q, k, v, settings: CPAttention, ring: _Ring):
         rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         kh, vh = _expand(_heads_first(k_blk[:, cols]), heads), _expand(_heads_first(v_blk[:, cols]), heads)
         p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, hidden)
-        _merge(out, lse, rows, p @ vh, lse_b)
+        z = _dropout_scale(p, settings.dropout_p)
+        _merge(out, lse, rows, (p if z is None else p * z) @ vh, lse_b)
         if arriving is not None:
             kv = arriving()
     return out, lse
 
 
 def _block_grads(qh, doh, lse, delta, k_blk, v_blk, settings: CPAttention, hidden: Optional[torch.Tensor]):
-    """(dq, dk, dv) float32 of one block given the global lse and D (see the module docstring)."""
+    """(dq, dk, dv) float32 of one block given the global lse and D (see the module docstring); with dropout, the
+    forward's mask Z drawn again: dV = (P Z)^T dO, dS = P (Z dO V^T - D), D = rowsum(dO O) of the dropped O."""
     heads, heads_kv = qh.shape[1], k_blk.shape[2]
     kh, vh = _expand(_heads_first(k_blk), heads), _expand(_heads_first(v_blk), heads)
     p, _ = _probs(qh, kh, settings.softmax_scale, hidden, lse)
-    ds = p * (doh @ vh.transpose(-1, -2) - delta.unsqueeze(-1))
+    z = _dropout_scale(p, settings.dropout_p)
+    dp = doh @ vh.transpose(-1, -2)
+    ds = p * ((dp if z is None else dp * z) - delta.unsqueeze(-1))
     scale = settings.softmax_scale
     dk = (scale * ds.transpose(-1, -2) @ qh).unflatten(1, (heads_kv, -1)).sum(dim=2)
-    dv = (p.transpose(-1, -2) @ doh).unflatten(1, (heads_kv, -1)).sum(dim=2)
+    dv = ((p if z is None else p * z).transpose(-1, -2) @ doh).unflatten(1, (heads_kv, -1)).sum(dim=2)
     return scale * (ds @ kh), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -484,6 +519,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, settings: CPAttention, cp: CPGroup):
+        ctx.rng_state = _rng_state(q.device) if settings.dropout_p > 0 else None  # backward draws the masks again
         out, lse = _ring_forward(q, k, v, settings, _Ring(cp))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings, ctx.cp = settings, cp
@@ -492,5 +528,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.settings, _Ring(ctx.cp))
+        replay = _replayed_rng(q.device, ctx.rng_state) if ctx.rng_state is not None else contextlib.nullcontext()
+        with replay:
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.settings, _Ring(ctx.cp))
         return dq, dk, dv, None, None

@@ -448,7 +448,7 @@ class DotProductAttention(torch.nn.Module):
         def attend(qc, kc, vc, softmax_offset, config):
             return _attend(qc, kc, vc, None, softmax_offset, _Extras(), config, rng_ctx)
 
-        args = (problem.q, problem.k, problem.v, settings, self._cp_group_settings, attend, self.softmax_offset)
+        args = (problem.q, problem.k, problem.v, settings, self._cp_group_settings, attend, self.softmax_offset, rng_ctx)
         if checkpointed:
             out = checkpoint(_cp.context_parallel_attention, *args, get_rng_state_tracker=self.get_rng_state_tracker)
         else:
