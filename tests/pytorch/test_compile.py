@@ -18,7 +18,9 @@ import torch
 
 import transformer_engine.pytorch as te
 from tests.utils import sqnr
-from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import (
+    DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling,
+)
 
 RECIPES = {
     "bf16": None,
@@ -204,6 +206,38 @@ def _assert_inductor_tracks_eager(eager, recipe, xs, **train_kwargs):
             assert sqnr(y_e, y_c) > min(sqnr(y_h, y_e), 40.0)
             assert sqnr(dx_e, dx_c) > min(sqnr(dx_h, dx_e), 40.0)
     return eager, compiled
+
+
+#: MXFP8 and NVFP4 (emulated): every GEMM dim a multiple of 32; NVFP4 without stochastic rounding, whose random bits
+#: eager and compiled runs would draw from different generator states
+BLOCK_RECIPES = {"mxfp8": MXFP8BlockScaling(), "nvfp4": NVFP4BlockScaling(disable_stochastic_rounding=True)}
+BLOCK_MODULES = {
+    "Linear": lambda: te.Linear(64, 64),
+    "LayerNormMLP": lambda: te.LayerNormMLP(64, 128),
+    "TransformerLayer": lambda: te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0),
+}
+
+
+@pytest.mark.parametrize("recipe_name", list(BLOCK_RECIPES))
+@pytest.mark.parametrize("module_name", list(BLOCK_MODULES))
+def test_mxfp8_and_nvfp4_trace_whole_and_train_as_eagerly(module_name, recipe_name):
+    """One graph, no break, and three compiled (aot_eager) SGD steps as eager ones: bit for bit, but for the
+    TransformerLayer, whose compiled attention is SDPA (float32-close; see test_compiled_attention_modules_track_eager)."""
+    recipe = BLOCK_RECIPES[recipe_name]
+    eager = BLOCK_MODULES[module_name]()
+    compiled = copy.deepcopy(eager)
+    xs = [torch.randn(16, 2, 64) for _ in range(3)]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_step_fn(copy.deepcopy(eager), recipe))(xs[0].clone().requires_grad_())
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, [b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    step = torch.compile(_step_fn(compiled, recipe), fullgraph=True, backend="aot_eager")
+    exact = module_name != "TransformerLayer"
+    for (y_e, dx_e), (y_c, dx_c) in zip(_train(_step_fn(eager, recipe), eager, xs), _train(step, compiled, xs)):
+        for actual, expected in ((y_c, y_e), (dx_c, dx_e)):
+            assert torch.equal(actual, expected) if exact else sqnr(expected, actual) > 40.0
+    for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters()):  # (a key bias stays ~0: no SQNR)
+        torch.testing.assert_close(p_c, p_e, rtol=0 if exact else 1e-3, atol=0 if exact else 1e-5, msg=name)
 
 
 def _assert_same_scaling_state(compiled, eager):
