@@ -580,30 +580,6 @@ def test_mxfp8_weights_built_without_gradients_keep_the_row_wise_copy_only(monke
     assert torch.isfinite(x.grad).all() and torch.isfinite(module.weight.grad.float()).all()
 
 
-def test_mxfp8_parameters_step_through_fused_adam_masters_and_load_from_a_weights_only_checkpoint():
-    torch.manual_seed(9)
-    module = _mx_build("LayerNormMLP", preserve=True)
-    opt = FusedAdam(module.parameters(), lr=1e-2, master_weights=True)
-    x = torch.randn(32, 64, dtype=torch.bfloat16)
-    before = module.fc1_weight.dequantize()
-    _mx_run(module, x)
-    opt.step()
-    for weight_name in MX_MODULES["LayerNormMLP"][1]:
-        p = getattr(module, weight_name)
-        assert isinstance(p, MXFP8Tensor) and p.get_usages() == {"rowwise": True, "columnwise": True}
-        expected = p._get_quantizer().quantize_impl(opt.state[p]["master_param"])
-        for key in ("_rowwise_data", "_columnwise_data"):  # both copies re-quantized from the master
-            assert torch.equal(getattr(p, key).view(torch.uint8), getattr(expected, key).view(torch.uint8)), (weight_name, key)
-    assert not torch.equal(module.fc1_weight.dequantize(), before)
-    buffer = io.BytesIO()
-    torch.save(module.state_dict(), buffer)
-    buffer.seek(0)
-    loaded = _mx_build("LayerNormMLP")
-    loaded.load_state_dict(torch.load(buffer, weights_only=True))
-    assert torch.equal(loaded.fc2_weight._columnwise_data.view(torch.uint8), module.fc2_weight._columnwise_data.view(torch.uint8))
-    assert torch.equal(_mx_run(loaded, x)[0], _mx_run(module, x)[0])
-
-
 def test_mxfp8_weight_memory_is_both_copies_and_their_scales():
     """Two FP8 bytes per element plus two E8M0 bytes per 32: (2 + 2/32) / 2 = 1.03x of bf16, no per-step cast."""
     bf16, mx = MX_MODULES["LayerNormMLP"][0](torch.bfloat16), _mx_build("LayerNormMLP")
@@ -677,28 +653,35 @@ def test_nvfp4_weight_stored_with_other_tiles_is_cast_as_the_autocast_recipe_cas
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
 
 
-def test_nvfp4_parameters_step_through_fused_adam_masters_and_load_from_a_weights_only_checkpoint():
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_block_scaled_parameters_step_through_fused_adam_masters_and_load_from_a_weights_only_checkpoint(fmt):
+    """MXFP8 / NVFP4 weights: after a FusedAdam step with fp32 masters both copies (and their scales) are the
+    re-quantization of the master; a weights_only checkpoint loads them byte for byte."""
+    build, run, cls, keys = {
+        "mxfp8": (_mx_build, _mx_run, MXFP8Tensor, ("_rowwise_data", "_columnwise_data")),
+        "nvfp4": (_nv_build, _nv_run, NVFP4Tensor, ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")),
+    }[fmt]
     torch.manual_seed(9)
-    module = _nv_build("LayerNormMLP", preserve=True)
+    module = build("LayerNormMLP", preserve=True)
     opt = FusedAdam(module.parameters(), lr=1e-2, master_weights=True)
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     before = module.fc1_weight.dequantize()
-    _nv_run(module, x)
+    run(module, x)
     opt.step()
     for weight_name in MX_MODULES["LayerNormMLP"][1]:
         p = getattr(module, weight_name)
-        assert isinstance(p, NVFP4Tensor) and p.get_usages() == {"rowwise": True, "columnwise": True}
+        assert isinstance(p, cls) and p.get_usages() == {"rowwise": True, "columnwise": True}
         expected = p._get_quantizer().quantize_impl(opt.state[p]["master_param"])
-        for key in ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv"):  # re-quantized from the master
-            assert torch.equal(getattr(p, key), getattr(expected, key)), (weight_name, key)
+        for key in keys:  # re-quantized from the master
+            assert torch.equal(getattr(p, key).view(torch.uint8), getattr(expected, key).view(torch.uint8)), (weight_name, key)
     assert not torch.equal(module.fc1_weight.dequantize(), before)
     buffer = io.BytesIO()
     torch.save(module.state_dict(), buffer)
     buffer.seek(0)
-    loaded = _nv_build("LayerNormMLP")
+    loaded = build("LayerNormMLP")
     loaded.load_state_dict(torch.load(buffer, weights_only=True))
-    assert torch.equal(loaded.fc2_weight._columnwise_data, module.fc2_weight._columnwise_data)
-    assert torch.equal(_nv_run(loaded, x)[0], _nv_run(module, x)[0])
+    assert torch.equal(loaded.fc2_weight._columnwise_data.view(torch.uint8), module.fc2_weight._columnwise_data.view(torch.uint8))
+    assert torch.equal(run(loaded, x)[0], run(module, x)[0])
 
 
 def test_nvfp4_weight_memory_is_two_fp4_copies_and_their_tile_scales():
