@@ -492,7 +492,7 @@ def test_disabled_keeps_high_precision_weights():
     assert type(layer.weight) is torch.nn.Parameter and not layer.primary_weights_in_fp8
 
 
-# ------------------------------------------------------------------------------------------ MXFP8 parameters
+# ------------------------------------------------------------------------------------------ MXFP8 and NVFP4 parameters
 
 #: MXFP8 blocks need every GEMM dim to be a multiple of 32 (W's rows for W^T's copy, the tokens for x^T's)
 MX_MODULES = {
@@ -516,25 +516,55 @@ def _mx_run(module, x, recipe=MXFP8BlockScaling()):
     return y, x.grad
 
 
-@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), MX_CUSTOM], ids=["mxfp8", "custom"])
+NV_CUSTOM = CustomRecipe(qfactory=lambda role: NVFP4Quantizer(with_2d_quantization=role == "linear_weight"))
+
+
+def _nv_build(name, recipe=NVFP4BlockScaling(), preserve=False):
+    return _mx_build(name, recipe, preserve)
+
+
+def _nv_run(module, x, recipe=NVFP4BlockScaling(), seed=5):
+    """``_mx_run`` with torch's generator seeded first: NVFP4 gradients round stochastically from seeds it draws."""
+    torch.manual_seed(seed)
+    return _mx_run(module, x, recipe)
+
+
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), MX_CUSTOM, NVFP4BlockScaling(), NV_CUSTOM],
+                         ids=["mxfp8", "mxfp8_custom", "nvfp4", "nvfp4_custom"])
 @pytest.mark.parametrize("name", MX_MODULES)
-def test_mxfp8_weights_are_parameters_holding_both_copies_and_train_as_the_dequantized_module(name, recipe):
-    """Both copies (blocks along K for fprop, along N for dgrad's W^T) are two quantizations of W, kept as NVIDIA TE
-    keeps MXFP8 weights; the module then computes bit for bit what a bf16 module holding W itself computes (its
-    per-step casts of W give the stored copies). The dequantized weights would not do: re-quantized along N,
-    the row-wise copy's values do not give the column-wise copy (other blocks, other scales)."""
+def test_block_scaled_weights_are_parameters_holding_both_copies_and_train_as_the_dequantized_module(name, recipe):
+    """MXFP8: both copies (blocks along K for fprop, along N for dgrad's W^T) are two quantizations of W, kept as
+    NVIDIA TE keeps MXFP8 weights; NVFP4: the module's two quantizations of W (16 x 16 tiles under the recipe's
+    defaults). The module then computes bit for bit what a bf16 module holding W itself computes (its per-step
+    casts of W give the stored copies; NVFP4's gradients with the same random bits), and dW is a plain
+    high-precision tensor. The dequantized weights would not do: re-quantized along N, the row-wise copy's
+    values do not give MXFP8's column-wise copy (other blocks, other scales)."""
+    nvfp4 = isinstance(recipe, NVFP4BlockScaling) or recipe is NV_CUSTOM
     torch.manual_seed(8)
     module = _mx_build(name, recipe, preserve=True)
     for weight_name in MX_MODULES[name][1]:
         weight = getattr(module, weight_name)
-        assert isinstance(weight, MXFP8Tensor) and isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.bfloat16
-        assert weight.get_usages() == {"rowwise": True, "columnwise": True}
+        assert isinstance(weight, NVFP4Tensor if nvfp4 else MXFP8Tensor) and isinstance(weight, torch.nn.Parameter)
+        assert weight.dtype == torch.bfloat16 and weight.get_usages() == {"rowwise": True, "columnwise": True}
+        assert not nvfp4 or weight._get_quantizer().with_2d_quantization
     ref = _holding_the_initial_weights(module, MX_MODULES[name][0](torch.bfloat16))
     x = torch.randn(32, 64, dtype=torch.bfloat16)
-    (y, dx), (y_ref, dx_ref) = _mx_run(module, x, recipe), _mx_run(ref, x, recipe)
+    (y, dx), (y_ref, dx_ref) = _nv_run(module, x, recipe), _nv_run(ref, x, recipe)
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
     for (param_name, p), p_ref in zip(module.named_parameters(), ref.parameters()):
         assert type(p.grad) is torch.Tensor and torch.equal(p.grad, p_ref.grad), param_name
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_block_scaled_forward_and_backward_read_the_stored_copies_without_a_cast(fmt, monkeypatch):
+    from transformer_engine.plugin import ops
+
+    build, run, op = {"mxfp8": (_mx_build, _mx_run, "quantize_mxfp8"), "nvfp4": (_nv_build, _nv_run, "quantize_nvfp4")}[fmt]
+    module, shapes = build("Linear"), []
+    original = getattr(ops, op)
+    monkeypatch.setattr(ops, op, lambda x, *a, **k: (shapes.append(tuple(x.shape)), original(x, *a, **k))[1])
+    run(module, torch.randn(32, 64, dtype=torch.bfloat16))
+    assert shapes and (96, 64) not in shapes, shapes  # x and dy only
 
 
 def _holding_the_initial_weights(module, ref):
@@ -546,16 +576,6 @@ def _holding_the_initial_weights(module, ref):
             if isinstance(p, QuantizedTensor):
                 p_ref.copy_(p.get_high_precision_init_val())
     return ref
-
-
-def test_mxfp8_forward_and_backward_read_the_stored_copies_without_a_cast(monkeypatch):
-    from transformer_engine.plugin import ops
-
-    module, shapes = _mx_build("Linear"), []
-    original = ops.quantize_mxfp8
-    monkeypatch.setattr(ops, "quantize_mxfp8", lambda x, *a, **k: (shapes.append(tuple(x.shape)), original(x, *a, **k))[1])
-    _mx_run(module, torch.randn(32, 64, dtype=torch.bfloat16))
-    assert shapes and (96, 64) not in shapes, shapes  # x and dy only
 
 
 def test_mxfp8_weights_built_without_gradients_keep_the_row_wise_copy_only(monkeypatch):
@@ -589,50 +609,6 @@ def test_mxfp8_weight_memory_is_both_copies_and_their_scales():
 
 
 # ------------------------------------------------------------------------------------------ NVFP4 parameters
-
-NV_CUSTOM = CustomRecipe(qfactory=lambda role: NVFP4Quantizer(with_2d_quantization=role == "linear_weight"))
-
-
-def _nv_build(name, recipe=NVFP4BlockScaling(), preserve=False):
-    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=preserve):
-        return MX_MODULES[name][0](torch.bfloat16)
-
-
-def _nv_run(module, x, recipe=NVFP4BlockScaling(), seed=5):
-    """``_mx_run`` with torch's generator seeded first: NVFP4 gradients round stochastically from seeds it draws."""
-    torch.manual_seed(seed)
-    return _mx_run(module, x, recipe)
-
-
-@pytest.mark.parametrize("recipe", [NVFP4BlockScaling(), NV_CUSTOM], ids=["nvfp4", "custom"])
-@pytest.mark.parametrize("name", MX_MODULES)
-def test_nvfp4_weights_are_parameters_holding_both_copies_and_train_as_the_dequantized_module(name, recipe):
-    """An NVFP4 weight keeps the module's two quantizations of W (16 x 16 tiles under the recipe's defaults): the
-    module computes bit for bit what a bf16 module holding W computes with the same random bits, and dW is a plain
-    high-precision tensor."""
-    torch.manual_seed(8)
-    module = _nv_build(name, recipe, preserve=True)
-    for weight_name in MX_MODULES[name][1]:
-        weight = getattr(module, weight_name)
-        assert isinstance(weight, NVFP4Tensor) and isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.bfloat16
-        assert weight.get_usages() == {"rowwise": True, "columnwise": True}
-        assert weight._get_quantizer().with_2d_quantization
-    ref = _holding_the_initial_weights(module, MX_MODULES[name][0](torch.bfloat16))
-    x = torch.randn(32, 64, dtype=torch.bfloat16)
-    (y, dx), (y_ref, dx_ref) = _nv_run(module, x, recipe), _nv_run(ref, x, recipe)
-    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
-    for (param_name, p), p_ref in zip(module.named_parameters(), ref.parameters()):
-        assert type(p.grad) is torch.Tensor and torch.equal(p.grad, p_ref.grad), param_name
-
-
-def test_nvfp4_forward_and_backward_read_the_stored_copies_without_a_cast(monkeypatch):
-    from transformer_engine.plugin import ops
-
-    module, shapes = _nv_build("Linear"), []
-    original = ops.quantize_nvfp4
-    monkeypatch.setattr(ops, "quantize_nvfp4", lambda x, *a, **k: (shapes.append(tuple(x.shape)), original(x, *a, **k))[1])
-    _nv_run(module, torch.randn(32, 64, dtype=torch.bfloat16))
-    assert shapes and (96, 64) not in shapes, shapes  # x and dy only
 
 
 def test_nvfp4_weight_stored_with_other_tiles_is_cast_as_the_autocast_recipe_casts():
