@@ -18,7 +18,7 @@ from .layernorm import layernorm
 from .quantize import noop_quantizer_set
 from .sharding import with_sharding_constraint_by_logical_axes
 
-__all__ = ["layernorm_mlp"]
+__all__ = ["layernorm_mlp", "mlp_after_norm"]
 
 
 def _check_pairs(**pairs) -> None:
@@ -27,8 +27,9 @@ def _check_pairs(**pairs) -> None:
             raise ValueError(f"layernorm_mlp: {name} must hold 2 entries (one per GEMM), got {len(value)}")
 
 
-def _mlp_after_norm(normed, kernels, biases, activation_type, quantizer_sets, axes, intermediate_fn: Callable):
-    """The two GEMMs and the activation: dense2(intermediate_fn(act(dense1(normed)))).
+def mlp_after_norm(normed, kernels, biases, activation_type, quantizer_sets, axes, intermediate_fn: Callable):
+    """The two GEMMs and the activation: dense2(intermediate_fn(act(dense1(normed)))); what ``layernorm_mlp`` runs
+    after its norm, and the Flax ``LayerNormMLP`` too (which puts its dropout in ``intermediate_fn``).
 
     ``axes`` = (dot_1_input_axes, dot_2_input_axes, kernel_1_axes, kernel_2_axes, ffn1_ckpt, ffn2_ckpt).
     """
@@ -94,4 +95,4 @@ def layernorm_mlp(
     x = with_sharding_constraint_by_logical_axes(x, norm_input_axes)
     normed = layernorm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     axes = (dot_1_input_axes, dot_2_input_axes, kernel_1_axes, kernel_2_axes, ffn1_ckpt_name, ffn2_ckpt_name)
-    return _mlp_after_norm(normed, kernels, biases, activation_type, quantizer_sets, axes, lambda h: h)
+    return mlp_after_norm(normed, kernels, biases, activation_type, quantizer_sets, axes, lambda h: h)

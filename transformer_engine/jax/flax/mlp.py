@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ..activation import canonicalize_activations
 from ..layernorm import layernorm
-from ..layernorm_mlp import _mlp_after_norm
+from ..layernorm_mlp import mlp_after_norm
 from ..sharding import with_sharding_constraint_by_logical_axes
 from ._base import Initializer, check_no_lora, check_output_dtype, logical_param, quantizer_set, stacked_init
 from .layernorm import norm_params
@@ -122,7 +122,7 @@ class LayerNormMLP(nn.Module):
         )
         axes = (self.dot_1_input_axes, self.dot_2_input_axes, self.kernel_axes_1, self.kernel_axes_2,
                 self.ffn1_ckpt_name, self.ffn2_ckpt_name)
-        y = _mlp_after_norm(
+        y = mlp_after_norm(
             normed, kernels, biases, names, (quantizer_set(self, "_0"), quantizer_set(self, "_1")), axes,
             lambda h: dropout(h, deterministic=deterministic),
         )

@@ -41,8 +41,8 @@ from .delayed_update import fold_amaxes, reduce_and_update
 from .recipe_state import check_recipe_implemented
 
 __all__ = [
-    "BackwardUpdate", "QuantizationConfig", "autocast", "current_config", "forward_amax_buffer", "fp8_autocast", "isolated_stack",
-    "recompute_region", "register_states", "reset_autocast_state",
+    "BackwardUpdate", "QuantizationConfig", "autocast", "autocast_depth", "current_config", "forward_amax_buffer", "fp8_autocast",
+    "isolated_stack", "recompute_flags", "recompute_region", "register_states", "reset_autocast_state", "run_pending_update",
 ]
 
 
@@ -186,6 +186,21 @@ _STATE = _GlobalState()
 def current_config() -> QuantizationConfig:
     """The setting of the innermost active autocast (disabled outside any)."""
     return _STATE.config
+
+
+def autocast_depth() -> int:
+    """How many autocasts are active."""
+    return _STATE.depth
+
+
+def recompute_flags() -> Tuple[bool, bool]:
+    """(inside a recompute region, in its recomputation): see :func:`recompute_region`."""
+    return _STATE.recompute_enabled, _STATE.recompute_phase
+
+
+def run_pending_update(forward: bool) -> None:
+    """Run the delayed-scaling update still pending for the outermost autocast's forward (or backward) states."""
+    (_STATE.forward if forward else _STATE.backward.groups).run()
 
 
 def forward_amax_buffer(fwd_state) -> Optional[torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from transformer_engine.common.recipe import Recipe
 
 from . import availability
-from .autocast import _STATE, current_config, reset_autocast_state
+from .autocast import autocast_depth, current_config, recompute_flags, reset_autocast_state, run_pending_update
 from .model_init import model_init_config
 
 __all__ = ["FP8GlobalStateManager"]
@@ -45,17 +45,17 @@ class FP8GlobalStateManager:
     @classmethod
     def get_autocast_depth(cls) -> int:
         """How many autocasts are active."""
-        return _STATE.depth
+        return autocast_depth()
 
     @classmethod
     def is_fp8_activation_recompute_enabled(cls) -> bool:
         """True inside ``activation_recompute_forward(activation_recompute=True)`` (either phase)."""
-        return _STATE.recompute_enabled
+        return recompute_flags()[0]
 
     @classmethod
     def in_fp8_activation_recompute_phase(cls) -> bool:
         """True while a recomputed region runs its second time (``recompute_phase=True``)."""
-        return _STATE.recompute_phase
+        return recompute_flags()[1]
 
     @classmethod
     def with_fp8_parameters(cls) -> bool:
@@ -106,5 +106,4 @@ class FP8GlobalStateManager:
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
         """Run the pending forward (or backward) delayed-scaling update now."""
-        pending = _STATE.forward if forward else _STATE.backward.groups
-        pending.run()
+        run_pending_update(forward)
