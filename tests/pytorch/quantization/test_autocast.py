@@ -208,3 +208,22 @@ def test_isolated_stack_runs_an_inner_autocast_as_the_outermost():
             assert float(bwd.amax_history[-1].abs().sum()) > 0  # the backward update ran at the end of backward
         assert seen == [0.0, 0.0]  # forward and backward states, seen before any update
         assert FP8GlobalStateManager.get_autocast_depth() == 1 and not current_config().enabled
+
+
+def test_autocast_state_is_one_per_process_and_backward_runs_on_another_thread():
+    """What the module docstring decides: another thread sees the active autocast (NVIDIA TE's global state), and a
+    backward run on another thread, outside any autocast, still updates the gradients' delayed-scaling state."""
+    import threading
+
+    seen = []
+    layer = te.Linear(16, 16)
+    with te.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        worker = threading.Thread(target=lambda: seen.append(FP8GlobalStateManager.is_fp8_enabled()))
+        worker.start()
+        worker.join()
+        y = layer(torch.randn(16, 16))
+    assert seen == [True]
+    worker = threading.Thread(target=lambda: y.sum().backward())
+    worker.start()
+    worker.join()
+    assert layer.fp8_meta["scaling_bwd"].scale[0] != 1  # updated from the backward's amaxes (dy = 1)

@@ -15,6 +15,12 @@ Update schedule (delayed scaling, TE's):
   amax_reduction_group), one ``all_reduce(MAX)`` per group when ``recipe.reduce_amax``;
 - backward slots: at the end of the backward of the first module that ran inside the outermost
   autocast (the last module to run backward), grouped the same way.
+
+Threads: the autocast state is one per process, as NVIDIA TE's ``FP8GlobalStateManager`` (class attributes):
+every thread sees the setting of the autocast that is active anywhere, and autocasts must not be entered
+from two threads at once (the stack would interleave). The backward of an FP8 forward needs nothing from
+it (autograd may run it on another thread): each module's backward carries its own update. The op
+dispatch policy (``transformer_engine.plugin``), by contrast, is per context (a ``ContextVar``).
 """
 
 from __future__ import annotations
