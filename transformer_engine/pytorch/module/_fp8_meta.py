@@ -96,7 +96,7 @@ def ensure_states(fp8_meta: Dict, quantizers: Dict, recipe: Recipe, device, owne
     """
     old = fp8_meta["scaling_fwd"]
     if old is not None and type(old.recipe) is type(recipe):
-        new_rules = old.recipe is not recipe and old.recipe != recipe and not old.has_amax_history
+        new_rules = not old.has_amax_history and old.recipe is not recipe and old.recipe != recipe
         for state in (old, fp8_meta["scaling_bwd"]):
             state.move_to(device)
             if state.recipe is not recipe:  # recipes are frozen: the same object has the same fields
