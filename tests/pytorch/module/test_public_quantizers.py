@@ -91,3 +91,13 @@ def test_a_recipe_type_change_gives_the_new_recipes_quantizers():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _ran(MXFP8BlockScaling(), module)
+
+
+def test_quantizers_are_made_when_asked_for_not_on_the_forward_path():
+    """Empty before the first FP8 step; made on first access after the states change, then the same objects."""
+    module = te.Linear(64, 64)
+    assert module.quantizers == {"scaling_fwd": [], "scaling_bwd": []}
+    _ran(DelayedScaling(), module)
+    assert module._public_quantizers[2] == {"scaling_fwd": [], "scaling_bwd": []}  # stale until asked for: no work per step
+    first = module.quantizers
+    assert len(first["scaling_fwd"]) == 3 and module.quantizers is first

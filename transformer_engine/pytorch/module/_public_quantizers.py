@@ -17,7 +17,7 @@ a quantized tensor); here each is made once per state from the internal one:
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -93,8 +93,8 @@ def public_quantizer(module_quantizer: ModuleQuantizer, fp8_meta: dict, key: str
 
 def public_quantizers(fp8_meta: dict, key: str, module_quantizers: List[ModuleQuantizer]) -> List[Quantizer]:
     """``module.quantizers[key]``: the public quantizer of each slot of ``fp8_meta[key]`` (a CustomRecipe's: those its
-    factory returned, which its module quantizers cast as)."""
-    state: RecipeState = fp8_meta[key]
+    factory returned, which its module quantizers cast as; none before the module has states)."""
+    state: Optional[RecipeState] = fp8_meta[key]
     if isinstance(state, CustomRecipeState):
         return list(state.factory_quantizers)
     return [public_quantizer(q, fp8_meta, key, i) for i, q in enumerate(module_quantizers)]
