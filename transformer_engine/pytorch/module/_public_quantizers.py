@@ -3,7 +3,7 @@
 A module casts with its internal quantizers (``quantization/quantizer.py``: operands for the GEMMs, the
 delayed-scaling bookkeeping). TE's API hands users ``module.quantizers["scaling_fwd"]`` /
 ``["scaling_bwd"]`` as its public quantizers (``isinstance(q, Float8Quantizer)``, ``q.scale``, ``q(x)`` giving
-a quantized tensor); here each is made once per state from the internal one:
+a quantized tensor); here each is made from the internal one, on the first access after the states change:
 
 | recipe | public quantizer of slot i |
 |---|---|
