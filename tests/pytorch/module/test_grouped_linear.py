@@ -258,10 +258,46 @@ def test_unsupported_constructor_options(kwargs, error, match):
         GroupedLinear(2, 16, 8, **kwargs)
 
 
-@pytest.mark.parametrize("buffer", ["out", "dgrad_out"])
-def test_unsupported_forward_buffers(buffer):
-    with pytest.raises(NotImplementedError, match=f"preallocated {buffer} buffer"):
-        GroupedLinear(2, 16, 8)(randn(16, 16), [8, 8], **{buffer: torch.empty(16, 8 if buffer == "out" else 16)})
+@pytest.mark.parametrize("recipe_name", [None, "current"])
+def test_preallocated_buffers_receive_y_and_dx(recipe_name):
+    """out: the returned y is the buffer, holding what a call without it returns; dgrad_out receives dx. The
+    gradients are those of a call without buffers."""
+    recipe = {None: None, "current": Float8CurrentScaling()}[recipe_name]
+    module = GroupedLinear(3, 32, 48)
+    x, splits = randn(64, 32), [16, 0, 48]
+
+    def run(**buffers):
+        x_in = x.clone().requires_grad_()
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = module(x_in, splits, **buffers)
+        y.square().sum().backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        module.zero_grad(set_to_none=True)
+        return y, x_in.grad, grads
+
+    y_ref, dx_ref, grads_ref = run()
+    out, dgrad_out = torch.full((64, 48), float("nan")), torch.full((64, 32), float("nan"))
+    y, dx, grads = run(out=out.detach(), dgrad_out=dgrad_out)
+    assert y.data_ptr() == out.data_ptr() and torch.equal(out, y_ref.detach()) and torch.equal(y, y_ref)
+    assert torch.equal(dgrad_out, dx_ref) and torch.equal(dx, dx_ref)
+    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref))
+
+
+@pytest.mark.parametrize("name, buffer, match", [
+    ("out", torch.empty(16, 9), r"shape \(16, 9\) is not \(16, 8\)"),
+    ("out", torch.empty(16, 8, dtype=torch.float64), "dtype torch.float64"),
+    ("out", torch.empty(8, 16).t(), "not contiguous"),
+    ("out", torch.empty(16, 8, requires_grad=True), "buffer.detach"),
+    ("out", torch.empty(16, 8, device="meta"), "on meta"),
+    ("dgrad_out", torch.empty(16, 8), r"shape \(16, 8\) is not \(16, 16\)"),
+])
+def test_bad_preallocated_buffers_are_named(name, buffer, match):
+    with pytest.raises(ValueError, match=f"preallocated {name} buffer cannot be used: .*{match}"):
+        GroupedLinear(2, 16, 8)(randn(16, 16), [8, 8], **{name: buffer})
+    with pytest.raises(ValueError, match="needs a 2-D input"):
+        GroupedLinear(2, 16, 8)(randn(2, 8, 16), [8, 8], out=torch.empty(2, 8))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        GroupedLinear(2, 16, 8)(randn(16, 16), [8, 8], out=[0.0])
 
 
 def _compile_step(module, recipe):

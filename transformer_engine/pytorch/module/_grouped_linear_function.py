@@ -48,6 +48,7 @@ class GroupedLinearArgs:
         wgrads: where each dW_i goes.
         save_original_input: keep the input as given for backward, whose wgrads cast each x_i^T again (FP8 only;
             the caller checked that the input casts depend on the input alone).
+        out, dgrad_out: caller's buffers that receive y [M, N] and dx [M, K] (checked by the caller), or None.
     """
 
     dtype: torch.dtype
@@ -56,6 +57,8 @@ class GroupedLinearArgs:
     weight_operands: Tuple[Operand, ...]
     wgrads: Tuple[WgradTarget, ...]
     save_original_input: bool = False
+    out: Optional[torch.Tensor] = None
+    dgrad_out: Optional[torch.Tensor] = None
 
 
 def _row_splits(rows: torch.Tensor, m_splits: Sequence[int]):
@@ -84,9 +87,11 @@ class GroupedLinearFunction(torch.autograd.Function):
                 x_ops.append((x_i if keep_input else for_backward(x_op)) if need_dw else None)
                 w_ops.append(for_backward(w_op) if inp.requires_grad and q.for_training else None)
             save(ctx, *x_ops, *w_ops)
-        ctx.args = without_operands(args, "weight_operands")
+        ctx.args = without_operands(args, "weight_operands", "out")
         ctx.inp_meta = (inp.shape, inp.dtype)
         ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in biases)
+        if args.out is not None:  # the splits' outputs copied into the caller's buffer, which is returned
+            return torch.cat(ys, out=args.out)
         return unflatten(torch.cat(ys), inp.shape)
 
     @staticmethod
@@ -110,5 +115,8 @@ class GroupedLinearFunction(torch.autograd.Function):
                 dbs.append(cast(db, db_dtype))
         if q.backward_update is not None:
             q.backward_update(amaxes)
-        dx = cast(torch.cat(dxs).view(*inp_shape), inp_dtype) if need_dx else None
+        if need_dx and args.dgrad_out is not None:
+            dx = torch.cat([dx_i.to(args.dgrad_out.dtype) for dx_i in dxs], out=args.dgrad_out)
+        else:
+            dx = cast(torch.cat(dxs).view(*inp_shape), inp_dtype) if need_dx else None
         return (dx, None, *dws, *dbs)

@@ -60,7 +60,11 @@ class GroupedLinear(TransformerEngineBaseModule):
 
     Forward: ``forward(inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None)``; ``m_splits``
     is a list of n non-negative ints summing to the rows of ``inp`` (a tensor is accepted in eager mode;
-    torch.compile needs the list). ``out`` / ``dgrad_out`` buffers are not implemented yet (must be None).
+    torch.compile needs the list). ``out`` / ``dgrad_out``: preallocated buffers for y [M, out_features] and, in
+    backward, dx [M, in_features] (2-D, contiguous, not requiring grad, on the input's device; out in the activation
+    dtype, dgrad_out in the input's dtype; a 2-D input): the returned y is ``out`` itself (the splits' outputs are
+    copied into it, one pass), and dgrad_out receives dx, which autograd hands on (it may copy it into a leaf's
+    ``.grad``). Reusing a buffer across steps: pass ``buffer.detach()``, since the returned y carries autograd history.
     Under FP8 a split may have any row count, as in TE (the weights follow TE's FP8 shape rule); MXFP8 and
     NVFP4 need multiples of 32 / 16 rows (their column-wise block scales; the error names the split). A split
     whose rows are not a multiple of 16 cannot take cuBLASLt's FP8 GEMM for its weight gradient (K = its rows):
@@ -181,14 +185,13 @@ class GroupedLinear(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor], is_first_microbatch: Optional[bool] = None,
                 out: Optional[torch.Tensor] = None, dgrad_out: Optional[torch.Tensor] = None):
         """y_i = x_i W_i^T + b_i for the row splits x_i of ``inp``; returns y, or (y, [b_i]) with ``return_bias``."""
-        for what, buffer in (("out", out), ("dgrad_out", dgrad_out)):
-            if buffer is not None:
-                raise NotImplementedError(f"GroupedLinear: the preallocated {what} buffer is not implemented yet; pass {what}=None")
         weights = [getattr(self, name) for name in self._weight_names]
         biases = [getattr(self, name) for name in self._bias_names]
         act_dtype = self._activation_dtype(inp, weights[0].dtype)
         self._check_features(inp, self.in_features)
         splits = self._check_splits(inp, m_splits)
+        _check_buffer("out", out, inp, (inp.shape[0], self.out_features), act_dtype)
+        _check_buffer("dgrad_out", dgrad_out, inp, (inp.shape[0], self.in_features), inp.dtype)
         q = self._prepare_quantization(inp.device, [("weight", weights[0].shape)])
         if self.save_original_input:
             check_saved_input("GroupedLinear", q.gemms[0].input)
@@ -200,9 +203,34 @@ class GroupedLinear(TransformerEngineBaseModule):
                                   for name, w, g in zip(self._weight_names, weights, q.gemms)),
             wgrads=tuple(self._wgrad_target(w.dtype, (w,)) for w in weights),
             save_original_input=self.save_original_input,
+            out=out,
+            dgrad_out=dgrad_out,
         )
         out = apply_without_torch_autocast(GroupedLinearFunction, inp.device, inp, args, *weights,
                                            *([None] * self.num_gemms if self.return_bias else biases))
         if self.return_bias:
             return out, [cast(b, act_dtype) for b in biases]
         return out
+
+
+def _check_buffer(name: str, buffer: Optional[torch.Tensor], inp: torch.Tensor, shape: Tuple[int, int], dtype: torch.dtype) -> None:
+    """Raise ValueError for a preallocated buffer that cannot receive the result (None passes).
+
+    It must be a 2-D, contiguous tensor of ``shape`` and ``dtype`` on the input's device, not requiring grad, and the
+    input must be 2-D (the result has the input's rows).
+    """
+    if buffer is None:
+        return
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"GroupedLinear: {name} must be a torch.Tensor, got {type(buffer).__name__}")
+    problems = [
+        (inp.dim() != 2, f"the input is {inp.dim()}-D; a buffer needs a 2-D input [tokens, features]"),
+        (tuple(buffer.shape) != tuple(shape), f"its shape {tuple(buffer.shape)} is not {tuple(shape)}"),
+        (buffer.dtype != dtype, f"its dtype {buffer.dtype} is not {dtype}"),
+        (buffer.device != inp.device, f"it is on {buffer.device}, the input on {inp.device}"),
+        (not buffer.is_contiguous(), "it is not contiguous"),
+        (buffer.requires_grad, "it requires grad (pass buffer.detach())"),
+    ]
+    for failed, why in problems:
+        if failed:
+            raise ValueError(f"GroupedLinear: the preallocated {name} buffer cannot be used: {why}")
