@@ -149,7 +149,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self._high_precision = high_precision(num_gemms)  # the quantization of a call outside FP8: made once
         self._reserved_states: Dict[str, Tuple[torch.Tensor, ...]] = {}  # see _reserve_states
         self._slot_quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}  # what the casts use, per slot
-        self._public_quantizers: Optional[Tuple[list, list, Dict[str, list]]] = None  # see the quantizers property
+        self._public_quantizers: Optional[Dict[str, list]] = None  # see the quantizers property
         self.name = name
         self._param_init: Dict[str, Callable[[torch.Tensor], None]] = {}
         self._fp8_weight_gemms: Dict[str, int] = {}  # GEMM weight name -> its GEMM (stored in FP8 under quantized_model_init)
@@ -402,17 +402,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self._weight_cache.clear()
         slots = self._slot_quantizers
         self._fp8_gemms = GemmQuantizers.from_slots(slots["scaling_fwd"], slots["scaling_bwd"], self.fp8_meta["num_gemms"])
+        self._public_quantizers = None  # made again on the next access of ``quantizers``
 
     @property
     def quantizers(self) -> Dict[str, list]:
         """TE's ``module.quantizers``: {"scaling_fwd": [...], "scaling_bwd": [...]}, each slot's quantizer as NVIDIA TE's
         public class, casting as the module does (see :mod:`._public_quantizers`). Made on the first access after
         the states' quantizers change, never on the forward path."""
-        slots, made = self._slot_quantizers, self._public_quantizers
-        if made is None or made[0] is not slots["scaling_fwd"] or made[1] is not slots["scaling_bwd"]:
-            public = {key: public_quantizers(self.fp8_meta, key, slots[key]) for key in slots}
-            made = self._public_quantizers = (slots["scaling_fwd"], slots["scaling_bwd"], public)
-        return made[2]
+        if self._public_quantizers is None:
+            slots = self._slot_quantizers
+            self._public_quantizers = {key: public_quantizers(self.fp8_meta, key, slots[key]) for key in slots}
+        return self._public_quantizers
 
     def _weight_operand(self, key: str, weight: torch.Tensor, quantizer: Quantizer,
                         is_first_microbatch: Optional[bool]) -> Operand:
