@@ -351,3 +351,26 @@ def test_compiled_training_equals_eager(recipe_name, fresh_dynamo):
         for key in ("scaling_fwd", "scaling_bwd"):
             for a, e in zip(_state([compiled], key), _state([eager], key)):
                 assert torch.equal(a, e), key
+
+
+def test_preallocated_buffers_trace_whole(fresh_dynamo):
+    """With out / dgrad_out (fresh views of the buffers each call): one graph, no break, and the compiled step
+    (fullgraph, aot_eager) gives eager's y, dx and buffer contents."""
+    module = GroupedLinear(2, 32, 48)
+    out, dgrad_out = torch.empty(32, 48), torch.empty(32, 32)
+
+    def step(x):
+        return module(x, [16, 16], out=out.detach(), dgrad_out=dgrad_out.detach())
+
+    x = randn(32, 32).requires_grad_()
+    y_eager = step(x)
+    y_eager.sum().backward()
+    y_eager, dx_eager, x.grad = y_eager.detach().clone(), x.grad.clone(), None  # (the next call writes the same buffers)
+    out.fill_(float("nan"))
+    dgrad_out.fill_(float("nan"))
+    explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, [b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    y = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    y.sum().backward()
+    assert torch.equal(y, y_eager) and torch.equal(x.grad, dx_eager) and torch.equal(dgrad_out, dx_eager)
