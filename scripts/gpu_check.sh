@@ -37,7 +37,7 @@ install() {  # the package (clients such as Lightning check its metadata) and wh
 for stage in $STAGES; do
     case $stage in
         info) run info 120 python3 -m transformer_engine info ;;
-        tests) install; run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore=tests/plugin/backends/flagos ;;
+        tests) install; run tests 590 python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore=tests/plugin/backends/flagos ;;
         kernel-tests) run kernel-tests 590 python3 -m pytest -q -p no:cacheprovider tests/plugin/backends/flagos ;;
         compile) run compile 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pytorch/test_compile.py ;;
         accelerate) install; run accelerate 420 python3 benchmarks/bench_accelerate_llama.py --json "$OUT/accelerate.json" ;;

@@ -34,3 +34,21 @@ def test_unflatten_of_flatten_is_the_same_tensor(name):
     assert torch.equal(rebuilt.dequantize(), t.dequantize())
     if name == "Float8Tensor_rowwise":
         assert "_transpose" not in names
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_repr_of_a_traced_tensor_reads_no_values(name):
+    """While torch.compile traces a quantized tensor its buffers are fake; compile's logging prints it. The repr must
+    neither read a scalar (``.item()`` leaves an unbacked symbol that fails Inductor's compilation) nor run a kernel
+    (a GPU kernel cannot take a fake tensor), and a real tensor's repr still shows its values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    t = QUANTIZERS[name]()(torch.randn(64, 128, dtype=torch.bfloat16))
+    names, context = t.__tensor_flatten__()
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env) as mode:
+        fake = type(t).__tensor_unflatten__({n: mode.from_tensor(getattr(t, n)) for n in names}, context, t.shape, t.stride())
+        text = repr(fake)
+    assert "traced" in text and not shape_env.pending_fresh_unbacked_symbols
+    assert "traced" not in repr(t) and "data=tensor(" in repr(t)

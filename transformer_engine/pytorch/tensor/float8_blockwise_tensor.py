@@ -258,7 +258,7 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         tiles = "128x128" if self._is_2D_scaled else "1x128"
         return (f"Float8BlockwiseQTensor(fp8_dtype={self._fp8_dtype.name}, tiles={tiles}, data_format={self._data_format.name}, "
-                f"data={self._dequantize(self.dtype)})")
+                f"data={self._repr_values()})")
 
     @property
     def _compact(self) -> bool:

@@ -309,8 +309,8 @@ class Float8Tensor(QuantizedTensor):
         return instance
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return (f"Float8Tensor(fp8_dtype={self._fp8_dtype.name}, scale_inv={self._scale_inv.item()}, "
-                f"data={self._dequantize(self.dtype)})")
+        scale_inv = self._scale_inv.item() if self._holds_values() else "<traced>"
+        return f"Float8Tensor(fp8_dtype={self._fp8_dtype.name}, scale_inv={scale_inv}, data={self._repr_values()})"
 
     def get_metadata(self) -> Dict[str, Any]:
         return {"data": self._data, "fp8_scale_inv": self._scale_inv, "fp8_dtype": self._fp8_dtype,

@@ -160,7 +160,7 @@ class MXFP8Tensor(BlockScaledTensor):
         return instance
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return f"MXFP8Tensor(fp8_dtype={self._fp8_dtype.name}, data={self._dequantize(self.dtype)})"
+        return f"MXFP8Tensor(fp8_dtype={self._fp8_dtype.name}, data={self._repr_values()})"
 
     def get_metadata(self) -> Dict[str, Any]:
         return {"rowwise_data": self._rowwise_data, "rowwise_scale_inv": self._rowwise_scale_inv,

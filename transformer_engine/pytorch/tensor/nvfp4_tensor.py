@@ -266,7 +266,7 @@ class NVFP4Tensor(BlockScaledTensor):
         return instance
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        data = self._dequantize(self.dtype) if self._rowwise_data is not None else "<column-wise copy only>"
+        data = self._repr_values() if self._rowwise_data is not None else "<column-wise copy only>"
         return f"NVFP4Tensor(shape={tuple(self.shape)}, usages={self.get_usages()}, data={data})"
 
     def _buffers(self) -> Tuple[Optional[torch.Tensor], ...]:

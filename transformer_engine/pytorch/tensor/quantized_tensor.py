@@ -21,6 +21,7 @@ import abc
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 __all__ = ["QuantizedTensor", "Quantizer"]
@@ -260,7 +261,17 @@ class QuantizedTensor(torch.Tensor):
         return self.dequantize(dtype=torch.bfloat16)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return f"{type(self).__name__}(data={self._dequantize(self.dtype)})"
+        return f"{type(self).__name__}(data={self._repr_values()})"
+
+    def _holds_values(self) -> bool:
+        """False while torch.compile traces the tensor (its buffers are fake tensors): a repr there, as compile's
+        debug and trace logging prints one, must not launch a kernel or read a scalar (``.item()`` on a fake
+        tensor leaves an unbacked symbol that fails Inductor's compilation)."""
+        return not any(is_fake(getattr(self, attr)) for attr in self._buffer_keywords() if getattr(self, attr) is not None)
+
+    def _repr_values(self) -> Any:
+        """The dequantized values for a repr, or a note saying why there are none."""
+        return self._dequantize(self.dtype) if self._holds_values() else "<fake tensor: traced, no values>"
 
     # ---- .data -------------------------------------------------------------------------------------
 
