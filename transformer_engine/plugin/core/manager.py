@@ -220,33 +220,43 @@ class OpManager:
         return call
 
     def _make_runner(self, spec: OpSpec, candidates: Tuple[OpImpl, ...], strict: bool, rejected) -> Callable:
-        """``run_rest(args, kwargs, first_error, declined)``: try the candidates after the head, in order.
-
-        ``first_error`` (the head's exception or None) is raised if no later candidate returns;
-        ``declined`` (a new list of (impl, reason)) collects the predicates' refusals for the
-        :class:`NoImplementationError` raised when none accepts.
-        """
+        """``run_rest(args, kwargs, first_error, declined)``: the result of the candidates after the head, tried
+        in order by :meth:`_first_result` (the policy's ``rejected`` named in its error)."""
         rest = candidates[1:]
 
         def run_rest(args, kwargs, first_error: Optional[BaseException], declined: List[Tuple[OpImpl, str]]):
-            for impl in rest:
-                if impl.supports is not None:
-                    verdict = impl.supports(*args, **kwargs)
-                    if not verdict:
-                        declined.append((impl, _decline_reason(verdict)))
-                        continue
-                if strict:
-                    return impl.fn(*args, **kwargs)
-                try:
-                    return impl.fn(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - fallback is the documented behaviour
-                    self._note_failure(spec.name, impl, exc)
-                    first_error = first_error or exc
-            if first_error is not None:
-                raise first_error
-            raise NoImplementationError(_no_impl_message(spec.name, None, list(rejected) + declined))
+            return self._first_result(spec.name, rest, strict, args, kwargs, first_error, declined, rejected)[0]
 
         return run_rest
+
+    def _first_result(self, op_name: str, impls: Sequence[OpImpl], strict: bool, args: tuple, kwargs: dict,
+                      first_error: Optional[BaseException] = None, declined: Optional[List[Tuple[OpImpl, str]]] = None,
+                      rejected=()) -> Tuple[Any, OpImpl]:
+        """(result, impl): the first of ``impls`` whose predicate accepts the call and that returns: the one
+        candidate runner of the manager (fallback, :meth:`call_traced`).
+
+        Unless ``strict``, an impl that raises is noted (a warning) and the next one tried; ``first_error``
+        (an earlier impl's exception, or None) or else the first such exception is raised when none returns;
+        when none accepts, :class:`NoImplementationError` names the refusals (``rejected`` by the policy and
+        ``declined`` by predicates, a list that collects them).
+        """
+        declined = [] if declined is None else declined
+        for impl in impls:
+            if impl.supports is not None:
+                verdict = impl.supports(*args, **kwargs)
+                if not verdict:
+                    declined.append((impl, _decline_reason(verdict)))
+                    continue
+            if strict:
+                return impl.fn(*args, **kwargs), impl
+            try:
+                return impl.fn(*args, **kwargs), impl
+            except Exception as exc:  # noqa: BLE001 - fallback is the documented behaviour
+                self._note_failure(op_name, impl, exc)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        raise NoImplementationError(_no_impl_message(op_name, None, list(rejected) + declined))
 
     def _note_failure(self, op_name: str, impl: OpImpl, exc: BaseException) -> None:
         key = (op_name, impl.impl_id, type(exc))
@@ -309,20 +319,7 @@ class OpManager:
         opaque, backend-specific context for its backward).
         """
         plan = self._plan_for(op_name, args, kwargs)
-        first_error = None
-        for impl in plan.candidates:
-            if impl.supports is not None and not impl.supports(*args, **kwargs):
-                continue
-            if plan.strict:
-                return impl.fn(*args, **kwargs), impl
-            try:
-                return impl.fn(*args, **kwargs), impl
-            except Exception as exc:  # noqa: BLE001
-                self._note_failure(op_name, impl, exc)
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        raise NoImplementationError(self._explain_text(op_name, args, kwargs))
+        return self._first_result(op_name, plan.candidates, plan.strict, args, kwargs)
 
     def compiled_form(self, op_name: str, key: ArgKey) -> Tuple[Tuple[Optional[Callable], Callable], ...]:
         """What ``torch.compile`` traces for a call of ``op_name`` whose key argument is described by ``key``:
