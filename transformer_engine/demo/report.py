@@ -104,10 +104,10 @@ def summary_notes(results: List[RunResult], cfg: DemoConfig) -> List[str]:
         spread_text = f"{base.label} seed spread: not measured (--bf16-seeds 2 measures it)"
     else:
         seeds = spread["seeds"]
-        spread_text = f"{base.label} spread over seeds {seeds[0]}-{seeds[-1]}: {_nats(spread['nats'], spread['relative'], False)}"
+        spread_text = f"{base.label} spread over seeds {seeds[0]}-{seeds[-1]}: {_nats(spread['nats'], spread['relative'], signed=False)}"
     stopped = ["* stopped by Ctrl-C: its numbers cover the steps it ran"] if any(r.interrupted for r in results) else []
     return stopped + [
-        f"FP8 final valid loss vs {base.label}: {_nats(gap['nats'], gap['relative'], True)}",
+        f"FP8 final valid loss vs {base.label}: {_nats(gap['nats'], gap['relative'], signed=True)}",
         spread_text,
         f"step ms: median of steps {base.warmup_steps + 1}-{len(base.step_seconds)} "
         f"({base.warmup_steps} warm-up steps left out); IQR: q3 - q1",

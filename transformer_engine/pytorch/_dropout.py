@@ -60,7 +60,7 @@ class _BiasDropoutAddFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float):
-        out, keep = ops.bias_dropout_add_fwd(x, bias, residual, p)
+        out, keep = ops.bias_dropout_add_fwd(x, bias, residual, p=p)
         ctx.save_for_backward(keep)
         ctx.p = p
         ctx.bias_dtype = None if bias is None else bias.dtype

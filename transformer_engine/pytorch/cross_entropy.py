@@ -88,7 +88,7 @@ def _vocab_parallel_fwd(z: torch.Tensor, target: torch.Tensor, eps: float, ignor
     local_t = target - lo
     owned = kept & (local_t >= 0) & (local_t < z.shape[1])
     # lse_r from the op: every row marked ignored, so no target is looked up in this shard
-    _, lse_r = ops.cross_entropy_fwd(z, torch.full_like(target, ignore_idx), 0.0, ignore_idx)
+    _, lse_r = ops.cross_entropy_fwd(z, torch.full_like(target, ignore_idx), label_smoothing=0.0, ignore_index=ignore_idx)
     m = comm.all_reduce_max(lse_r, group)
     z_t = torch.where(owned, z.gather(1, torch.where(owned, local_t, 0)[:, None])[:, 0].float(), 0.0)
     z_sum = z.sum(dim=-1, dtype=torch.float32) if eps else torch.zeros_like(lse_r)
@@ -105,7 +105,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, z, target, label_smoothing, ignore_idx, group, shard):
         """loss per row; ``shard`` = (first column held here, full vocabulary), None on one rank."""
         if shard is None:
-            loss, lse = ops.cross_entropy_fwd(z, target, label_smoothing, ignore_idx)
+            loss, lse = ops.cross_entropy_fwd(z, target, label_smoothing=label_smoothing, ignore_index=ignore_idx)
         else:
             loss, lse = _vocab_parallel_fwd(z, target, label_smoothing, ignore_idx, group, shard)
         ctx.save_for_backward(z, target, lse)
@@ -118,7 +118,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         z, target, lse = ctx.saved_tensors
         eps, ignore_idx, shard = ctx.settings
         if shard is None:
-            dz = ops.cross_entropy_bwd(grad_loss, z, target, lse, label_smoothing=eps, ignore_index=ignore_idx)
+            dz = ops.cross_entropy_bwd(grad_loss, z, target, lse=lse, label_smoothing=eps, ignore_index=ignore_idx)
         else:
             lo, vocab = shard
             kept = target != ignore_idx

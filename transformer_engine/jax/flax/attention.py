@@ -261,7 +261,7 @@ class MultiHeadAttention(nn.Module):
             kernel_axes=kernel_axes, use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=bias_axes,
             return_layernorm_output=return_ln, dtype=self.dtype,
             layernorm_input_axes=(*self._axes(self.enable_sequence_parallel), HIDDEN_AXES),
-            dot_input_axes=(*self._axes(False), HIDDEN_AXES),
+            dot_input_axes=(*self._axes(sharded_seq=False), HIDDEN_AXES),
             transpose_batch_sequence=bool(self.transpose_batch_sequence), name=name,
         )
 
@@ -330,7 +330,7 @@ class MultiHeadAttention(nn.Module):
         h, g = self.num_attention_heads, self.num_gqa_groups or self.num_attention_heads
         if h % g:
             raise ValueError(f"MultiHeadAttention: num_attention_heads={h} must be a multiple of num_gqa_groups={g}")
-        leading = self._axes(False)
+        leading = self._axes(sharded_seq=False)
         (query, key, value), ln_out = self._project(inputs_q, inputs_kv)
         if self.enable_rotary_pos_emb:
             rope = lambda x: rotary_pos_emb(x, self.rotary_pos_emb_windows, bool(self.transpose_batch_sequence),  # noqa: E731

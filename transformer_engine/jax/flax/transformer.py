@@ -179,8 +179,8 @@ class TransformerLayer(nn.Module):
             activations=self.mlp_activations, activation_params=self.mlp_activation_params,
             intermediate_dropout_rng_name=self.dropout_rng_name, intermediate_dropout_rate=self.intermediate_dropout,
             intermediate_hidden_dropout_dims=self.intermediate_dropout_dims, dtype=self.dtype,
-            layernorm_input_axes=self._axes(), dot_1_input_axes=self._axes(False),
-            dot_2_input_axes=(*self._axes(False)[:2], HIDDEN_TP_AXES),
+            layernorm_input_axes=self._axes(), dot_1_input_axes=self._axes(sharded_seq=False),
+            dot_2_input_axes=(*self._axes(sharded_seq=False)[:2], HIDDEN_TP_AXES),
             transpose_batch_sequence=self.transpose_batch_sequence, name="mlp",
         )
 
@@ -213,7 +213,7 @@ class TransformerLayer(nn.Module):
         if is_decoder:
             if encoded is None:
                 raise ValueError("TransformerLayer: a DECODER layer needs `encoded` (the encoder output)")
-            y, ln_out = self._attention("encoder_decoder_attention", "padding", "no_bias", True)(
+            y, ln_out = self._attention("encoder_decoder_attention", "padding", "no_bias", input_layernorm=True)(
                 x, encoded, encoder_decoder_mask, deterministic=deterministic)
             x = self._residual(y, x, ln_out, deterministic, drop_path=False)
         y, ln_out = self._mlp()(x, deterministic=deterministic)

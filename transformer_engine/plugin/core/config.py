@@ -133,14 +133,14 @@ def load_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
     modules = tuple(m.strip() for m in (read("TE_FL_PLUGIN_MODULES", env) or "").split(",") if m.strip())
     return EnvConfig(
         prefer=prefer,
-        strict=_flag("TE_FL_STRICT", read("TE_FL_STRICT", env), False),
+        strict=_flag("TE_FL_STRICT", read("TE_FL_STRICT", env), default=False),
         allow_vendors=allow,
         deny_vendors=_vendor_set(read("TE_FL_DENY_VENDORS", env) or ""),
         per_op=parse_per_op(read("TE_FL_PER_OP", env) or ""),
         plugin_modules=modules,
         log_level=level,
         log_level_set=level_set,
-        skip_cuda=_flag("TE_FL_SKIP_CUDA", read("TE_FL_SKIP_CUDA", env), False),
+        skip_cuda=_flag("TE_FL_SKIP_CUDA", read("TE_FL_SKIP_CUDA", env), default=False),
     )
 
 
@@ -154,7 +154,7 @@ def _prefer(env: Mapping[str, str]) -> str:
         prefer = ""
     if legacy_text is None:
         return prefer or "flagos"
-    legacy = "vendor" if _flag("TE_FL_PREFER_VENDOR", legacy_text, False) else "flagos"
+    legacy = "vendor" if _flag("TE_FL_PREFER_VENDOR", legacy_text, default=False) else "flagos"
     if prefer:
         if prefer != legacy:
             _warn(f"TE-FL: TE_FL_PREFER_VENDOR={legacy_text!r} is ignored because TE_FL_PREFER={prefer_text!r} is set")
@@ -179,4 +179,4 @@ def read_flag(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
 
     Any other non-empty value warns (once) and counts as 0.
     """
-    return _flag(name, read(name, environ), False)
+    return _flag(name, read(name, environ), default=False)

@@ -93,7 +93,7 @@ def load_hook(registry, hook: Any, name: str, source: str) -> PluginRecord:
         fn(staging)
         registry._register_pairs(staging.staged)  # all of the hook's impls, or none
         impls = [impl for impl, _override in staging.staged]
-        record = PluginRecord(name, source, True, None, sorted({i.impl_id for i in impls}), len(impls))
+        record = PluginRecord(name, source, ok=True, error=None, impl_ids=sorted({i.impl_id for i in impls}), ops=len(impls))
         logger.info("TE-FL: loaded %s %s (%d impls)", source, name, len(impls))
         return record
     except Exception as exc:  # noqa: BLE001 - a broken plugin is recorded, never raised
@@ -104,7 +104,7 @@ def load_hook(registry, hook: Any, name: str, source: str) -> PluginRecord:
             logger.warning("TE-FL: %s plugin %s failed to register, so its ops will not run: %s: %s. %s",
                            _SOURCE_NAMES.get(source, source), name, type(exc).__name__, exc, _TRACEBACK_HINT)
         logger.debug("%s", traceback.format_exc())
-        return PluginRecord(name, source, False, f"{type(exc).__name__}: {exc}")
+        return PluginRecord(name, source, ok=False, error=f"{type(exc).__name__}: {exc}")
 
 
 def _check_api_version(hook: Any, name: str) -> None:
@@ -126,7 +126,7 @@ def _import_and_load(registry, module_name: str, source: str) -> PluginRecord:
             logger.warning("TE-FL: %s plugin %s failed to import, so its ops will not run: %s: %s. %s",
                            _SOURCE_NAMES.get(source, source), module_name, type(exc).__name__, exc, _TRACEBACK_HINT)
         logger.debug("%s", traceback.format_exc())
-        return PluginRecord(module_name, source, False, f"{type(exc).__name__}: {exc}")
+        return PluginRecord(module_name, source, ok=False, error=f"{type(exc).__name__}: {exc}")
     return load_hook(registry, module, module_name, source)
 
 
@@ -142,7 +142,7 @@ def load_builtin_backends(registry, skip_cuda: bool = False) -> List[PluginRecor
     for name in BUILTIN_BACKENDS:
         if skip_cuda and name == _CUDA_BACKEND:
             logger.info("TE-FL: builtin backend %s skipped: TE_FL_SKIP_CUDA=1", name)
-            records.append(PluginRecord(name, "builtin", False, "skipped: TE_FL_SKIP_CUDA=1"))
+            records.append(PluginRecord(name, "builtin", ok=False, error="skipped: TE_FL_SKIP_CUDA=1"))
             continue
         records.append(_import_and_load(registry, name, "builtin"))
     return records
@@ -155,7 +155,7 @@ def load_plugins(registry, env_modules: Optional[Tuple[str, ...]] = None) -> Lis
         entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
     except Exception as exc:  # noqa: BLE001
         entry_points = []
-        records.append(PluginRecord(ENTRY_POINT_GROUP, "entry_point", False, f"listing entry points failed: {exc}"))
+        records.append(PluginRecord(ENTRY_POINT_GROUP, "entry_point", ok=False, error=f"listing entry points failed: {exc}"))
     for ep in sorted(entry_points, key=lambda e: e.name):
         try:
             hook = ep.load()
@@ -163,7 +163,7 @@ def load_plugins(registry, env_modules: Optional[Tuple[str, ...]] = None) -> Lis
             logger.warning("TE-FL: entry point %s failed to import, so its ops will not run: %s: %s. %s",
                            ep.name, type(exc).__name__, exc, _TRACEBACK_HINT)
             logger.debug("%s", traceback.format_exc())
-            records.append(PluginRecord(ep.name, "entry_point", False, f"{type(exc).__name__}: {exc}"))
+            records.append(PluginRecord(ep.name, "entry_point", ok=False, error=f"{type(exc).__name__}: {exc}"))
             continue
         records.append(load_hook(registry, hook, ep.name, "entry_point"))
     modules = load_env().plugin_modules if env_modules is None else env_modules

@@ -149,7 +149,8 @@ def _padded_problem(q, k, v, fmt: str, padding: Optional[_masks.Padding]) -> _Pr
     """sbhd / bshd: a transposed view of the batch (no copy)."""
     qb, kb, vb = (_layout.to_bshd(x, fmt) for x in (q, k, v))
     restore = lambda out: _flatten_heads(_layout.from_bshd(out, fmt))  # noqa: E731
-    return _Problem(qb, kb, vb, False, qb.shape[1], kb.shape[1], padding, None, None, restore)
+    return _Problem(qb, kb, vb, thd=False, s_q=qb.shape[1], s_kv=kb.shape[1], padding=padding, cu_seqlens_q=None, cu_seqlens_kv=None,
+                    restore=restore)
 
 
 def _compact(x, cu, cu_padded):
@@ -178,7 +179,7 @@ def _thd_problem(q, k, v, seqs: _Sequences) -> _Problem:
         out = out if rows_q is None else _layout.scatter_rows(out, rows_q, total_q)
         return _flatten_heads(out)
 
-    return _Problem(q, k, v, True, s_q, s_kv, padding, cu_q, cu_kv, restore)
+    return _Problem(q, k, v, thd=True, s_q=s_q, s_kv=s_kv, padding=padding, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, restore=restore)
 
 
 def _inference_problem(q, fmt: str, step) -> _Problem:
@@ -203,7 +204,8 @@ def _inference_problem(q, fmt: str, step) -> _Problem:
         return _flatten_heads(_layout.scatter_rows(packed, rows, q.shape[0]))
 
     padding = _masks.padding_from_lengths(_layout.seqlens(cu_q), _layout.seqlens(cu_kv), qb.shape[1], k_cache.shape[1])
-    return _Problem(qb, k_cache, v_cache, False, qb.shape[1], k_cache.shape[1], padding, None, None, restore)
+    return _Problem(qb, k_cache, v_cache, thd=False, s_q=qb.shape[1], s_kv=k_cache.shape[1], padding=padding, cu_seqlens_q=None,
+                    cu_seqlens_kv=None, restore=restore)
 
 
 def _inference_mask_type(mask_type: str) -> str:

@@ -77,7 +77,7 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, stats: Tuple[torch.Tensor, 
     """(dx, dgamma, dbeta) of :func:`norm_forward`; dbeta is None for RMSNorm."""
     if cfg.kind == "LayerNorm":
         mean, rstd = stats
-        return ops.layernorm_bwd(dy, x, mean, rstd, gamma, zero_centered_gamma=cfg.zero_centered_gamma)
+        return ops.layernorm_bwd(dy, x, mean, rstd=rstd, weight=gamma, zero_centered_gamma=cfg.zero_centered_gamma)
     (rstd,) = stats
-    dx, dgamma = ops.rmsnorm_bwd(dy, x, rstd, gamma, zero_centered_gamma=cfg.zero_centered_gamma)
+    dx, dgamma = ops.rmsnorm_bwd(dy, x, rstd, weight=gamma, zero_centered_gamma=cfg.zero_centered_gamma)
     return dx, dgamma, None

@@ -160,7 +160,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.primary_weights_in_fp8 = init.enabled
         self._model_init_recipe = init.recipe if init.enabled else None
         self._keep_init_val = init.enabled and init.preserve_high_precision_init_val
-        self.wgrad_store = WeightGradStore(False)  # see _delay_wgrads
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute=False)  # see _delay_wgrads
         self.wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
 
     # ----------------------------------------------------------------------------- parallel settings

@@ -232,7 +232,7 @@ def default_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max, margin: floa
         >>> default_scale(torch.tensor([2.0, 0.0, float("inf")]), torch.ones(3), 448.0, 0).tolist()
         [224.0, 1.0, 1.0]
     """
-    return ops.delayed_scaling_update(amax.reshape(1, -1), scale, fp8_max, float(margin), "most_recent")[1]
+    return ops.delayed_scaling_update(amax.reshape(1, -1), scale, fp8_max=fp8_max, margin=float(margin), amax_compute_algo="most_recent")[1]
 
 
 def amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe: DelayedScaling) -> None:
@@ -322,12 +322,13 @@ def _step(
     callable amax_compute_algo or scaling_factor_compute_algo."""
     algo, scale_fn, margin = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, float(recipe.margin)
     if _built_in(recipe):  # the catalog op
-        return ops.delayed_scaling_update(history, scale, fp8_max, margin, algo)
+        return ops.delayed_scaling_update(history, scale, fp8_max=fp8_max, margin=margin, amax_compute_algo=algo)
     if callable(algo):
         amax = algo(history)
     else:
         amax = history.amax(dim=0) if algo == "max" else history[0]
-    new_history, _ = ops.delayed_scaling_update(history, scale, fp8_max, margin, "most_recent")  # H rolled, row 0 zeroed
+    # H rolled, row 0 zeroed
+    new_history, _ = ops.delayed_scaling_update(history, scale, fp8_max=fp8_max, margin=margin, amax_compute_algo="most_recent")
     if scale_fn is not None:
         if not isinstance(fp8_max, torch.Tensor):  # the callable gets fp8_max per slot, float32 [N]
             fp8_max = torch.full_like(scale, fp8_max, dtype=torch.float32)

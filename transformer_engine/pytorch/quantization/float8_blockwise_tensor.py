@@ -108,5 +108,5 @@ class Float8BlockwiseTensor(Float8Tensor):
         """x[i, j] = data[i, j] * scale_inv[tile of (i, j)] in float32, cast to ``dtype``."""
         if self.data is None:
             rows, cols = self.block_t
-            return ops.dequantize_blockwise(self.data_t, self.scale_inv_t, rows, cols, dtype).t()
-        return ops.dequantize_blockwise(self.data, self.scale_inv, self.block[0], self.block[1], dtype)
+            return ops.dequantize_blockwise(self.data_t, self.scale_inv_t, block_rows=rows, block_cols=cols, out_dtype=dtype).t()
+        return ops.dequantize_blockwise(self.data, self.scale_inv, block_rows=self.block[0], block_cols=self.block[1], out_dtype=dtype)

@@ -125,7 +125,7 @@ class NVFP4Tensor(Float8BlockwiseTensor):
             RuntimeError: only a Hadamard-transformed column-wise copy is left (it holds RHT(x^T), not x^T).
         """
         if self.data is not None:
-            return ops.dequantize_nvfp4(self.data, self.scale_inv, self.amax, dtype)
+            return ops.dequantize_nvfp4(self.data, self.scale_inv, self.amax, out_dtype=dtype)
         if self.rht_t:
             raise RuntimeError("this NVFP4 tensor keeps only its Hadamard-transformed column-wise copy, which is not x^T")
-        return ops.dequantize_nvfp4(self.data_t, self.scale_inv_t, self.amax_t, dtype).t()
+        return ops.dequantize_nvfp4(self.data_t, self.scale_inv_t, self.amax_t, out_dtype=dtype).t()

@@ -253,7 +253,7 @@ class Float8Quantizer(Quantizer):
     def quantize_with_dbias(self, x: torch.Tensor):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
         def cast(scale, amax_out):
-            q, q_t, scale_inv, amax, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out)
+            q, q_t, scale_inv, amax, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out=amax_out)
             return (Float8Tensor(q, scale_inv, q_t), dbias), amax
 
         return self._recording(cast)
@@ -302,10 +302,10 @@ class Float8CurrentScalingQuantizer(Quantizer):
         cannot always functionalize one custom op writing another's output): the same values."""
         eps, power_2 = self.qparams.amax_epsilon, self.qparams.power_2_scale
         if self.reduce_amax is None:
-            scale, amax = ops.current_scale(x, self.fp8_dtype, eps, power_2)
+            scale, amax = ops.current_scale(x, self.fp8_dtype, amax_epsilon=eps, power_2_scale=power_2)
         else:
             amax = self.reduce_amax(ops.compute_amax(x))
-            scale = ops.scale_from_amax(amax, self.fp8_dtype, eps, power_2)
+            scale = ops.scale_from_amax(amax, self.fp8_dtype, amax_epsilon=eps, power_2_scale=power_2)
         return scale, None if torch.compiler.is_compiling() else amax
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8Tensor:
@@ -320,7 +320,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     def quantize_with_dbias(self, x: torch.Tensor):
         """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
         scale, amax = self._scale_and_amax(x)
-        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax)
+        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out=amax)
         return Float8Tensor(q, scale_inv, q_t), dbias
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8CurrentScalingQuantizer":
@@ -358,7 +358,8 @@ class Float8BlockQuantizer(Quantizer):
         if rows != 1:  # 2-D tiles: the cast, then the sums
             return super().quantize_with_dbias(x)
         power_2, eps = self.qparams.power_2_scale, self.qparams.amax_epsilon
-        q, scale_inv, q_t, scale_inv_t, dbias = ops.cast_transpose_blockwise_dbias(x, self.fp8_dtype, block_len, power_2, eps)
+        q, scale_inv, q_t, scale_inv_t, dbias = ops.cast_transpose_blockwise_dbias(
+            x, self.fp8_dtype, block_len=block_len, power_2_scale=power_2, amax_epsilon=eps)
         return Float8BlockwiseTensor(q, scale_inv, q_t, scale_inv_t, block=self.block), dbias
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8BlockwiseTensor:
@@ -367,7 +368,8 @@ class Float8BlockQuantizer(Quantizer):
         rows, block_len = self.block
         power_2, eps = self.qparams.power_2_scale, self.qparams.amax_epsilon
         if rows == 1 and columnwise:
-            q, scale_inv, q_t, scale_inv_t = ops.cast_transpose_blockwise(x, self.fp8_dtype, block_len, power_2, eps)
+            q, scale_inv, q_t, scale_inv_t = ops.cast_transpose_blockwise(
+                x, self.fp8_dtype, block_len=block_len, power_2_scale=power_2, amax_epsilon=eps)
             return Float8BlockwiseTensor(q, scale_inv, q_t, scale_inv_t, block=self.block)
         q, scale_inv = ops.quantize_blockwise(x, self.fp8_dtype, block_rows=rows, block_cols=block_len, power_2_scale=power_2,
                                               amax_epsilon=eps)
@@ -506,7 +508,7 @@ class FixedScaleQuantizer(Quantizer):
 
     def quantize_transposed(self, x: torch.Tensor) -> Float8Tensor:
         """x^T alone in one pass (``ops.quantize_transposed``): no row-major copy is written."""
-        q_t, scale_inv, _ = ops.quantize_transposed(x, self.scale, self.fp8_dtype, self.amax_scratch)
+        q_t, scale_inv, _ = ops.quantize_transposed(x, self.scale, self.fp8_dtype, amax_out=self.amax_scratch)
         return Float8Tensor(None, scale_inv, q_t)
 
     def produce(self, run: ProducerFn, columnwise: bool = False):
@@ -535,7 +537,7 @@ def _one_zero(device: torch.device) -> torch.Tensor:
 def _fixed_scale_weight(w, scale, fp8_dtype, amax_out) -> Tuple[Float8Tensor, torch.Tensor]:
     """(w cast with ``scale``, its amax; also into ``amax_out``), W^T deferred to a cast with that same
     scale (copied when forward saves it: ``FixedScaleQuantizer.snapshot``)."""
-    operand, amax = _cast(w, scale, fp8_dtype, False, amax_out)
+    operand, amax = _cast(w, scale, fp8_dtype, columnwise=False, amax_out=amax_out)
     operand.deferred_t = DeferredTranspose(w, FixedScaleQuantizer(scale, fp8_dtype))
     return operand, amax
 
@@ -561,7 +563,7 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, columnwi
     """(FP8 operand, amax of x): ``ops.cast_transpose`` (one pass, both layouts) when ``columnwise``, else
     ``ops.quantize``; the amax also max-accumulates into ``amax_out`` when given."""
     if columnwise and x.dim() == 2:
-        q, q_t, scale_inv, amax = ops.cast_transpose(x, scale, fp8_dtype, amax_out)
+        q, q_t, scale_inv, amax = ops.cast_transpose(x, scale, fp8_dtype, amax_out=amax_out)
         return Float8Tensor(q, scale_inv, q_t), amax
-    q, scale_inv, amax = ops.quantize(x, scale, fp8_dtype, amax_out)
+    q, scale_inv, amax = ops.quantize(x, scale, fp8_dtype, amax_out=amax_out)
     return Float8Tensor(q, scale_inv), amax

@@ -330,7 +330,8 @@ def _check_blocks(shape: torch.Size, is_2d: bool, data, scale_inv, data_t, scale
         raise ValueError("a Float8BlockwiseQTensor needs rowwise_data, columnwise_data or both; got neither")
     for name, values, scales, want, grid in (
         ("rowwise", data, scale_inv, shape, _scale_grid(shape, is_2d, columnwise=False)),
-        ("columnwise", data_t, scale_inv_t, _columnwise_data_shape(shape, compact), _scale_grid(shape, is_2d, True, compact)),
+        ("columnwise", data_t, scale_inv_t, _columnwise_data_shape(shape, compact),
+         _scale_grid(shape, is_2d, columnwise=True, compact=compact)),
     ):
         if values is None:
             continue

@@ -130,11 +130,11 @@ class _PerTensorQuantizer(Quantizer):
         scale, amax_out = self._scale_and_amax_out(x)
         data = transpose = None
         if rowwise and columnwise:
-            data, transpose, scale_inv, _ = ops.cast_transpose(_as_2d(x), scale, fp8_dtype, amax_out)
+            data, transpose, scale_inv, _ = ops.cast_transpose(_as_2d(x), scale, fp8_dtype, amax_out=amax_out)
         elif rowwise:
-            data, scale_inv, _ = ops.quantize(x, scale, fp8_dtype, amax_out)
+            data, scale_inv, _ = ops.quantize(x, scale, fp8_dtype, amax_out=amax_out)
         else:
-            transpose, scale_inv, _ = ops.quantize_transposed(_as_2d(x), scale, fp8_dtype, amax_out)
+            transpose, scale_inv, _ = ops.quantize_transposed(_as_2d(x), scale, fp8_dtype, amax_out=amax_out)
         data = None if data is None else data.view(x.shape)
         transpose = None if transpose is None else transpose.view(_columnwise_shape(x.shape))
         return data, transpose, scale_inv
@@ -254,7 +254,8 @@ class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
     def _scale_and_amax_out(self, x):
         """(scale, amax) of ``ops.current_scale`` (the cast max-accumulates into that amax, which already holds max|x|);
         both are also written into ``scale`` / ``amax``, which move to x's device first when they are elsewhere."""
-        scale, amax = ops.current_scale(x, fp8_torch_dtype(self.dtype), self.amax_epsilon, self.force_pow_2_scales)
+        scale, amax = ops.current_scale(x, fp8_torch_dtype(self.dtype), amax_epsilon=self.amax_epsilon,
+                                        power_2_scale=self.force_pow_2_scales)
         if self.scale.device != x.device:
             self.scale, self.amax = self.scale.to(x.device), self.amax.to(x.device)
         torch._foreach_copy_([self.scale, self.amax], [scale.view(1), amax.view(1)])

@@ -116,9 +116,9 @@ class MXFP8Quantizer(Quantizer):
         units = lambda columnwise: torch.full(_scale_grid(shape, columnwise), _UNIT_SCALE, dtype=torch.uint8, device=device)  # noqa: E731
         data = scale_inv = data_c = scale_c = None
         if self.rowwise_usage:
-            data, scale_inv = torch.empty(shape, dtype=torch.uint8, device=device), units(False)
+            data, scale_inv = torch.empty(shape, dtype=torch.uint8, device=device), units(columnwise=False)
         if self.columnwise_usage:
-            data_c, scale_c = torch.empty(shape, dtype=torch.uint8, device=device), units(True)
+            data_c, scale_c = torch.empty(shape, dtype=torch.uint8, device=device), units(columnwise=True)
         return MXFP8Tensor(shape=shape, dtype=dtype, rowwise_data=data, rowwise_scale_inv=scale_inv, columnwise_data=data_c,
                            columnwise_scale_inv=scale_c, fp8_dtype=self.dtype, quantizer=self, requires_grad=requires_grad,
                            device=device)

@@ -130,7 +130,7 @@ def _write_cast(shard, scale: torch.Tensor, fp8_dtype, amax_out: Optional[torch.
     if shard is None:
         return
     values, raw = shard
-    q, _, _ = ops.quantize(values, scale.reshape(()), fp8_torch_dtype(fp8_dtype), amax_out)
+    q, _, _ = ops.quantize(values, scale.reshape(()), fp8_torch_dtype(fp8_dtype), amax_out=amax_out)
     raw.copy_(q.view(torch.uint8))
 
 
@@ -148,6 +148,7 @@ def _current(params, group) -> None:
     zero = torch.zeros((), dtype=torch.float32, device=params[0][0].device)
     amaxes = _reduce_max([zero if shard is None else ops.compute_amax(shard[0]) for _, _, shard in params], group)
     for (weight, quantizer, shard), amax in zip(params, amaxes):
-        scale = ops.scale_from_amax(amax, fp8_torch_dtype(quantizer.dtype), quantizer.amax_epsilon, quantizer.force_pow_2_scales)
+        scale = ops.scale_from_amax(amax, fp8_torch_dtype(quantizer.dtype), amax_epsilon=quantizer.amax_epsilon,
+                                    power_2_scale=quantizer.force_pow_2_scales)
         _write_cast(shard, scale, weight._fp8_dtype)
         weight._scale_inv.copy_(scale.reshape(weight._scale_inv.shape).reciprocal())

@@ -107,10 +107,10 @@ class _Band:
 def _geometry(q, k, config, cu_seqlens_q, cu_seqlens_kv, max_seqlens=None) -> _Geometry:
     """Sizes from q [b, s_q, h, d] / [t_q, h, d] and k; thd lengths from config, ``max_seqlens`` or cu_seqlens."""
     if config.qkv_format == "bshd":
-        return _Geometry(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.shape[1], k.shape[1], False)
+        return _Geometry(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.shape[1], k.shape[1], varlen=False)
     if max_seqlens is None:
         max_seqlens = (config.max_seqlen_q or _longest(cu_seqlens_q), config.max_seqlen_kv or _longest(cu_seqlens_kv))
-    return _Geometry(cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2], max_seqlens[0], max_seqlens[1], True)
+    return _Geometry(cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2], max_seqlens[0], max_seqlens[1], varlen=True)
 
 
 def _longest(cu_seqlens: torch.Tensor) -> int:

@@ -232,7 +232,7 @@ def _launch_cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, ama
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
     scale_inv = _column_major_scales(cdiv(n, block_len), m, x.device)
     if _CT_BLOCKWISE_SPLIT:
-        _launch_quantize_blockwise(x, q, scale_inv, False, block_len, power_2_scale, eps_bits)
+        _launch_quantize_blockwise(x, q, scale_inv, square=False, block_len=block_len, power_2_scale=power_2_scale, eps_bits=eps_bits)
     q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     scale_inv_t = _column_major_scales(cdiv(m, block_len), n, x.device)
     partials = torch.empty((cdiv(m, block_len), n), dtype=torch.float32, device=x.device) if dbias else None  # every tile writes its row

@@ -115,4 +115,4 @@ def gemm_blockwise(a, b, a_scale_inv, b_scale_inv, a_block, b_block, out_dtype, 
     """
     a_f32 = _block_operand_f32(a, a_scale_inv, a_block, "a")
     b_f32 = _block_operand_f32(b, b_scale_inv, b_block, "b")
-    return gemm(a_f32, b_f32, bias, None, None, False, True, out_dtype, out, accumulate)
+    return gemm(a_f32, b_f32, bias=bias, trans_b=True, out_dtype=out_dtype, out=out, accumulate=accumulate)

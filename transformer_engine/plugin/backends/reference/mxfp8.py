@@ -129,5 +129,5 @@ def gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias=None, out=None,
         bias / out, accumulate without out (see the reference ``gemm``).
     """
     check_gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias, out, accumulate)
-    return gemm(_dequantize_f32(a, a_scale_e8m0), _dequantize_f32(b, b_scale_e8m0), bias, None, None, False, True,
-                out_dtype, out, accumulate)
+    return gemm(_dequantize_f32(a, a_scale_e8m0), _dequantize_f32(b, b_scale_e8m0), bias=bias, trans_b=True,
+                out_dtype=out_dtype, out=out, accumulate=accumulate)

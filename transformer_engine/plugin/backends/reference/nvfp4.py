@@ -241,5 +241,5 @@ def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out
         bias / out, accumulate without out (see the reference ``gemm``).
     """
     check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate)
-    return gemm(_dequantize_f32(a, a_scale, a_amax), _dequantize_f32(b, b_scale, b_amax), bias, None, None, False, True,
-                out_dtype, out, accumulate)
+    return gemm(_dequantize_f32(a, a_scale, a_amax), _dequantize_f32(b, b_scale, b_amax), bias=bias, trans_b=True,
+                out_dtype=out_dtype, out=out, accumulate=accumulate)

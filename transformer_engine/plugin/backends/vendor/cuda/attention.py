@@ -169,9 +169,9 @@ class _Kernel:
 
 
 _KERNELS = (
-    _Kernel("cudnn", "causal", True, False, _cudnn_gap),
-    _Kernel("flash", "causal_bottom_right", False, False, _flash_gap),
-    _Kernel("efficient", "causal", True, True, lambda call, device: None),
+    _Kernel("cudnn", "causal", takes_mask=True, causal_with_bias=False, gap=_cudnn_gap),
+    _Kernel("flash", "causal_bottom_right", takes_mask=False, causal_with_bias=False, gap=_flash_gap),
+    _Kernel("efficient", "causal", takes_mask=True, causal_with_bias=True, gap=lambda call, device: None),
 )
 
 
