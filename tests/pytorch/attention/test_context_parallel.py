@@ -208,8 +208,11 @@ def check_errors():
 
     cases = [
         (NotImplementedError, "a2a\\+p2p", lambda: dpa("a2a+p2p")),
-        (NotImplementedError, "thd", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
-                                                                  cu_seqlens_kv=torch.tensor([0, 4], dtype=torch.int32))),
+        (NotImplementedError, "thd", lambda: dpa("all_gather", qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([4, 4], [4, 4]))),
+        (ValueError, "cu_seqlens_q_padded", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], cu_seqlens_q=_cu([4]), cu_seqlens_kv=_cu([4]))),
+        (ValueError, "multiple of 2 \\* cp_size", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([3], [6]))),
+        (ValueError, r"lie in \[0, padded length", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([9], [8]))),
+        (ValueError, "holds 4 q tokens", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([16, 16], [16, 16]))),
         (NotImplementedError, "padding", lambda: dpa(attn_mask_type="padding")(q, kv, kv, attention_mask=pad)),
         (NotImplementedError, "post_scale_bias", lambda: dpa()(q, kv, kv, core_attention_bias_type="post_scale_bias",
                                                               core_attention_bias=torch.zeros(1, H, 4, 4))),
@@ -244,3 +247,63 @@ def test_no_group_is_plain_attention():
     dpa.set_context_parallel_group(None, None, None, "all_gather")
     q, k, v, _ = _inputs("bshd")
     assert dpa(q, k, v).shape == (B, S, H * D)
+
+
+def _cu(lengths) -> torch.Tensor:
+    """int32 [b + 1] offsets of sequences of ``lengths``."""
+    return torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _offsets(real, padded) -> dict:
+    """TE's four offset arguments of a packed batch (the same for q and kv)."""
+    return dict(cu_seqlens_q=_cu(real), cu_seqlens_kv=_cu(real), cu_seqlens_q_padded=_cu(padded), cu_seqlens_kv_padded=_cu(padded))
+
+
+def _thd_rows(padded, size: int, rank: int) -> torch.Tensor:
+    """The rows of a packed batch rank ``rank`` holds (TE's thd_get_partitioned_indices): per sequence, chunks rank and
+    2P-1-rank of its 2P."""
+    rows, start = [], 0
+    for length in padded:
+        chunk = length // (2 * size)
+        rows += list(range(start + rank * chunk, start + (rank + 1) * chunk))
+        rows += list(range(start + (2 * size - 1 - rank) * chunk, start + (2 * size - rank) * chunk))
+        start += length
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+THD_LENGTHS = (5, 0, 16, 11)  # real tokens per sequence; one empty sequence, one that fills its padded length
+
+
+def check_thd(mask, window=None):
+    """Packed sequences with padding between them ("thd", TE's global offsets): each rank's output and gradients
+    equal its rows of single-process attention over the packed batch; padding rows get 0, as TE gives them."""
+    group = dist.group.WORLD
+    size, rank = dist.get_world_size(), dist.get_rank()
+    padded = [-(-n // (2 * size)) * 2 * size for n in THD_LENGTHS]
+    offsets = _offsets(THD_LENGTHS, padded)
+    kwargs = dict(num_gqa_groups=HKV, attention_dropout=0.0, qkv_format="thd", attn_mask_type=mask, window_size=window)
+    ref, cp = te.DotProductAttention(H, D, **kwargs), te.DotProductAttention(H, D, **kwargs)
+    cp.set_context_parallel_group(group, None, None, "p2p")
+    torch.manual_seed(99)
+    total = sum(padded)
+    full = [torch.randn(total, H, D), torch.randn(total, HKV, D), torch.randn(total, HKV, D), torch.randn(total, H * D)]
+
+    def run(module, q, k, v, dout):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = module(q, k, v, **offsets)
+        out.backward(dout)
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    expected = run(ref, *full)
+    rows = _thd_rows(padded, size, rank)
+    actual = run(cp, *(t[rows] for t in full))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), actual, expected):
+        torch.testing.assert_close(got, want[rows], **TOL, msg=lambda m: f"{name}: {m}")
+    real = torch.cat([torch.arange(p) < n for n, p in zip(THD_LENGTHS, padded)])[rows]
+    assert not actual[0][~real].any() and not actual[1][~real].any() and not actual[2][~real].any()
+
+
+@pytest.mark.parametrize("mask, window", [("padding_causal", None), ("padding", None), ("causal", None), ("padding_causal", (3, 0)),
+                                          ("padding", (2, 1))])
+def test_thd_matches_single_process(ranks, mask, window):
+    ranks.run(check_thd, mask, window)

@@ -24,7 +24,8 @@ Communication types (TE's ``cp_comm_type``):
   full by both query chunks but only through its first chunk (chunk j), j > r only by the second query
   chunk (chunk 2P-1-r), in full. With a sliding window every block is computed whole, masked by the
   sequence positions of its queries and keys (a query row with no key in the window contributes
-  lse_b = -inf, P_b = 0). Dropout multiplies each block's probabilities by a mask Z = keep / (1 - p) drawn
+  lse_b = -inf, P_b = 0); packed sequences ("thd", :mod:`.context_parallel_packed`) likewise, by sequence,
+  position and padding. Dropout multiplies each block's probabilities by a mask Z = keep / (1 - p) drawn
   on the rank (dropping after the softmax commutes with the merge's rescaling); the backward draws the
   same masks again from the generator state the forward started from. The backward runs the same ring
   with the global lse and
@@ -52,11 +53,13 @@ import torch.distributed as dist
 from transformer_engine.plugin.catalog.attention import AttentionConfig
 
 from ..parallel.comm import gather_from_sequence_parallel_region, group_rank, group_size
+from .context_parallel_packed import PackedSequences, packed_hidden
 
 __all__ = [
     "CP_COMM_TYPES",
     "CPGroup",
     "CPAttention",
+    "PackedSequences",
     "check_cp_group",
     "check_cp_call",
     "context_parallel_attention",
@@ -112,6 +115,7 @@ class CPAttention:
         softmax_scale: multiplier of Q K^T.
         dropout_p: attention dropout (drawn per rank from its own generator).
         softmax_type: "vanilla" ("off-by-one" / "learnable" with "a2a" only, as TE).
+        packed: the packed sequences of a "thd" call ("p2p" only), else None.
     """
 
     causal: bool
@@ -119,6 +123,7 @@ class CPAttention:
     softmax_scale: float
     dropout_p: float = 0.0
     softmax_type: str = "vanilla"
+    packed: Optional[PackedSequences] = None
 
 
 def check_cp_group(cp_group, cp_global_ranks, cp_comm_type: str) -> None:
@@ -148,25 +153,31 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
                   softmax_type: str, dropout_p: float, q: torch.Tensor, k: torch.Tensor) -> None:
     """Refuse, before any communication, what context parallelism does not do (yet).
 
-    q and k are in "bshd" order ([b, s_local, h, d]).
+    q and k are in "bshd" order ([b, s_local, h, d]), or "thd" ([t_local, h, d]: packed sequences, whose offsets
+    :meth:`PackedSequences.from_offsets` checks).
 
     Raises:
-        NotImplementedError: thd, KV caching, padding / arbitrary masks, biases, ALiBi; softmax offsets
-            except with "a2a".
+        NotImplementedError: KV caching, padding masks outside "thd", arbitrary masks, biases, ALiBi; "thd" except
+            with "p2p"; softmax offsets except with "a2a".
         ValueError: odd local sequence lengths, q / k lengths that differ under a causal mask or a
             window, head counts that "a2a" cannot split over the group.
     """
     name = f"context parallelism (cp_comm_type={cp.comm_type!r})"
-    if fmt == "thd":
-        raise NotImplementedError(f"{name} does not support qkv_format='thd' yet; use 'bshd' or 'sbhd'")
     if inference:
         raise NotImplementedError(f"{name} does not support inference_params (KV caching)")
-    if mask_type not in ("no_mask", "causal", "causal_bottom_right"):
-        raise NotImplementedError(f"{name} supports attn_mask_type no_mask / causal / causal_bottom_right, not {mask_type!r}")
+    masks = ("no_mask", "causal", "causal_bottom_right")
+    if fmt == "thd":
+        if cp.comm_type != "p2p":
+            raise NotImplementedError(f"{name} does not support qkv_format='thd' yet; use cp_comm_type='p2p'")
+        masks += tuple(f"padding_{m}" if m != "no_mask" else "padding" for m in masks)
+    if mask_type not in masks:
+        raise NotImplementedError(f"{name} with qkv_format={fmt!r} supports attn_mask_type {' / '.join(masks)}, not {mask_type!r}")
     if bias_type != "no_bias":
         raise NotImplementedError(f"{name} does not support core_attention_bias_type={bias_type!r}; use 'no_bias'")
     if softmax_type != "vanilla" and cp.comm_type != "a2a":
         raise NotImplementedError(f"{name} supports softmax_type={softmax_type!r} only with cp_comm_type='a2a'")
+    if fmt == "thd":
+        return
     s_q, s_kv = q.shape[1], k.shape[1]
     if s_q % 2 or s_kv % 2:
         raise ValueError(f"{name}: each rank holds two sequence chunks, so its q / k lengths ({s_q}, {s_kv}) must be even")
@@ -364,6 +375,8 @@ def _blocks(step: int, ring: _Ring, settings: CPAttention, s_q: int, s_kv: int, 
     [rows, keys], True where the mask hides a key from a query, or None (nothing hidden)."""
     every_q, every_kv = slice(0, s_q), slice(0, s_kv)
     src = (ring.rank - step) % ring.size
+    if settings.packed is not None:
+        return every_q, every_kv, packed_hidden(settings.packed, ring.rank, src, ring.size, settings.causal, settings.window_size, device)
     if tuple(settings.window_size) not in ((-1, -1), (-1, 0)):
         return every_q, every_kv, _window_hidden(settings, ring, src, s_q, device)
     if not settings.causal:

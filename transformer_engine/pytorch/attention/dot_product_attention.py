@@ -240,7 +240,8 @@ class DotProductAttention(torch.nn.Module):
     float32 the largest masked score of each head (``ops.attention_max_logit``; not differentiable, and not
     with context parallelism or KV caching). Context parallelism (``cp_group`` or
     :meth:`set_context_parallel_group`) splits the sequence over a group's ranks in TE's load-balanced
-    layout, "bshd" / "sbhd" with no_mask or causal masks (see :mod:`.context_parallel`).
+    layout, "bshd" / "sbhd" with no_mask or causal masks, and packed "thd" sequences with padding masks over
+    "p2p" (TE's global ``cu_seqlens_*`` and ``cu_seqlens_*_padded``; see :mod:`.context_parallel`).
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -414,10 +415,10 @@ class DotProductAttention(torch.nn.Module):
         if self.return_max_logit and (cp or inference_params is not None):
             raise NotImplementedError("DotProductAttention(return_max_logit=True) with context parallelism or KV caching "
                                       "(inference_params) is not implemented yet")
+        seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         if cp:
             bias_type = "alibi" if alibi_slopes is not None else core_attention_bias_type
-            return self._cp_forward(q, k, v, fmt, spec, bias_type, inference_params is not None, checkpoint_core_attention)
-        seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+            return self._cp_forward(q, k, v, fmt, spec, seqs, bias_type, inference_params is not None, checkpoint_core_attention)
         problem = self._problem(q, k, v, fmt, spec, attention_mask, seqs, inference_params)
         bias = _Bias.resolve(core_attention_bias_type, core_attention_bias, alibi_slopes, q.shape[-2], q.device)
         user_mask = attention_mask if spec.mask_type == "arbitrary" else None
@@ -437,14 +438,27 @@ class DotProductAttention(torch.nn.Module):
                                      cu_seqlens_kv=extras.cu_seqlens_kv)
         return problem.restore(out), max_logit
 
-    def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, bias_type: str, inference: bool, checkpointed: bool):
-        """Context-parallel attention of this rank's tokens (checked before any communication)."""
+    def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, seqs: _Sequences, bias_type: str, inference: bool,
+                    checkpointed: bool):
+        """Context-parallel attention of this rank's tokens (checked before any communication); "thd" as a batch of one
+        packed row, its sequences told apart by the ring's masks (see :mod:`.context_parallel_packed`)."""
         dropout_p = self.attention_dropout if self.training else 0.0
-        problem = _padded_problem(q, k, v, fmt, None) if fmt != "thd" else None
-        _cp.check_cp_call(self._cp_group_settings, fmt, spec.mask_type, spec.window_size, bias_type=bias_type, inference=inference,
-                          softmax_type=self.softmax_type, dropout_p=dropout_p,
-                          q=problem.q if problem else q, k=problem.k if problem else k)
-        settings = _cp.CPAttention("causal" in spec.mask_type, spec.window_size, self.softmax_scale, dropout_p, self.softmax_type)
+        group = self._cp_group_settings
+        _cp.check_cp_call(group, fmt, spec.mask_type, spec.window_size, bias_type=bias_type, inference=inference,
+                          softmax_type=self.softmax_type, dropout_p=dropout_p, q=_layout.to_bshd(q, fmt) if fmt != "thd" else q,
+                          k=_layout.to_bshd(k, fmt) if fmt != "thd" else k)
+        packed = None
+        if fmt == "thd":
+            packed = _cp.PackedSequences.from_offsets(seqs.cu_q, seqs.cu_kv, seqs.cu_q_padded, seqs.cu_kv_padded,
+                                                      bottom_right=spec.mask_type.endswith("bottom_right"), size=group.size,
+                                                      tokens_q=q.shape[0], tokens_kv=k.shape[0],
+                                                      name=f"context parallelism (cp_comm_type={group.comm_type!r})")
+            problem = _Problem(q[None], k[None], v[None], thd=True, s_q=q.shape[0], s_kv=k.shape[0], padding=None, cu_seqlens_q=None,
+                               cu_seqlens_kv=None, restore=lambda out: _flatten_heads(out[0]))
+        else:
+            problem = _padded_problem(q, k, v, fmt, None)
+        settings = _cp.CPAttention("causal" in spec.mask_type, spec.window_size, self.softmax_scale, dropout_p, self.softmax_type,
+                                   packed=packed)
         rng_ctx = self._rng_ctx(dropout_p)
 
         def attend(qc, kc, vc, softmax_offset, config):

@@ -1,0 +1,130 @@
+"""Packed sequences ("thd") under context parallelism: which local tokens are which, and what a ring block hides.
+
+TE's layout, per sequence: sequence i of padded length Lp_i (``cu_seqlens_padded``, a multiple of 2P for P
+ranks) is cut into 2P chunks of c_i = Lp_i / (2P) tokens and rank r holds chunks r and 2P-1-r; a rank's
+tokens are its part of sequence 0, then of sequence 1, ... (TE's ``thd_get_partitioned_indices``), so every
+rank holds sum Lp_i / P tokens. Only the first len_i positions of a sequence are real tokens
+(``cu_seqlens``); the rest is padding, which neither attends nor is attended to (its output and gradients
+are 0, as TE zeroes them).
+
+A local token t is described by (sequence s_t, position p_t in its sequence, real length len_t); in the
+ring block of this rank's queries and rank j's keys, key k is hidden from query q where
+
+    s_k != s_q,  or p_k >= len_k,  or p_q >= len_q,
+    or (causal) p_k - p_q > 0 (top-left; bottom-right: (p_k - len_k) - (p_q - len_q) > 0),
+    or (window (left, right)) the same offset > right or < -left.
+
+The caller passes TE's global offsets (the whole packed batch), as NVIDIA TE's modules take them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+
+__all__ = ["PackedSequences", "packed_hidden"]
+
+
+@dataclass(frozen=True, eq=False)
+class _Tokens:
+    """Per local token: its sequence, its position in it and the sequence's real length (int64 [t] each)."""
+
+    seq: torch.Tensor
+    pos: torch.Tensor
+    length: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class PackedSequences:
+    """The packed batch of one context-parallel call, read once on the host.
+
+    Attributes:
+        lengths_q, lengths_kv: real length of each sequence (from ``cu_seqlens_q`` / ``cu_seqlens_kv``).
+        padded_q, padded_kv: padded length of each sequence (from ``cu_seqlens_*_padded``).
+        bottom_right: causal masks and windows align each sequence's last query with its last key.
+    """
+
+    lengths_q: Tuple[int, ...]
+    lengths_kv: Tuple[int, ...]
+    padded_q: Tuple[int, ...]
+    padded_kv: Tuple[int, ...]
+    bottom_right: bool
+    _tokens: Dict[tuple, _Tokens] = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def from_offsets(cu_q, cu_kv, cu_q_padded, cu_kv_padded, bottom_right: bool, size: int, tokens_q: int,
+                     tokens_kv: int, name: str) -> "PackedSequences":
+        """Read TE's offsets and check them against the local q / k token counts (``name`` starts the messages).
+
+        Raises:
+            ValueError: missing or malformed offsets, a padded length that 2 * P does not divide, a real length
+                longer than its padded one, or local token counts that are not sum Lp_i / P.
+        """
+        offsets = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, cu_seqlens_q_padded=cu_q_padded, cu_seqlens_kv_padded=cu_kv_padded)
+        for arg, cu in offsets.items():
+            if cu is None:
+                raise ValueError(f"{name} with qkv_format='thd' needs {arg} (TE's global offsets of the packed batch, int32 [b + 1])")
+            if cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name}: {arg} must be int32 [b + 1], got {cu.dtype} {tuple(cu.shape)}")
+        if len({cu.numel() for cu in offsets.values()}) != 1:
+            raise ValueError(f"{name}: the four cu_seqlens must have the same number of sequences, got shapes "
+                             f"{[tuple(cu.shape) for cu in offsets.values()]}")
+        lengths_q, lengths_kv, padded_q, padded_kv = (_lengths(cu) for cu in offsets.values())
+        for real, padded, tokens, side in ((lengths_q, padded_q, tokens_q, "q"), (lengths_kv, padded_kv, tokens_kv, "kv")):
+            if any(p % (2 * size) for p in padded):
+                raise ValueError(f"{name}: every padded sequence length must be a multiple of 2 * cp_size = {2 * size} "
+                                 f"(each rank holds 2 of its chunks), got cu_seqlens_{side}_padded lengths {list(padded)}")
+            if any(n < 0 or n > p for n, p in zip(real, padded)):
+                raise ValueError(f"{name}: cu_seqlens_{side} lengths {list(real)} must lie in [0, padded length {list(padded)}]")
+            if tokens * size != sum(padded):
+                raise ValueError(f"{name}: this rank holds {tokens} {side} tokens; cu_seqlens_{side}_padded describes "
+                                 f"{sum(padded)} over {size} ranks ({sum(padded) // size} each)")
+        return PackedSequences(lengths_q, lengths_kv, padded_q, padded_kv, bottom_right)
+
+    def tokens(self, rank: int, size: int, kv: bool, device) -> _Tokens:
+        """The local tokens of ``rank`` (made once per rank, side and device)."""
+        key = (rank, size, kv, device)
+        if key not in self._tokens:
+            real, padded = (self.lengths_kv, self.padded_kv) if kv else (self.lengths_q, self.padded_q)
+            self._tokens[key] = _local_tokens(real, padded, rank, size, device)
+        return self._tokens[key]
+
+
+def _lengths(cu: torch.Tensor) -> Tuple[int, ...]:
+    values: List[int] = cu.tolist()
+    return tuple(b - a for a, b in zip(values[:-1], values[1:]))
+
+
+def _local_tokens(real: Tuple[int, ...], padded: Tuple[int, ...], rank: int, size: int, device) -> _Tokens:
+    """Sequence, position and real length of each token rank ``rank`` holds: per sequence, chunks rank and 2P-1-rank.
+
+    Example (one sequence of padded length 8, 6 real tokens, P = 2, rank 0): positions [0, 1, 6, 7].
+    """
+    seq, pos, length = [], [], []
+    for i, (n, lp) in enumerate(zip(real, padded)):
+        c = lp // (2 * size)
+        positions = list(range(rank * c, (rank + 1) * c)) + list(range((2 * size - 1 - rank) * c, (2 * size - rank) * c))
+        seq += [i] * len(positions)
+        pos += positions
+        length += [n] * len(positions)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    return _Tokens(as_tensor(seq), as_tensor(pos), as_tensor(length))
+
+
+def packed_hidden(packed: PackedSequences, rank: int, src: int, size: int, causal: bool, window_size: Tuple[int, int],
+                  device) -> torch.Tensor:
+    """bool [t_q, t_kv]: True where the block of ``rank``'s queries and ``src``'s keys hides a key (see the module docstring)."""
+    q, k = packed.tokens(rank, size, kv=False, device=device), packed.tokens(src, size, kv=True, device=device)
+    hidden = (q.seq[:, None] != k.seq[None, :]) | (k.pos >= k.length)[None, :] | (q.pos >= q.length)[:, None]
+    offset = k.pos[None, :] - q.pos[:, None]
+    if packed.bottom_right:
+        offset = offset - (k.length[None, :] - q.length[:, None])
+    left, right = window_size
+    right = 0 if causal else right
+    if right >= 0:
+        hidden |= offset > right
+    if left >= 0:
+        hidden |= offset < -left
+    return hidden
