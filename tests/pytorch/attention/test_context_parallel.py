@@ -208,7 +208,7 @@ def check_errors():
 
     cases = [
         (NotImplementedError, "a2a\\+p2p", lambda: dpa("a2a+p2p")),
-        (NotImplementedError, "thd", lambda: dpa("all_gather", qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([4, 4], [4, 4]))),
+        (NotImplementedError, "'thd'.*'p2p' or 'a2a'", lambda: dpa("all_gather", qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([4, 4], [4, 4]))),
         (ValueError, "cu_seqlens_q_padded", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], cu_seqlens_q=_cu([4]), cu_seqlens_kv=_cu([4]))),
         (ValueError, "multiple of 2 \\* cp_size", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([3], [6]))),
         (ValueError, r"lie in \[0, padded length", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([9], [8]))),
@@ -274,7 +274,7 @@ def _thd_rows(padded, size: int, rank: int) -> torch.Tensor:
 THD_LENGTHS = (5, 0, 16, 11)  # real tokens per sequence; one empty sequence, one that fills its padded length
 
 
-def check_thd(mask, window=None):
+def check_thd(comm_type, mask, window=None):
     """Packed sequences with padding between them ("thd", TE's global offsets): each rank's output and gradients
     equal its rows of single-process attention over the packed batch; padding rows get 0, as TE gives them."""
     group = dist.group.WORLD
@@ -283,7 +283,7 @@ def check_thd(mask, window=None):
     offsets = _offsets(THD_LENGTHS, padded)
     kwargs = dict(num_gqa_groups=HKV, attention_dropout=0.0, qkv_format="thd", attn_mask_type=mask, window_size=window)
     ref, cp = te.DotProductAttention(H, D, **kwargs), te.DotProductAttention(H, D, **kwargs)
-    cp.set_context_parallel_group(group, None, None, "p2p")
+    cp.set_context_parallel_group(group, None, None, comm_type)
     torch.manual_seed(99)
     total = sum(padded)
     full = [torch.randn(total, H, D), torch.randn(total, HKV, D), torch.randn(total, HKV, D), torch.randn(total, H * D)]
@@ -305,5 +305,6 @@ def check_thd(mask, window=None):
 
 @pytest.mark.parametrize("mask, window", [("padding_causal", None), ("padding", None), ("causal", None), ("padding_causal", (3, 0)),
                                           ("padding", (2, 1))])
-def test_thd_matches_single_process(ranks, mask, window):
-    ranks.run(check_thd, mask, window)
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_thd_matches_single_process(ranks, comm_type, mask, window):
+    ranks.run(check_thd, comm_type, mask, window)

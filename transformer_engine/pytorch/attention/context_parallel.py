@@ -34,7 +34,8 @@ Communication types (TE's ``cp_comm_type``):
   home after the P-th hop.
 - ``"a2a"``: Ulysses. An all-to-all trades the sequence split for a head split (each rank gets all S
   tokens of H/P heads), the catalog op attends over the whole sequence, and a second all-to-all
-  trades back. Its backward is the same two all-to-alls in reverse.
+  trades back. Its backward is the same two all-to-alls in reverse. Packed sequences ("thd") come back as
+  the whole packed batch in TE's padded layout, which the module attends as it does without CP.
 
 The catalog's ``fused_attn_fwd`` returns an opaque ctx, not the log-sum-exp the ring merge needs, so
 "p2p" computes its blocks with plain PyTorch math here (float32, the reference backend's formulas),
@@ -167,8 +168,8 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         raise NotImplementedError(f"{name} does not support inference_params (KV caching)")
     masks = ("no_mask", "causal", "causal_bottom_right")
     if fmt == "thd":
-        if cp.comm_type != "p2p":
-            raise NotImplementedError(f"{name} does not support qkv_format='thd' yet; use cp_comm_type='p2p'")
+        if cp.comm_type == "all_gather":
+            raise NotImplementedError(f"{name} does not support qkv_format='thd' yet; use cp_comm_type='p2p' or 'a2a'")
         masks += tuple(f"padding_{m}" if m != "no_mask" else "padding" for m in masks)
     if mask_type not in masks:
         raise NotImplementedError(f"{name} with qkv_format={fmt!r} supports attn_mask_type {' / '.join(masks)}, not {mask_type!r}")
@@ -176,6 +177,9 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         raise NotImplementedError(f"{name} does not support core_attention_bias_type={bias_type!r}; use 'no_bias'")
     if softmax_type != "vanilla" and cp.comm_type != "a2a":
         raise NotImplementedError(f"{name} supports softmax_type={softmax_type!r} only with cp_comm_type='a2a'")
+    size = cp.size
+    if cp.comm_type == "a2a" and (q.shape[-2] % size or k.shape[-2] % size):
+        raise ValueError(f"{name}: {q.shape[-2]} query and {k.shape[-2]} key/value heads must divide by the CP size {size}")
     if fmt == "thd":
         return
     s_q, s_kv = q.shape[1], k.shape[1]
@@ -183,9 +187,6 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         raise ValueError(f"{name}: each rank holds two sequence chunks, so its q / k lengths ({s_q}, {s_kv}) must be even")
     if s_q != s_kv and (mask_type != "no_mask" or tuple(window_size) != (-1, -1)):
         raise ValueError(f"{name}: causal masks and windows need equal q and k lengths per rank, got {s_q} and {s_kv}")
-    size = cp.size
-    if cp.comm_type == "a2a" and (q.shape[2] % size or k.shape[2] % size):
-        raise ValueError(f"{name}: {q.shape[2]} query and {k.shape[2]} key/value heads must divide by the CP size {size}")
 
 
 def shard_sequence(x: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -304,24 +305,30 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _heads_to_sequence(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
-    """[b, 2L, h, d] (local tokens, all heads) -> [b, 2PL, h/P, d] (all tokens in order, this rank's heads)."""
+def _heads_to_sequence(x: torch.Tensor, cp: CPGroup, packed: Optional[PackedSequences], kv: bool) -> torch.Tensor:
+    """[b, 2L, h, d] (local tokens, all heads) -> [b, 2PL, h/P, d] (all tokens in order, this rank's heads); a packed
+    batch ([1, t, h, d]) comes back as the whole packed batch in TE's padded layout."""
     size = cp.size
     parts = x.unflatten(2, (size, -1)).movedim(2, 0)  # [P, b, 2L, h/P, d]: head group p goes to rank p
     received = _AllToAll.apply(parts, cp.group)  # [P, b, 2L, h/P, d]: rank p's tokens of my heads
-    return _to_natural(received.movedim(0, 1).flatten(1, 2), size)
+    gathered = received.movedim(0, 1).flatten(1, 2)
+    if packed is None:
+        return _to_natural(gathered, size)
+    return gathered.index_select(1, packed.natural_rows(size, kv, x.device).argsort())
 
 
-def _sequence_to_heads(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
-    """The inverse of :func:`_heads_to_sequence`."""
+def _sequence_to_heads(x: torch.Tensor, cp: CPGroup, packed: Optional[PackedSequences]) -> torch.Tensor:
+    """The inverse of :func:`_heads_to_sequence` (of the query side)."""
     size = cp.size
-    parts = _to_gathered(x, size).unflatten(1, (size, -1)).movedim(1, 0)  # [P, b, 2L, h/P, d]
+    gathered = _to_gathered(x, size) if packed is None else x.index_select(1, packed.natural_rows(size, False, x.device))
+    parts = gathered.unflatten(1, (size, -1)).movedim(1, 0)  # [P, b, 2L, h/P, d]
     received = _AllToAll.apply(parts, cp.group)  # [P, b, 2L, h/P, d]: head group p from rank p
     return received.movedim(0, 2).flatten(2, 3)
 
 
 def _a2a_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, softmax_offset) -> torch.Tensor:
-    q_full, k_full, v_full = (_heads_to_sequence(x, cp) for x in (q, k, v))
+    packed = settings.packed
+    q_full, k_full, v_full = (_heads_to_sequence(x, cp, packed, kv=x is not q) for x in (q, k, v))
     if softmax_offset is not None:
         softmax_offset = softmax_offset.chunk(cp.size)[cp.rank]
     config = AttentionConfig(
@@ -331,7 +338,7 @@ def _a2a_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, 
         dropout_p=settings.dropout_p,
         softmax_type=settings.softmax_type,
     )
-    return _sequence_to_heads(attend(q_full, k_full, v_full, softmax_offset, config), cp)
+    return _sequence_to_heads(attend(q_full, k_full, v_full, softmax_offset, config), cp, packed)
 
 
 # ----------------------------------------------------------------------------------------------- p2p

@@ -92,6 +92,17 @@ class PackedSequences:
         return self._tokens[key]
 
 
+    def natural_rows(self, size: int, kv: bool, device) -> torch.Tensor:
+        """int64 [P t]: the row of the whole packed batch (TE's padded layout) of each token in gathered order (rank 0's
+        tokens, then rank 1's, ...); ``x_gathered = x_packed[rows]``, and its inverse permutation puts them back."""
+        offsets = torch.tensor((0,) + self.padded_kv if kv else (0,) + self.padded_q, dtype=torch.int64, device=device).cumsum(0)
+        rows = []
+        for rank in range(size):
+            tokens = self.tokens(rank, size, kv, device)
+            rows.append(offsets[tokens.seq] + tokens.pos)
+        return torch.cat(rows)
+
+
 def _lengths(cu: torch.Tensor) -> Tuple[int, ...]:
     values: List[int] = cu.tolist()
     return tuple(b - a for a, b in zip(values[:-1], values[1:]))

@@ -241,7 +241,7 @@ class DotProductAttention(torch.nn.Module):
     with context parallelism or KV caching). Context parallelism (``cp_group`` or
     :meth:`set_context_parallel_group`) splits the sequence over a group's ranks in TE's load-balanced
     layout, "bshd" / "sbhd" with no_mask or causal masks, and packed "thd" sequences with padding masks over
-    "p2p" (TE's global ``cu_seqlens_*`` and ``cu_seqlens_*_padded``; see :mod:`.context_parallel`).
+    "p2p" or "a2a" (TE's global ``cu_seqlens_*`` and ``cu_seqlens_*_padded``; see :mod:`.context_parallel`).
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -462,6 +462,8 @@ class DotProductAttention(torch.nn.Module):
         rng_ctx = self._rng_ctx(dropout_p)
 
         def attend(qc, kc, vc, softmax_offset, config):
+            if packed is not None:  # "a2a": the whole packed batch of this rank's heads, attended as without CP
+                return self._packed_attention(qc[0], kc[0], vc[0], softmax_offset, spec, seqs, rng_ctx)[None]
             return _attend(qc, kc, vc, None, softmax_offset, _Extras(), config, rng_ctx)
 
         args = (problem.q, problem.k, problem.v, settings, self._cp_group_settings, attend, self.softmax_offset, rng_ctx)
@@ -470,6 +472,14 @@ class DotProductAttention(torch.nn.Module):
         else:
             out = _cp.context_parallel_attention(*args)
         return problem.restore(out)
+
+    def _packed_attention(self, q, k, v, softmax_offset, spec: _masks.MaskSpec, seqs: _Sequences, rng_ctx) -> torch.Tensor:
+        """[t, h, d_v]: "thd" attention of a whole packed batch (TE's padded layout) with ``spec``'s mask, padding rows 0."""
+        problem = _thd_problem(q, k, v, seqs)
+        plan = _masks.plan_masks(spec, problem.s_q, problem.s_kv, problem.padding, None, None, True, q.device)
+        config, attn_bias, extras = self._op_call(plan, _Bias("no_bias", None, None), problem)
+        out = _attend(problem.q, problem.k, problem.v, attn_bias, softmax_offset, extras, config, rng_ctx)
+        return problem.restore(out).unflatten(-1, (q.shape[1], -1))
 
     def _problem(self, q, k, v, fmt: str, spec: _masks.MaskSpec, attention_mask, seqs: _Sequences, inference_params) -> _Problem:
         """The call in the catalog's layout: KV-cached, packed (thd) or a (padded) sbhd / bshd batch."""
