@@ -274,6 +274,56 @@ def test_accumulate_into_main_grad():
         op(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_constant_scale_and_l2_normalization(dtype):
+    """Against float64 compositions of the formulas (TE's test oracles) on the same (``dtype``-rounded) inputs:
+    y = c x; y = x rsqrt(sum x^2 + eps); the op rounds once to ``dtype``, its backward computes in float32."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 5, 24, dtype=dtype).double()
+    dy = torch.randn_like(x).to(dtype).double()
+    for op, ref in ((te_ops.ConstantScale(-1.5), lambda t: -1.5 * t),
+                    (te_ops.L2Normalization(eps=1e-3), lambda t: t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-3))):
+        x_ref, x_test = x.clone().requires_grad_(), x.to(dtype).requires_grad_()
+        y_ref = ref(x_ref)
+        y_ref.backward(dy)
+        y = op(x_test)
+        y.backward(dy.to(dtype))
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.double(), y_ref, **dtype_tols(dtype))
+        torch.testing.assert_close(x_test.grad.double(), x_ref.grad, **dtype_tols(dtype))
+
+
+@pytest.mark.parametrize("p", [0.0625, 0.5, 0.75])
+def test_dropout(p):
+    """Training: y = x m / (1 - p) with the same m in backward (x is shifted away from 0, so m = (y != 0)), and the
+    fraction dropped within 4 standard deviations of p over 16k draws; evaluation: the identity; a quantized input is
+    dequantized first."""
+    torch.manual_seed(11)
+    op = te_ops.Dropout(p)
+    x = (torch.rand(128, 128) + 1.0).requires_grad_()
+    dy = torch.randn(128, 128)
+    y = op(x)
+    y.backward(dy)
+    keep = (y != 0).float() / (1 - p)
+    torch.testing.assert_close(y, x.detach() * keep)
+    torch.testing.assert_close(x.grad, dy * keep)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - p) < 4 * math.sqrt(p * (1 - p) / y.numel())
+    op.eval()
+    assert torch.equal(op(x), x)
+    quantized = te.tensor.Float8CurrentScalingQuantizer(te.tensor.DType.kFloat8E4M3)(x.detach())
+    assert torch.equal(op(quantized), quantized.dequantize())
+
+
+def test_new_ops_trace_without_graph_breaks(fresh_dynamo):
+    seq = te_ops.Sequential(te_ops.L2Normalization(), te_ops.ConstantScale(2.0), te_ops.Linear(32, 32, device=CPU), te_ops.Dropout(0.25))
+    x = torch.randn(8, 32, requires_grad=True)
+    explained = torch._dynamo.explain(seq)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, [b.reason for b in explained.break_reasons]
+    seq.eval()
+    torch.testing.assert_close(torch.compile(seq, fullgraph=True, backend="aot_eager")(x), seq(x))
+
+
 # ------------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("make,error,match", [
     (lambda: te_ops.BasicLinear(4, 4, userbuffers_options={"comm_name": "fc1"}), NotImplementedError, "userbuffers_options"),
@@ -284,6 +334,8 @@ def test_accumulate_into_main_grad():
     (lambda: te_ops.AddExtraInput(in_place=True), NotImplementedError, "in_place"),
     (lambda: te_ops.LayerNorm(0), ValueError, "normalized_shape"),
     (lambda: te_ops.RMSNorm(4, eps=-1.0), ValueError, "eps"),
+    (lambda: te_ops.L2Normalization(eps=-1.0), ValueError, "eps"),
+    (lambda: te_ops.Dropout(1.5), ValueError, "must be in \\[0, 1\\]"),
     (lambda: te_ops.Linear(4, 4, bias=False, device=CPU).register_parameter("bias", torch.nn.Parameter(torch.zeros(4))),
      ValueError, "bias=False"),
 ])

@@ -21,23 +21,24 @@ Not in this version: fusion. TE's operation fuser combines neighbouring operatio
 runs on its own, each its own autograd node, so the results are those of the unfused chain. Also
 missing: TE's extension interface for custom operations (``op_forward`` / ``op_backward`` with an
 ``OperationContext``, quantizers handed between neighbours), extra-tensor channels, ``op_kwargs``, and
-the operations ``GroupedLinear``, ``Dropout``, ``ConstantScale``, ``Quantize``, ``L2Normalization``
-and the scaled GLU variants.
+the operations ``GroupedLinear``, ``Quantize`` and the scaled GLU variants of TE after 2.9.
 """
 
 from .activation import GELU, GEGLU, GLU, QGEGLU, QGELU, ClampedSwiGLU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU
 from .basic_linear import BasicLinear
 from .bias import Bias
 from .communication import AllGather, AllReduce, ReduceScatter
+from .elementwise import ConstantScale, Dropout
 from .extra_tensors import AddExtraInput, MakeExtraOutput
 from .linear import Linear
-from .normalization import LayerNorm, RMSNorm
+from .normalization import L2Normalization, LayerNorm, RMSNorm
 from .op import BasicOperation, FusedOperation, FusibleOperation
 from .reshape import Identity, Reshape
 from .sequential import Sequential
 
 __all__ = [
-    "AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "FusedOperation",
-    "FusibleOperation", "GEGLU", "GELU", "GLU", "Identity", "LayerNorm", "Linear", "MakeExtraOutput", "QGEGLU", "QGELU",
-    "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU", "SReLU", "SiLU", "Sequential", "SwiGLU",
+    "AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout",
+    "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "Identity", "L2Normalization", "LayerNorm", "Linear",
+    "MakeExtraOutput", "QGEGLU", "QGELU", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU", "SReLU", "SiLU",
+    "Sequential", "SwiGLU",
 ]

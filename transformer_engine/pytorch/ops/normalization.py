@@ -1,11 +1,13 @@
-"""``LayerNorm`` and ``RMSNorm`` operations over the last ``len(normalized_shape)`` dims (TE's ops).
+"""``LayerNorm`` and ``RMSNorm`` operations over the last ``len(normalized_shape)`` dims, and ``L2Normalization`` (TE's ops).
 
-    LayerNorm: y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta
-    RMSNorm:   y = x / sqrt(mean(x^2) + eps) * gamma
+    LayerNorm:       y = (x - E[x]) / sqrt(Var[x] + eps) * gamma + beta
+    RMSNorm:         y = x / sqrt(mean(x^2) + eps) * gamma
     gamma -> 1 + gamma with ``zero_centered_gamma``
+    L2Normalization: y = x / sqrt(sum(x^2) + eps) over the last dim (no parameters; e.g. query-key norm)
 
-Computed in the autocast dtype, else the weight's (x is cast to it); forward and backward are the
-modules' (``module._norm_function.NormFunction``).
+LayerNorm and RMSNorm compute in the autocast dtype, else the weight's (x is cast to it); their forward and
+backward are the modules' (``module._norm_function.NormFunction``). L2Normalization computes in float32 and
+rounds once to x's dtype; its backward is autograd's through those tensor ops (which torch.compile fuses).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from ..module._common import apply_without_torch_autocast
 from ..module._norm import NormConfig
 from ..module._norm_function import NormArgs, NormFunction
 from ..module.base import default_device
+from ..tensor.quantized_tensor import QuantizedTensor
 from .op import BasicOperation
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["L2Normalization", "LayerNorm", "RMSNorm"]
 
 
 class _Normalization(BasicOperation):
@@ -107,3 +110,33 @@ class RMSNorm(_Normalization):
     """
 
     _KIND = "RMSNorm"
+
+
+class L2Normalization(BasicOperation):
+    """y = x * rsqrt(sum(x^2) + eps) over the last dim (TE's op: a parameter-free norm, e.g. of queries and keys).
+
+    ``seq_length`` and ``micro_batch_size`` are TE's hints to warm up its JIT-fused kernels before training; nothing
+    here is compiled ahead, so they change nothing.
+
+    Raises:
+        ValueError: ``eps`` < 0.
+
+    Example:
+        >>> import torch, transformer_engine.pytorch.ops as te_ops
+        >>> te_ops.L2Normalization(eps=0.0)(torch.tensor([[3.0, 4.0]])).tolist()
+        [[0.6000000238418579, 0.800000011920929]]
+    """
+
+    def __init__(self, *, eps: float = 1e-6, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None) -> None:
+        super().__init__()
+        if not eps >= 0:
+            raise ValueError(f"eps={eps!r} must be >= 0")
+        self.eps = float(eps)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.dequantize() if isinstance(x, QuantizedTensor) else x
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().sum(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
