@@ -1,4 +1,4 @@
-"""Module machinery: checkpoints (_extra_state without pickle, bit-identical continuation), their errors, recipe
+"""Module machinery: checkpoints (_extra_state in TE's format, read without running code; bit-identical continuation), their errors, recipe
 changes between forwards, device default."""
 
 import copy
@@ -117,11 +117,31 @@ def test_loading_a_checkpoint_of_another_recipe_raises():
         ran_current.load_state_dict(state)
 
 
+_RAN = []
+
+
+def _side_effect(text):
+    _RAN.append(text)
+
+
+class _Payload:
+    """A pickle that runs code when loaded unrestricted (``_side_effect``)."""
+
+    def __reduce__(self):
+        return _side_effect, ("ran",)
+
+
+def _as_bytes_tensor(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
 def test_foreign_or_mismatched_extra_state_raises():
     layer = te.Linear(16, 16)
-    pickled = torch.frombuffer(bytearray(pickle.dumps({"scale_fwd": 1})), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="not a TransformerEngine-FL payload.*arbitrary code"):
-        layer.set_extra_state(pickled)
+    with pytest.raises(ValueError, match="no delayed-scaling state"):
+        layer.set_extra_state(_as_bytes_tensor({"scale_fwd": 1}))
+    with pytest.raises(ValueError, match="_side_effect.*can run code"):
+        layer.set_extra_state(_as_bytes_tensor({"recipe": _Payload()}))
+    assert not _RAN  # refused before anything was built
     with pytest.raises(ValueError, match="1 GEMMs but LayerNormMLP has 2"):
         te.LayerNormMLP(16, 16).set_extra_state(_delayed_checkpoint()["_extra_state"])
     state = {k: v for k, v in layer.state_dict().items() if k != "_extra_state"}
@@ -251,3 +271,79 @@ def test_inference_casts_no_transposed_copies(monkeypatch, recipe):
         training = model(x)
     assert calls  # the transposes backward reads
     torch.testing.assert_close(inference, training.detach(), rtol=0, atol=0)
+
+
+def _te_state(recipe, n_fwd, n_bwd, num_gemms, generator):
+    """What NVIDIA TE 2.x's ``get_extra_state`` pickles for a delayed-scaling module."""
+    length = recipe.amax_history_len
+    rand = lambda *shape: torch.rand(*shape, generator=generator) + 0.5  # noqa: E731
+    return {"recipe": recipe, "scale_fwd": rand(n_fwd), "amax_history_fwd": rand(length, n_fwd), "scale_bwd": rand(n_bwd),
+            "amax_history_bwd": rand(length, n_bwd), "extra_fp8_variables": {"num_gemms": num_gemms, "fp8_checkpoint": True}}
+
+
+def test_extra_state_is_te_s_checkpoint_format_both_ways():
+    """Ours unpickles (plainly, as TE and Megatron-Core read it) to TE's keys and layout; TE's loads into our module
+    (scale_inv = 1 / scale), and saving it again gives the same tensors."""
+    layer = _model()[1]  # LayerNormMLP: two GEMMs, slots GEMM-major as TE's
+    with te.autocast(recipe=RECIPE):
+        layer(randn(16, 32))
+    ours = pickle.loads(layer.get_extra_state().numpy().tobytes())
+    assert ours["recipe"] == RECIPE and ours["extra_fp8_variables"]["num_gemms"] == 2
+    meta = layer.fp8_meta
+    assert torch.equal(ours["scale_fwd"], meta["scaling_fwd"].scale) and torch.equal(ours["amax_history_bwd"], meta["scaling_bwd"].amax_history)
+
+    theirs = _te_state(RECIPE, 6, 4, 2, torch.Generator().manual_seed(0))
+    fresh = te.LayerNormMLP(32, 64, activation="swiglu")
+    fresh.load_state_dict({**{k: v for k, v in layer.state_dict().items() if k != "_extra_state"}, "_extra_state": _as_bytes_tensor(theirs)})
+    state = fresh.fp8_meta["scaling_fwd"]
+    assert torch.equal(state.scale, theirs["scale_fwd"]) and torch.equal(state.amax_history, theirs["amax_history_fwd"])
+    assert torch.equal(state.scale_inv, 1 / theirs["scale_fwd"])
+    again = pickle.loads(fresh.get_extra_state().numpy().tobytes())
+    assert all(torch.equal(again[key], theirs[key]) for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"))
+    assert _round_trip(fresh.state_dict())["_extra_state"].dtype == torch.uint8  # torch.load(weights_only=True) reads it
+
+
+def test_grouped_linear_state_splits_per_expert_as_megatron_core_does():
+    """TE's GroupedLinear stores its slots role-major; Megatron-Core's distributed checkpoint splits the state per
+    expert with ``view(3, -1)[:, g]`` and merges it back with ``cat``: expert g gets its own input / weight / output
+    slots, and the merged state loads back unchanged."""
+    n = 3
+    layer = te.GroupedLinear(n, 32, 32)
+    with te.autocast(recipe=RECIPE):
+        layer(randn(24, 32), [8, 8, 8])
+    meta = layer.fp8_meta
+    with torch.no_grad():  # distinct values per slot, so that a permuted slot would show
+        meta["scaling_fwd"].scale.copy_(torch.arange(1.0, 3 * n + 1))
+        meta["scaling_bwd"].scale.copy_(torch.arange(1.0, 2 * n + 1))
+    state = pickle.loads(layer.get_extra_state().numpy().tobytes())
+    length = RECIPE.amax_history_len
+    for g in range(n):  # Megatron's _split_extra_state
+        scale_fwd, scale_bwd = state["scale_fwd"].view(3, -1)[:, g], state["scale_bwd"].view(2, -1)[:, g]
+        history_fwd = state["amax_history_fwd"].view(length, 3, -1)[:, :, g]
+        assert torch.equal(scale_fwd, meta["scaling_fwd"].scale[3 * g:3 * g + 3])
+        assert torch.equal(scale_bwd, meta["scaling_bwd"].scale[2 * g:2 * g + 2])
+        assert torch.equal(history_fwd, meta["scaling_fwd"].amax_history[:, 3 * g:3 * g + 3])
+    merged = dict(state)  # Megatron's merge_extra_states of the per-expert parts
+    merged["scale_fwd"] = torch.cat([state["scale_fwd"].view(3, -1)[:, g].view(-1, 1) for g in range(n)], dim=1).view(-1)
+    fresh = te.GroupedLinear(n, 32, 32)
+    fresh.set_extra_state(_as_bytes_tensor(merged))
+    assert torch.equal(fresh.fp8_meta["scaling_fwd"].scale, meta["scaling_fwd"].scale)
+    assert torch.equal(fresh.fp8_meta["scaling_bwd"].amax_history, meta["scaling_bwd"].amax_history)
+
+
+def test_first_format_checkpoints_still_load():
+    """This package's JSON payload (before 2026-11-27): one GEMM, history length 2."""
+    import base64
+    import json
+
+    def b64(values):
+        return base64.b64encode(torch.tensor(values, dtype=torch.float32).numpy().tobytes()).decode("ascii")
+
+    fields = {"margin": 0, "fp8_format": {"format": "HYBRID"}, "amax_history_len": 2, "amax_compute_algo": "max"}
+    payload = {"format": "transformer_engine_fl.extra_state", "version": 1, "num_gemms": 1,
+               "recipe": {"class": "DelayedScaling", "fields": fields},
+               "scaling_fwd": {"shape": [2, 3], "scale": b64([1, 2, 4]), "scale_inv": b64([1, 0.5, 0.25]), "amax_history": b64([1] * 6)},
+               "scaling_bwd": {"shape": [2, 2], "scale": b64([8, 16]), "scale_inv": b64([0.125, 0.0625]), "amax_history": b64([2] * 4)}}
+    layer = te.Linear(16, 16)
+    layer.set_extra_state(torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8))
+    assert layer.fp8_meta["scaling_fwd"].scale.tolist() == [1, 2, 4] and layer.fp8_meta["scaling_bwd"].scale_inv.tolist() == [0.125, 0.0625]

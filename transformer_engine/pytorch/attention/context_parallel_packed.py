@@ -91,7 +91,6 @@ class PackedSequences:
             self._tokens[key] = _local_tokens(real, padded, rank, size, device)
         return self._tokens[key]
 
-
     def natural_rows(self, size: int, kv: bool, device) -> torch.Tensor:
         """int64 [P t]: the row of the whole packed batch (TE's padded layout) of each token in gathered order (rank 0's
         tokens, then rank 1's, ...); ``x_gathered = x_packed[rows]``, and its inverse permutation puts them back."""

@@ -1,37 +1,48 @@
-"""``_extra_state`` of the modules: the delayed-scaling state as JSON in a uint8 tensor, no pickle.
+"""``_extra_state`` of the modules: NVIDIA TE's checkpoint format, loaded without running arbitrary code.
 
-A state dict saved with ``torch.save`` loads with ``torch.load(..., weights_only=True)``. Modules
-without an amax history (high precision, current scaling) store ``torch.empty(0, dtype=torch.uint8)``,
-as TE does. The payload (UTF-8 JSON)::
+TE keeps a module's delayed-scaling state in its state dict as a uint8 tensor holding a pickled dict, which
+Megatron-Core's distributed checkpoints split per expert and merge again (``TEGroupedLinear``)::
 
-    {"format": "transformer_engine_fl.extra_state", "version": 1, "num_gemms": 1,
-     "recipe": {"class": "DelayedScaling", "fields": {"margin": 0, "fp8_format": "HYBRID", ...}},
-     "scaling_fwd": {"shape": [L, N], "scale": <b64>, "scale_inv": <b64>, "amax_history": <b64>},
-     "scaling_bwd": {...}}
+    {"recipe": DelayedScaling(...),
+     "scale_fwd": float32 [N_fwd], "amax_history_fwd": float32 [L, N_fwd],
+     "scale_bwd": float32 [N_bwd], "amax_history_bwd": float32 [L, N_bwd],
+     "extra_fp8_variables": {"num_gemms": n, "fp8_checkpoint": True}}
 
-Tensors are base64 of little-endian float32 bytes, so values round-trip bit for bit. A recipe field
-holding a callable (``amax_compute_algo``, ``scaling_factor_compute_algo``) is stored by name only
-and comes back as the field's default; the autocast recipe supplies the callable at the next forward.
+Slots are GEMM-major (3 g + role forward, 2 g + role backward), except GroupedLinear's, which TE orders
+role-major (role n + g); scale_inv is 1 / scale and not stored. Modules without an amax history store
+``torch.empty(0, dtype=torch.uint8)``, as TE does. So checkpoints move both ways between NVIDIA TE and this
+package, and Megatron-Core handles ours as it handles TE's.
+
+Loading unpickles with an unpickler that builds only what the format holds (CPU tensors, the recipe dataclasses
+and enums of ``transformer_engine.common.recipe``, plain containers) and refuses any other global, so a
+checkpoint cannot run code. A recipe field holding a callable is saved as the field's default (a callable
+cannot be stored by value); the autocast recipe brings the callable back at the next forward. Payloads of this
+package's first format (JSON, before 2026-11-27) still load.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
+import io
 import json
+import pickle
 from dataclasses import dataclass
 from typing import Dict
 
 import torch
 
+from transformer_engine.common import recipe as _recipe
 from transformer_engine.common.recipe import DelayedScaling, Format, Recipe
 
 __all__ = ["ExtraState", "decode", "empty", "encode"]
 
-_FORMAT = "transformer_engine_fl.extra_state"
-_VERSION = 1
-_RECIPES = {"DelayedScaling": DelayedScaling}
-_TENSORS = ("scale", "scale_inv", "amax_history")
+#: what a checkpoint's pickle may name from the recipe module: data classes and enums, no behaviour on load
+_RECIPE_GLOBALS = frozenset(
+    ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "Format",
+     "_FormatHelper", "QParams", "MMParams"]
+)
 
 
 def empty() -> torch.Tensor:
@@ -41,7 +52,7 @@ def empty() -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ExtraState:
-    """A decoded payload: the recipe, the GEMM count and each direction's tensors (on the CPU)."""
+    """A decoded payload: the recipe, the GEMM count and each direction's tensors (CPU, GEMM-major slots)."""
 
     recipe: Recipe
     num_gemms: int
@@ -49,9 +60,93 @@ class ExtraState:
     scaling_bwd: Dict[str, torch.Tensor]
 
 
-def _tensor_to_b64(t: torch.Tensor) -> str:
-    raw = t.detach().to("cpu", torch.float32).contiguous().reshape(-1).view(torch.uint8)
-    return base64.b64encode(bytes(raw.tolist())).decode("ascii")
+def _roles(mode: str) -> int:
+    return 3 if mode == "fwd" else 2
+
+
+def _to_role_major(t: torch.Tensor, n: int, roles: int) -> torch.Tensor:
+    """Slots 3 g + r (last dim) -> r n + g."""
+    return t.reshape(*t.shape[:-1], n, roles).transpose(-1, -2).reshape(t.shape)
+
+
+def _to_gemm_major(t: torch.Tensor, n: int, roles: int) -> torch.Tensor:
+    """Slots r n + g (last dim) -> 3 g + r."""
+    return t.reshape(*t.shape[:-1], roles, n).transpose(-1, -2).reshape(t.shape)
+
+
+def _storable(recipe: Recipe) -> Recipe:
+    """``recipe`` with every callable field at its default (what a pickle can hold by value)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(recipe) if callable(getattr(recipe, f.name))}
+    return dataclasses.replace(recipe, **defaults) if defaults else recipe
+
+
+def encode(fp8_meta: Dict, role_major: bool = False) -> torch.Tensor:
+    """The uint8 tensor holding ``fp8_meta``'s delayed-scaling state in TE's format (``role_major``: GroupedLinear's
+    slot order)."""
+    n = fp8_meta["num_gemms"]
+    state = {"recipe": _storable(fp8_meta["scaling_fwd"].recipe), "extra_fp8_variables": {"num_gemms": n, "fp8_checkpoint": True}}
+    for mode in ("fwd", "bwd"):
+        scaling = fp8_meta[f"scaling_{mode}"]
+        for name, tensor in (("scale", scaling.scale), ("amax_history", scaling.amax_history)):
+            tensor = tensor.detach().to("cpu", torch.float32)
+            state[f"{name}_{mode}"] = (_to_role_major(tensor, n, _roles(mode)) if role_major else tensor).contiguous()
+    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """Builds tensors, the recipe module's data classes and plain containers; any other global is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return torch._utils._rebuild_tensor_v2
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == _recipe.__name__ and name in _RECIPE_GLOBALS:
+            return getattr(_recipe, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint of scaling state never holds")
+
+
+def _storage_from_bytes(data: bytes):
+    """A tensor storage saved by ``torch.save``, read by its weights-only loader (torch's own helper reads it unrestricted)."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def decode(state: torch.Tensor, role_major: bool = False) -> ExtraState:
+    """Parse a tensor made by :func:`encode` (or by NVIDIA TE, or by this package's first format).
+
+    Raises:
+        ValueError: a payload that is none of these (a pickle naming anything the format does not hold is not
+            unpickled further: that could run code), or one without the delayed-scaling tensors.
+    """
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        raise ValueError(f"_extra_state must be a uint8 tensor (TE's checkpoint format), got {type(state).__name__}")
+    raw = state.detach().cpu().reshape(-1).numpy().tobytes()
+    if raw[:1] == b"{":
+        return _decode_json(raw)
+    try:
+        payload = _StateUnpickler(io.BytesIO(raw)).load()
+    except Exception as exc:  # noqa: BLE001 - any unreadable payload gets the same answer
+        raise ValueError(f"_extra_state is not a checkpoint of TE's scaling state ({exc}); it was not loaded, since "
+                         "unpickling arbitrary objects can run code; drop the '_extra_state' keys to load the weights only") from None
+    keys = ("recipe", "scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+    if not isinstance(payload, dict) or any(key not in payload for key in keys):
+        raise ValueError(f"_extra_state holds no delayed-scaling state (TE's keys {keys}); got "
+                         f"{sorted(payload) if isinstance(payload, dict) else type(payload).__name__}")
+    n = int(payload.get("extra_fp8_variables", {}).get("num_gemms", 1))
+    tensors = {}
+    for mode in ("fwd", "bwd"):
+        scale, history = (payload[f"{name}_{mode}"].to(torch.float32) for name in ("scale", "amax_history"))
+        if role_major:
+            scale, history = _to_gemm_major(scale, n, _roles(mode)), _to_gemm_major(history, n, _roles(mode))
+        tensors[mode] = {"scale": scale, "scale_inv": torch.reciprocal(scale), "amax_history": history}
+    return ExtraState(recipe=payload["recipe"], num_gemms=n, scaling_fwd=tensors["fwd"], scaling_bwd=tensors["bwd"])
+
+
+# ------------------------------------------------------------------------- the first format (JSON, read only)
 
 
 def _b64_to_tensor(text: str, shape) -> torch.Tensor:
@@ -59,81 +154,31 @@ def _b64_to_tensor(text: str, shape) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.float32).clone().reshape(shape)
 
 
-def _field_to_json(value):
-    if isinstance(value, Format):
-        return {"format": value.name}
-    if callable(value):
-        return {"callable": getattr(value, "__qualname__", repr(value))}
-    return value
-
-
-def _recipe_to_json(recipe: Recipe) -> Dict:
-    fields = {f.name: _field_to_json(getattr(recipe, f.name)) for f in dataclasses.fields(recipe)}
-    return {"class": type(recipe).__name__, "fields": fields}
-
-
 def _recipe_from_json(obj: Dict) -> Recipe:
-    name = obj["class"]
-    if name not in _RECIPES:
-        raise ValueError(f"the checkpoint's extra state names recipe {name!r}, which carries no scaling state")
+    if obj["class"] != "DelayedScaling":
+        raise ValueError(f"the checkpoint's extra state names recipe {obj['class']!r}, which carries no scaling state")
     kwargs = {}
     for key, value in obj["fields"].items():
         if isinstance(value, dict) and "format" in value:
             kwargs[key] = Format[value["format"]]
         elif not (isinstance(value, dict) and "callable" in value):
             kwargs[key] = value
-    return _RECIPES[name](**kwargs)
+    return DelayedScaling(**kwargs)
 
 
-def _state_to_json(state) -> Dict:
-    out = {"shape": list(state.amax_history.shape)}
-    out.update({name: _tensor_to_b64(getattr(state, name)) for name in _TENSORS})
-    return out
-
-
-def _state_from_json(obj: Dict) -> Dict[str, torch.Tensor]:
-    length, n = obj["shape"]
-    shapes = {"scale": (n,), "scale_inv": (n,), "amax_history": (length, n)}
-    return {name: _b64_to_tensor(obj[name], shapes[name]) for name in _TENSORS}
-
-
-def encode(fp8_meta: Dict) -> torch.Tensor:
-    """The uint8 tensor holding ``fp8_meta``'s delayed-scaling state."""
-    payload = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "num_gemms": fp8_meta["num_gemms"],
-        "recipe": _recipe_to_json(fp8_meta["scaling_fwd"].recipe),
-        "scaling_fwd": _state_to_json(fp8_meta["scaling_fwd"]),
-        "scaling_bwd": _state_to_json(fp8_meta["scaling_bwd"]),
-    }
-    data = bytearray(json.dumps(payload, separators=(",", ":")).encode("utf-8"))
-    return torch.frombuffer(data, dtype=torch.uint8).clone()
-
-
-def decode(state: torch.Tensor) -> ExtraState:
-    """Parse a tensor made by :func:`encode`.
-
-    Raises:
-        ValueError: for anything else, e.g. NVIDIA TE's pickled extra state, which is not loaded
-            because unpickling can run arbitrary code.
-    """
-    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-        raise ValueError(f"_extra_state must be a uint8 tensor made by TransformerEngine-FL, got {type(state).__name__}")
+def _decode_json(raw: bytes) -> ExtraState:
+    """The payload of this package's first format: {"format": "transformer_engine_fl.extra_state", "version": 1, ...}."""
     try:
-        payload = json.loads(bytes(state.cpu().reshape(-1).tolist()).decode("utf-8"))
-        if payload.get("format") != _FORMAT:
+        payload = json.loads(raw.decode("utf-8"))
+        if payload.get("format") != "transformer_engine_fl.extra_state" or payload.get("version") != 1:
             raise KeyError("format")
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, AttributeError):
-        raise ValueError(
-            "_extra_state is not a TransformerEngine-FL payload (NVIDIA TE's pickled extra state is not loaded: "
-            "unpickling can run arbitrary code); drop the '_extra_state' keys to load the weights only"
-        ) from None
-    if payload.get("version") != _VERSION:
-        raise ValueError(f"_extra_state version {payload.get('version')!r} is not supported (expected {_VERSION})")
-    return ExtraState(
-        recipe=_recipe_from_json(payload["recipe"]),
-        num_gemms=int(payload["num_gemms"]),
-        scaling_fwd=_state_from_json(payload["scaling_fwd"]),
-        scaling_bwd=_state_from_json(payload["scaling_bwd"]),
-    )
+        raise ValueError("_extra_state is neither TE's checkpoint format nor this package's first one") from None
+    tensors = {}
+    for mode in ("fwd", "bwd"):
+        obj = payload[f"scaling_{mode}"]
+        length, n = obj["shape"]
+        shapes = {"scale": (n,), "scale_inv": (n,), "amax_history": (length, n)}
+        tensors[mode] = {name: _b64_to_tensor(obj[name], shape) for name, shape in shapes.items()}
+    return ExtraState(recipe=_recipe_from_json(payload["recipe"]), num_gemms=int(payload["num_gemms"]),
+                      scaling_fwd=tensors["fwd"], scaling_bwd=tensors["bwd"])

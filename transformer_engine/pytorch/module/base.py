@@ -447,22 +447,25 @@ class TransformerEngineBaseModule(torch.nn.Module):
         return operand
 
     # ----------------------------------------------------------------------------- checkpoints
+    #: the slot order of the checkpointed state: GEMM-major, or role-major as TE's GroupedLinear stores it
+    _ROLE_MAJOR_CHECKPOINT = False
+
     def get_extra_state(self) -> torch.Tensor:
-        """The delayed-scaling state as a uint8 tensor (empty when there is none)."""
+        """The delayed-scaling state as a uint8 tensor in TE's format (empty when there is none; see ``_extra_state``)."""
         if not self.fp8_meta["fp8_checkpoint"]:
             return _extra_state.empty()
-        return _extra_state.encode(self.fp8_meta)
+        return _extra_state.encode(self.fp8_meta, role_major=self._ROLE_MAJOR_CHECKPOINT)
 
     def set_extra_state(self, state) -> None:
-        """Restore what :meth:`get_extra_state` saved (an empty tensor or None restores nothing).
+        """Restore what :meth:`get_extra_state` (or NVIDIA TE's) saved (an empty tensor or None restores nothing).
 
         Raises:
-            ValueError: for a payload that is not ours (e.g. pickled), another GEMM count, or a
-                recipe type that differs from the module's.
+            ValueError: for a payload that is not a checkpoint of scaling state (e.g. a pickle of other objects, which
+                is not unpickled), another GEMM count, or a recipe type that differs from the module's.
         """
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
             return
-        loaded = _extra_state.decode(state)
+        loaded = _extra_state.decode(state, role_major=self._ROLE_MAJOR_CHECKPOINT)
         current = self._model_init_recipe or self.fp8_meta["recipe"]
         if current is not None and type(current) is not type(loaded.recipe):
             raise ValueError(

@@ -142,6 +142,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         self._weight_names = tuple(f"weight{i}" for i in range(self.num_gemms))
         self._bias_names = tuple(f"bias{i}" for i in range(self.num_gemms))
 
+    _ROLE_MAJOR_CHECKPOINT = True  # TE's GroupedLinear stores its slots role-major; Megatron-Core splits them per expert so
+
     # ----------------------------------------------------------------------------- TE's module API (Megatron-Core)
     @property
     def fp8(self) -> bool:
