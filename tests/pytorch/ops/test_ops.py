@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import transformer_engine.pytorch as te
 import transformer_engine.pytorch.ops as te_ops
 from tests.utils import dtype_tols, sqnr
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 
 CPU = "cpu"
 
@@ -322,6 +322,82 @@ def test_new_ops_trace_without_graph_breaks(fresh_dynamo):
     assert explained.graph_break_count == 0 and explained.graph_count == 1, [b.reason for b in explained.break_reasons]
     seq.eval()
     torch.testing.assert_close(torch.compile(seq, fullgraph=True, backend="aot_eager")(x), seq(x))
+
+
+def _grid_input(recipe_name, shape, forward):
+    """Values the recipe's cast of this direction reproduces exactly (TE's test builds them by a quantize-dequantize):
+    the FP8 grid at scale 1 (delayed: a fresh state's scale; current: the largest magnitude is the format's max),
+    and for the power-of-two block scales a quantize-dequantize by the public quantizer of that kind."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5 if forward else 6)) * 4
+    fp8 = torch.float8_e4m3fn if forward else torch.float8_e5m2
+    if recipe_name in ("delayed", "current"):
+        x = x.to(fp8).to(torch.float32)
+        x[0, 0] = torch.finfo(fp8).max
+    elif recipe_name == "block":
+        x = te.tensor.Float8BlockQuantizer(te.tensor.DType.kFloat8E4M3, rowwise=True, columnwise=True)(x).dequantize()
+    elif recipe_name == "mxfp8":
+        x = te.tensor.MXFP8Quantizer(te.tensor.DType.kFloat8E4M3)(x).dequantize()
+    return x.to(torch.bfloat16)
+
+
+QUANTIZE_RECIPES = {"delayed": DelayedScaling(fp8_format=Format.HYBRID), "current": Float8CurrentScaling(fp8_format=Format.HYBRID),
+                    "block": Float8BlockScaling(fp8_format=Format.E4M3), "mxfp8": MXFP8BlockScaling(fp8_format=Format.E4M3)}
+
+
+@pytest.mark.parametrize("cast_forward, cast_backward", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("recipe_name", list(QUANTIZE_RECIPES))
+def test_quantize(recipe_name, cast_forward, cast_backward):
+    """TE's test: y is a QuantizedTensor exactly when forward quantizes, x.grad when backward does; on inputs the casts
+    reproduce, y decodes to x and dx to dy exactly; outside an FP8 autocast the operation is the identity."""
+    x = _grid_input(recipe_name, (32, 64), forward=True).requires_grad_()
+    dy = _grid_input(recipe_name, (32, 64), forward=recipe_name in ("block", "mxfp8"))  # E4M3 gradients there
+    op = te_ops.Quantize(forward=cast_forward, backward=cast_backward)
+    with te.autocast(recipe=QUANTIZE_RECIPES[recipe_name]):
+        y = op(x)
+    y.backward(dy)
+    assert isinstance(y, te.tensor.QuantizedTensor) == cast_forward
+    assert isinstance(x.grad, te.tensor.QuantizedTensor) == cast_backward
+    decode = lambda t: t.dequantize() if isinstance(t, te.tensor.QuantizedTensor) else t  # noqa: E731
+    assert torch.equal(decode(y), x.detach()) and torch.equal(decode(x.grad), dy)
+    assert op(x) is x and op.num_quantizers("forward") == int(cast_forward)
+
+
+def test_quantize_delayed_scaling_records_and_updates_its_slots():
+    """The input slot's amax is recorded in forward and the scale updated at the autocast's exit (448 / amax, HYBRID,
+    margin 0); the grad-output slot likewise at the end of backward (57344 / amax)."""
+    op = te_ops.Quantize(forward=True, backward=True)
+    x = (torch.randn(16, 32) * 3).requires_grad_()
+    with te.autocast(recipe=DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)):
+        y = op(x)
+    dy = torch.randn(16, 32) * 5
+    y.backward(dy)
+    torch.testing.assert_close(op.fp8_meta["scaling_fwd"].scale[0], 448.0 / x.detach().abs().max())
+    torch.testing.assert_close(op.fp8_meta["scaling_bwd"].scale[0], 57344.0 / dy.abs().max())
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_quantize_traces_without_graph_breaks(recipe_name, fresh_dynamo):
+    """Traced, the operation hands on its quantize-dequantized values as a plain tensor (Dynamo cannot build a tensor
+    subclass in a graph): one graph, the values eager's quantized tensor decodes to."""
+    recipe = QUANTIZE_RECIPES[recipe_name]
+    op = te_ops.Quantize(forward=True, backward=True)
+    seq = te_ops.Sequential(op, te_ops.Linear(64, 32, device=CPU))
+
+    def step(x):
+        with te.autocast(recipe=recipe):
+            return seq(x)
+
+    x = _grid_input(recipe_name, (32, 64), forward=True).requires_grad_()
+    step(x).float().sum().backward()  # the scaling state exists before tracing
+    x.grad = None
+    explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, [b.reason for b in explained.break_reasons]
+
+    def quantized(x):
+        with te.autocast(recipe=recipe):
+            return op(x)
+
+    torch.testing.assert_close(torch.compile(quantized, fullgraph=True, backend="aot_eager")(x), quantized(x).dequantize(), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------- errors

@@ -21,7 +21,7 @@ Not in this version: fusion. TE's operation fuser combines neighbouring operatio
 runs on its own, each its own autograd node, so the results are those of the unfused chain. Also
 missing: TE's extension interface for custom operations (``op_forward`` / ``op_backward`` with an
 ``OperationContext``, quantizers handed between neighbours), extra-tensor channels, ``op_kwargs``, and
-the operations ``GroupedLinear``, ``Quantize`` and the scaled GLU variants of TE after 2.9.
+the operations ``GroupedLinear`` and the scaled GLU variants of TE after 2.9.
 """
 
 from .activation import GELU, GEGLU, GLU, QGEGLU, QGELU, ClampedSwiGLU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU
@@ -33,12 +33,13 @@ from .extra_tensors import AddExtraInput, MakeExtraOutput
 from .linear import Linear
 from .normalization import L2Normalization, LayerNorm, RMSNorm
 from .op import BasicOperation, FusedOperation, FusibleOperation
+from .quantize import Quantize
 from .reshape import Identity, Reshape
 from .sequential import Sequential
 
 __all__ = [
     "AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU", "ConstantScale", "Dropout",
     "FusedOperation", "FusibleOperation", "GEGLU", "GELU", "GLU", "Identity", "L2Normalization", "LayerNorm", "Linear",
-    "MakeExtraOutput", "QGEGLU", "QGELU", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU", "SReLU", "SiLU",
+    "MakeExtraOutput", "QGEGLU", "QGELU", "Quantize", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "Reshape", "SReGLU", "SReLU", "SiLU",
     "Sequential", "SwiGLU",
 ]
