@@ -88,9 +88,9 @@ def _count_ops(monkeypatch):
     for name in calls:
         real = getattr(ops, name)
 
-        def spy(*args, _real=real, _name=name):
+        def spy(*args, _real=real, _name=name, **kwargs):
             calls[_name] += 1
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(_dropout.ops, name, spy)
     return calls
