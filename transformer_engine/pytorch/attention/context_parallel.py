@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -54,12 +54,13 @@ import torch.distributed as dist
 from transformer_engine.plugin.catalog.attention import AttentionConfig
 
 from ..parallel.comm import gather_from_sequence_parallel_region, group_rank, group_size
-from .context_parallel_packed import PackedSequences, packed_hidden
+from .context_parallel_packed import PackedCall, PackedSequences, packed_hidden
 
 __all__ = [
     "CP_COMM_TYPES",
     "CPGroup",
     "CPAttention",
+    "PackedCall",
     "PackedSequences",
     "check_cp_group",
     "check_cp_call",
@@ -70,8 +71,9 @@ __all__ = [
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _IMPLEMENTED = ("p2p", "all_gather", "a2a")
 
-# attend(q, k, v, softmax_offset, config) -> out: the module's catalog call (bshd in, bshd out)
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], AttentionConfig], torch.Tensor]
+# attend(q, k, v, softmax_offset, config) -> out: the module's catalog call (bshd in, bshd out; with a PackedCall
+# instead of the config, thd [t, h, d] in and out)
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Union[AttentionConfig, PackedCall]], torch.Tensor]
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,8 +170,6 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         raise NotImplementedError(f"{name} does not support inference_params (KV caching)")
     masks = ("no_mask", "causal", "causal_bottom_right")
     if fmt == "thd":
-        if cp.comm_type == "all_gather":
-            raise NotImplementedError(f"{name} does not support qkv_format='thd' yet; use cp_comm_type='p2p' or 'a2a'")
         masks += tuple(f"padding_{m}" if m != "no_mask" else "padding" for m in masks)
     if mask_type not in masks:
         raise NotImplementedError(f"{name} with qkv_format={fmt!r} supports attn_mask_type {' / '.join(masks)}, not {mask_type!r}")
@@ -266,6 +266,8 @@ def _chunk_window(settings: CPAttention, chunk: int, length: int, s_kv: int) -> 
 
 
 def _all_gather_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, softmax_offset) -> torch.Tensor:
+    if settings.packed is not None:
+        return _all_gather_packed(q, k, v, settings, cp, attend, softmax_offset)
     k_full, v_full = _gather_sequence(k, cp), _gather_sequence(v, cp)
     length, s_kv = q.shape[1] // 2, k_full.shape[1]
     outs = []
@@ -280,6 +282,15 @@ def _all_gather_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: A
         )
         outs.append(attend(q_chunk, k_full[:, :end], v_full[:, :end], softmax_offset, config))
     return torch.cat(outs, dim=1)
+
+
+def _all_gather_packed(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, softmax_offset) -> torch.Tensor:
+    """Packed sequences ([1, t, h, d]): K and V gathered into the whole packed batch, each local query chunk attending
+    its sequence's keys up to its last real query (:meth:`PackedSequences.chunk_call`, checked before the gather)."""
+    call, rows = settings.packed.chunk_call(cp.rank, cp.size, settings.causal, settings.window_size, q.device)
+    natural = settings.packed.natural_rows(cp.size, kv=True, device=q.device).argsort()
+    k_full, v_full = (gather_from_sequence_parallel_region(x[0], cp.group).index_select(0, natural) for x in (k, v))
+    return attend(q[0], k_full.index_select(0, rows), v_full.index_select(0, rows), softmax_offset, call)[None]
 
 
 # ----------------------------------------------------------------------------------------------- a2a
@@ -331,6 +342,9 @@ def _a2a_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, 
     q_full, k_full, v_full = (_heads_to_sequence(x, cp, packed, kv=x is not q) for x in (q, k, v))
     if softmax_offset is not None:
         softmax_offset = softmax_offset.chunk(cp.size)[cp.rank]
+    if packed is not None:  # the whole packed batch of this rank's heads
+        out = attend(q_full[0], k_full[0], v_full[0], softmax_offset, packed.whole_call(settings.causal, settings.window_size, q.device))
+        return _sequence_to_heads(out[None], cp, packed)
     config = AttentionConfig(
         softmax_scale=settings.softmax_scale,
         mask_type="causal" if settings.causal else "no_mask",

@@ -15,6 +15,11 @@ ring block of this rank's queries and rank j's keys, key k is hidden from query 
     or (window (left, right)) the same offset > right or < -left.
 
 The caller passes TE's global offsets (the whole packed batch), as NVIDIA TE's modules take them.
+
+"a2a" and "all_gather" run the module's own thd attention (the catalog op) on a :class:`PackedCall`: "a2a" on the
+whole packed batch (:meth:`PackedSequences.whole_call`); "all_gather" with each local query chunk as a sequence of
+its own against the keys of its sequence up to the chunk's last real query (:meth:`PackedSequences.chunk_call`;
+causal masks align bottom-right, so chunk rows keep their positions).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-__all__ = ["PackedSequences", "packed_hidden"]
+__all__ = ["PackedCall", "PackedSequences", "packed_hidden"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +39,19 @@ class _Tokens:
     seq: torch.Tensor
     pos: torch.Tensor
     length: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class PackedCall:
+    """One "thd" attention call the module runs: int32 offsets (real and padded, as TE's arguments), the mask type
+    ("padding", "padding_causal" or "padding_causal_bottom_right") and the window."""
+
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    cu_q_padded: torch.Tensor
+    cu_kv_padded: torch.Tensor
+    mask_type: str
+    window: Tuple[int, int]
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +118,55 @@ class PackedSequences:
             tokens = self.tokens(rank, size, kv, device)
             rows.append(offsets[tokens.seq] + tokens.pos)
         return torch.cat(rows)
+
+    def mask_type(self, causal: bool) -> str:
+        """The thd mask type of the whole batch."""
+        if not causal:
+            return "padding"
+        return "padding_causal_bottom_right" if self.bottom_right else "padding_causal"
+
+    def whole_call(self, causal: bool, window: Tuple[int, int], device) -> PackedCall:
+        """The call over the whole packed batch (TE's padded layout, every rank's tokens)."""
+        cu_q, cu_kv, cu_q_padded, cu_kv_padded = (_offsets(lengths, device) for lengths in
+                                                  (self.lengths_q, self.lengths_kv, self.padded_q, self.padded_kv))
+        return PackedCall(cu_q, cu_kv, cu_q_padded, cu_kv_padded, self.mask_type(causal), tuple(window))
+
+    def chunk_call(self, rank: int, size: int, causal: bool, window: Tuple[int, int], device) -> Tuple[PackedCall, torch.Tensor]:
+        """(call, key rows): ``rank``'s query chunks as sequences of their own, chunk [s, s + c) with q_n real rows
+        against its sequence's keys [0, k_1) of the whole packed batch (the rows), k_1 = s + q_n causal, else the
+        sequence's length; the causal mask aligned bottom-right puts query row j at position s + j.
+
+        Raises:
+            ValueError: q and kv offsets that differ (the chunks' keys are taken from the query positions).
+            NotImplementedError: a window without a causal mask (its bottom-right shift differs per chunk).
+        """
+        if self.lengths_q != self.lengths_kv or self.padded_q != self.padded_kv:
+            raise ValueError("context parallelism with cp_comm_type='all_gather' and qkv_format='thd' needs the same q and kv "
+                             "offsets (self-attention); use cp_comm_type='p2p' for other offsets")
+        left, right = window
+        if not causal and (left, right) != (-1, -1):
+            raise NotImplementedError("context parallelism with cp_comm_type='all_gather' and qkv_format='thd' supports windows "
+                                      "with causal masks only; use cp_comm_type='p2p' for other windows")
+        q_real, q_padded, kv_lengths, rows, start = [], [], [], [], 0
+        for n, lp in zip(self.lengths_q, self.padded_q):
+            c = lp // (2 * size)
+            for chunk in (rank, 2 * size - 1 - rank):
+                q_n = min(max(n - chunk * c, 0), c)
+                k_1 = 0 if q_n == 0 else (chunk * c + q_n if causal else n)
+                q_real.append(q_n)
+                q_padded.append(c)
+                kv_lengths.append(k_1)
+                rows += range(start, start + k_1)
+            start += lp
+        cu_kv = _offsets(kv_lengths, device)
+        mask_type, window = ("padding_causal_bottom_right", (left, 0)) if causal else ("padding", (-1, -1))
+        call = PackedCall(_offsets(q_real, device), cu_kv, _offsets(q_padded, device), cu_kv, mask_type, window)
+        return call, torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _offsets(lengths, device) -> torch.Tensor:
+    """int32 [b + 1] offsets of sequences of ``lengths``."""
+    return torch.tensor((0,) + tuple(lengths), dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
 
 
 def _lengths(cu: torch.Tensor) -> Tuple[int, ...]:

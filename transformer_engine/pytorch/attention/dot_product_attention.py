@@ -240,8 +240,8 @@ class DotProductAttention(torch.nn.Module):
     float32 the largest masked score of each head (``ops.attention_max_logit``; not differentiable, and not
     with context parallelism or KV caching). Context parallelism (``cp_group`` or
     :meth:`set_context_parallel_group`) splits the sequence over a group's ranks in TE's load-balanced
-    layout, "bshd" / "sbhd" with no_mask or causal masks, and packed "thd" sequences with padding masks over
-    "p2p" or "a2a" (TE's global ``cu_seqlens_*`` and ``cu_seqlens_*_padded``; see :mod:`.context_parallel`).
+    layout, "bshd" / "sbhd" with no_mask or causal masks, and packed "thd" sequences with padding masks (TE's
+    global ``cu_seqlens_*`` and ``cu_seqlens_*_padded``; see :mod:`.context_parallel`).
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -462,8 +462,8 @@ class DotProductAttention(torch.nn.Module):
         rng_ctx = self._rng_ctx(dropout_p)
 
         def attend(qc, kc, vc, softmax_offset, config):
-            if packed is not None:  # "a2a": the whole packed batch of this rank's heads, attended as without CP
-                return self._packed_attention(qc[0], kc[0], vc[0], softmax_offset, spec, seqs, rng_ctx)[None]
+            if isinstance(config, _cp.PackedCall):  # "a2a", "all_gather" over packed sequences: thd in, thd out
+                return self._packed_attention(qc, kc, vc, softmax_offset, config, rng_ctx)
             return _attend(qc, kc, vc, None, softmax_offset, _Extras(), config, rng_ctx)
 
         args = (problem.q, problem.k, problem.v, settings, self._cp_group_settings, attend, self.softmax_offset, rng_ctx)
@@ -473,8 +473,10 @@ class DotProductAttention(torch.nn.Module):
             out = _cp.context_parallel_attention(*args)
         return problem.restore(out)
 
-    def _packed_attention(self, q, k, v, softmax_offset, spec: _masks.MaskSpec, seqs: _Sequences, rng_ctx) -> torch.Tensor:
-        """[t, h, d_v]: "thd" attention of a whole packed batch (TE's padded layout) with ``spec``'s mask, padding rows 0."""
+    def _packed_attention(self, q, k, v, softmax_offset, call: "_cp.PackedCall", rng_ctx) -> torch.Tensor:
+        """[t, h, d_v]: the "thd" attention ``call`` of context parallelism (offsets, mask, window), padding rows 0."""
+        seqs = _Sequences(call.cu_q, call.cu_kv, call.cu_q_padded, call.cu_kv_padded)
+        spec = _masks.MaskSpec(call.mask_type, call.window, call.mask_type.endswith("bottom_right"))
         problem = _thd_problem(q, k, v, seqs)
         plan = _masks.plan_masks(spec, problem.s_q, problem.s_kv, problem.padding, None, None, True, q.device)
         config, attn_bias, extras = self._op_call(plan, _Bias("no_bias", None, None), problem)
