@@ -47,6 +47,15 @@ def _group(pairs: bool):
     return _GROUPS["pairs"]
 
 
+def _hierarchy():
+    """"a2a+p2p" over a 4-rank world: a2a groups {0, 1} and {2, 3} (A = 2 consecutive ranks), p2p groups {0, 2}, {1, 3}:
+    rank r = p A + a is the global rank."""
+    if "hierarchy" not in _GROUPS:
+        a2a = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        _GROUPS["hierarchy"] = [a2a[dist.get_rank() // 2], _group(pairs=True)]
+    return _GROUPS["hierarchy"]
+
+
 def _inputs(fmt: str, d_v: int = D):
     """Full q, k, v, dO in ``fmt`` (the same on every rank)."""
     torch.manual_seed(1234)
@@ -65,8 +74,8 @@ def _run(module, q, k, v, dout, checkpointed=False):
 
 def check_dpa(comm_type, fmt, mask, window=None, softmax_type="vanilla", pairs=False, checkpointed=False, d_v=D):
     """One rank of a CP call against single-process attention; returns nothing (asserts)."""
-    group = _group(pairs)
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    group = _hierarchy() if comm_type == "a2a+p2p" else _group(pairs)
+    size, rank = (dist.get_world_size(), dist.get_rank()) if comm_type == "a2a+p2p" else (dist.get_world_size(group), dist.get_rank(group))
     kwargs = dict(num_gqa_groups=HKV, attention_dropout=0.0, qkv_format=fmt, attn_mask_type=mask, window_size=window,
                   softmax_type=softmax_type)
     ref, cp = te.DotProductAttention(H, (D, d_v), **kwargs), te.DotProductAttention(H, (D, d_v), **kwargs)
@@ -91,6 +100,13 @@ def check_dpa(comm_type, fmt, mask, window=None, softmax_type="vanilla", pairs=F
 @pytest.mark.parametrize("comm_type", COMM_TYPES)
 def test_dpa_matches_single_process(ranks, comm_type, mask, fmt):
     ranks.run(check_dpa, comm_type, fmt, mask)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask, window", [("causal", None), ("no_mask", None), ("causal", (3, 0)), ("no_mask", (2, 3))])
+def test_hierarchical_a2a_p2p(mask, window, fmt):
+    """"a2a+p2p" at CP 4 = 2 (a2a) x 2 (p2p), global ranks 2 p + a: the a2a groups' tokens form the p2p layout."""
+    get_pool(4).run(check_dpa, "a2a+p2p", fmt, mask, window)
 
 
 @pytest.mark.parametrize("comm_type", COMM_TYPES)
@@ -169,7 +185,7 @@ def test_subgroups_and_checkpointing(comm_type):
 
 def check_transformer_layer(comm_type):
     """A TransformerLayer (GQA, RoPE, causal, sbhd) with set_context_parallel_group vs the whole sequence."""
-    group, hidden, heads = dist.group.WORLD, 32, 8
+    group, hidden, heads = _hierarchy() if comm_type == "a2a+p2p" else dist.group.WORLD, 32, 8
     size, rank = dist.get_world_size(), dist.get_rank()
     layers = []
     for _ in range(2):
@@ -187,13 +203,18 @@ def check_transformer_layer(comm_type):
     torch.testing.assert_close(y_cp, shard_sequence(y_ref.detach(), 0, size, rank), **TOL)
     torch.testing.assert_close(x_cp.grad, shard_sequence(x_ref.grad, 0, size, rank), **TOL)
     for (name, p_ref), p_cp in zip(ref.named_parameters(), cp.parameters()):  # weight grads: partial sums over ranks
-        dist.all_reduce(p_cp.grad, group=group)
+        dist.all_reduce(p_cp.grad)
         torch.testing.assert_close(p_cp.grad, p_ref.grad, atol=1e-4, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("comm_type", COMM_TYPES)
 def test_transformer_layer(ranks, comm_type):
     ranks.run(check_transformer_layer, comm_type)
+
+
+def test_transformer_layer_hierarchical():
+    """RoPE at the chunks of rank 2 p + a: MultiheadAttention takes the whole group's size and rank from the pair."""
+    get_pool(4).run(check_transformer_layer, "a2a+p2p")
 
 
 def check_errors():
@@ -207,7 +228,7 @@ def check_errors():
         return te.DotProductAttention(H, D, cp_group=world, cp_comm_type=comm_type, **kwargs)
 
     cases = [
-        (NotImplementedError, "a2a\\+p2p", lambda: dpa("a2a+p2p")),
+        (TypeError, "pair \\[a2a_group, p2p_group\\]", lambda: dpa("a2a+p2p")),
         (NotImplementedError, "windows with causal masks only", lambda: dpa("all_gather", qkv_format="thd", attn_mask_type="padding",
                                                                              window_size=(2, 2))(q[0], kv[0], kv[0], **_offsets([4 * size], [4 * size]))),
         (ValueError, "cu_seqlens_q_padded", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], cu_seqlens_q=_cu([4]), cu_seqlens_kv=_cu([4]))),
@@ -223,7 +244,7 @@ def check_errors():
         (ValueError, "equal q and k", lambda: dpa()(q, kv[:, :2], kv[:, :2])),
     ]
     if dist.get_world_size() == 4:
-        cases.append((ValueError, "divide by the CP size", lambda: dpa("a2a", num_gqa_groups=2)(q, kv[:, :, :2], kv[:, :, :2])))
+        cases.append((ValueError, "divide by the a2a size", lambda: dpa("a2a", num_gqa_groups=2)(q, kv[:, :, :2], kv[:, :, :2])))
     for error, match, call in cases:
         with pytest.raises(error, match=match):
             call()

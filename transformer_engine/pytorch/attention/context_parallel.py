@@ -32,6 +32,11 @@ Communication types (TE's ``cp_comm_type``):
   D_i = sum_d dO_id O_id: P_b = exp(S_b - lse), dS_b = P_b (dO V_b^T - D), dQ += scale dS_b K_b,
   dK_b = scale dS_b^T Q, dV_b = P_b^T dO; the dK/dV accumulator of a block travels with it and is
   home after the P-th hop.
+- ``"a2a+p2p"`` (hierarchical, TE's ``cp_group=[a2a_group, p2p_group]``): P = A P' ranks, rank r = p A + a
+  (``a`` its rank in its a2a group of A consecutive ranks, ``p`` in its p2p group). An all-to-all within the a2a group
+  trades heads for the group's tokens: fine chunks pA + a and 2P-1-pA-a of the A members are coarse chunks p and
+  2P'-1-p of a 2P'-chunk split (the first halves in order of a, the second halves in reverse), which is the "p2p"
+  layout of rank p of P', so the ring runs over the p2p group on H/A heads, and a second all-to-all trades back.
 - ``"a2a"``: Ulysses. An all-to-all trades the sequence split for a head split (each rank gets all S
   tokens of H/P heads), the catalog op attends over the whole sequence, and a second all-to-all
   trades back. Its backward is the same two all-to-alls in reverse. Packed sequences ("thd") come back as
@@ -69,7 +74,6 @@ __all__ = [
 ]
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-_IMPLEMENTED = ("p2p", "all_gather", "a2a")
 
 # attend(q, k, v, softmax_offset, config) -> out: the module's catalog call (bshd in, bshd out; with a PackedCall
 # instead of the config, thd [t, h, d] in and out)
@@ -81,8 +85,8 @@ class CPGroup:
     """TE's context-parallel settings of a module (``set_context_parallel_group``'s arguments).
 
     Attributes:
-        group: the process group whose ranks share the sequence.
-        global_ranks: global ranks of the group (None: asked from torch.distributed).
+        group: the process group whose ranks share the sequence; for "a2a+p2p" the pair [a2a group, p2p group].
+        global_ranks: global ranks of the (whole) group (None: asked from torch.distributed).
         stream: accepted for TE compatibility; communication here is asynchronous isend / irecv on
             the current stream, so no side stream is used.
         comm_type: "p2p", "all_gather" or "a2a".
@@ -95,11 +99,25 @@ class CPGroup:
 
     @property
     def size(self) -> int:
+        if self.comm_type == "a2a+p2p":
+            return group_size(self.group[0]) * group_size(self.group[1])
         return group_size(self.group)
 
     @property
     def rank(self) -> int:
+        """The rank in the whole group (for "a2a+p2p": p A + a)."""
+        if self.comm_type == "a2a+p2p":
+            return group_rank(self.group[1]) * group_size(self.group[0]) + group_rank(self.group[0])
         return group_rank(self.group)
+
+    def hierarchy(self) -> Tuple["CPGroup", "CPGroup"]:
+        """("a2a+p2p") the a2a group and the p2p group, the latter with the global ranks of its members."""
+        a2a_group, p2p_group = self.group
+        a2a = CPGroup(a2a_group, None, self.stream, "a2a")
+        ranks = None
+        if self.global_ranks is not None:
+            ranks = [self.global_ranks[p * a2a.size + a2a.rank] for p in range(group_size(p2p_group))]
+        return a2a, CPGroup(p2p_group, ranks, self.stream, "p2p")
 
     def global_rank(self, rank: int) -> int:
         """Global rank of the group's ``rank`` (for point-to-point messages)."""
@@ -134,22 +152,20 @@ def check_cp_group(cp_group, cp_global_ranks, cp_comm_type: str) -> None:
 
     Raises:
         ValueError: an unknown ``cp_comm_type`` or ``cp_global_ranks`` of the wrong length.
-        TypeError: ``cp_group`` is not a ProcessGroup.
-        NotImplementedError: "a2a+p2p" (hierarchical CP, a pair of groups) is not implemented.
+        TypeError: ``cp_group`` is not a ProcessGroup ("a2a+p2p": not a pair [a2a_group, p2p_group] of them).
     """
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={cp_comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
     if cp_group is None:
         return
-    if cp_comm_type not in _IMPLEMENTED or isinstance(cp_group, (list, tuple)):
-        raise NotImplementedError(
-            f"cp_comm_type={cp_comm_type!r} (hierarchical CP over [a2a_group, p2p_group]) is not implemented; "
-            f"use one of {', '.join(_IMPLEMENTED)} with a single ProcessGroup"
-        )
-    if not isinstance(cp_group, dist.ProcessGroup):
-        raise TypeError(f"cp_group must be a torch.distributed ProcessGroup, got {type(cp_group).__name__}")
-    if cp_global_ranks is not None and len(cp_global_ranks) != group_size(cp_group):
-        raise ValueError(f"cp_global_ranks has {len(cp_global_ranks)} ranks; cp_group has {group_size(cp_group)}")
+    hierarchical = cp_comm_type == "a2a+p2p"
+    groups = list(cp_group) if hierarchical and isinstance(cp_group, (list, tuple)) else [cp_group]
+    if hierarchical and len(groups) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in groups):
+        wanted = "a pair [a2a_group, p2p_group] of torch.distributed ProcessGroups" if hierarchical else "a torch.distributed ProcessGroup"
+        raise TypeError(f"cp_group for cp_comm_type={cp_comm_type!r} must be {wanted}, got {cp_group!r}")
+    size = group_size(groups[0]) * (group_size(groups[1]) if hierarchical else 1)
+    if cp_global_ranks is not None and len(cp_global_ranks) != size:
+        raise ValueError(f"cp_global_ranks has {len(cp_global_ranks)} ranks; the context-parallel group has {size}")
 
 
 def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_type: str, inference: bool,
@@ -177,9 +193,12 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         raise NotImplementedError(f"{name} does not support core_attention_bias_type={bias_type!r}; use 'no_bias'")
     if softmax_type != "vanilla" and cp.comm_type != "a2a":
         raise NotImplementedError(f"{name} supports softmax_type={softmax_type!r} only with cp_comm_type='a2a'")
-    size = cp.size
-    if cp.comm_type == "a2a" and (q.shape[-2] % size or k.shape[-2] % size):
-        raise ValueError(f"{name}: {q.shape[-2]} query and {k.shape[-2]} key/value heads must divide by the CP size {size}")
+    if fmt == "thd" and cp.comm_type == "a2a+p2p":
+        raise NotImplementedError(f"{name} does not support qkv_format='thd' yet; use 'p2p', 'a2a' or 'all_gather'")
+    if cp.comm_type in ("a2a", "a2a+p2p"):
+        size = cp.size if cp.comm_type == "a2a" else cp.hierarchy()[0].size
+        if q.shape[-2] % size or k.shape[-2] % size:
+            raise ValueError(f"{name}: {q.shape[-2]} query and {k.shape[-2]} key/value heads must divide by the a2a size {size}")
     if fmt == "thd":
         return
     s_q, s_kv = q.shape[1], k.shape[1]
@@ -237,6 +256,8 @@ def context_parallel_attention(q, k, v, settings: CPAttention, cp: CPGroup, atte
     if cp.comm_type == "a2a":
         return _a2a_attention(q, k, v, settings, cp, attend, softmax_offset)
     with rng_ctx():
+        if cp.comm_type == "a2a+p2p":
+            return _hierarchical_attention(q, k, v, settings, cp)
         return _RingAttention.apply(q, k, v, settings, cp)
 
 
@@ -353,6 +374,34 @@ def _a2a_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, 
         softmax_type=settings.softmax_type,
     )
     return _sequence_to_heads(attend(q_full, k_full, v_full, softmax_offset, config), cp, packed)
+
+
+# ------------------------------------------------------------------------------------------- a2a+p2p
+
+
+def _heads_to_coarse(x: torch.Tensor, a2a: CPGroup) -> torch.Tensor:
+    """[b, 2L, h, d] -> [b, 2AL, h/A, d]: the a2a group's tokens of this rank's heads in the coarse two-chunk layout
+    (the members' first chunks in order, then their second chunks in reverse order)."""
+    size = a2a.size
+    parts = x.unflatten(2, (size, -1)).movedim(2, 0)  # [A, b, 2L, h/A, d]: head group a goes to member a
+    received = _AllToAll.apply(parts, a2a.group).unflatten(2, (2, -1))  # [A, b, 2, L, h/A, d]: member a's chunks
+    firsts, seconds = received[:, :, 0], received[:, :, 1].flip(0)
+    return torch.cat((firsts.movedim(0, 1).flatten(1, 2), seconds.movedim(0, 1).flatten(1, 2)), dim=1)
+
+
+def _coarse_to_heads(x: torch.Tensor, a2a: CPGroup) -> torch.Tensor:
+    """The inverse of :func:`_heads_to_coarse`."""
+    size = a2a.size
+    firsts, seconds = (half.unflatten(1, (size, -1)).movedim(1, 0) for half in x.chunk(2, dim=1))  # [A, b, L, h/A, d]
+    parts = torch.stack((firsts, seconds.flip(0)), dim=2).flatten(2, 3)  # [A, b, 2L, h/A, d]: member a's tokens
+    received = _AllToAll.apply(parts, a2a.group)  # [A, b, 2L, h/A, d]: head group a from member a
+    return received.movedim(0, 2).flatten(2, 3)
+
+
+def _hierarchical_attention(q, k, v, settings: CPAttention, cp: CPGroup) -> torch.Tensor:
+    a2a, p2p = cp.hierarchy()
+    q_c, k_c, v_c = (_heads_to_coarse(x, a2a) for x in (q, k, v))
+    return _coarse_to_heads(_RingAttention.apply(q_c, k_c, v_c, settings, p2p), a2a)
 
 
 # ----------------------------------------------------------------------------------------------- p2p

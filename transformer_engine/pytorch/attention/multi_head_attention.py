@@ -28,10 +28,9 @@ import torch
 from ..module import LayerNorm, LayerNormLinear, Linear, RMSNorm
 from ..module._checks import check_eps
 from ..module.base import default_device, resolve_params_dtype
-from ..parallel.comm import group_rank, group_size
 from ..parallel.tensor_parallel import resolve_tp_size, set_partition_sections, set_tensor_parallel_group, sum_grads_over_group
 from ._checks import check_heads, head_size
-from .context_parallel import check_cp_group
+from .context_parallel import CPGroup, check_cp_group
 from .dot_product_attention import DotProductAttention
 from .rope import apply_rotary_pos_emb
 
@@ -221,7 +220,8 @@ class MultiheadAttention(torch.nn.Module):
         """Split the sequence over ``cp_group`` (TE's method): the core attention's setting, and rotary
         embeddings at the positions of this rank's chunks. See ``DotProductAttention.set_context_parallel_group``."""
         check_cp_group(cp_group, cp_global_ranks, cp_comm_type)
-        self.cp_size, self.cp_rank = (1, 0) if cp_group is None else (group_size(cp_group), group_rank(cp_group))
+        group = None if cp_group is None else CPGroup(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_size, self.cp_rank = (1, 0) if group is None else (group.size, group.rank)
         for child in self.children():
             if hasattr(child, "set_context_parallel_group"):
                 child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
