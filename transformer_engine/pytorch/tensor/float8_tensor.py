@@ -330,11 +330,14 @@ class Float8Tensor(QuantizedTensor):
 
     def operand(self) -> Float8Operand:
         """The GEMM operand the modules read (a 2-D tensor with row-wise data): its FP8 values and scale_inv as they
-        are, with W^T from the stored transpose, or else its bytes transposed when backward needs them (exact)."""
+        are, with W^T from the stored transpose, or else its bytes transposed when backward needs them (exact).
+        scale_inv goes as a 0-d view, as the modules' casts make theirs: Inductor's ``_scaled_mm`` lowering wants both
+        scales of one rank (TE's one-element ``_scale_inv`` against a cast's 0-d one fails there)."""
         data, transpose = _values(self._data, self._fp8_dtype), _values(self._transpose, self._fp8_dtype)
-        operand = Float8Operand(data, self._scale_inv, transpose)
+        scale_inv = self._scale_inv.reshape(())
+        operand = Float8Operand(data, scale_inv, transpose)
         if transpose is None:
-            operand.deferred_t = StoredTranspose(data, self._scale_inv)
+            operand.deferred_t = StoredTranspose(data, scale_inv)
         return operand
 
     def _adopt(self, other: Float8Tensor) -> None:
