@@ -147,21 +147,22 @@ class PackedSequences:
         if not causal and (left, right) != (-1, -1):
             raise NotImplementedError("context parallelism with cp_comm_type='all_gather' and qkv_format='thd' supports windows "
                                       "with causal masks only; use cp_comm_type='p2p' for other windows")
-        q_real, q_padded, kv_lengths, rows, start = [], [], [], [], 0
+        q_real, q_padded, kv_lengths, kv_starts, start = [], [], [], [], 0
         for n, lp in zip(self.lengths_q, self.padded_q):
             c = lp // (2 * size)
             for chunk in (rank, 2 * size - 1 - rank):
                 q_n = min(max(n - chunk * c, 0), c)
-                k_1 = 0 if q_n == 0 else (chunk * c + q_n if causal else n)
                 q_real.append(q_n)
                 q_padded.append(c)
-                kv_lengths.append(k_1)
-                rows += range(start, start + k_1)
+                kv_lengths.append(0 if q_n == 0 else (chunk * c + q_n if causal else n))
+                kv_starts.append(start)
             start += lp
+        counts = torch.tensor(kv_lengths, dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.tensor(kv_starts, dtype=torch.int64), counts) + _positions_within(counts)
         cu_kv = _offsets(kv_lengths, device)
         mask_type, window = ("padding_causal_bottom_right", (left, 0)) if causal else ("padding", (-1, -1))
         call = PackedCall(_offsets(q_real, device), cu_kv, _offsets(q_padded, device), cu_kv, mask_type, window)
-        return call, torch.tensor(rows, dtype=torch.int64, device=device)
+        return call, rows.to(device)
 
 
 def _offsets(lengths, device) -> torch.Tensor:
@@ -179,15 +180,23 @@ def _local_tokens(real: Tuple[int, ...], padded: Tuple[int, ...], rank: int, siz
 
     Example (one sequence of padded length 8, 6 real tokens, P = 2, rank 0): positions [0, 1, 6, 7].
     """
-    seq, pos, length = [], [], []
-    for i, (n, lp) in enumerate(zip(real, padded)):
-        c = lp // (2 * size)
-        positions = list(range(rank * c, (rank + 1) * c)) + list(range((2 * size - 1 - rank) * c, (2 * size - rank) * c))
-        seq += [i] * len(positions)
-        pos += positions
-        length += [n] * len(positions)
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    return _Tokens(as_tensor(seq), as_tensor(pos), as_tensor(length))
+    chunk = torch.tensor(padded, dtype=torch.int64) // (2 * size)
+    seq = torch.repeat_interleave(torch.arange(len(padded)), 2 * chunk)
+    j = _positions_within(2 * chunk)  # the token's index among its sequence's local tokens
+    c = chunk[seq]
+    pos = torch.where(j < c, rank * c + j, (2 * size - 1 - rank) * c + j - c)
+    return _Tokens(seq.to(device), pos.to(device), torch.tensor(real, dtype=torch.int64)[seq].to(device))
+
+
+def _positions_within(counts: torch.Tensor) -> torch.Tensor:
+    """int64 [sum counts]: 0 .. counts[i] - 1 for each i in turn.
+
+    Example:
+        >>> _positions_within(torch.tensor([2, 0, 3])).tolist()
+        [0, 1, 0, 1, 2]
+    """
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
 
 
 def packed_hidden(packed: PackedSequences, rank: int, src: int, size: int, causal: bool, window_size: Tuple[int, int],
