@@ -332,3 +332,56 @@ def test_thd_matches_single_process(ranks, comm_type, mask, window):
     if comm_type == "all_gather" and "causal" not in mask and window is not None:
         pytest.skip("all_gather takes windows with causal masks only (test_errors checks the refusal)")
     ranks.run(check_thd, comm_type, mask, window)
+
+
+def _tp_cp_groups():
+    """Tensor parallelism over {0, 1} and {2, 3}, context parallelism over {0, 2} and {1, 3} (4 ranks)."""
+    if "tp_cp" not in _GROUPS:
+        tp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        _GROUPS["tp_cp"] = tp[dist.get_rank() // 2], _group(pairs=True)
+    return _GROUPS["tp_cp"]
+
+
+def check_tensor_and_context_parallel(comm_type, sequence_parallel):
+    """A TransformerLayer split two ways, heads and weights over a TP group (with or without sequence parallelism)
+    and the sequence over a CP group, against the single-process layer on the whole sequence: outputs, input
+    gradients, and weight gradients (summed over the CP group, gathered over the TP group)."""
+    from transformer_engine.pytorch.parallel import shard_state_dict
+    from transformer_engine.pytorch.parallel.tensor_parallel import full_tensor
+
+    tp_group, cp_group = _tp_cp_groups()
+    cp_size, cp_rank, tp_rank = 2, dist.get_rank(cp_group), dist.get_rank(tp_group)
+    hidden, heads = 32, 8
+    kwargs = dict(num_gqa_groups=4, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32)
+    torch.manual_seed(7)
+    ref = te.TransformerLayer(hidden, 64, heads, **kwargs)
+    layer = te.TransformerLayer(hidden, 64, heads, set_parallel_mode=True, tp_group=tp_group, tp_size=2,
+                                sequence_parallel=sequence_parallel, **kwargs)
+    layer.load_state_dict(shard_state_dict(layer, ref.state_dict(), tp_group))
+    layer.set_context_parallel_group(cp_group, None, None, comm_type)
+    rope = te.RotaryPositionEmbedding(hidden // heads)(S)
+    torch.manual_seed(8)
+    x, dy = torch.randn(S, B, hidden), torch.randn(S, B, hidden)
+
+    def local(t):  # this rank's rows: its CP chunks, then (sequence parallelism) its TP half of them
+        t = shard_sequence(t, 0, cp_size, cp_rank)
+        return t.chunk(2, dim=0)[tp_rank] if sequence_parallel else t
+
+    x_ref, x_local = x.clone().requires_grad_(), local(x).requires_grad_()
+    y_ref, y = ref(x_ref, rotary_pos_emb=rope), layer(x_local, rotary_pos_emb=rope)
+    y_ref.backward(dy)
+    y.backward(local(dy))
+    torch.testing.assert_close(y, local(y_ref.detach()), **TOL)
+    torch.testing.assert_close(x_local.grad, local(x_ref.grad), **TOL)
+    ref_grads = dict(ref.named_parameters())
+    for name, param in layer.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=cp_group)
+        torch.testing.assert_close(full_tensor(grad, param, tp_group), ref_grads[name].grad, atol=1e-4, rtol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_tensor_and_context_parallel_together(comm_type, sequence_parallel):
+    get_pool(4).run(check_tensor_and_context_parallel, comm_type, sequence_parallel)
