@@ -342,10 +342,13 @@ def _tp_cp_groups():
     return _GROUPS["tp_cp"]
 
 
-def check_tensor_and_context_parallel(comm_type, sequence_parallel):
+def check_tensor_and_context_parallel(comm_type, sequence_parallel, recipe):
     """A TransformerLayer split two ways, heads and weights over a TP group (with or without sequence parallelism)
     and the sequence over a CP group, against the single-process layer on the whole sequence: outputs, input
-    gradients, and weight gradients (summed over the CP group, gathered over the TP group)."""
+    gradients, and weight gradients (summed over the CP group, gathered over the TP group). With delayed scaling
+    (two steps: the second casts with scales from the first's amaxes, MAX-reduced over all ranks, the default
+    group) the FP8 casts equal the single process's, so only summation orders differ (TP's tolerance)."""
+    from tests.pytorch.parallel._tp import assert_close, delayed_fp8_tolerance, fp8_context
     from transformer_engine.pytorch.parallel import shard_state_dict
     from transformer_engine.pytorch.parallel.tensor_parallel import full_tensor
 
@@ -367,21 +370,27 @@ def check_tensor_and_context_parallel(comm_type, sequence_parallel):
         t = shard_sequence(t, 0, cp_size, cp_rank)
         return t.chunk(2, dim=0)[tp_rank] if sequence_parallel else t
 
-    x_ref, x_local = x.clone().requires_grad_(), local(x).requires_grad_()
-    y_ref, y = ref(x_ref, rotary_pos_emb=rope), layer(x_local, rotary_pos_emb=rope)
-    y_ref.backward(dy)
-    y.backward(local(dy))
-    torch.testing.assert_close(y, local(y_ref.detach()), **TOL)
-    torch.testing.assert_close(x_local.grad, local(x_ref.grad), **TOL)
-    ref_grads = dict(ref.named_parameters())
-    for name, param in layer.named_parameters():
-        grad = param.grad.clone()
-        dist.all_reduce(grad, group=cp_group)
-        torch.testing.assert_close(full_tensor(grad, param, tp_group), ref_grads[name].grad, atol=1e-4, rtol=1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+    tol = delayed_fp8_tolerance() if recipe else TOL
+    for step in range(2 if recipe else 1):
+        for module in (ref, layer):
+            module.zero_grad(set_to_none=True)
+        x_ref, x_local = x.clone().requires_grad_(), local(x).requires_grad_()
+        with fp8_context(recipe):
+            y_ref, y = ref(x_ref, rotary_pos_emb=rope), layer(x_local, rotary_pos_emb=rope)
+        y_ref.backward(dy)
+        y.backward(local(dy))
+        assert_close(y, local(y_ref.detach()), tol, f"output, step {step}")
+        assert_close(x_local.grad, local(x_ref.grad), tol, f"input gradient, step {step}")
+        ref_grads = dict(ref.named_parameters())
+        for name, param in layer.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=cp_group)
+            assert_close(full_tensor(grad, param, tp_group), ref_grads[name].grad, tol if recipe else dict(atol=1e-4, rtol=1e-5),
+                         f"{name}, step {step}")
 
 
+@pytest.mark.parametrize("recipe", [None, "delayed"], ids=["bf16", "fp8-delayed"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
-def test_tensor_and_context_parallel_together(comm_type, sequence_parallel):
-    get_pool(4).run(check_tensor_and_context_parallel, comm_type, sequence_parallel)
+def test_tensor_and_context_parallel_together(comm_type, sequence_parallel, recipe):
+    get_pool(4).run(check_tensor_and_context_parallel, comm_type, sequence_parallel, recipe)
