@@ -236,8 +236,10 @@ def check_errors():
         (ValueError, r"lie in \[0, padded length", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([9], [8]))),
         (ValueError, "holds 4 q tokens", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([16, 16], [16, 16]))),
         (NotImplementedError, "padding", lambda: dpa(attn_mask_type="padding")(q, kv, kv, attention_mask=pad)),
-        (NotImplementedError, "post_scale_bias", lambda: dpa()(q, kv, kv, core_attention_bias_type="post_scale_bias",
-                                                              core_attention_bias=torch.zeros(1, H, 4, 4))),
+        (NotImplementedError, "post_scale_bias", lambda: dpa("all_gather")(q, kv, kv, core_attention_bias_type="post_scale_bias",
+                                                                          core_attention_bias=torch.zeros(1, H, 4, 4 * size))),
+        (ValueError, "core_attention_bias .* must be", lambda: dpa()(q, kv, kv, core_attention_bias_type="post_scale_bias",
+                                                                    core_attention_bias=torch.zeros(1, H, 4, 4))),
         (NotImplementedError, "alibi", lambda: dpa()(q, kv, kv, core_attention_bias_type="alibi")),
         (NotImplementedError, "softmax_type", lambda: dpa("all_gather", softmax_type="off-by-one")(q, kv, kv)),
         (ValueError, "even", lambda: dpa()(q[:, :3], kv[:, :3], kv[:, :3])),
@@ -394,3 +396,40 @@ def check_tensor_and_context_parallel(comm_type, sequence_parallel, recipe):
 @pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
 def test_tensor_and_context_parallel_together(comm_type, sequence_parallel, recipe):
     get_pool(4).run(check_tensor_and_context_parallel, comm_type, sequence_parallel, recipe)
+
+
+def check_bias(bias_type, bias_shape, mask):
+    """"p2p" with an attention bias: each rank's bias holds its query rows (its chunks) and every key column; outputs,
+    dQ / dK / dV and dBias (this rank's rows, summed over broadcast dims) equal the single process's."""
+    group = dist.group.WORLD
+    size, rank = dist.get_world_size(), dist.get_rank()
+    kwargs = dict(num_gqa_groups=HKV, attention_dropout=0.0, qkv_format="bshd", attn_mask_type=mask)
+    ref, cp = te.DotProductAttention(H, D, **kwargs), te.DotProductAttention(H, D, **kwargs)
+    cp.set_context_parallel_group(group, None, None, "p2p")
+    q, k, v, dout = _inputs("bshd")
+    bias = torch.randn(bias_shape, generator=torch.Generator().manual_seed(3))
+    bias_local = shard_sequence(bias, 2, size, rank) if bias_shape[2] > 1 else bias
+
+    def run(module, q, k, v, bias, dout):
+        q, k, v, bias = (t.detach().clone().requires_grad_() for t in (q, k, v, bias))
+        out = module(q, k, v, core_attention_bias_type=bias_type, core_attention_bias=bias)
+        out.backward(dout)
+        return [out.detach(), q.grad, k.grad, v.grad, bias.grad]
+
+    expected = run(ref, q, k, v, bias, dout)
+    actual = run(cp, *(shard_sequence(t, 1, size, rank) for t in (q, k, v)), bias_local, shard_sequence(dout, 1, size, rank))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), actual, expected):
+        torch.testing.assert_close(got, shard_sequence(want, 1, size, rank), **TOL, msg=lambda m: f"{name}: {m}")
+    dbias = actual[4]
+    if bias_shape[2] == 1:  # a bias broadcast over the queries collects every rank's rows
+        dist.all_reduce(dbias, group=group)
+        torch.testing.assert_close(dbias, expected[4], **TOL)
+    else:
+        torch.testing.assert_close(dbias, shard_sequence(expected[4], 2, size, rank), **TOL)
+
+
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+@pytest.mark.parametrize("bias_type, bias_shape", [("post_scale_bias", (1, H, S, S)), ("pre_scale_bias", (B, 1, S, S)),
+                                                    ("post_scale_bias", (1, H, 1, S))], ids=["post-1hss", "pre-b1ss", "post-1h1s"])
+def test_p2p_attention_bias(ranks, bias_type, bias_shape, mask):
+    ranks.run(check_bias, bias_type, bias_shape, mask)

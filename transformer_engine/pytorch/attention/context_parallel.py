@@ -69,6 +69,7 @@ __all__ = [
     "PackedCall",
     "PackedSequences",
     "check_cp_group",
+    "check_cp_bias",
     "check_cp_call",
     "context_parallel_attention",
     "shard_sequence",
@@ -137,7 +138,8 @@ class CPAttention:
         softmax_scale: multiplier of Q K^T.
         dropout_p: attention dropout (drawn per rank from its own generator).
         softmax_type: "vanilla" ("off-by-one" / "learnable" with "a2a" only, as TE).
-        packed: the packed sequences of a "thd" call ("p2p" only), else None.
+        packed: the packed sequences of a "thd" call, else None.
+        bias_type: "no_bias", or "pre_scale_bias" / "post_scale_bias" ("p2p" only; see :mod:`.context_parallel_ring`).
     """
 
     causal: bool
@@ -146,6 +148,7 @@ class CPAttention:
     dropout_p: float = 0.0
     softmax_type: str = "vanilla"
     packed: Optional[PackedSequences] = None
+    bias_type: str = "no_bias"
 
 
 def check_cp_group(cp_group, cp_global_ranks, cp_comm_type: str) -> None:
@@ -190,8 +193,11 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         masks += tuple(f"padding_{m}" if m != "no_mask" else "padding" for m in masks)
     if mask_type not in masks:
         raise NotImplementedError(f"{name} with qkv_format={fmt!r} supports attn_mask_type {' / '.join(masks)}, not {mask_type!r}")
-    if bias_type != "no_bias":
-        raise NotImplementedError(f"{name} does not support core_attention_bias_type={bias_type!r}; use 'no_bias'")
+    if bias_type not in ("no_bias", "pre_scale_bias", "post_scale_bias") or (bias_type != "no_bias" and (
+            cp.comm_type != "p2p" or "padding" in mask_type or fmt == "thd")):
+        raise NotImplementedError(f"{name} with qkv_format={fmt!r}, attn_mask_type={mask_type!r} does not support "
+                                  f"core_attention_bias_type={bias_type!r}; a bias (pre_scale_bias / post_scale_bias) works "
+                                  "with cp_comm_type='p2p' and no padding, as in TE")
     if softmax_type != "vanilla" and cp.comm_type != "a2a":
         raise NotImplementedError(f"{name} supports softmax_type={softmax_type!r} only with cp_comm_type='a2a'")
     if fmt == "thd" and cp.comm_type == "a2a+p2p":
@@ -207,6 +213,20 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
         raise ValueError(f"{name}: each rank holds two sequence chunks, so its q / k lengths ({s_q}, {s_kv}) must be even")
     if s_q != s_kv and (mask_type != "no_mask" or tuple(window_size) != (-1, -1)):
         raise ValueError(f"{name}: causal masks and windows need equal q and k lengths per rank, got {s_q} and {s_kv}")
+
+
+def check_cp_bias(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor, size: int) -> None:
+    """A bias of this rank's query rows and every key column ("bshd" q, k: [b, s_local, h, d]).
+
+    Raises:
+        ValueError: a shape other than [1 or b, 1 or h, 1 or s_q, S_kv] (S_kv = P s_kv of the whole sequence).
+    """
+    b, s_q, h = q.shape[:3]
+    s_kv = k.shape[1] * size
+    ok = bias.dim() == 4 and bias.shape[0] in (1, b) and bias.shape[1] in (1, h) and bias.shape[2] in (1, s_q) and bias.shape[3] == s_kv
+    if not ok:
+        raise ValueError(f"context parallelism: core_attention_bias {tuple(bias.shape)} must be [1 or {b}, 1 or {h}, 1 or {s_q}, {s_kv}] "
+                         "(this rank's query rows, as it holds them, and every key column in sequence order)")
 
 
 def shard_sequence(x: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -246,11 +266,13 @@ def _to_gathered(x: torch.Tensor, size: int) -> torch.Tensor:
 
 def context_parallel_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend,
                                softmax_offset: Optional[torch.Tensor] = None,
-                               rng_ctx: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
+                               rng_ctx: Callable[[], ContextManager] = contextlib.nullcontext,
+                               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence; q, k, v and the result are "bshd".
 
-    Call :func:`check_cp_call` first. ``attend`` runs the catalog op ("all_gather", "a2a", which enters
-    ``rng_ctx`` itself); "p2p" draws its dropout masks inside ``rng_ctx()`` (e.g. a model-parallel RNG tracker).
+    Call :func:`check_cp_call` (and :func:`check_cp_bias`) first. ``attend`` runs the catalog op ("all_gather",
+    "a2a", which enters ``rng_ctx`` itself); "p2p" draws its dropout masks inside ``rng_ctx()`` (e.g. a model-parallel
+    RNG tracker) and adds ``bias`` (``settings.bias_type``).
     """
     if cp.comm_type == "all_gather":
         return _all_gather_attention(q, k, v, settings, cp, attend, softmax_offset)
@@ -259,7 +281,7 @@ def context_parallel_attention(q, k, v, settings: CPAttention, cp: CPGroup, atte
     with rng_ctx():
         if cp.comm_type == "a2a+p2p":
             return _hierarchical_attention(q, k, v, settings, cp)
-        return RingAttention.apply(q, k, v, settings, cp)
+        return RingAttention.apply(q, k, v, bias, settings, cp)
 
 
 # ---------------------------------------------------------------------------------------- all_gather
@@ -402,4 +424,4 @@ def _coarse_to_heads(x: torch.Tensor, a2a: CPGroup) -> torch.Tensor:
 def _hierarchical_attention(q, k, v, settings: CPAttention, cp: CPGroup) -> torch.Tensor:
     a2a, p2p = cp.hierarchy()
     q_c, k_c, v_c = (_heads_to_coarse(x, a2a) for x in (q, k, v))
-    return _coarse_to_heads(RingAttention.apply(q_c, k_c, v_c, settings, p2p), a2a)
+    return _coarse_to_heads(RingAttention.apply(q_c, k_c, v_c, None, settings, p2p), a2a)

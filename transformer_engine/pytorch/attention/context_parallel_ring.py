@@ -3,6 +3,11 @@
 K/V blocks travel rank r -> r+1 (isend / irecv posted before the block's compute); each block's partial output and
 log-sum-exp merge exactly; the backward runs the same ring with the global lse, each block's dK / dV accumulator
 travelling with it. The block math is plain PyTorch in float32 (the catalog's attention op returns no log-sum-exp).
+
+An attention bias (TE's ``core_attention_bias``, "pre_scale_bias" / "post_scale_bias") holds this rank's query rows
+and every key column in sequence order, [1 or b, 1 or h, 1 or s_q, S_kv]; the block of rank j's keys adds the
+columns at j's positions (S = scale (q k^T + B), or scale q k^T + B), and its gradient dB = dS (times the scale
+for "pre_scale_bias") collects into those columns, summed over broadcast dimensions.
 """
 
 from __future__ import annotations
@@ -94,13 +99,17 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.float().transpose(1, 2)
 
 
-def _probs(q, k, scale: float, hidden: Optional[torch.Tensor], lse: Optional[torch.Tensor] = None):
-    """(P, lse) of one block: S = scale q k^T with -inf where ``hidden``, P = exp(S - lse).
+def _probs(q, k, scale: float, hidden: Optional[torch.Tensor], lse: Optional[torch.Tensor] = None,
+           bias: Optional[torch.Tensor] = None):
+    """(P, lse) of one block: S = scale q k^T (+ ``bias``, already scaled as its type says) with -inf where
+    ``hidden``, P = exp(S - lse).
 
     q [b, h, s_q, d] and k [b, h, s_kv, d] (kv heads expanded); ``lse`` None means this block's own. A row
     whose keys are all hidden has lse = -inf and P = 0.
     """
     scores = scale * (q @ k.transpose(-1, -2))
+    if bias is not None:
+        scores = scores + bias
     if hidden is not None:
         scores = scores.masked_fill(hidden, float("-inf"))
     if lse is None:
@@ -150,7 +159,30 @@ def _replayed_rng(device: torch.device, state: torch.Tensor):
         yield
 
 
-def _ring_forward(q, k, v, settings: CPAttention, ring: _Ring):
+def _bias_factor(settings: CPAttention) -> float:
+    """What multiplies the bias in S (and dS in its gradient): the softmax scale before it, 1 after it."""
+    return settings.softmax_scale if settings.bias_type == "pre_scale_bias" else 1.0
+
+
+def _bias_columns(ring: _Ring, src: int, s_kv: int, cols: slice, device) -> torch.Tensor:
+    """The sequence positions of the keys of rank ``src`` that a block reads (its ``cols``): the bias columns."""
+    return _positions(src, ring.size, s_kv // 2, device)[cols]
+
+
+def _bias_rows(bias: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The bias rows of a block's queries (all of a bias broadcast over the queries)."""
+    return bias if bias.shape[-2] == 1 else bias[..., rows, :]
+
+
+def _bias_block(bias: Optional[torch.Tensor], settings: CPAttention, ring: _Ring, src: int, rows: slice, cols: slice,
+                s_kv: int, device) -> Optional[torch.Tensor]:
+    if bias is None:
+        return None
+    block = _bias_rows(bias, rows).index_select(-1, _bias_columns(ring, src, s_kv, cols, device))
+    return _bias_factor(settings) * block.float()
+
+
+def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
     """(out [b, h, s_q, d_v], lse [b, h, s_q]) in float32; q, k, v "bshd". With dropout the block's probabilities
     (normalised by the block's lse, rescaled by the merge) are multiplied by their mask Z before P V."""
     qh = _heads_first(q)
@@ -163,7 +195,9 @@ def _ring_forward(q, k, v, settings: CPAttention, ring: _Ring):
         k_blk, v_blk = _unpack(kv, (k, v))
         rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         kh, vh = _expand(_heads_first(k_blk[:, cols]), heads), _expand(_heads_first(v_blk[:, cols]), heads)
-        p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, hidden)
+        src = (ring.rank - step) % ring.size
+        block_bias = _bias_block(bias, settings, ring, src, rows, cols, s_kv, q.device)
+        p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, hidden, bias=block_bias)
         z = _dropout_scale(p, settings.dropout_p)
         _merge(out, lse, rows, (p if z is None else p * z) @ vh, lse_b)
         if arriving is not None:
@@ -171,35 +205,43 @@ def _ring_forward(q, k, v, settings: CPAttention, ring: _Ring):
     return out, lse
 
 
-def _block_grads(qh, doh, lse, delta, k_blk, v_blk, settings: CPAttention, hidden: Optional[torch.Tensor]):
-    """(dq, dk, dv) float32 of one block given the global lse and D (see the module docstring); with dropout, the
-    forward's mask Z drawn again: dV = (P Z)^T dO, dS = P (Z dO V^T - D), D = rowsum(dO O) of the dropped O."""
+def _block_grads(qh, doh, lse, delta, k_blk, v_blk, settings: CPAttention, hidden: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor] = None):
+    """(dq, dk, dv, dS) float32 of one block given the global lse and D (see the module docstring); with dropout,
+    the forward's mask Z drawn again: dV = (P Z)^T dO, dS = P (Z dO V^T - D), D = rowsum(dO O) of the dropped O."""
     heads, heads_kv = qh.shape[1], k_blk.shape[2]
     kh, vh = _expand(_heads_first(k_blk), heads), _expand(_heads_first(v_blk), heads)
-    p, _ = _probs(qh, kh, settings.softmax_scale, hidden, lse)
+    p, _ = _probs(qh, kh, settings.softmax_scale, hidden, lse, bias=bias)
     z = _dropout_scale(p, settings.dropout_p)
     dp = doh @ vh.transpose(-1, -2)
     ds = p * ((dp if z is None else dp * z) - delta.unsqueeze(-1))
     scale = settings.softmax_scale
     dk = (scale * ds.transpose(-1, -2) @ qh).unflatten(1, (heads_kv, -1)).sum(dim=2)
     dv = ((p if z is None else p * z).transpose(-1, -2) @ doh).unflatten(1, (heads_kv, -1)).sum(dim=2)
-    return scale * (ds @ kh), dk.transpose(1, 2), dv.transpose(1, 2)
+    return scale * (ds @ kh), dk.transpose(1, 2), dv.transpose(1, 2), ds
 
 
-def _ring_backward(dout, q, k, v, out, lse, settings: CPAttention, ring: _Ring):
-    """(dq, dk, dv) in the inputs' dtypes: the forward's ring again, with dK/dV travelling with K/V."""
+def _ring_backward(dout, q, k, v, bias, out, lse, settings: CPAttention, ring: _Ring):
+    """(dq, dk, dv, dbias) in the inputs' dtypes (dbias None without a bias): the forward's ring again, with dK/dV
+    travelling with K/V."""
     qh, doh = _heads_first(q), _heads_first(dout)
     delta = (doh * out).sum(dim=-1)
     s_q, s_kv = q.shape[1], k.shape[1]
     dq = torch.zeros_like(qh)
+    dbias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
     kv, dkv_arriving = _pack(k, v), None
     for step in range(ring.size):
         arriving = ring.shift(kv) if step < ring.size - 1 else None
         k_blk, v_blk = _unpack(kv, (k, v))
         rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
-        dq_b, dk_b, dv_b = _block_grads(qh[:, :, rows], doh[:, :, rows], lse[..., rows], delta[..., rows],
-                                        k_blk[:, cols], v_blk[:, cols], settings, hidden)
+        src = (ring.rank - step) % ring.size
+        block_bias = _bias_block(bias, settings, ring, src, rows, cols, s_kv, q.device)
+        dq_b, dk_b, dv_b, ds = _block_grads(qh[:, :, rows], doh[:, :, rows], lse[..., rows], delta[..., rows],
+                                            k_blk[:, cols], v_blk[:, cols], settings, hidden, block_bias)
         dq[:, :, rows] += dq_b
+        if dbias is not None:
+            target = _bias_rows(dbias, rows)
+            target.index_add_(-1, _bias_columns(ring, src, s_kv, cols, q.device), _bias_factor(settings) * _sum_to(ds, target.shape))
         dkv = dkv_arriving() if dkv_arriving is not None else k.new_zeros(k.numel() + v.numel(), dtype=torch.float32)
         dk_acc, dv_acc = _unpack(dkv, (k, v))
         dk_acc[:, cols] += dk_b
@@ -208,24 +250,30 @@ def _ring_backward(dout, q, k, v, out, lse, settings: CPAttention, ring: _Ring):
         if arriving is not None:
             kv = arriving()
     dk, dv = _unpack(dkv_arriving(), (k, v))
-    return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if dbias is None else dbias.to(bias.dtype)
+
+
+def _sum_to(x: torch.Tensor, shape) -> torch.Tensor:
+    """x [b, h, r, c] summed over the leading dims where ``shape`` has 1 (a bias broadcast there; columns as x's)."""
+    dims = [d for d in range(3) if shape[d] == 1 and x.shape[d] != 1]
+    return x.sum(dim=dims, keepdim=True) if dims else x
 
 
 class RingAttention(torch.autograd.Function):
     """"p2p" context parallelism: ring forward with the log-sum-exp merge, ring backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, settings: CPAttention, cp: CPGroup):
+    def forward(ctx, q, k, v, bias: Optional[torch.Tensor], settings: CPAttention, cp: CPGroup):
         ctx.rng_state = _rng_state(q.device) if settings.dropout_p > 0 else None  # backward draws the masks again
-        out, lse = _ring_forward(q, k, v, settings, _Ring(cp))
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _ring_forward(q, k, v, bias, settings, _Ring(cp))
+        ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.settings, ctx.cp = settings, cp
         return out.transpose(1, 2).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, lse = ctx.saved_tensors
         replay = _replayed_rng(q.device, ctx.rng_state) if ctx.rng_state is not None else contextlib.nullcontext()
         with replay:
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.settings, _Ring(ctx.cp))
-        return dq, dk, dv, None, None
+            dq, dk, dv, dbias = _ring_backward(dout, q, k, v, bias, out, lse, ctx.settings, _Ring(ctx.cp))
+        return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None

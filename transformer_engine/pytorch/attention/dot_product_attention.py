@@ -418,7 +418,8 @@ class DotProductAttention(torch.nn.Module):
         seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         if cp:
             bias_type = "alibi" if alibi_slopes is not None else core_attention_bias_type
-            return self._cp_forward(q, k, v, fmt, spec, seqs, bias_type, inference_params is not None, checkpoint_core_attention)
+            return self._cp_forward(q, k, v, fmt, spec, seqs, (bias_type, core_attention_bias), inference_params is not None,
+                                    checkpoint_core_attention)
         problem = self._problem(q, k, v, fmt, spec, attention_mask, seqs, inference_params)
         bias = _Bias.resolve(core_attention_bias_type, core_attention_bias, alibi_slopes, q.shape[-2], q.device)
         user_mask = attention_mask if spec.mask_type == "arbitrary" else None
@@ -438,12 +439,13 @@ class DotProductAttention(torch.nn.Module):
                                      cu_seqlens_kv=extras.cu_seqlens_kv)
         return problem.restore(out), max_logit
 
-    def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, seqs: _Sequences, bias_type: str, inference: bool,
+    def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, seqs: _Sequences, bias: tuple, inference: bool,
                     checkpointed: bool):
         """Context-parallel attention of this rank's tokens (checked before any communication); "thd" as a batch of one
         packed row, its sequences told apart by the ring's masks (see :mod:`.context_parallel_packed`)."""
         dropout_p = self.attention_dropout if self.training else 0.0
         group = self._cp_group_settings
+        bias_type, bias_tensor = bias
         _cp.check_cp_call(group, fmt, spec.mask_type, spec.window_size, bias_type=bias_type, inference=inference,
                           softmax_type=self.softmax_type, dropout_p=dropout_p, q=_layout.to_bshd(q, fmt) if fmt != "thd" else q,
                           k=_layout.to_bshd(k, fmt) if fmt != "thd" else k)
@@ -457,8 +459,11 @@ class DotProductAttention(torch.nn.Module):
                                cu_seqlens_kv=None, restore=lambda out: _flatten_heads(out[0]))
         else:
             problem = _padded_problem(q, k, v, fmt, None)
+        if bias_type != "no_bias":
+            bias_tensor = _Bias.resolve(bias_type, bias_tensor, None, q.shape[-2], q.device).tensor
+            _cp.check_cp_bias(bias_tensor, problem.q, problem.k, group.size)
         settings = _cp.CPAttention("causal" in spec.mask_type, spec.window_size, self.softmax_scale, dropout_p, self.softmax_type,
-                                   packed=packed)
+                                   packed=packed, bias_type=bias_type)
         rng_ctx = self._rng_ctx(dropout_p)
 
         def attend(qc, kc, vc, softmax_offset, config):
@@ -466,7 +471,7 @@ class DotProductAttention(torch.nn.Module):
                 return self._packed_attention(qc, kc, vc, softmax_offset, config, rng_ctx)
             return _attend(qc, kc, vc, None, softmax_offset, _Extras(), config, rng_ctx)
 
-        args = (problem.q, problem.k, problem.v, settings, self._cp_group_settings, attend, self.softmax_offset, rng_ctx)
+        args = (problem.q, problem.k, problem.v, settings, self._cp_group_settings, attend, self.softmax_offset, rng_ctx, bias_tensor)
         if checkpointed:
             out = checkpoint(_cp.context_parallel_attention, *args, get_rng_state_tracker=self.get_rng_state_tracker)
         else:
