@@ -43,7 +43,7 @@ Communication types (TE's ``cp_comm_type``):
   the whole packed batch in TE's padded layout, which the module attends as it does without CP.
 
 The catalog's ``fused_attn_fwd`` returns an opaque ctx, not the log-sum-exp the ring merge needs, so
-"p2p" computes its blocks with plain PyTorch math here (float32, the reference backend's formulas),
+"p2p" computes its blocks with plain PyTorch math (float32, the reference backend's formulas; :mod:`.context_parallel_ring`),
 not through the catalog; "all_gather" and "a2a" run the catalog op on whichever backend it picks.
 """
 
@@ -180,8 +180,8 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
     :meth:`PackedSequences.from_offsets` checks).
 
     Raises:
-        NotImplementedError: KV caching, padding masks outside "thd", arbitrary masks, biases, ALiBi; "thd" except
-            with "p2p"; softmax offsets except with "a2a".
+        NotImplementedError: KV caching, padding masks outside "thd", arbitrary masks, ALiBi; biases except with
+            "p2p" and no padding; "thd" with "a2a+p2p"; softmax offsets except with "a2a".
         ValueError: odd local sequence lengths, q / k lengths that differ under a causal mask or a
             window, head counts that "a2a" cannot split over the group.
     """
