@@ -65,12 +65,12 @@ def _roles(mode: str) -> int:
 
 
 def _to_role_major(t: torch.Tensor, n: int, roles: int) -> torch.Tensor:
-    """Slots 3 g + r (last dim) -> r n + g."""
+    """Slots R g + r of n GEMMs with R roles each (last dim) -> r n + g."""
     return t.reshape(*t.shape[:-1], n, roles).transpose(-1, -2).reshape(t.shape)
 
 
 def _to_gemm_major(t: torch.Tensor, n: int, roles: int) -> torch.Tensor:
-    """Slots r n + g (last dim) -> 3 g + r."""
+    """Slots r n + g (last dim) -> R g + r (the inverse of :func:`_to_role_major`)."""
     return t.reshape(*t.shape[:-1], roles, n).transpose(-1, -2).reshape(t.shape)
 
 
