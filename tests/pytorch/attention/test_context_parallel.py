@@ -301,7 +301,7 @@ THD_LENGTHS = (5, 0, 16, 11)  # real tokens per sequence; one empty sequence, on
 def check_thd(comm_type, mask, window=None):
     """Packed sequences with padding between them ("thd", TE's global offsets): each rank's output and gradients
     equal its rows of single-process attention over the packed batch; padding rows get 0, as TE gives them."""
-    group = dist.group.WORLD
+    group = _hierarchy() if comm_type == "a2a+p2p" else dist.group.WORLD
     size, rank = dist.get_world_size(), dist.get_rank()
     padded = [-(-n // (2 * size)) * 2 * size for n in THD_LENGTHS]
     offsets = _offsets(THD_LENGTHS, padded)
@@ -325,6 +325,12 @@ def check_thd(comm_type, mask, window=None):
         torch.testing.assert_close(got, want[rows], **TOL, msg=lambda m: f"{name}: {m}")
     real = torch.cat([torch.arange(p) < n for n, p in zip(THD_LENGTHS, padded)])[rows]
     assert not actual[0][~real].any() and not actual[1][~real].any() and not actual[2][~real].any()
+
+
+@pytest.mark.parametrize("mask, window", [("padding_causal", None), ("padding", None), ("padding_causal", (3, 0))])
+def test_thd_hierarchical(mask, window):
+    """"a2a+p2p" at 2 x 2: the a2a group's tokens of every sequence, reordered into the coarse p2p layout."""
+    get_pool(4).run(check_thd, "a2a+p2p", mask, window)
 
 
 @pytest.mark.parametrize("mask, window", [("padding_causal", None), ("padding", None), ("causal", None), ("padding_causal", (3, 0)),

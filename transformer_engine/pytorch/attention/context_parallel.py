@@ -181,7 +181,7 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
 
     Raises:
         NotImplementedError: KV caching, padding masks outside "thd", arbitrary masks, ALiBi; biases except with
-            "p2p" and no padding; "thd" with "a2a+p2p"; softmax offsets except with "a2a".
+            "p2p" and no padding; softmax offsets except with "a2a".
         ValueError: odd local sequence lengths, q / k lengths that differ under a causal mask or a
             window, head counts that "a2a" cannot split over the group.
     """
@@ -200,8 +200,6 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
                                   "with cp_comm_type='p2p' and no padding, as in TE")
     if softmax_type != "vanilla" and cp.comm_type != "a2a":
         raise NotImplementedError(f"{name} supports softmax_type={softmax_type!r} only with cp_comm_type='a2a'")
-    if fmt == "thd" and cp.comm_type == "a2a+p2p":
-        raise NotImplementedError(f"{name} does not support qkv_format='thd' yet; use 'p2p', 'a2a' or 'all_gather'")
     if cp.comm_type in ("a2a", "a2a+p2p"):
         size = cp.size if cp.comm_type == "a2a" else cp.hierarchy()[0].size
         if q.shape[-2] % size or k.shape[-2] % size:
@@ -402,26 +400,35 @@ def _a2a_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, 
 # ------------------------------------------------------------------------------------------- a2a+p2p
 
 
-def _heads_to_coarse(x: torch.Tensor, a2a: CPGroup) -> torch.Tensor:
+def _heads_to_coarse(x: torch.Tensor, a2a: CPGroup, order: Optional[torch.Tensor]) -> torch.Tensor:
     """[b, 2L, h, d] -> [b, 2AL, h/A, d]: the a2a group's tokens of this rank's heads in the coarse two-chunk layout
-    (the members' first chunks in order, then their second chunks in reverse order)."""
+    (the members' first chunks in order, then their second chunks in reverse order); packed sequences ([1, t, h, d])
+    by ``order`` (:meth:`PackedSequences.coarse_order`)."""
     size = a2a.size
     parts = x.unflatten(2, (size, -1)).movedim(2, 0)  # [A, b, 2L, h/A, d]: head group a goes to member a
-    received = _AllToAll.apply(parts, a2a.group).unflatten(2, (2, -1))  # [A, b, 2, L, h/A, d]: member a's chunks
-    firsts, seconds = received[:, :, 0], received[:, :, 1].flip(0)
+    received = _AllToAll.apply(parts, a2a.group)  # [A, b, 2L, h/A, d]: member a's tokens
+    if order is not None:
+        return received.movedim(0, 1).flatten(1, 2).index_select(1, order)
+    firsts, seconds = received.unflatten(2, (2, -1))[:, :, 0], received.unflatten(2, (2, -1))[:, :, 1].flip(0)
     return torch.cat((firsts.movedim(0, 1).flatten(1, 2), seconds.movedim(0, 1).flatten(1, 2)), dim=1)
 
 
-def _coarse_to_heads(x: torch.Tensor, a2a: CPGroup) -> torch.Tensor:
+def _coarse_to_heads(x: torch.Tensor, a2a: CPGroup, order: Optional[torch.Tensor]) -> torch.Tensor:
     """The inverse of :func:`_heads_to_coarse`."""
     size = a2a.size
-    firsts, seconds = (half.unflatten(1, (size, -1)).movedim(1, 0) for half in x.chunk(2, dim=1))  # [A, b, L, h/A, d]
-    parts = torch.stack((firsts, seconds.flip(0)), dim=2).flatten(2, 3)  # [A, b, 2L, h/A, d]: member a's tokens
+    if order is not None:
+        parts = x.index_select(1, order.argsort()).unflatten(1, (size, -1)).movedim(1, 0)  # [A, 1, t, h/A, d]
+    else:
+        firsts, seconds = (half.unflatten(1, (size, -1)).movedim(1, 0) for half in x.chunk(2, dim=1))  # [A, b, L, h/A, d]
+        parts = torch.stack((firsts, seconds.flip(0)), dim=2).flatten(2, 3)  # [A, b, 2L, h/A, d]: member a's tokens
     received = _AllToAll.apply(parts, a2a.group)  # [A, b, 2L, h/A, d]: head group a from member a
     return received.movedim(0, 2).flatten(2, 3)
 
 
 def _hierarchical_attention(q, k, v, settings: CPAttention, cp: CPGroup) -> torch.Tensor:
     a2a, p2p = cp.hierarchy()
-    q_c, k_c, v_c = (_heads_to_coarse(x, a2a) for x in (q, k, v))
-    return _coarse_to_heads(RingAttention.apply(q_c, k_c, v_c, None, settings, p2p), a2a)
+    packed, orders = settings.packed, (None, None)
+    if packed is not None:  # the ring's masks read the coarse layout's tokens from the same offsets (rank p of P / A)
+        orders = tuple(packed.coarse_order(cp.size, a2a.size, p2p.rank, kv, q.device) for kv in (False, True))
+    q_c, k_c, v_c = (_heads_to_coarse(x, a2a, orders[x is not q]) for x in (q, k, v))
+    return _coarse_to_heads(RingAttention.apply(q_c, k_c, v_c, None, settings, p2p), a2a, orders[0])

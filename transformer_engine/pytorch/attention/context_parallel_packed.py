@@ -109,15 +109,23 @@ class PackedSequences:
             self._tokens[key] = _local_tokens(real, padded, rank, size, device)
         return self._tokens[key]
 
-    def natural_rows(self, size: int, kv: bool, device) -> torch.Tensor:
-        """int64 [P t]: the row of the whole packed batch (TE's padded layout) of each token in gathered order (rank 0's
-        tokens, then rank 1's, ...); ``x_gathered = x_packed[rows]``, and its inverse permutation puts them back."""
+    def rows(self, rank: int, size: int, kv: bool, device) -> torch.Tensor:
+        """int64 [t]: the row of the whole packed batch (TE's padded layout) of each token ``rank`` of ``size`` holds."""
         offsets = torch.tensor((0,) + self.padded_kv if kv else (0,) + self.padded_q, dtype=torch.int64, device=device).cumsum(0)
-        rows = []
-        for rank in range(size):
-            tokens = self.tokens(rank, size, kv, device)
-            rows.append(offsets[tokens.seq] + tokens.pos)
-        return torch.cat(rows)
+        tokens = self.tokens(rank, size, kv, device)
+        return offsets[tokens.seq] + tokens.pos
+
+    def natural_rows(self, size: int, kv: bool, device) -> torch.Tensor:
+        """int64 [P t]: :meth:`rows` of every rank in gathered order (rank 0's tokens, then rank 1's, ...);
+        ``x_gathered = x_packed[rows]``, and its inverse permutation puts them back."""
+        return torch.cat([self.rows(rank, size, kv, device) for rank in range(size)])
+
+    def coarse_order(self, size: int, a2a_size: int, p2p_rank: int, kv: bool, device) -> torch.Tensor:
+        """int64 [A t]: for "a2a+p2p", where the tokens of ranks p A .. p A + A - 1 (of ``size``), side by side, go to
+        make the tokens of rank p of size / A: the same rows of the packed batch, in that rank's order."""
+        members = torch.cat([self.rows(p2p_rank * a2a_size + a, size, kv, device) for a in range(a2a_size)])
+        coarse = self.rows(p2p_rank, size // a2a_size, kv, device)
+        return members.argsort()[coarse.argsort().argsort()]
 
     def mask_type(self, causal: bool) -> str:
         """The thd mask type of the whole batch."""
