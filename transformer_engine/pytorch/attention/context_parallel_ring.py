@@ -174,12 +174,9 @@ def _bias_rows(bias: torch.Tensor, rows: slice) -> torch.Tensor:
     return bias if bias.shape[-2] == 1 else bias[..., rows, :]
 
 
-def _bias_block(bias: Optional[torch.Tensor], settings: CPAttention, ring: _Ring, src: int, rows: slice, cols: slice,
-                s_kv: int, device) -> Optional[torch.Tensor]:
-    if bias is None:
-        return None
-    block = _bias_rows(bias, rows).index_select(-1, _bias_columns(ring, src, s_kv, cols, device))
-    return _bias_factor(settings) * block.float()
+def _bias_block(bias: torch.Tensor, settings: CPAttention, rows: slice, columns: torch.Tensor) -> torch.Tensor:
+    """The block's additive term of S: the bias at its query ``rows`` and key ``columns``, scaled as its type says."""
+    return _bias_factor(settings) * _bias_rows(bias, rows).index_select(-1, columns).float()
 
 
 def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
@@ -195,8 +192,10 @@ def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
         k_blk, v_blk = _unpack(kv, (k, v))
         rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         kh, vh = _expand(_heads_first(k_blk[:, cols]), heads), _expand(_heads_first(v_blk[:, cols]), heads)
-        src = (ring.rank - step) % ring.size
-        block_bias = _bias_block(bias, settings, ring, src, rows, cols, s_kv, q.device)
+        block_bias = None
+        if bias is not None:
+            columns = _bias_columns(ring, (ring.rank - step) % ring.size, s_kv, cols, q.device)
+            block_bias = _bias_block(bias, settings, rows, columns)
         p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, hidden, bias=block_bias)
         z = _dropout_scale(p, settings.dropout_p)
         _merge(out, lse, rows, (p if z is None else p * z) @ vh, lse_b)
@@ -234,14 +233,16 @@ def _ring_backward(dout, q, k, v, bias, out, lse, settings: CPAttention, ring: _
         arriving = ring.shift(kv) if step < ring.size - 1 else None
         k_blk, v_blk = _unpack(kv, (k, v))
         rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
-        src = (ring.rank - step) % ring.size
-        block_bias = _bias_block(bias, settings, ring, src, rows, cols, s_kv, q.device)
+        block_bias = columns = None
+        if bias is not None:
+            columns = _bias_columns(ring, (ring.rank - step) % ring.size, s_kv, cols, q.device)
+            block_bias = _bias_block(bias, settings, rows, columns)
         dq_b, dk_b, dv_b, ds = _block_grads(qh[:, :, rows], doh[:, :, rows], lse[..., rows], delta[..., rows],
                                             k_blk[:, cols], v_blk[:, cols], settings, hidden, block_bias)
         dq[:, :, rows] += dq_b
         if dbias is not None:
             target = _bias_rows(dbias, rows)
-            target.index_add_(-1, _bias_columns(ring, src, s_kv, cols, q.device), _bias_factor(settings) * _sum_to(ds, target.shape))
+            target.index_add_(-1, columns, _bias_factor(settings) * _sum_to(ds, target.shape))
         dkv = dkv_arriving() if dkv_arriving is not None else k.new_zeros(k.numel() + v.numel(), dtype=torch.float32)
         dk_acc, dv_acc = _unpack(dkv, (k, v))
         dk_acc[:, cols] += dk_b
