@@ -13,7 +13,7 @@ for "pre_scale_bias") collects into those columns, summed over broadcast dimensi
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -174,9 +174,14 @@ def _bias_rows(bias: torch.Tensor, rows: slice) -> torch.Tensor:
     return bias if bias.shape[-2] == 1 else bias[..., rows, :]
 
 
-def _bias_block(bias: torch.Tensor, settings: CPAttention, rows: slice, columns: torch.Tensor) -> torch.Tensor:
-    """The block's additive term of S: the bias at its query ``rows`` and key ``columns``, scaled as its type says."""
-    return _bias_factor(settings) * _bias_rows(bias, rows).index_select(-1, columns).float()
+def _bias_block(bias: Optional[torch.Tensor], settings: CPAttention, ring: _Ring, step: int, rows: slice, cols: slice, s_kv: int,
+                device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(the step's block's additive term of S, its key columns): the bias at the block's query rows and at the
+    positions of its keys, scaled as its type says; (None, None) without a bias."""
+    if bias is None:
+        return None, None
+    columns = _bias_columns(ring, (ring.rank - step) % ring.size, s_kv, cols, device)
+    return _bias_factor(settings) * _bias_rows(bias, rows).index_select(-1, columns).float(), columns
 
 
 def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
@@ -192,10 +197,7 @@ def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
         k_blk, v_blk = _unpack(kv, (k, v))
         rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         kh, vh = _expand(_heads_first(k_blk[:, cols]), heads), _expand(_heads_first(v_blk[:, cols]), heads)
-        block_bias = None
-        if bias is not None:
-            columns = _bias_columns(ring, (ring.rank - step) % ring.size, s_kv, cols, q.device)
-            block_bias = _bias_block(bias, settings, rows, columns)
+        block_bias, _ = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
         p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, hidden, bias=block_bias)
         z = _dropout_scale(p, settings.dropout_p)
         _merge(out, lse, rows, (p if z is None else p * z) @ vh, lse_b)
@@ -233,10 +235,7 @@ def _ring_backward(dout, q, k, v, bias, out, lse, settings: CPAttention, ring: _
         arriving = ring.shift(kv) if step < ring.size - 1 else None
         k_blk, v_blk = _unpack(kv, (k, v))
         rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
-        block_bias = columns = None
-        if bias is not None:
-            columns = _bias_columns(ring, (ring.rank - step) % ring.size, s_kv, cols, q.device)
-            block_bias = _bias_block(bias, settings, rows, columns)
+        block_bias, columns = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
         dq_b, dk_b, dv_b, ds = _block_grads(qh[:, :, rows], doh[:, :, rows], lse[..., rows], delta[..., rows],
                                             k_blk[:, cols], v_blk[:, cols], settings, hidden, block_bias)
         dq[:, :, rows] += dq_b
