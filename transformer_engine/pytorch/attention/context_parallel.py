@@ -330,7 +330,7 @@ def _all_gather_packed(q, k, v, settings: CPAttention, cp: CPGroup, attend: Atte
     """Packed sequences ([1, t, h, d]): K and V gathered into the whole packed batch, each local query chunk attending
     its sequence's keys up to its last real query (:meth:`PackedSequences.chunk_call`, checked before the gather)."""
     call, rows = settings.packed.chunk_call(cp.rank, cp.size, settings.causal, settings.window_size, q.device)
-    natural = settings.packed.natural_rows(cp.size, kv=True, device=q.device).argsort()
+    natural = settings.packed.natural_order(cp.size, kv=True, device=q.device)
     k_full, v_full = (gather_from_sequence_parallel_region(x[0], cp.group).index_select(0, natural) for x in (k, v))
     return attend(q[0], k_full.index_select(0, rows), v_full.index_select(0, rows), softmax_offset, call)[None]
 
@@ -367,7 +367,7 @@ def _heads_to_sequence(x: torch.Tensor, cp: CPGroup, packed: Optional[PackedSequ
     gathered = received.movedim(0, 1).flatten(1, 2)
     if packed is None:
         return _to_natural(gathered, size)
-    return gathered.index_select(1, packed.natural_rows(size, kv, x.device).argsort())
+    return gathered.index_select(1, packed.natural_order(size, kv, x.device))
 
 
 def _sequence_to_heads(x: torch.Tensor, cp: CPGroup, packed: Optional[PackedSequences]) -> torch.Tensor:

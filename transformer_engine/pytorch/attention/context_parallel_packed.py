@@ -25,7 +25,7 @@ causal masks align bottom-right, so chunk rows keep their positions).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -69,7 +69,7 @@ class PackedSequences:
     padded_q: Tuple[int, ...]
     padded_kv: Tuple[int, ...]
     bottom_right: bool
-    _tokens: Dict[tuple, _Tokens] = field(default_factory=dict, repr=False)
+    _memo: Dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def from_offsets(cu_q, cu_kv, cu_q_padded, cu_kv_padded, bottom_right: bool, size: int, tokens_q: int,
@@ -101,24 +101,36 @@ class PackedSequences:
                                  f"{sum(padded)} over {size} ranks ({sum(padded) // size} each)")
         return PackedSequences(lengths_q, lengths_kv, padded_q, padded_kv, bottom_right)
 
+    def _memoized(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per key: one call reads the same index tensors for q, k, v, each ring step and the
+        way back."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
     def tokens(self, rank: int, size: int, kv: bool, device) -> _Tokens:
-        """The local tokens of ``rank`` (made once per rank, side and device)."""
-        key = (rank, size, kv, device)
-        if key not in self._tokens:
-            real, padded = (self.lengths_kv, self.padded_kv) if kv else (self.lengths_q, self.padded_q)
-            self._tokens[key] = _local_tokens(real, padded, rank, size, device)
-        return self._tokens[key]
+        """The local tokens of ``rank``."""
+        real, padded = (self.lengths_kv, self.padded_kv) if kv else (self.lengths_q, self.padded_q)
+        return self._memoized(("tokens", rank, size, kv, device), lambda: _local_tokens(real, padded, rank, size, device))
 
     def rows(self, rank: int, size: int, kv: bool, device) -> torch.Tensor:
         """int64 [t]: the row of the whole packed batch (TE's padded layout) of each token ``rank`` of ``size`` holds."""
-        offsets = torch.tensor((0,) + self.padded_kv if kv else (0,) + self.padded_q, dtype=torch.int64, device=device).cumsum(0)
-        tokens = self.tokens(rank, size, kv, device)
-        return offsets[tokens.seq] + tokens.pos
+        def make() -> torch.Tensor:
+            starts = _offsets(self.padded_kv if kv else self.padded_q, device).long()
+            tokens = self.tokens(rank, size, kv, device)
+            return starts[tokens.seq] + tokens.pos
+
+        return self._memoized(("rows", rank, size, kv, device), make)
 
     def natural_rows(self, size: int, kv: bool, device) -> torch.Tensor:
         """int64 [P t]: :meth:`rows` of every rank in gathered order (rank 0's tokens, then rank 1's, ...);
-        ``x_gathered = x_packed[rows]``, and its inverse permutation puts them back."""
-        return torch.cat([self.rows(rank, size, kv, device) for rank in range(size)])
+        ``x_gathered = x_packed[rows]``."""
+        return self._memoized(("natural_rows", size, kv, device),
+                              lambda: torch.cat([self.rows(rank, size, kv, device) for rank in range(size)]))
+
+    def natural_order(self, size: int, kv: bool, device) -> torch.Tensor:
+        """int64 [P t]: the inverse permutation of :meth:`natural_rows`, ``x_packed = x_gathered[order]``."""
+        return self._memoized(("natural_order", size, kv, device), lambda: self.natural_rows(size, kv, device).argsort())
 
     def coarse_order(self, size: int, a2a_size: int, p2p_rank: int, kv: bool, device) -> torch.Tensor:
         """int64 [A t]: for "a2a+p2p", where the tokens of ranks p A .. p A + A - 1 (of ``size``), side by side, go to
