@@ -176,8 +176,8 @@ def check_cp_call(cp: CPGroup, fmt: str, mask_type: str, window_size, *, bias_ty
                   softmax_type: str, dropout_p: float, q: torch.Tensor, k: torch.Tensor) -> None:
     """Refuse, before any communication, what context parallelism does not do (yet).
 
-    q and k are in "bshd" order ([b, s_local, h, d]), or "thd" ([t_local, h, d]: packed sequences, whose offsets
-    :meth:`PackedSequences.from_offsets` checks).
+    q and k are in "bshd" order ([b, s_local, h, d]); for "thd" a batch of one packed row ([1, t_local, h, d], whose
+    offsets :meth:`PackedSequences.from_offsets` checks).
 
     Raises:
         NotImplementedError: KV caching, padding masks outside "thd", arbitrary masks, ALiBi; biases except with

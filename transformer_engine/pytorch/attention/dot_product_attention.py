@@ -418,7 +418,7 @@ class DotProductAttention(torch.nn.Module):
         seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         if cp:
             bias_type = "alibi" if alibi_slopes is not None else core_attention_bias_type
-            return self._cp_forward(q, k, v, fmt, spec, seqs, (bias_type, core_attention_bias), inference_params is not None,
+            return self._cp_forward(q, k, v, fmt, spec, seqs, bias_type, core_attention_bias, inference_params is not None,
                                     checkpoint_core_attention)
         problem = self._problem(q, k, v, fmt, spec, attention_mask, seqs, inference_params)
         bias = _Bias.resolve(core_attention_bias_type, core_attention_bias, alibi_slopes, q.shape[-2], q.device)
@@ -439,26 +439,25 @@ class DotProductAttention(torch.nn.Module):
                                      cu_seqlens_kv=extras.cu_seqlens_kv)
         return problem.restore(out), max_logit
 
-    def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, seqs: _Sequences, bias: tuple, inference: bool,
-                    checkpointed: bool):
+    def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, seqs: _Sequences, bias_type: str,
+                    bias_tensor: Optional[torch.Tensor], inference: bool, checkpointed: bool):
         """Context-parallel attention of this rank's tokens (checked before any communication); "thd" as a batch of one
         packed row, its sequences told apart by the ring's masks (see :mod:`.context_parallel_packed`)."""
         dropout_p = self.attention_dropout if self.training else 0.0
         group = self._cp_group_settings
-        bias_type, bias_tensor = bias
+        if fmt == "thd":
+            problem = _Problem(q[None], k[None], v[None], thd=True, s_q=q.shape[0], s_kv=k.shape[0], padding=None, cu_seqlens_q=None,
+                               cu_seqlens_kv=None, restore=lambda out: _flatten_heads(out[0]))
+        else:
+            problem = _padded_problem(q, k, v, fmt, None)
         _cp.check_cp_call(group, fmt, spec.mask_type, spec.window_size, bias_type=bias_type, inference=inference,
-                          softmax_type=self.softmax_type, dropout_p=dropout_p, q=_layout.to_bshd(q, fmt) if fmt != "thd" else q,
-                          k=_layout.to_bshd(k, fmt) if fmt != "thd" else k)
+                          softmax_type=self.softmax_type, dropout_p=dropout_p, q=problem.q, k=problem.k)
         packed = None
         if fmt == "thd":
             packed = _cp.PackedSequences.from_offsets(seqs.cu_q, seqs.cu_kv, seqs.cu_q_padded, seqs.cu_kv_padded,
                                                       bottom_right=spec.mask_type.endswith("bottom_right"), size=group.size,
                                                       tokens_q=q.shape[0], tokens_kv=k.shape[0],
                                                       name=f"context parallelism (cp_comm_type={group.comm_type!r})")
-            problem = _Problem(q[None], k[None], v[None], thd=True, s_q=q.shape[0], s_kv=k.shape[0], padding=None, cu_seqlens_q=None,
-                               cu_seqlens_kv=None, restore=lambda out: _flatten_heads(out[0]))
-        else:
-            problem = _padded_problem(q, k, v, fmt, None)
         if bias_type != "no_bias":
             bias_tensor = _Bias.resolve(bias_type, bias_tensor, None, q.shape[-2], q.device).tensor
             _cp.check_cp_bias(bias_tensor, problem.q, problem.k, group.size)
