@@ -12,14 +12,9 @@ from __future__ import annotations
 import torch
 
 from .._dropout import dropout
-from ..tensor.quantized_tensor import QuantizedTensor
-from .op import BasicOperation
+from .op import BasicOperation, high_precision
 
 __all__ = ["ConstantScale", "Dropout"]
-
-
-def _high_precision(x: torch.Tensor) -> torch.Tensor:
-    return x.dequantize() if isinstance(x, QuantizedTensor) else x
 
 
 class ConstantScale(BasicOperation):
@@ -36,7 +31,7 @@ class ConstantScale(BasicOperation):
         self.scale = float(scale)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _high_precision(x) * self.scale
+        return high_precision(x) * self.scale
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"
@@ -63,7 +58,7 @@ class Dropout(BasicOperation):
         self.dropout_probability = float(p)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(_high_precision(x), self.dropout_probability, self.training)
+        return dropout(high_precision(x), self.dropout_probability, self.training)
 
     def extra_repr(self) -> str:
         return f"p={self.dropout_probability}"

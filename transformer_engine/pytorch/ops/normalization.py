@@ -21,8 +21,7 @@ from ..module._common import apply_without_torch_autocast
 from ..module._norm import NormConfig
 from ..module._norm_function import NormArgs, NormFunction
 from ..module.base import default_device
-from ..tensor.quantized_tensor import QuantizedTensor
-from .op import BasicOperation
+from .op import BasicOperation, high_precision
 
 __all__ = ["L2Normalization", "LayerNorm", "RMSNorm"]
 
@@ -134,7 +133,7 @@ class L2Normalization(BasicOperation):
         self.eps = float(eps)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.dequantize() if isinstance(x, QuantizedTensor) else x
+        x = high_precision(x)
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.square().sum(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
 

@@ -17,10 +17,16 @@ import torch
 from transformer_engine.plugin import ops as catalog
 
 from ..module import _extra_state
+from ..tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["BasicOperation", "FusedOperation", "FusibleOperation", "run_operations"]
+__all__ = ["BasicOperation", "FusedOperation", "FusibleOperation", "high_precision", "run_operations"]
 
 Outputs = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+def high_precision(x: torch.Tensor) -> torch.Tensor:
+    """``x``, dequantized when it is a quantized tensor (TE's operations take those and compute on their values)."""
+    return x.dequantize() if isinstance(x, QuantizedTensor) else x
 
 
 class FusibleOperation(torch.nn.Module):
