@@ -21,44 +21,26 @@ import torch
 
 from ..module.base import TransformerEngineBaseModule
 from ..quantization.autocast import current_config
-from ..tensor.quantized_tensor import QuantizedTensor, Quantizer
+from ..tensor.quantized_tensor import QuantizedTensor
 from .op import BasicOperation
 
 __all__ = ["Quantize"]
 
 
 class _QuantizeFunction(torch.autograd.Function):
-    """y = quantize_fwd(x) (or x); dx = quantize_bwd(dy) (or dy); then the module's backward update."""
+    """y = cast_forward(x) (or a copy of x); dx = cast_backward(dy, amaxes) (or dy; a quantized dy as it is), then the
+    module's backward update with the amaxes its traced casts handed over (eager casts record their own)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, forward_quantizer: Optional[Quantizer], backward_quantizer: Optional[Quantizer],
+    def forward(ctx, x: torch.Tensor, cast_forward: Optional[Callable], cast_backward: Optional[Callable],
                 backward_update: Optional[Callable[[list], None]]):
-        ctx.backward_quantizer, ctx.backward_update = backward_quantizer, backward_update
-        return x.clone() if forward_quantizer is None else forward_quantizer.quantize(x)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        dx = dy
-        if ctx.backward_quantizer is not None and not isinstance(dy, QuantizedTensor):
-            dx = ctx.backward_quantizer.quantize(dy)
-        if ctx.backward_update is not None:
-            ctx.backward_update([])
-        return dx, None, None, None
-
-
-class _QuantizeDequantizeFunction(torch.autograd.Function):
-    """The traced form: y = dequantize(quantize_fwd(x)); dx = dequantize(quantize_bwd(dy)), the module's quantizers
-    (delayed scaling's backward amaxes handed to its update, as the modules' backward casts do)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, forward_quantizer, backward_quantizer, backward_update):
-        ctx.backward_quantizer, ctx.backward_update = backward_quantizer, backward_update
-        return x.clone() if forward_quantizer is None else forward_quantizer.quantize(x).dequantize(x.dtype)
+        ctx.cast_backward, ctx.backward_update = cast_backward, backward_update
+        return x.clone() if cast_forward is None else cast_forward(x)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         amaxes = []
-        dx = dy if ctx.backward_quantizer is None else ctx.backward_quantizer.recording_into(amaxes).quantize(dy).dequantize(dy.dtype)
+        dx = dy if ctx.cast_backward is None or isinstance(dy, QuantizedTensor) else ctx.cast_backward(dy, amaxes)
         if ctx.backward_update is not None:
             ctx.backward_update(amaxes)
         return dx, None, None, None
@@ -95,11 +77,14 @@ class Quantize(TransformerEngineBaseModule, BasicOperation):
         if not current_config().enabled or not (self._quantize_forward or self._quantize_backward):
             return x
         q = self._prepare_quantization(x.device, [])
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # the module's quantizers, decoded: plain tensors of the same values
             gemm = q.gemms[0]
-            return _QuantizeDequantizeFunction.apply(x, gemm.input if self._quantize_forward else None,
-                                                     gemm.grad_output if self._quantize_backward else None, q.backward_update)
-        public = self.quantizers
-        forward_quantizer = public["scaling_fwd"][0] if self._quantize_forward and not isinstance(x, QuantizedTensor) else None
-        backward_quantizer = public["scaling_bwd"][0] if self._quantize_backward else None
-        return _QuantizeFunction.apply(x, forward_quantizer, backward_quantizer, q.backward_update)
+            cast_forward = lambda t: gemm.input.quantize(t).dequantize(t.dtype)  # noqa: E731
+            cast_backward = lambda t, amaxes: gemm.grad_output.recording_into(amaxes).quantize(t).dequantize(t.dtype)  # noqa: E731
+        else:  # TE's public quantizers: quantized tensors
+            public = self.quantizers
+            cast_forward = public["scaling_fwd"][0].quantize
+            cast_backward = lambda t, amaxes: public["scaling_bwd"][0].quantize(t)  # noqa: E731
+        forward = self._quantize_forward and not isinstance(x, QuantizedTensor)
+        return _QuantizeFunction.apply(x, cast_forward if forward else None, cast_backward if self._quantize_backward else None,
+                                       q.backward_update)
