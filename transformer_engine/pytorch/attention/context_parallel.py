@@ -409,7 +409,8 @@ def _heads_to_coarse(x: torch.Tensor, a2a: CPGroup, order: Optional[torch.Tensor
     received = _AllToAll.apply(parts, a2a.group)  # [A, b, 2L, h/A, d]: member a's tokens
     if order is not None:
         return received.movedim(0, 1).flatten(1, 2).index_select(1, order)
-    firsts, seconds = received.unflatten(2, (2, -1))[:, :, 0], received.unflatten(2, (2, -1))[:, :, 1].flip(0)
+    halves = received.unflatten(2, (2, -1))  # [A, b, 2, L, h/A, d]: member a's two chunks
+    firsts, seconds = halves[:, :, 0], halves[:, :, 1].flip(0)
     return torch.cat((firsts.movedim(0, 1).flatten(1, 2), seconds.movedim(0, 1).flatten(1, 2)), dim=1)
 
 
