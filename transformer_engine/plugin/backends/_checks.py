@@ -148,15 +148,18 @@ def check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_comp
 
 
 def check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax=None) -> None:
-    """delayed_scaling_update_: as delayed_scaling_update, plus H, s, scale_inv [N] and amax [N] (if given)
-    float32 on one device."""
+    """delayed_scaling_update_: as delayed_scaling_update, plus H, s, scale_inv [N] and amax [K], 0 < K <= N (if
+    given), float32 on one device."""
     check_delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo)
     n = amax_history.shape[1]
     vectors = (("scale_inv", scale_inv),) + ((("amax", amax),) if amax is not None else ())
     for name, t in vectors:
         check_tensor(t, name)
-        if tuple(t.shape) != (n,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
+    if tuple(scale_inv.shape) != (n,):
+        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)} but amax_history {tuple(amax_history.shape)} needs [{n}]")
+    if amax is not None and (amax.dim() != 1 or not 0 < amax.shape[0] <= n):
+        raise ValueError(f"amax has shape {tuple(amax.shape)} but amax_history {tuple(amax_history.shape)} needs [K] "
+                         f"with 0 < K <= {n} (the amaxes of its first K columns)")
     for name, t in (("amax_history", amax_history), ("scale", scale)) + vectors:
         if t.dtype != torch.float32:
             raise TypeError(f"{name} has dtype {t.dtype}; the in-place update reads it as float32, so it must be float32")

@@ -160,13 +160,14 @@ def delayed_scaling_update_(amax_history: Tensor, scale: Tensor, scale_inv: Tens
                             amax_compute_algo: str, amax: Optional[Tensor] = None) -> None:
     """``delayed_scaling_update`` in place on the columns that were cast this step, plus scale_inv.
 
-    With ``amax``, first H[0] = max(H[0], amax) (torch.maximum: NaN from either side);
+    With ``amax`` [K], first H[0, :K] = max(H[0, :K], amax) (torch.maximum: NaN from either side);
     active[n] = H[0, n] != 0 (NaN counts as active); (H_new, s_new) = delayed_scaling_update(H, s, ...);
     H[:, n], s[n] = H_new[:, n], s_new[n] where active[n], else unchanged;  scale_inv = 1 / s (all n).
     Args: amax_history H float32 [L, N], scale s float32 [N], scale_inv float32 [N] (all on one device,
     any strides, updated in place); fp8_max, margin, amax_compute_algo as in ``delayed_scaling_update``
     (fp8_max a float when traced by torch.compile, whose custom op takes no tensor for it); amax: None or
-    float32 [N] on that device, this step's amaxes not yet recorded in H[0] (read only).
+    float32 [K], 0 < K <= N, on that device: this step's amaxes of columns 0..K-1 not yet recorded in H[0]
+    (read only; columns K.. have none).
     Returns: None. Bit-identical to the fold, delayed_scaling_update, two ``where`` and ``reciprocal``.
     """
 

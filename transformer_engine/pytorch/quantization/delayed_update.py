@@ -21,8 +21,9 @@ step is ``ops.delayed_scaling_update`` (or the callables), two ``where`` and a `
 
 Traced by torch.compile, each state is updated on its own tensors by ``ops.delayed_scaling_update_``
 (on the GPU the flagos kernel, one launch per state), which also folds in the amaxes of the traced casts
-(its ``amax`` argument): they reach the update in a buffer or list rather than through H[0], so the history
-is written once per step.
+(its ``amax`` argument): they reach the update in a buffer (forward) or list (backward) rather than through
+H[0], so the history is written once per step; a list is stacked only up to the last slot cast (the op
+takes the amaxes of the first K slots), so one grad cast hands its amax over with no kernel of its own.
 
 The host work that does not change from step to step (the side-by-side buffers and their per-state
 views, fp8_max per slot, the grouping by device) is a :class:`_Group` plan, cached per list of states
@@ -155,11 +156,11 @@ def reduce_and_update(states: Sequence, recipe: DelayedScaling, group=None, amax
 
 
 def fold_amaxes(amaxes: Mapping) -> None:
-    """H[0] = max(H[0], amax) of each state of ``amaxes`` ({state: a float32 [N] buffer or (slot, amax) pairs})."""
+    """H[0, i] = max(H[0, i], amax) of each state of ``amaxes`` ({state: a float32 [N] buffer or (slot i, amax) pairs})."""
     for state, recorded in amaxes.items():
-        slot_amaxes = _slot_amaxes(state, recorded)
+        slot_amaxes = _slot_amaxes(recorded)
         if slot_amaxes is not None:
-            row = state.amax_history[0]
+            row = state.amax_history[0, : slot_amaxes.shape[0]]
             row.copy_(torch.maximum(row, slot_amaxes))
 
 
@@ -172,23 +173,26 @@ def _update_traced(states: Sequence, recipe: DelayedScaling, reduce: bool, group
     takes the tensor ops of :func:`_update` on the folded history."""
     for state in states:
         history = state.amax_history
-        amax = _slot_amaxes(state, amaxes.get(state, ()))
+        amax = _slot_amaxes(amaxes.get(state, ()))
         if reduce:  # H[0] itself when nothing was handed over (no tensor that aliases H goes to the op)
             if amax is not None:
-                amax = torch.maximum(history[0], amax)
+                k = amax.shape[0]
+                amax = torch.cat([torch.maximum(history[0, :k], amax), history[0, k:]])
             torch.distributed.all_reduce(history[0] if amax is None else amax, op=torch.distributed.ReduceOp.MAX, group=group)
         if _built_in(recipe):
             ops.delayed_scaling_update_(history, state.scale, state.scale_inv, fp8_max=state.fp8_max, margin=float(recipe.margin),
                                         amax_compute_algo=recipe.amax_compute_algo, amax=amax)
             continue
         if amax is not None:
-            history[0].copy_(torch.maximum(history[0], amax))
+            recorded = history[0, : amax.shape[0]]
+            recorded.copy_(torch.maximum(recorded, amax))
         _update(_Group(history, history[0], state.scale, state.scale_inv, state.fp8_max), recipe, in_place_op=False)
 
 
-def _slot_amaxes(state, recorded: Union[torch.Tensor, Sequence]) -> Optional[torch.Tensor]:
-    """float32 [N]: ``recorded`` when it is that buffer; for (slot, amax) pairs, per slot the max of the
-    amaxes recorded for it, 0 where none (None when nothing was recorded)."""
+def _slot_amaxes(recorded: Union[torch.Tensor, Sequence[Tuple[int, torch.Tensor]]]) -> Optional[torch.Tensor]:
+    """float32 [K]: ``recorded`` when it is a float32 [N] buffer; for (slot, amax) pairs, K = 1 + the last
+    slot recorded, per slot the max of the amaxes recorded for it, 0 where none (one slot 0: a view of
+    its amax); None when nothing was recorded."""
     if isinstance(recorded, torch.Tensor):
         return recorded
     if not recorded:
@@ -196,8 +200,10 @@ def _slot_amaxes(state, recorded: Union[torch.Tensor, Sequence]) -> Optional[tor
     per_slot: Dict[int, torch.Tensor] = {}
     for index, amax in recorded:
         per_slot[index] = amax if index not in per_slot else torch.maximum(per_slot[index], amax)
+    if len(per_slot) == 1 and 0 in per_slot:
+        return per_slot[0].reshape(1)
     zero = recorded[0][1].new_zeros(())
-    return torch.stack([per_slot.get(i, zero) for i in range(state.num_quantizers)])
+    return torch.stack([per_slot.get(i, zero) for i in range(max(per_slot) + 1)])
 
 
 def _reduces(recipe: DelayedScaling, group) -> bool:

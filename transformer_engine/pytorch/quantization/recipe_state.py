@@ -35,7 +35,7 @@ from transformer_engine.common.recipe import (
     Recipe,
 )
 
-from .kept_scale import kept_copy
+from .kept_scale import kept_scales
 from .quantizer import (
     IDENTITY,
     AmaxObserver,
@@ -245,14 +245,13 @@ class DelayedScalingRecipeState(RecipeState):
     def traced_quantizers(self, amaxes: Optional[torch.Tensor] = None) -> List[Quantizer]:
         """Quantizers of this forward state for one call that torch.compile traces.
 
-        The scale vector is kept (``kept_copy``) once for all of them, rather than copied per cast, and
-        their scale_inv are reciprocals of that one copy (the same values; see ``Float8Quantizer._recording``).
-        Each reciprocal is a 0-d tensor of its own: Inductor's ``_scaled_mm`` lowering takes no view into a
-        vector as a scale. ``amaxes``: a float32 [N] buffer their casts max their amaxes into, for an update
+        The scale's entries are kept (:func:`~.kept_scale.kept_scales`) once for all of them, rather than
+        copied per cast, with their reciprocals as the operands' scale_inv (the same values; see
+        ``Float8Quantizer._recording``): 0-d tensors that Inductor computes in one kernel. ``amaxes``: a float32 [N] buffer their casts max their amaxes into, for an update
         in the same trace to fold (:func:`~.delayed_update.reduce_and_update`); None: each cast folds its
         amax into H[0]."""
-        scale = kept_copy(self.scale)
-        return [Float8Quantizer(self, i, (scale[i], torch.reciprocal(scale[i])), amaxes) for i in range(self.num_quantizers)]
+        kept, inverses = kept_scales(self.scale)
+        return [Float8Quantizer(self, i, (kept[i], inverses[i]), amaxes) for i in range(self.num_quantizers)]
 
     def make_observers(self) -> List[Quantizer]:
         return [AmaxObserver(q) for q in self.make_quantizers()]

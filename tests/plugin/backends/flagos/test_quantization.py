@@ -454,6 +454,23 @@ def test_delayed_scaling_update_in_place_folds_amax(length, n, algo, device):
     assert not verdict and "amax" in verdict.reason
 
 
+@pytest.mark.parametrize("k", [1, 3, 37])
+def test_delayed_scaling_update_in_place_folds_the_amaxes_of_the_first_k_columns(k, device):
+    """``amax`` [K <= N] (a traced backward hands one grad cast's amax over as [1]): the reference's update
+    bit for bit, columns K.. untouched by the fold, over more than one program's columns."""
+    history, scale = _idle_histories(16, 37, device)
+    amax = amaxes_to_fold(k).to(device)
+    # no NaN in row 0 or amax: which NaN torch.maximum keeps depends on its CPU vector path; the NaN rule
+    # of the fold is test_delayed_scaling_update_in_place_folds_amax's
+    history[0] = torch.nan_to_num(history[0], nan=5.0)
+    amax = torch.nan_to_num(amax, nan=7.0)
+    expected = fold_then_update(history, scale, amax, 448.0, 0.0, "max")
+    scale_inv = torch.empty(37, device=device)
+    fd.delayed_scaling_update_(history, scale, scale_inv, 448.0, 0.0, "max", amax=amax)
+    for got, want in zip((history, scale, scale_inv), expected):
+        _assert_bitwise_equal(got, want)
+
+
 def test_delayed_scaling_update_in_place_empty_errors_and_supports(device):
     empty = (torch.zeros(3, 0, device=device), torch.ones(0, device=device), torch.ones(0, device=device))
     assert fd.delayed_scaling_update_(*empty, 448.0, 0.0, "max") is None

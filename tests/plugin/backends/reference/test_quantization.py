@@ -469,9 +469,9 @@ def test_delayed_scaling_in_place_long_and_strided():
 
 
 def fold_then_update(history, scale, amax, fp8_max, margin, algo):
-    """(H, s, scale_inv) of H[0] = max(H[0], amax) by torch.maximum, then the 5-step sequence."""
-    history = history.clone()
-    history[0] = torch.maximum(history[0], amax)
+    """(H, s, scale_inv) of H[0, :K] = max(H[0, :K], amax [K]) by torch.maximum, then the 5-step sequence."""
+    history, k = history.clone(), amax.shape[0]
+    history[0, :k] = torch.maximum(history[0, :k], amax)
     return five_step_update(history, scale, fp8_max, margin, algo)
 
 
@@ -497,6 +497,18 @@ def test_delayed_scaling_in_place_folds_amax_first(length, n, algo):
     assert torch.equal(amax.view(torch.int32), amax_before.view(torch.int32))
 
 
+@pytest.mark.parametrize("k", [1, 5])
+def test_delayed_scaling_in_place_folds_the_amaxes_of_the_first_k_columns(k):
+    """``amax`` [K < N]: columns 0..K-1 folded, columns K.. left as they are (their -0.0 too), then the update."""
+    history, scale = _idle_histories(8, 9)
+    amax = amaxes_to_fold(k)
+    expected = fold_then_update(history, scale, amax, 448.0, 0.0, "max")
+    scale_inv = torch.empty(9)
+    ref.delayed_scaling_update_(history, scale, scale_inv, 448.0, 0.0, "max", amax=amax)
+    for got, want in zip((history, scale, scale_inv), expected):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_delayed_scaling_in_place_amax_hand_computed():
     """H[0] = [2, 0, 0], amax = [1, 0, 4]: slot 0 keeps its 2, slot 1 stays idle, slot 2 becomes active with 4."""
     history, scale, scale_inv = torch.tensor([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]]), torch.ones(3), torch.empty(3)
@@ -508,7 +520,9 @@ def test_delayed_scaling_in_place_amax_hand_computed():
 def test_delayed_scaling_in_place_rejects_a_bad_amax_before_any_work():
     history, scale, scale_inv = torch.tensor([[2.0, 0.0]]), torch.ones(2), torch.zeros(2)
     bad = [
-        (torch.ones(3), ValueError, r"amax has shape \(3,\).*needs \[2\]"),
+        (torch.ones(3), ValueError, r"amax has shape \(3,\).*needs \[K\] with 0 < K <= 2"),
+        (torch.ones(0), ValueError, r"amax has shape \(0,\).*0 < K <= 2"),
+        (torch.ones(1, 2), ValueError, r"amax has shape \(1, 2\)"),
         (torch.ones(2, dtype=torch.float16), TypeError, "amax has dtype torch.float16"),
         (torch.ones(2, device="meta"), ValueError, "amax is on meta"),
         ([1.0, 2.0], TypeError, "amax must be a torch.Tensor"),

@@ -13,8 +13,9 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     the same step in place where H[0] != 0 (NaN included; idle columns keep H and s),
                     then scale_inv = 1 / s: the same kernel (IN_PLACE), one launch; each chunk of rows
                     is loaded, then a barrier, then stored one row up, so no row is written unread;
-                    with ``amax`` (this step's amaxes, not yet in H), H[0] = max(H[0], amax) first, in
-                    registers (HAS_AMAX): a traced step hands its casts' amaxes to the update this way
+                    with ``amax`` [K] (this step's amaxes of the first K columns, not yet in H),
+                    H[0, :K] = max(H[0, :K], amax) first, in registers (HAS_AMAX): a traced step hands its
+                    casts' amaxes to the update this way
     delayed_scaling_update_many_
                     delayed_scaling_update_ of every state: one launch, program (block, state) reads the
                     state's addresses, sizes and strides from a device table built once per layout
@@ -48,7 +49,7 @@ _STATE_TABLES = TableCache(64)  # the state tables of delayed_scaling_update_man
 
 @triton.jit
 def _update_columns(
-    history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, amax_ptr, margin_scale, L, N,
+    history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, amax_ptr, margin_scale, L, N, amax_n,
     stride_hl, stride_hn, stride_s, stride_si, stride_a, fp8_max_stride, block,
     BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, AMAX_MAX: tl.constexpr, FP8_MAX_IS_PTR: tl.constexpr,
     IN_PLACE: tl.constexpr, HAS_AMAX: tl.constexpr,
@@ -63,8 +64,8 @@ def _update_columns(
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     h0 = tl.load(history_ptr + cols * stride_hn, mask=col_mask, other=0.0).to(tl.float32)  # H[0]
-    if HAS_AMAX:  # H[0] = max(H[0], amax), NaN from either side kept (torch.maximum)
-        a = tl.load(amax_ptr + cols * stride_a, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_AMAX:  # H[0, :K] = max(H[0, :K], amax), NaN from either side kept (torch.maximum)
+        a = tl.load(amax_ptr + cols * stride_a, mask=cols < amax_n, other=0.0).to(tl.float32)
         h0 = tl.where(h0 != h0, h0, tl.where(a != a, a, tl.maximum(h0, a)))
     if IN_PLACE:  # H and s themselves, in the active columns only: H[0] != 0 on the bit pattern (NaN is
         # active; a float compare may flush a subnormal to zero on the GPU)
@@ -123,10 +124,11 @@ def _delayed_scaling_update_kernel(
     history_new_ptr,  # *float32 [L, N] receiving H_new: a new contiguous tensor, or H itself when IN_PLACE
     scale_new_ptr,  # *float32 [N] receiving s_new: a new tensor, or s itself when IN_PLACE
     scale_inv_ptr,  # *float32 [N], stride stride_si: receives 1 / s (IN_PLACE only)
-    amax_ptr,  # *float32 [N], stride stride_a: this step's amaxes, folded into H[0] (HAS_AMAX only)
+    amax_ptr,  # *float32 [K], stride stride_a: this step's amaxes of columns 0..K-1, folded into H[0] (HAS_AMAX only)
     margin_scale,  # float32 scalar: 2^margin
     L,  # rows of H (>= 1)
     N,  # columns of H
+    amax_n,  # K: columns 0..K-1 have an entry in amax (HAS_AMAX only)
     stride_hl,  # elements between rows of H
     stride_hn,  # elements between columns of H
     stride_s,  # elements between entries of s
@@ -141,7 +143,7 @@ def _delayed_scaling_update_kernel(
     HAS_AMAX: tl.constexpr,  # True: H[0] = max(H[0], amax) before the step
 ):
     _update_columns(history_ptr, scale_ptr, fp8_max, history_new_ptr, scale_new_ptr, scale_inv_ptr, amax_ptr, margin_scale, L, N,
-                    stride_hl, stride_hn, stride_s, stride_si, stride_a, fp8_max_stride, tl.program_id(0),
+                    amax_n, stride_hl, stride_hn, stride_s, stride_si, stride_a, fp8_max_stride, tl.program_id(0),
                     BLOCK_L, BLOCK_N, AMAX_MAX, FP8_MAX_IS_PTR, IN_PLACE, HAS_AMAX)  # fmt: skip
 
 
@@ -162,7 +164,7 @@ def _delayed_scaling_update_many_kernel(
         history = tl.load(row).to(tl.pointer_type(tl.float32))
         scale = tl.load(row + 1).to(tl.pointer_type(tl.float32))
         scale_inv = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        _update_columns(history, scale, fp8_max, history, scale, scale_inv, scale_inv, margin_scale, tl.load(row + 3), n,
+        _update_columns(history, scale, fp8_max, history, scale, scale_inv, scale_inv, margin_scale, tl.load(row + 3), n, 0,
                         tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), 0, 0, tl.program_id(0),
                         BLOCK_L, BLOCK_N, AMAX_MAX, False, True, False)  # fmt: skip
 
@@ -191,7 +193,7 @@ def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_al
 
 def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax=None) -> None:
     """The catalog's ``delayed_scaling_update_`` (H, s and scale_inv of the active columns, in place; H
-    may have any strides; ``amax`` folded into H[0] first) in one launch of ``delayed_scaling_update``'s
+    may have any strides; ``amax`` of the first K columns folded into H[0] first) in one launch of ``delayed_scaling_update``'s
     kernel (IN_PLACE), bit-identical to the reference backend's. Raises as the reference backend does
     (float32 tensors, matching shapes and devices, a finite margin, a known amax_compute_algo).
 
@@ -248,7 +250,7 @@ def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_al
     """One launch of ``_delayed_scaling_update_kernel`` on checked arguments with N > 0.
 
     ``outputs`` = (H_new, s_new, None): new contiguous float32 tensors; or (H, s, scale_inv): in place.
-    ``amax``: float32 [N] folded into H[0] first (in place only), or None.
+    ``amax``: float32 [K] folded into H[0, :K] first (in place only), or None.
     """
     history_new, scale_new, scale_inv = outputs
     length, n = amax_history.shape
@@ -258,7 +260,8 @@ def _launch_delayed_update(amax_history, scale, fp8_max, margin, amax_compute_al
     with device_guard(amax_history):
         _delayed_scaling_update_kernel[(cdiv(n, block_n),)](
             amax_history, scale, fp8_max_arg, history_new, scale_new, scale_inv if in_place else scale_new,
-            scale if amax is None else amax, 2.0 ** float(margin), length, n, amax_history.stride(0), amax_history.stride(1),
+            scale if amax is None else amax, 2.0 ** float(margin), length, n, 0 if amax is None else amax.shape[0],
+            amax_history.stride(0), amax_history.stride(1),
             scale.stride(0), scale_inv.stride(0) if in_place else 0, 0 if amax is None else amax.stride(0), fp8_max_stride,
             BLOCK_L=block_l, BLOCK_N=block_n, AMAX_MAX=amax_compute_algo == "max",
             FP8_MAX_IS_PTR=isinstance(fp8_max_arg, torch.Tensor), IN_PLACE=in_place, HAS_AMAX=amax is not None,

@@ -317,7 +317,7 @@ def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, ama
         scale: s float32 [N], updated in place.
         scale_inv: float32 [N], receives 1 / s for every column (idle ones included).
         fp8_max, margin, amax_compute_algo: as in ``delayed_scaling_update``.
-        amax: None, or float32 [N] of amaxes not yet in H: H[0] = max(H[0], amax) first.
+        amax: None, or float32 [K] (K <= N) of amaxes not yet in H: H[0, :K] = max(H[0, :K], amax) first.
 
     Raises:
         TypeError: H, s, scale_inv or amax not float32.
@@ -326,7 +326,8 @@ def delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, ama
     """
     check_delayed_scaling_update_(amax_history, scale, scale_inv, fp8_max, margin, amax_compute_algo, amax)
     if amax is not None:
-        amax_history[0].copy_(torch.maximum(amax_history[0], amax))
+        recorded = amax_history[0, : amax.shape[0]]
+        recorded.copy_(torch.maximum(recorded, amax))
     history_new, scale_new = _delayed_step(amax_history, scale, fp8_max, margin, amax_compute_algo)
     active = amax_history[0] != 0  # NaN != 0: a NaN amax is active
     torch.where(active, history_new, amax_history, out=amax_history)
