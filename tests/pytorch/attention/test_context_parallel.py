@@ -439,3 +439,26 @@ def check_bias(bias_type, bias_shape, mask):
                                                     ("post_scale_bias", (1, H, 1, S))], ids=["post-1hss", "pre-b1ss", "post-1h1s"])
 def test_p2p_attention_bias(ranks, bias_type, bias_shape, mask):
     ranks.run(check_bias, bias_type, bias_shape, mask)
+
+
+def test_thd_offsets_are_read_once_per_set_of_tensors(monkeypatch):
+    """Every layer of a step passes the same offset tensors: one host read (a device synchronization on the GPU) and
+    one PackedSequences, with its index tensors, for all of them; offsets changed in place, or another call shape,
+    are read and checked again."""
+    from transformer_engine.pytorch.attention import context_parallel_packed as packed_module
+
+    reads = []
+    read = packed_module._lengths
+    monkeypatch.setattr(packed_module, "_lengths", lambda cu: reads.append(cu) or read(cu))
+    cu, cu_padded = torch.tensor([0, 6, 14], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32)
+
+    def from_offsets(tokens=8):
+        return packed_module.PackedSequences.from_offsets(cu, cu, cu_padded, cu_padded, bottom_right=False, size=2,
+                                                          tokens_q=tokens, tokens_kv=tokens, name="test")
+
+    first = from_offsets()
+    assert from_offsets() is first and len(reads) == 4
+    cu[2] = 13  # in place: a new version, read again
+    assert from_offsets().lengths_q == (6, 7) and len(reads) == 8
+    with pytest.raises(ValueError, match="holds 4 q tokens"):
+        from_offsets(tokens=4)

@@ -14,7 +14,9 @@ ring block of this rank's queries and rank j's keys, key k is hidden from query 
     or (causal) p_k - p_q > 0 (top-left; bottom-right: (p_k - len_k) - (p_q - len_q) > 0),
     or (window (left, right)) the same offset > right or < -left.
 
-The caller passes TE's global offsets (the whole packed batch), as NVIDIA TE's modules take them.
+The caller passes TE's global offsets (the whole packed batch), as NVIDIA TE's modules take them. They are read on
+the host (a device synchronization) once per set of offset tensors: every layer of a step passes the same tensors,
+and gets the same :class:`PackedSequences`, with the index tensors the first layer made.
 
 "a2a" and "all_gather" run the module's own thd attention (the catalog op) on a :class:`PackedCall`: "a2a" on the
 whole packed batch (:meth:`PackedSequences.whole_call`); "all_gather" with each local query chunk as a sequence of
@@ -24,12 +26,18 @@ causal masks align bottom-right, so chunk rows keep their positions).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
 __all__ = ["PackedCall", "PackedSequences", "packed_hidden"]
+
+#: PackedSequences read lately, by their offset tensors (ids and versions) and the call's shape (oldest dropped first);
+#: an entry holds its tensors, so no live tensor can take one of its ids
+_MAX_READ = 8
+_READ: "OrderedDict[tuple, Tuple[tuple, PackedSequences]]" = OrderedDict()
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +82,8 @@ class PackedSequences:
     @staticmethod
     def from_offsets(cu_q, cu_kv, cu_q_padded, cu_kv_padded, bottom_right: bool, size: int, tokens_q: int,
                      tokens_kv: int, name: str) -> "PackedSequences":
-        """Read TE's offsets and check them against the local q / k token counts (``name`` starts the messages).
+        """Read TE's offsets and check them against the local q / k token counts (``name`` starts the messages); the
+        same tensors, unchanged since (their version counters), and the same call give the result of the last read.
 
         Raises:
             ValueError: missing or malformed offsets, a padded length that 2 * P does not divide, a real length
@@ -86,6 +95,11 @@ class PackedSequences:
                 raise ValueError(f"{name} with qkv_format='thd' needs {arg} (TE's global offsets of the packed batch, int32 [b + 1])")
             if cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"{name}: {arg} must be int32 [b + 1], got {cu.dtype} {tuple(cu.shape)}")
+        tensors = tuple(offsets.values())
+        key = tuple((id(cu), cu._version) for cu in tensors) + (bottom_right, size, tokens_q, tokens_kv)
+        if key in _READ:
+            _READ.move_to_end(key)
+            return _READ[key][1]
         if len({cu.numel() for cu in offsets.values()}) != 1:
             raise ValueError(f"{name}: the four cu_seqlens must have the same number of sequences, got shapes "
                              f"{[tuple(cu.shape) for cu in offsets.values()]}")
@@ -99,7 +113,11 @@ class PackedSequences:
             if tokens * size != sum(padded):
                 raise ValueError(f"{name}: this rank holds {tokens} {side} tokens; cu_seqlens_{side}_padded describes "
                                  f"{sum(padded)} over {size} ranks ({sum(padded) // size} each)")
-        return PackedSequences(lengths_q, lengths_kv, padded_q, padded_kv, bottom_right)
+        packed = PackedSequences(lengths_q, lengths_kv, padded_q, padded_kv, bottom_right)
+        if len(_READ) >= _MAX_READ:
+            _READ.popitem(last=False)
+        _READ[key] = (tensors, packed)
+        return packed
 
     def _memoized(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, made once per key: one call reads the same index tensors for q, k, v, each ring step and the
