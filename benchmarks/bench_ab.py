@@ -163,6 +163,10 @@ def _start(tree: Path, groups, backend: str) -> Tuple[subprocess.Popen, str, lis
     for line in proc.stdout:
         if line.startswith("READY "):
             _, library, names = line.rstrip("\n").split(" ", 2)
+            if not Path(library).resolve().is_relative_to(tree.resolve()):
+                proc.kill()
+                raise SystemExit(f"the worker for {tree} imported {library}: something ahead of PYTHONPATH (an editable "
+                                 "install's import hook, say) picks the package; install it without -e, or uninstall it")
             return proc, library, names.split("|")
     raise SystemExit(f"the worker for {tree} exited before it was ready (exit code {proc.wait()})")
 
