@@ -8,8 +8,10 @@ inside ``te.fp8_autocast`` with DelayedScaling), each eager, with ``dynamo_backe
 (label ``inductor+cpp``: ``TORCHINDUCTOR_CPP_WRAPPER=1`` in a user's environment, the same kernels launched
 from generated C++). Everything is Accelerate's default otherwise, as its users run it.
 
-Columns: median ms of a training step (forward, backward, optimizer step; CUDA events), and FP8 / bf16 of
-the same mode. Needs a CUDA GPU with transformers and accelerate installed, and this package installed
+Columns: median ms of a training step (forward, backward, optimizer step; CUDA events), FP8 / bf16 of
+the same mode, the host ms to enqueue one step from an idle GPU, and the kernels a step launches (the census
+of ``profile_layer.kernel_table`` over 3 steps; the JSON lists the most frequent kernels by name, where the
+compiled FP8 step's per-module bookkeeping shows). Needs a CUDA GPU with transformers and accelerate installed, and this package installed
 (``pip install --no-deps -e .``: Accelerate reads its version).
 
 Usage: python benchmarks/bench_accelerate_llama.py [--steps 20] [--json out.json]
@@ -22,7 +24,8 @@ from typing import Dict, List
 
 import torch
 
-from _harness import base_parser, print_table, time_fn, write_json
+from _harness import base_parser, host_ms, print_table, time_fn, write_json
+from profile_layer import kernel_table
 
 
 def _reset_accelerate() -> None:
@@ -81,7 +84,11 @@ def _measure(mixed_precision: str, dynamo_backend: str, steps: int, tokens: int)
         losses.append(loss.detach())
 
     ms = time_fn(step, warmup=5, iters=steps, device=accelerator.device)
+    kernels, gpu_us, _ = kernel_table(step, accelerator.device.type)
+    census = sorted(((calls, name) for name, (_, calls) in kernels.items()), reverse=True)
     return {"mixed_precision": mixed_precision, "dynamo_backend": dynamo_backend, "ms": ms,
+            "host_ms": host_ms(step, accelerator.device.type), "kernels_per_step": sum(calls for calls, _ in census),
+            "gpu_busy_ms": gpu_us / 1e3, "top_kernels": [[name, calls] for calls, name in census[:25]],
             "te_linears": sum(type(m).__module__.startswith("transformer_engine") for m in accelerator.unwrap_model(model).modules()),
             "last_loss": float(losses[-1])}
 
@@ -116,9 +123,10 @@ def main() -> None:
     for r in rows:
         r["fp8_over_bf16"] = r["ms"] / base[r["dynamo_backend"]] if r.get("ms") and base.get(r["dynamo_backend"]) else None
     print_table("HF Llama (hidden 1024, 4 layers, GQA) through HF Accelerate, one training step",
-                ["mixed_precision", "dynamo_backend", "ms", "fp8 / bf16", "te modules", "loss"],
+                ["mixed_precision", "dynamo_backend", "ms", "fp8 / bf16", "host ms", "kernels / step", "te modules", "loss"],
                 [[r["mixed_precision"], r["dynamo_backend"], f"{r['ms']:.2f}" if "ms" in r else r.get("error", ""),
-                  f"{r['fp8_over_bf16']:.2f}x" if r.get("fp8_over_bf16") else "", r.get("te_linears", ""),
+                  f"{r['fp8_over_bf16']:.2f}x" if r.get("fp8_over_bf16") else "", f"{r['host_ms']:.2f}" if "host_ms" in r else "",
+                  r.get("kernels_per_step", ""), r.get("te_linears", ""),
                   f"{r['last_loss']:.3f}" if "last_loss" in r else ""] for r in rows])
     write_json(args.json, {"results": rows})
 
