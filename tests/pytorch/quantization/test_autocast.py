@@ -51,13 +51,16 @@ def test_default_recipe_on_cpu_is_delayed():
 
 
 def test_nvfp4_options_the_modules_do_not_implement_raise():
-    for options in ({"row_scaled_activation": True}, {"nvfp4_4over6": "weights"}, {"nvfp4_4over6_e4m3_use_256": "all"}):
+    for options in ({"row_scaled_activation": True}, {"nvfp4_4over6": "weights"}, {"nvfp4_4over6": "all", "nvfp4_4over6_e4m3_use_256": "none"}):
         name = next(iter(options))
         with pytest.raises(NotImplementedError, match=f"NVFP4BlockScaling\\({name}="):
             with te.autocast(recipe=NVFP4BlockScaling(**options)):
                 pass
         assert not current_config().enabled
     with te.autocast(recipe=NVFP4BlockScaling()):
+        assert current_config().recipe.nvfp4()
+    assert NVFP4BlockScaling().nvfp4_4over6_e4m3_use_256 == "all"  # NVIDIA TE's default; without 4over6 it means nothing
+    with te.autocast(recipe=NVFP4BlockScaling(nvfp4_4over6_e4m3_use_256="none")):
         assert current_config().recipe.nvfp4()
 
 

@@ -374,6 +374,8 @@ class NVFP4BlockScaling(Recipe):
     global_encode = (448 * 6) / global_amax; block decode scale = e4m3(block_amax / 6 * global_encode).
     Inputs use the random Hadamard transform (column-wise only), weights 16x16 2-D quantization,
     gradients RHT and stochastic rounding, unless disabled (env ``NVTE_NVFP4_DISABLE_*``).
+    ``nvfp4_4over6_e4m3_use_256`` picks, among the tensors ``nvfp4_4over6`` selects, those whose global scale
+    uses the bound 256 instead of 448 (NVIDIA TE's default: all of them); it means nothing without 4over6.
     """
 
     disable_rht: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_RHT"))
@@ -383,7 +385,7 @@ class NVFP4BlockScaling(Recipe):
     disable_2d_quantization: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
     row_scaled_activation: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_ROW_SCALED_ACTIVATION"))
     nvfp4_4over6: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6", "none"))
-    nvfp4_4over6_e4m3_use_256: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_E4M3_USE_256", "none"))
+    nvfp4_4over6_e4m3_use_256: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_E4M3_USE_256", "all"))
     nvfp4_4over6_err_mode: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_ERR_MODE", "MAE"))
     fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3

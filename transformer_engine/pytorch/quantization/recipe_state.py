@@ -88,8 +88,9 @@ def _check_nvfp4_options(recipe: NVFP4BlockScaling) -> None:
         )
 
 
-#: NVFP4 options (TE 2.16-2.17) whose non-default values the modules do not implement yet
-_NVFP4_DEFAULTS = {"row_scaled_activation": False, "nvfp4_4over6": "none", "nvfp4_4over6_e4m3_use_256": "none"}
+#: NVFP4 options (TE 2.16-2.17) whose non-default values the modules do not implement yet (the other 4over6
+#: options only refine 4over6, which is refused with them)
+_NVFP4_DEFAULTS = {"row_scaled_activation": False, "nvfp4_4over6": "none"}
 
 
 class RecipeState:
