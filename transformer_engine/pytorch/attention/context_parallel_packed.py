@@ -120,8 +120,8 @@ class PackedSequences:
         return packed
 
     def _memoized(self, key: tuple, make: Callable[[], Any]) -> Any:
-        """``make()``, made once per key: one call reads the same index tensors for q, k, v, each ring step and the
-        way back."""
+        """``make()``, made once per key: every layer's call with these offsets, and within a call q, k, v, each ring
+        step and the way back, read the same index tensors and thd calls."""
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
@@ -153,9 +153,12 @@ class PackedSequences:
     def coarse_order(self, size: int, a2a_size: int, p2p_rank: int, kv: bool, device) -> torch.Tensor:
         """int64 [A t]: for "a2a+p2p", where the tokens of ranks p A .. p A + A - 1 (of ``size``), side by side, go to
         make the tokens of rank p of size / A: the same rows of the packed batch, in that rank's order."""
-        members = torch.cat([self.rows(p2p_rank * a2a_size + a, size, kv, device) for a in range(a2a_size)])
-        coarse = self.rows(p2p_rank, size // a2a_size, kv, device)
-        return members.argsort()[coarse.argsort().argsort()]
+        def make() -> torch.Tensor:
+            members = torch.cat([self.rows(p2p_rank * a2a_size + a, size, kv, device) for a in range(a2a_size)])
+            coarse = self.rows(p2p_rank, size // a2a_size, kv, device)
+            return members.argsort()[coarse.argsort().argsort()]
+
+        return self._memoized(("coarse_order", size, a2a_size, p2p_rank, kv, device), make)
 
     def mask_type(self, causal: bool) -> str:
         """The thd mask type of the whole batch."""
@@ -165,9 +168,12 @@ class PackedSequences:
 
     def whole_call(self, causal: bool, window: Tuple[int, int], device) -> PackedCall:
         """The call over the whole packed batch (TE's padded layout, every rank's tokens)."""
-        cu_q, cu_kv, cu_q_padded, cu_kv_padded = (_offsets(lengths, device) for lengths in
-                                                  (self.lengths_q, self.lengths_kv, self.padded_q, self.padded_kv))
-        return PackedCall(cu_q, cu_kv, cu_q_padded, cu_kv_padded, self.mask_type(causal), tuple(window))
+        def make() -> PackedCall:
+            cu_q, cu_kv, cu_q_padded, cu_kv_padded = (_offsets(lengths, device) for lengths in
+                                                      (self.lengths_q, self.lengths_kv, self.padded_q, self.padded_kv))
+            return PackedCall(cu_q, cu_kv, cu_q_padded, cu_kv_padded, self.mask_type(causal), tuple(window))
+
+        return self._memoized(("whole_call", causal, tuple(window), device), make)
 
     def chunk_call(self, rank: int, size: int, causal: bool, window: Tuple[int, int], device) -> Tuple[PackedCall, torch.Tensor]:
         """(call, key rows): ``rank``'s query chunks as sequences of their own, chunk [s, s + c) with q_n real rows
@@ -185,22 +191,25 @@ class PackedSequences:
         if not causal and (left, right) != (-1, -1):
             raise NotImplementedError("context parallelism with cp_comm_type='all_gather' and qkv_format='thd' supports windows "
                                       "with causal masks only; use cp_comm_type='p2p' for other windows")
-        q_real, q_padded, kv_lengths, kv_starts, start = [], [], [], [], 0
-        for n, lp in zip(self.lengths_q, self.padded_q):
-            c = lp // (2 * size)
-            for chunk in (rank, 2 * size - 1 - rank):
-                q_n = min(max(n - chunk * c, 0), c)
-                q_real.append(q_n)
-                q_padded.append(c)
-                kv_lengths.append(0 if q_n == 0 else (chunk * c + q_n if causal else n))
-                kv_starts.append(start)
-            start += lp
-        counts = torch.tensor(kv_lengths, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.tensor(kv_starts, dtype=torch.int64), counts) + _positions_within(counts)
-        cu_kv = _offsets(kv_lengths, device)
-        mask_type, window = ("padding_causal_bottom_right", (left, 0)) if causal else ("padding", (-1, -1))
-        call = PackedCall(_offsets(q_real, device), cu_kv, _offsets(q_padded, device), cu_kv, mask_type, window)
-        return call, rows.to(device)
+
+        def make() -> Tuple[PackedCall, torch.Tensor]:
+            q_real, q_padded, kv_lengths, kv_starts, start = [], [], [], [], 0
+            for n, lp in zip(self.lengths_q, self.padded_q):
+                c = lp // (2 * size)
+                for chunk in (rank, 2 * size - 1 - rank):
+                    q_n = min(max(n - chunk * c, 0), c)
+                    q_real.append(q_n)
+                    q_padded.append(c)
+                    kv_lengths.append(0 if q_n == 0 else (chunk * c + q_n if causal else n))
+                    kv_starts.append(start)
+                start += lp
+            counts = torch.tensor(kv_lengths, dtype=torch.int64)
+            rows = torch.repeat_interleave(torch.tensor(kv_starts, dtype=torch.int64), counts) + _positions_within(counts)
+            cu_kv = _offsets(kv_lengths, device)
+            mask_type, call_window = ("padding_causal_bottom_right", (left, 0)) if causal else ("padding", (-1, -1))
+            return PackedCall(_offsets(q_real, device), cu_kv, _offsets(q_padded, device), cu_kv, mask_type, call_window), rows.to(device)
+
+        return self._memoized(("chunk_call", rank, size, causal, (left, right), device), make)
 
 
 def _offsets(lengths, device) -> torch.Tensor:
