@@ -248,9 +248,9 @@ class DelayedScalingRecipeState(RecipeState):
 
         The scale's entries are kept (:func:`~.kept_scale.kept_scales`) once for all of them, rather than
         copied per cast, with their reciprocals as the operands' scale_inv (the same values; see
-        ``Float8Quantizer._recording``): 0-d tensors that Inductor computes in one kernel. ``amaxes``: a float32 [N] buffer their casts max their amaxes into, for an update
-        in the same trace to fold (:func:`~.delayed_update.reduce_and_update`); None: each cast folds its
-        amax into H[0]."""
+        ``Float8Quantizer._recording``): 0-d tensors that Inductor computes in one kernel. ``amaxes``: a
+        float32 [N] buffer their casts max their amaxes into, for an update in the same trace to fold
+        (:func:`~.delayed_update.reduce_and_update`); None: each cast folds its amax into H[0]."""
         kept, inverses = kept_scales(self.scale)
         return [Float8Quantizer(self, i, (kept[i], inverses[i]), amaxes) for i in range(self.num_quantizers)]
 
