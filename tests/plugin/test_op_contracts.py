@@ -278,6 +278,8 @@ for op in ("fused_rope_forward", "fused_rope_backward"):
 _CFG = AttentionConfig(softmax_scale=0.5, mask_type="causal")
 case("fused_attn_fwd", "empty_batch", lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
 case("fused_attn_fwd", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(3)) + (_CFG,))
+case("attention_block_fwd", "empty_batch", lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
+case("attention_block_fwd", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(3)) + (_CFG,))
 case("attention_max_logit", "empty_batch", lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
 case("attention_max_logit", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(2)) + (_CFG,))
 
@@ -396,7 +398,8 @@ _PARAMS = [pytest.param(op, name, make, kwargs, id=f"{op}-{name}") for op, cases
 
 def test_every_op_has_edge_cases():
     """New catalog ops get edge cases here (attention backward reuses the forward's ctx: covered by its tier)."""
-    missing = {spec.name for spec in list_specs()} - set(CASES) - {"fused_attn_bwd", "gemm_blockwise", "dactivation_", "delayed_scaling_update_"}
+    missing = {spec.name for spec in list_specs()} - set(CASES) - {"fused_attn_bwd", "attention_block_bwd", "gemm_blockwise", "dactivation_",
+                                                                   "delayed_scaling_update_"}
     assert not missing, f"catalog ops without edge cases: {sorted(missing)}"
 
 

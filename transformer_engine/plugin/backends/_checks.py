@@ -295,3 +295,17 @@ def check_gemm_output(m: int, n: int, bias, out) -> None:
             raise ValueError(f"bias has shape {tuple(bias.shape)}; gemm output is [{m}, {n}] so bias must be [{n}]")
     if out is not None and tuple(out.shape) != (m, n):
         raise ValueError(f"out has shape {tuple(out.shape)}; gemm output is [{m}, {n}]")
+
+
+def check_attention_block_config(config) -> None:
+    """The configs ``attention_block_fwd`` / ``_bwd`` take: bshd, the vanilla softmax, no bias or a post-scale one.
+
+    Raises:
+        ValueError: naming the setting and what the block ops allow.
+    """
+    if config.qkv_format != "bshd":
+        raise ValueError(f"attention blocks take qkv_format='bshd', got {config.qkv_format!r} (a ring passes packed sequences as masks)")
+    if config.softmax_type != "vanilla":
+        raise ValueError(f"attention blocks take softmax_type='vanilla', got {config.softmax_type!r}")
+    if config.bias_type not in ("no_bias", "post_scale_bias"):
+        raise ValueError(f"attention blocks take bias_type 'no_bias' or 'post_scale_bias' (a pre-scale bias scaled first), got {config.bias_type!r}")

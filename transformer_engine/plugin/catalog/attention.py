@@ -30,7 +30,7 @@ from typing import Tuple
 
 from transformer_engine.plugin.core.catalog import declare
 
-__all__ = ["AttentionConfig", "attention_max_logit", "fused_attn_fwd", "fused_attn_bwd"]
+__all__ = ["AttentionConfig", "attention_block_bwd", "attention_block_fwd", "attention_max_logit", "fused_attn_fwd", "fused_attn_bwd"]
 
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -105,6 +105,34 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
     dalpha_h = -sum_i exp(alpha_h - lse_i) * D_i for "learnable".
     dout has out's shape and any strides (an sbhd layer passes a transposed view, not a copy).
     Returns: (dq, dk, dv, dbias or None, dsoftmax_offset or None).
+    """
+
+
+@declare
+def attention_block_fwd(q, k, v, config, attn_mask=None, attn_bias=None):
+    """One block of blockwise attention (a ring's step): this block's O and its log-sum-exp, to be merged.
+
+    bshd only, vanilla softmax, bias_type "no_bias" or "post_scale_bias"; the mask, window and dropout
+    of ``config`` as in ``fused_attn_fwd``. For each query row i of the block:
+    lse_i = log sum_j exp S_ij over this block's keys (-inf when all are masked, where O_i = 0),
+    O = dropout(P) V with P = exp(S - lse). Blocks of the same queries over disjoint keys merge exactly:
+    lse = logaddexp(lse_1, lse_2), O = exp(lse_1 - lse) O_1 + exp(lse_2 - lse) O_2.
+    Returns: (out bshd in q's dtype with v's head dim, lse float32 [b, h, s_q], ctx for
+    ``attention_block_bwd``: opaque, backend-specific, e.g. the dropout state).
+    """
+
+
+@declare
+def attention_block_bwd(dout, q, k, v, out, lse, ctx, config, attn_mask=None, attn_bias=None):
+    """Gradients of one block of blockwise attention, given the merged (final) ``out`` and ``lse``.
+
+    With out and lse the values after every block of these queries was merged (bshd in q's dtype,
+    float32 [b, h, s_q]), P = exp(S - lse) (0 where lse = -inf), D_i = sum_d dO_id O_id,
+    dP' = dO V^T, dS = P * (dP' * M / (1 - p) - D) (M the block's dropout mask),
+    dQ = softmax_scale dS K, dK = softmax_scale dS^T Q, dV = (P M / (1 - p))^T dO (summed over a kv
+    group), dB = dS summed to attn_bias's shape: this block's share of the whole attention's gradients
+    (the ring sums them). With the block's own out and lse: ``fused_attn_bwd``'s gradients.
+    Returns: (dq, dk, dv in their inputs' dtypes, dbias float32 in attn_bias's shape or None).
     """
 
 

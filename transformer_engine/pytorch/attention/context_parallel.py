@@ -42,9 +42,9 @@ Communication types (TE's ``cp_comm_type``):
   trades back. Its backward is the same two all-to-alls in reverse. Packed sequences ("thd") come back as
   the whole packed batch in TE's padded layout, which the module attends as it does without CP.
 
-The catalog's ``fused_attn_fwd`` returns an opaque ctx, not the log-sum-exp the ring merge needs, so
-"p2p" computes its blocks with plain PyTorch math (float32, the reference backend's formulas; :mod:`.context_parallel_ring`),
-not through the catalog; "all_gather" and "a2a" run the catalog op on whichever backend it picks.
+"p2p" runs its blocks through the catalog's block ops (``attention_block_fwd`` / ``_bwd``: each block's O and
+log-sum-exp, and its share of the gradients from the merged ones; :mod:`.context_parallel_ring`); "all_gather" and
+"a2a" run ``fused_attn_fwd`` / ``_bwd``; each on whichever backend the dispatch picks.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 K/V blocks travel rank r -> r+1 (isend / irecv posted before the block's compute); each block's partial output and
 log-sum-exp merge exactly; the backward runs the same ring with the global lse, each block's dK / dV accumulator
-travelling with it. The block math is plain PyTorch in float32 (the catalog's attention op returns no log-sum-exp).
+travelling with it. Each block is one catalog call: ``attention_block_fwd`` returns its O and lse (FlashAttention-2 on
+the GPU, the reference backend's float32 math elsewhere and for masks flash cannot take: packed sequences, windows,
+biases), ``attention_block_bwd`` takes the merged O and lse, from which it forms the block's share of the gradients.
+Outputs merge in float32, dQ and the travelling dK / dV accumulate in float32.
 
 An attention bias (TE's ``core_attention_bias``, "pre_scale_bias" / "post_scale_bias") holds this rank's query rows
 and every key column in sequence order, [1 or b, 1 or h, 1 or s_q, S_kv]; the block of rank j's keys adds the
@@ -12,11 +15,13 @@ for "pre_scale_bias") collects into those columns, summed over broadcast dimensi
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from transformer_engine.plugin import ops
+from transformer_engine.plugin.catalog.attention import AttentionConfig
 
 from .context_parallel_packed import packed_hidden
 
@@ -60,21 +65,23 @@ def _unpack(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch.Tens
 
 
 def _blocks(step: int, ring: _Ring, settings: CPAttention, s_q: int, s_kv: int, device):
-    """(query rows, key rows, hidden) of the step's block for this rank (see the module docstring); hidden: bool
-    [rows, keys], True where the mask hides a key from a query, or None (nothing hidden)."""
+    """(query rows, key rows, mask type, hidden) of the step's block for this rank (see the module docstring); mask
+    type "causal" (top-left) or "no_mask"; hidden: bool [rows, keys], True where a mask hides a key from a query,
+    or None (nothing hidden beyond the mask type)."""
     every_q, every_kv = slice(0, s_q), slice(0, s_kv)
     src = (ring.rank - step) % ring.size
     if settings.packed is not None:
-        return every_q, every_kv, packed_hidden(settings.packed, ring.rank, src, ring.size, settings.causal, settings.window_size, device)
+        hidden = packed_hidden(settings.packed, ring.rank, src, ring.size, settings.causal, settings.window_size, device)
+        return every_q, every_kv, "no_mask", hidden
     if tuple(settings.window_size) not in ((-1, -1), (-1, 0)):
-        return every_q, every_kv, _window_hidden(settings, ring, src, s_q, device)
+        return every_q, every_kv, "no_mask", _window_hidden(settings, ring, src, s_q, device)
     if not settings.causal:
-        return every_q, every_kv, None
+        return every_q, every_kv, "no_mask", None
     if src == ring.rank:  # the local order of positions is increasing: the diagonal block's causal mask is top-left
-        return every_q, every_kv, torch.ones(s_q, s_kv, dtype=torch.bool, device=device).triu_(1)
+        return every_q, every_kv, "causal", None
     if src < ring.rank:
-        return every_q, slice(0, s_kv // 2), None
-    return slice(s_q // 2, s_q), every_kv, None
+        return every_q, slice(0, s_kv // 2), "no_mask", None
+    return slice(s_q // 2, s_q), every_kv, "no_mask", None
 
 
 def _positions(rank: int, size: int, length: int, device) -> torch.Tensor:
@@ -94,36 +101,9 @@ def _window_hidden(settings: CPAttention, ring: _Ring, src: int, s_local: int, d
     return hidden | (offset < -left) if left >= 0 else hidden
 
 
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """float32 [b, h, s, d] from "bshd"."""
-    return x.float().transpose(1, 2)
-
-
-def _probs(q, k, scale: float, hidden: Optional[torch.Tensor], lse: Optional[torch.Tensor] = None,
-           bias: Optional[torch.Tensor] = None):
-    """(P, lse) of one block: S = scale q k^T (+ ``bias``, already scaled as its type says) with -inf where
-    ``hidden``, P = exp(S - lse).
-
-    q [b, h, s_q, d] and k [b, h, s_kv, d] (kv heads expanded); ``lse`` None means this block's own. A row
-    whose keys are all hidden has lse = -inf and P = 0.
-    """
-    scores = scale * (q @ k.transpose(-1, -2))
-    if bias is not None:
-        scores = scores + bias
-    if hidden is not None:
-        scores = scores.masked_fill(hidden, float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - _finite(lse).unsqueeze(-1)), lse
-
-
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf (no visible key) as 0, so that exp(-inf - lse) is 0 there, not NaN."""
     return lse.masked_fill(lse == float("-inf"), 0.0)
-
-
-def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def _merge(out, lse, rows: slice, o_b, lse_b) -> None:
@@ -132,31 +112,6 @@ def _merge(out, lse, rows: slice, o_b, lse_b) -> None:
     weight_old, weight_b = torch.exp(lse[..., rows] - _finite(new)), torch.exp(lse_b - _finite(new))
     out[..., rows, :] = out[..., rows, :] * weight_old.unsqueeze(-1) + o_b * weight_b.unsqueeze(-1)
     lse[..., rows] = new
-
-
-def _dropout_scale(p: torch.Tensor, dropout_p: float) -> Optional[torch.Tensor]:
-    """Z = keep / (1 - dropout_p) for a block of probabilities ``p`` (keep ~ Bernoulli(1 - dropout_p), drawn from
-    the current generator of p's device), or None without dropout."""
-    if dropout_p == 0.0:
-        return None
-    keep = torch.rand(p.shape, dtype=torch.float32, device=p.device) >= dropout_p
-    return keep.float() / (1.0 - dropout_p)
-
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    """The state of the generator the dropout masks of ``device`` are drawn from."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-@contextlib.contextmanager
-def _replayed_rng(device: torch.device, state: torch.Tensor):
-    """The generator of ``device`` set to ``state`` inside (the forward's masks drawn again), as it was after."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the CPU generator is always forked
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(state, device)
-        else:
-            torch.set_rng_state(state)
-        yield
 
 
 def _bias_factor(settings: CPAttention) -> float:
@@ -184,64 +139,53 @@ def _bias_block(bias: Optional[torch.Tensor], settings: CPAttention, ring: _Ring
     return _bias_factor(settings) * _bias_rows(bias, rows).index_select(-1, columns).float(), columns
 
 
+def _block_config(settings: CPAttention, mask_type: str, bias: Optional[torch.Tensor]) -> AttentionConfig:
+    """The catalog config of a block: the call's scale and dropout, the block's mask type, its bias added after the scale."""
+    return AttentionConfig(softmax_scale=settings.softmax_scale, mask_type=mask_type, dropout_p=settings.dropout_p,
+                           bias_type="no_bias" if bias is None else "post_scale_bias")
+
+
 def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
-    """(out [b, h, s_q, d_v], lse [b, h, s_q]) in float32; q, k, v "bshd". With dropout the block's probabilities
-    (normalised by the block's lse, rescaled by the merge) are multiplied by their mask Z before P V."""
-    qh = _heads_first(q)
-    heads, s_q, s_kv = qh.shape[1], q.shape[1], k.shape[1]
-    out = qh.new_zeros(*qh.shape[:-1], v.shape[-1])
-    lse = qh.new_full(qh.shape[:-1], float("-inf"))
-    kv = _pack(k, v)
+    """(out bshd in q's dtype, lse float32 [b, h, s_q], the blocks' ctx); q, k, v "bshd". Each block is one
+    ``attention_block_fwd`` (with dropout, its probabilities normalised by its own lse, rescaled by the merge)."""
+    b, s_q, heads = q.shape[:3]
+    s_kv = k.shape[1]
+    out = torch.zeros(b, heads, s_q, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, heads, s_q), float("-inf"), dtype=torch.float32, device=q.device)
+    kv, contexts = _pack(k, v), []
     for step in range(ring.size):
         arriving = ring.shift(kv) if step < ring.size - 1 else None  # overlaps the block's compute
         k_blk, v_blk = _unpack(kv, (k, v))
-        rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
-        kh, vh = _expand(_heads_first(k_blk[:, cols]), heads), _expand(_heads_first(v_blk[:, cols]), heads)
+        rows, cols, mask_type, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         block_bias, _ = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
-        p, lse_b = _probs(qh[:, :, rows], kh, settings.softmax_scale, hidden, bias=block_bias)
-        z = _dropout_scale(p, settings.dropout_p)
-        _merge(out, lse, rows, (p if z is None else p * z) @ vh, lse_b)
+        o_b, lse_b, ctx_b = ops.attention_block_fwd(q[:, rows], k_blk[:, cols], v_blk[:, cols], _block_config(settings, mask_type, block_bias),
+                                                    attn_mask=hidden, attn_bias=block_bias)
+        contexts.append(ctx_b)
+        _merge(out, lse, rows, o_b.transpose(1, 2).float(), lse_b)
         if arriving is not None:
             kv = arriving()
-    return out, lse
+    return out.transpose(1, 2).to(q.dtype), lse, contexts
 
 
-def _block_grads(qh, doh, lse, delta, k_blk, v_blk, settings: CPAttention, hidden: Optional[torch.Tensor],
-                 bias: Optional[torch.Tensor] = None):
-    """(dq, dk, dv, dS) float32 of one block given the global lse and D (see the module docstring); with dropout,
-    the forward's mask Z drawn again: dV = (P Z)^T dO, dS = P (Z dO V^T - D), D = rowsum(dO O) of the dropped O."""
-    heads, heads_kv = qh.shape[1], k_blk.shape[2]
-    kh, vh = _expand(_heads_first(k_blk), heads), _expand(_heads_first(v_blk), heads)
-    p, _ = _probs(qh, kh, settings.softmax_scale, hidden, lse, bias=bias)
-    z = _dropout_scale(p, settings.dropout_p)
-    dp = doh @ vh.transpose(-1, -2)
-    ds = p * ((dp if z is None else dp * z) - delta.unsqueeze(-1))
-    scale = settings.softmax_scale
-    dk = (scale * ds.transpose(-1, -2) @ qh).unflatten(1, (heads_kv, -1)).sum(dim=2)
-    dv = ((p if z is None else p * z).transpose(-1, -2) @ doh).unflatten(1, (heads_kv, -1)).sum(dim=2)
-    return scale * (ds @ kh), dk.transpose(1, 2), dv.transpose(1, 2), ds
-
-
-def _ring_backward(dout, q, k, v, bias, out, lse, settings: CPAttention, ring: _Ring):
-    """(dq, dk, dv, dbias) in the inputs' dtypes (dbias None without a bias): the forward's ring again, with dK/dV
-    travelling with K/V."""
-    qh, doh = _heads_first(q), _heads_first(dout)
-    delta = (doh * out).sum(dim=-1)
+def _ring_backward(dout, q, k, v, bias, out, lse, contexts, settings: CPAttention, ring: _Ring):
+    """(dq, dk, dv, dbias) in the inputs' dtypes (dbias None without a bias): the forward's ring again, each block's
+    ``attention_block_bwd`` given the merged out and lse, with dK/dV travelling with K/V."""
     s_q, s_kv = q.shape[1], k.shape[1]
-    dq = torch.zeros_like(qh)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dbias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
     kv, dkv_arriving = _pack(k, v), None
     for step in range(ring.size):
         arriving = ring.shift(kv) if step < ring.size - 1 else None
         k_blk, v_blk = _unpack(kv, (k, v))
-        rows, cols, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
+        rows, cols, mask_type, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         block_bias, columns = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
-        dq_b, dk_b, dv_b, ds = _block_grads(qh[:, :, rows], doh[:, :, rows], lse[..., rows], delta[..., rows],
-                                            k_blk[:, cols], v_blk[:, cols], settings, hidden, block_bias)
-        dq[:, :, rows] += dq_b
+        dq_b, dk_b, dv_b, dbias_b = ops.attention_block_bwd(
+            dout[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols], out[:, rows], lse[..., rows], contexts[step],
+            _block_config(settings, mask_type, block_bias), attn_mask=hidden, attn_bias=block_bias,
+        )
+        dq[:, rows] += dq_b
         if dbias is not None:
-            target = _bias_rows(dbias, rows)
-            target.index_add_(-1, columns, _bias_factor(settings) * _sum_to(ds, target.shape))
+            _bias_rows(dbias, rows).index_add_(-1, columns, _bias_factor(settings) * dbias_b)
         dkv = dkv_arriving() if dkv_arriving is not None else k.new_zeros(k.numel() + v.numel(), dtype=torch.float32)
         dk_acc, dv_acc = _unpack(dkv, (k, v))
         dk_acc[:, cols] += dk_b
@@ -250,13 +194,7 @@ def _ring_backward(dout, q, k, v, bias, out, lse, settings: CPAttention, ring: _
         if arriving is not None:
             kv = arriving()
     dk, dv = _unpack(dkv_arriving(), (k, v))
-    return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if dbias is None else dbias.to(bias.dtype)
-
-
-def _sum_to(x: torch.Tensor, shape) -> torch.Tensor:
-    """x [b, h, r, c] summed over the leading dims where ``shape`` has 1 (a bias broadcast there; columns as x's)."""
-    dims = [d for d in range(3) if shape[d] == 1 and x.shape[d] != 1]
-    return x.sum(dim=dims, keepdim=True) if dims else x
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if dbias is None else dbias.to(bias.dtype)
 
 
 class RingAttention(torch.autograd.Function):
@@ -264,16 +202,13 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias: Optional[torch.Tensor], settings: CPAttention, cp: CPGroup):
-        ctx.rng_state = _rng_state(q.device) if settings.dropout_p > 0 else None  # backward draws the masks again
-        out, lse = _ring_forward(q, k, v, bias, settings, _Ring(cp))
+        out, lse, contexts = _ring_forward(q, k, v, bias, settings, _Ring(cp))
         ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.settings, ctx.cp = settings, cp
-        return out.transpose(1, 2).to(q.dtype)
+        ctx.settings, ctx.cp, ctx.contexts = settings, cp, contexts  # the blocks' ctx: e.g. their dropout masks
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        replay = _replayed_rng(q.device, ctx.rng_state) if ctx.rng_state is not None else contextlib.nullcontext()
-        with replay:
-            dq, dk, dv, dbias = _ring_backward(dout, q, k, v, bias, out, lse, ctx.settings, _Ring(ctx.cp))
+        dq, dk, dv, dbias = _ring_backward(dout, q, k, v, bias, out, lse, ctx.contexts, ctx.settings, _Ring(ctx.cp))
         return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None

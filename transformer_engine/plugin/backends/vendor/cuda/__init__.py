@@ -18,7 +18,7 @@ from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
 IMPL_ID = "vendor.cuda"
 VENDOR = "cuda"
 PRIORITY = 100
-_FAMILIES = ("gemm", "attention")
+_FAMILIES = ("gemm", "attention", "attention_block")
 
 __all__ = ["register", "IMPL_ID", "VENDOR"]
 
