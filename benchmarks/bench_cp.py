@@ -23,7 +23,7 @@ What one rank sends per attention call (forward + backward; S tokens, h_kv KV he
     all_gather  K/V all-gathered forward, dK/dV reduce-scattered backward: (P - 1)/P of 2 S h_kv d each way
     a2a         8 all-to-alls (Q, K, V and O, forward and backward), each (P - 1)/P of its local tensor
 
-"p2p" runs each ring block through the catalog's block ops (FlashAttention-2 on the GPU, see
+"p2p" runs each ring block through the catalog's block ops (cuDNN or FlashAttention-2 on the GPU, see
 ``transformer_engine.pytorch.attention.context_parallel_ring``). A comm type that raises (out of memory; "a2a" with
 head counts not divisible by P) is reported in its row.
 """
@@ -106,9 +106,32 @@ def _measure(module: str, s: CPShape, seq: int, cp: int, comm_type: Optional[str
                 x.grad = None
 
         ms = time_fn(step, warmup=args.warmup, iters=args.iters, device=device)
+        if args.profile and cp > 1:
+            _print_top_kernels(step, f"{module}, seq {seq}, CP={cp} {comm_type}", device)
     except Exception as exc:  # out of memory, or a comm type that refuses these shapes: reported in the row
         return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"}
     return {"ms": ms, "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def _print_top_kernels(step, title: str, device: torch.device, steps: int = 2) -> None:
+    """Two more steps on every rank (their collectives must pair up), rank 0's under torch.profiler: its top kernels
+    by GPU time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if dist.get_rank() != 0:
+        for _ in range(steps):
+            step()
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0] if device.type == "cuda" else []
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    rows = [[e.key[:70], e.count // steps, f"{e.device_time_total / steps / 1e3:.2f}"] for e in events[:12]]
+    print_table(f"rank 0 kernels per step: {title}", ["kernel", "calls", "GPU ms"], rows)
 
 
 def _over_ranks(result: Dict, device: torch.device) -> Dict:
@@ -201,6 +224,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run): 4 heads of 16, FFN 256")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="print rank 0's top kernels by GPU time of each CP case")
     args = parser.parse_args()
     args.seq = args.seq or ([256] if args.small else [32768, 65536])
     if args.cp < 2:

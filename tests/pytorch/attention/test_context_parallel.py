@@ -460,6 +460,15 @@ def _tp_cp_groups():
     return _GROUPS["tp_cp"]
 
 
+# The GPU ring's attention differs from the single GPU's at the bf16 level, not in the last bits as a sharded GEMM's
+# sum does (_tp.py): each block's O and dK / dV come out of FlashAttention-2 rounded to bf16 before the float32
+# merge, the whole sequence's out of cuDNN in one piece. Under FP8 those dK (about 2^-8 apart, relative) reach the
+# key projection's E5M2 dy cast (2 mantissa bits, steps of 2^-2 relative): some 2^-8 / 2^-2 = 1/64 of the elements
+# flip by a step, a norm-wise error of about sqrt(1/64) 2^-2 = 2^-5 from that alone (measured 4.7e-2 on 4 H100s for
+# the key weight's gradient). 2^-3 bounds it with room; a wrong scale or a missing block is an O(1) error.
+RING_FP8_GPU_REL_ERR = 2.0**-3
+
+
 def check_tensor_and_context_parallel(precision: Precision, comm_type, sequence_parallel, recipe):
     """A TransformerLayer split two ways, heads and weights over a TP group (with or without sequence parallelism)
     and the sequence over a CP group, against the single-process layer on the whole sequence: outputs, input
@@ -489,6 +498,8 @@ def check_tensor_and_context_parallel(precision: Precision, comm_type, sequence_
         return t.chunk(2, dim=0)[tp_rank] if sequence_parallel else t
 
     tol = delayed_fp8_tolerance() if recipe else precision.tol
+    if recipe and comm_type == "p2p":
+        tol = dict(tol, rel_err_cuda=RING_FP8_GPU_REL_ERR)
     for step in range(2 if recipe else 1):
         for module in (ref, layer):
             module.zero_grad(set_to_none=True)
