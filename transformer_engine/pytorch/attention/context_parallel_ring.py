@@ -107,10 +107,12 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _merge(out, lse, rows: slice, o_b, lse_b) -> None:
-    """out, lse over rows <- the exact merge with a block's (o_b, lse_b) (see the module docstring)."""
+    """out (float32 bshd), lse over rows <- the exact merge with a block's (o_b bshd, lse_b), in place:
+    lse' = logaddexp(lse, lse_b), out' = exp(lse - lse') out + exp(lse_b - lse') o_b."""
     new = torch.logaddexp(lse[..., rows], lse_b)
-    weight_old, weight_b = torch.exp(lse[..., rows] - _finite(new)), torch.exp(lse_b - _finite(new))
-    out[..., rows, :] = out[..., rows, :] * weight_old.unsqueeze(-1) + o_b * weight_b.unsqueeze(-1)
+    weight_old = torch.exp(lse[..., rows] - _finite(new)).transpose(1, 2).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - _finite(new)).transpose(1, 2).unsqueeze(-1)
+    out[:, rows].mul_(weight_old).addcmul_(o_b, weight_b)
     lse[..., rows] = new
 
 
@@ -148,11 +150,8 @@ def _block_config(settings: CPAttention, mask_type: str, bias: Optional[torch.Te
 def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
     """(out bshd in q's dtype, lse float32 [b, h, s_q], the blocks' ctx); q, k, v "bshd". Each block is one
     ``attention_block_fwd`` (with dropout, its probabilities normalised by its own lse, rescaled by the merge)."""
-    b, s_q, heads = q.shape[:3]
-    s_kv = k.shape[1]
-    out = torch.zeros(b, heads, s_q, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((b, heads, s_q), float("-inf"), dtype=torch.float32, device=q.device)
-    kv, contexts = _pack(k, v), []
+    s_q, s_kv = q.shape[1], k.shape[1]
+    out, lse, kv, contexts = None, None, _pack(k, v), []
     for step in range(ring.size):
         arriving = ring.shift(kv) if step < ring.size - 1 else None  # overlaps the block's compute
         k_blk, v_blk = _unpack(kv, (k, v))
@@ -161,10 +160,13 @@ def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
         o_b, lse_b, ctx_b = ops.attention_block_fwd(q[:, rows], k_blk[:, cols], v_blk[:, cols], _block_config(settings, mask_type, block_bias),
                                                     attn_mask=hidden, attn_bias=block_bias)
         contexts.append(ctx_b)
-        _merge(out, lse, rows, o_b.transpose(1, 2).float(), lse_b)
+        if out is None:  # step 0, this rank's own keys: every query row
+            out, lse = o_b.float(), lse_b
+        else:
+            _merge(out, lse, rows, o_b, lse_b)
         if arriving is not None:
             kv = arriving()
-    return out.transpose(1, 2).to(q.dtype), lse, contexts
+    return out.to(q.dtype), lse, contexts
 
 
 def _ring_backward(dout, q, k, v, bias, out, lse, contexts, settings: CPAttention, ring: _Ring):

@@ -96,7 +96,9 @@ def _kernels(*names):
         (_call(mask_type="no_mask", mask=True), H200, None, ("cudnn", False, False)),
         (_call(mask=True), H200, None, ("cudnn", False, True)),  # cuDNN's causal flag + a bias: wrong grads
         (_call(s_q=96, s_kv=40), H200, None, ("cudnn", True, False)),  # cuDNN's flag is top-left
-        (_call(s_q=40, s_kv=96, mask_type="causal_bottom_right"), H200, None, ("cudnn", False, True)),
+        (_call(s_q=40, s_kv=96, mask_type="causal_bottom_right"), H200, None, ("flash", True, False)),  # no bias to build
+        (_call(s_q=40, s_kv=96, mask_type="causal_bottom_right", mask=True), H200, None, ("cudnn", False, True)),
+        (_call(dtype=torch.float32, s_q=40, s_kv=96, mask_type="causal_bottom_right"), H200, None, ("efficient", False, True)),
         (_call(d=256), sdpa._Device((9, 0), 90501), None, ("cudnn", True, False)),
         (_call(d=256), sdpa._Device((9, 0), 90400), None, ("flash", True, False)),
         (_call(), sdpa._Device((9, 0), 0), None, ("flash", True, False)),

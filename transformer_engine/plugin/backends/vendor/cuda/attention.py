@@ -21,8 +21,10 @@ names the kernel, so the backward runs the matching one):
 Masks: each kernel's causal flag has one alignment when s_q != s_kv (``_KERNELS``; measured on the
 H200 against the reference: cuDNN and the efficient kernel top-left, i.e. the catalog's "causal";
 flash bottom-right). A kernel whose flag means the other alignment gets the causal mask folded into
-its additive bias if it takes one, and is passed over otherwise; so does cuDNN whenever it gets a
-bias (its backward with both the causal flag and a bias gave wrong gradients, torch 2.11 / cuDNN
+its additive bias if it takes one, and is passed over otherwise (also when the call has no mask or bias
+of its own and a later kernel's flag fits: folding would build an [s_q, s_kv] bias per call, 13.5 ms of
+``masked_fill`` per step for context parallelism's all-gathered keys at 32k tokens, H100); so does cuDNN
+whenever it gets a bias (its backward with both the causal flag and a bias gave wrong gradients, torch 2.11 / cuDNN
 9.19). ``attn_mask`` and folded masks become -finfo.max / 2 in q's dtype, added to a post-scale
 ``attn_bias``; the bias is stored with its last dim padded to a multiple of 16 (the kernels'
 alignment). Rows with every key masked (by ``attn_mask`` and the causal mask together) get O = 0
@@ -209,14 +211,21 @@ def _causal_gap(kernel: _Kernel, call: _Call) -> Tuple[Optional[str], bool, bool
 
 @functools.lru_cache(maxsize=256)
 def _plan(call: _Call, device: _Device, kernels: Tuple[_Kernel, ...] = _KERNELS) -> _Plan:
-    """The first of ``kernels`` that can run the call (the efficient kernel runs any call SUPPORTS accepts)."""
-    passed_over = []
+    """The first of ``kernels`` that can run the call (the efficient kernel runs any call SUPPORTS accepts), passing
+    over one that would fold the causal mask into a bias the call does not otherwise have (an [s_q, s_kv] bias
+    built and read on every call) while a later one expresses the mask with its own flag."""
+    passed_over, fallback = [], None
     for kernel in kernels:
-        gap = kernel.gap(call, device)
         causal_gap, is_causal, causal_in_bias = _causal_gap(kernel, call)
-        if gap is None and causal_gap is None:
+        reason = kernel.gap(call, device) or causal_gap
+        if reason is None and causal_in_bias and not (call.has_mask or call.has_bias):
+            fallback = fallback or _Plan(kernel.name, is_causal, causal_in_bias, tuple(passed_over))
+            reason = f"mask_type={call.mask_type!r} with s_q={call.s_q} != s_kv={call.s_kv}: its causal flag would need a bias"
+        if reason is None:
             return _Plan(kernel.name, is_causal, causal_in_bias, tuple(passed_over))
-        passed_over.append((kernel.name, gap or causal_gap))
+        passed_over.append((kernel.name, reason))
+    if fallback is not None:
+        return fallback
     raise ValueError(f"no SDPA kernel among {[k.name for k in kernels]} runs this call: {passed_over}")
 
 
