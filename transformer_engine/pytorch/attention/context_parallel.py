@@ -12,7 +12,10 @@ Communication types (TE's ``cp_comm_type``):
 - ``"all_gather"``: K and V are all-gathered and put back in sequence order; each local query chunk c
   attends to the keys it may see with the catalog's ``fused_attn_fwd`` (causal: keys [0, (c+1)L) with
   the bottom-right causal mask, which puts query row i at position cL + i; sliding windows are
-  re-aligned the same way). The backward of the gather is a reduce-scatter of dK, dV.
+  re-aligned the same way). A causal chunk with c > 0 runs as two blocks merged by their log-sum-exp
+  (:mod:`.blockwise`): keys [0, cL) unmasked and its diagonal [cL, (c+1)L) causal, both on cuDNN where
+  the whole chunk's bottom-right mask needed a slower kernel. The backward of the gather is a
+  reduce-scatter of dK, dV.
 - ``"p2p"``: a ring. K/V blocks travel rank r -> r+1 (isend / irecv posted before the block's compute,
   so they overlap it); after P steps every query has met every key block. Each block gives a partial
   output O_b normalised over its own keys and its log-sum-exp lse_b; they merge exactly:
@@ -59,6 +62,7 @@ import torch.distributed as dist
 from transformer_engine.plugin.catalog.attention import AttentionConfig
 
 from ..parallel.comm import gather_from_sequence_parallel_region, group_rank, group_size
+from .blockwise import blockwise_attention
 from .context_parallel_packed import PackedCall, PackedSequences
 from .context_parallel_ring import RingAttention
 
@@ -269,11 +273,11 @@ def context_parallel_attention(q, k, v, settings: CPAttention, cp: CPGroup, atte
     """Attention of this rank's queries over the whole sequence; q, k, v and the result are "bshd".
 
     Call :func:`check_cp_call` (and :func:`check_cp_bias`) first. ``attend`` runs the catalog op ("all_gather",
-    "a2a", which enters ``rng_ctx`` itself); "p2p" draws its dropout masks inside ``rng_ctx()`` (e.g. a model-parallel
-    RNG tracker) and adds ``bias`` (``settings.bias_type``).
+    "a2a", which enters ``rng_ctx`` itself); "p2p" and all_gather's blockwise chunks draw their dropout masks inside
+    ``rng_ctx()`` (e.g. a model-parallel RNG tracker); "p2p" adds ``bias`` (``settings.bias_type``).
     """
     if cp.comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, settings, cp, attend, softmax_offset)
+        return _all_gather_attention(q, k, v, settings, cp, attend, softmax_offset, rng_ctx)
     if cp.comm_type == "a2a":
         return _a2a_attention(q, k, v, settings, cp, attend, softmax_offset)
     with rng_ctx():
@@ -307,14 +311,23 @@ def _chunk_window(settings: CPAttention, chunk: int, length: int, s_kv: int) -> 
     return end, (left + shift if left >= 0 else -1), (right - shift if right >= 0 else -1)
 
 
-def _all_gather_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, softmax_offset) -> torch.Tensor:
+def _all_gather_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, softmax_offset, rng_ctx) -> torch.Tensor:
+    """Each query chunk against the keys up to its end; a causal chunk after the first (vanilla softmax, no window)
+    as two blocks, the keys before it and its causal diagonal (:func:`.blockwise.blockwise_attention`), which run
+    where the whole chunk's bottom-right causal mask would need a slower kernel or a bias."""
     if settings.packed is not None:
         return _all_gather_packed(q, k, v, settings, cp, attend, softmax_offset)
     k_full, v_full = _gather_sequence(k, cp), _gather_sequence(v, cp)
     length, s_kv = q.shape[1] // 2, k_full.shape[1]
+    split = settings.causal and tuple(settings.window_size) in ((-1, -1), (-1, 0)) and settings.softmax_type == "vanilla"
     outs = []
     for q_chunk, chunk in zip(q.chunk(2, dim=1), (cp.rank, 2 * cp.size - 1 - cp.rank)):
         end, left, right = _chunk_window(settings, chunk, length, s_kv)
+        if split and end > length:
+            with rng_ctx():
+                blocks = ((slice(0, end - length), "no_mask"), (slice(end - length, end), "causal"))
+                outs.append(blockwise_attention(q_chunk, k_full[:, :end], v_full[:, :end], blocks, settings))
+            continue
         config = AttentionConfig(
             softmax_scale=settings.softmax_scale,
             mask_type="causal_bottom_right" if settings.causal else "no_mask",

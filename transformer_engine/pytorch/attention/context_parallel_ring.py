@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from transformer_engine.plugin import ops
-from transformer_engine.plugin.catalog.attention import AttentionConfig
 
+from .blockwise import block_config, merge_block
 from .context_parallel_packed import packed_hidden
 
 if TYPE_CHECKING:
@@ -101,21 +101,6 @@ def _window_hidden(settings: CPAttention, ring: _Ring, src: int, s_local: int, d
     return hidden | (offset < -left) if left >= 0 else hidden
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """lse with -inf (no visible key) as 0, so that exp(-inf - lse) is 0 there, not NaN."""
-    return lse.masked_fill(lse == float("-inf"), 0.0)
-
-
-def _merge(out, lse, rows: slice, o_b, lse_b) -> None:
-    """out (float32 bshd), lse over rows <- the exact merge with a block's (o_b bshd, lse_b), in place:
-    lse' = logaddexp(lse, lse_b), out' = exp(lse - lse') out + exp(lse_b - lse') o_b."""
-    new = torch.logaddexp(lse[..., rows], lse_b)
-    weight_old = torch.exp(lse[..., rows] - _finite(new)).transpose(1, 2).unsqueeze(-1)
-    weight_b = torch.exp(lse_b - _finite(new)).transpose(1, 2).unsqueeze(-1)
-    out[:, rows].mul_(weight_old).addcmul_(o_b, weight_b)
-    lse[..., rows] = new
-
-
 def _bias_factor(settings: CPAttention) -> float:
     """What multiplies the bias in S (and dS in its gradient): the softmax scale before it, 1 after it."""
     return settings.softmax_scale if settings.bias_type == "pre_scale_bias" else 1.0
@@ -141,12 +126,6 @@ def _bias_block(bias: Optional[torch.Tensor], settings: CPAttention, ring: _Ring
     return _bias_factor(settings) * _bias_rows(bias, rows).index_select(-1, columns).float(), columns
 
 
-def _block_config(settings: CPAttention, mask_type: str, bias: Optional[torch.Tensor]) -> AttentionConfig:
-    """The catalog config of a block: the call's scale and dropout, the block's mask type, its bias added after the scale."""
-    return AttentionConfig(softmax_scale=settings.softmax_scale, mask_type=mask_type, dropout_p=settings.dropout_p,
-                           bias_type="no_bias" if bias is None else "post_scale_bias")
-
-
 def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
     """(out bshd in q's dtype, lse float32 [b, h, s_q], the blocks' ctx); q, k, v "bshd". Each block is one
     ``attention_block_fwd`` (with dropout, its probabilities normalised by its own lse, rescaled by the merge)."""
@@ -157,13 +136,13 @@ def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
         k_blk, v_blk = _unpack(kv, (k, v))
         rows, cols, mask_type, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         block_bias, _ = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
-        o_b, lse_b, ctx_b = ops.attention_block_fwd(q[:, rows], k_blk[:, cols], v_blk[:, cols], _block_config(settings, mask_type, block_bias),
+        o_b, lse_b, ctx_b = ops.attention_block_fwd(q[:, rows], k_blk[:, cols], v_blk[:, cols], block_config(settings, mask_type, block_bias),
                                                     attn_mask=hidden, attn_bias=block_bias)
         contexts.append(ctx_b)
         if out is None:  # step 0, this rank's own keys: every query row
             out, lse = o_b.float(), lse_b
         else:
-            _merge(out, lse, rows, o_b, lse_b)
+            merge_block(out, lse, rows, o_b, lse_b)
         if arriving is not None:
             kv = arriving()
     return out.to(q.dtype), lse, contexts
@@ -183,7 +162,7 @@ def _ring_backward(dout, q, k, v, bias, out, lse, contexts, settings: CPAttentio
         block_bias, columns = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
         dq_b, dk_b, dv_b, dbias_b = ops.attention_block_bwd(
             dout[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols], out[:, rows], lse[..., rows], contexts[step],
-            _block_config(settings, mask_type, block_bias), attn_mask=hidden, attn_bias=block_bias,
+            block_config(settings, mask_type, block_bias), attn_mask=hidden, attn_bias=block_bias,
         )
         dq[:, rows] += dq_b
         if dbias is not None:
