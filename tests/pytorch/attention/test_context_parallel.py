@@ -582,6 +582,8 @@ def test_thd_offsets_are_read_once_per_set_of_tensors(monkeypatch):
     assert from_offsets() is first and len(reads) == 4
     call = first.whole_call(causal=True, window=(-1, 0), device="cpu")  # and the thd calls it builds, once
     assert from_offsets().whole_call(causal=True, window=(-1, 0), device="cpu") is call
+    order, inverse = first.coarse_order(2, 2, 0, False, "cpu"), first.coarse_inverse(2, 2, 0, "cpu")  # "a2a+p2p"'s way back
+    assert torch.equal(order[inverse], torch.arange(order.numel())) and first.coarse_inverse(2, 2, 0, "cpu") is inverse
     cu[2] = 13  # in place: a new version, read again
     assert from_offsets().lengths_q == (6, 7) and len(reads) == 8
     with pytest.raises(ValueError, match="holds 4 q tokens"):

@@ -427,11 +427,11 @@ def _heads_to_coarse(x: torch.Tensor, a2a: CPGroup, order: Optional[torch.Tensor
     return torch.cat((firsts.movedim(0, 1).flatten(1, 2), seconds.movedim(0, 1).flatten(1, 2)), dim=1)
 
 
-def _coarse_to_heads(x: torch.Tensor, a2a: CPGroup, order: Optional[torch.Tensor]) -> torch.Tensor:
-    """The inverse of :func:`_heads_to_coarse`."""
+def _coarse_to_heads(x: torch.Tensor, a2a: CPGroup, inverse: Optional[torch.Tensor]) -> torch.Tensor:
+    """The inverse of :func:`_heads_to_coarse` (packed sequences: by ``inverse``, :meth:`PackedSequences.coarse_inverse`)."""
     size = a2a.size
-    if order is not None:
-        parts = x.index_select(1, order.argsort()).unflatten(1, (size, -1)).movedim(1, 0)  # [A, 1, t, h/A, d]
+    if inverse is not None:
+        parts = x.index_select(1, inverse).unflatten(1, (size, -1)).movedim(1, 0)  # [A, 1, t, h/A, d]
     else:
         firsts, seconds = (half.unflatten(1, (size, -1)).movedim(1, 0) for half in x.chunk(2, dim=1))  # [A, b, L, h/A, d]
         parts = torch.stack((firsts, seconds.flip(0)), dim=2).flatten(2, 3)  # [A, b, 2L, h/A, d]: member a's tokens
@@ -441,8 +441,9 @@ def _coarse_to_heads(x: torch.Tensor, a2a: CPGroup, order: Optional[torch.Tensor
 
 def _hierarchical_attention(q, k, v, settings: CPAttention, cp: CPGroup) -> torch.Tensor:
     a2a, p2p = cp.hierarchy()
-    packed, orders = settings.packed, (None, None)
+    packed, orders, inverse = settings.packed, (None, None), None
     if packed is not None:  # the ring's masks read the coarse layout's tokens from the same offsets (rank p of P / A)
         orders = tuple(packed.coarse_order(cp.size, a2a.size, p2p.rank, kv, q.device) for kv in (False, True))
+        inverse = packed.coarse_inverse(cp.size, a2a.size, p2p.rank, q.device)
     q_c, k_c, v_c = (_heads_to_coarse(x, a2a, orders[x is not q]) for x in (q, k, v))
-    return _coarse_to_heads(RingAttention.apply(q_c, k_c, v_c, None, settings, p2p), a2a, orders[0])
+    return _coarse_to_heads(RingAttention.apply(q_c, k_c, v_c, None, settings, p2p), a2a, inverse)

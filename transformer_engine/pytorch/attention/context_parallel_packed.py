@@ -160,6 +160,12 @@ class PackedSequences:
 
         return self._memoized(("coarse_order", size, a2a_size, p2p_rank, kv, device), make)
 
+    def coarse_inverse(self, size: int, a2a_size: int, p2p_rank: int, device) -> torch.Tensor:
+        """int64 [A t]: the inverse permutation of the queries' :meth:`coarse_order` (the way back to the members'
+        tokens side by side)."""
+        return self._memoized(("coarse_inverse", size, a2a_size, p2p_rank, device),
+                              lambda: self.coarse_order(size, a2a_size, p2p_rank, False, device).argsort())
+
     def mask_type(self, causal: bool) -> str:
         """The thd mask type of the whole batch."""
         if not causal:
