@@ -110,6 +110,14 @@ def test_bad_recipe_and_backward_override(monkeypatch):
             pass
 
 
+@pytest.mark.parametrize("flags", [dict(fp8_dpa=True), dict(fp8_mha=True)])
+def test_fp8_attention_is_refused_not_ignored(flags):
+    """FP8 attention is not implemented: a recipe asking for it fails at the autocast, before any module runs."""
+    with pytest.raises(NotImplementedError, match="FP8 attention is not implemented"):
+        with te.autocast(recipe=DelayedScaling(**flags)):
+            pass
+
+
 def _pretend_gpu(monkeypatch, capability):
     monkeypatch.setattr(availability, "_cuda_capability", lambda: capability)
 

@@ -231,7 +231,8 @@ class DelayedScaling(Recipe):
         amax_compute_algo: "max", "most_recent", or a callable(history [L, N]) -> amax [N].
         scaling_factor_compute_algo: None or a callable(amax, scale, fp8_max, recipe) -> scale.
         reduce_amax: MAX-reduce the amaxes over the autocast's ``amax_reduction_group``.
-        fp8_dpa: FP8 dot-product attention; fp8_mha: FP8 multi-head attention (implies fp8_dpa).
+        fp8_dpa: FP8 dot-product attention; fp8_mha: FP8 multi-head attention (implies fp8_dpa). Not implemented
+            yet in PyTorch or JAX: ``te.autocast`` refuses a recipe that sets either.
         backward_override: must be None for delayed scaling.
     """
 
@@ -274,7 +275,7 @@ class Float8CurrentScaling(Recipe):
         use_power_2_scales: power-of-two scales (env ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1``).
         fp8_format: ``Format.HYBRID`` or ``Format.E4M3``.
         fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: :class:`MMParams` of the three GEMMs.
-        fp8_dpa, fp8_mha: FP8 attention switches.
+        fp8_dpa, fp8_mha: FP8 attention switches (not implemented yet: ``te.autocast`` refuses them).
         backward_override: None, "high_precision" or "dequantized" (env ``NVTE_BACKWARD_OVERRIDE``).
     """
 

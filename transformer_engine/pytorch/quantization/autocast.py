@@ -286,6 +286,11 @@ def _check_runnable(recipe: Recipe) -> None:
             f"backward_override={recipe.backward_override!r} is not implemented yet in TransformerEngine-FL; "
             "unset NVTE_BACKWARD_OVERRIDE"
         )
+    if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
+        raise NotImplementedError(
+            f"{type(recipe).__name__}(fp8_dpa={recipe.fp8_dpa}, fp8_mha={recipe.fp8_mha}): FP8 attention is not implemented "
+            "yet in TransformerEngine-FL (attention would silently stay in high precision); set both to False"
+        )
     if recipe.mxfp8():  # emulated anywhere
         _check_emulated_runnable(check_mxfp8_support)
     elif recipe.nvfp4():
