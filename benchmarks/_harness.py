@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: timing, peak memory, result tables and JSON.
+"""Shared benchmark plumbing: timing, peak memory, result tables and JSON, spawned ranks for the distributed ones.
 
 Timing follows PERF.md: warm-up first, CUDA events around each iteration, median of many
 iterations; on CPU a perf_counter median (CPU numbers say nothing about GPU speed).
@@ -179,3 +179,30 @@ def backend_policy(name: str):
     from transformer_engine.plugin.core import with_preference
 
     return contextlib.nullcontext() if name == "default" else with_preference(name)
+
+
+def spawn_ranks(rank_main: Callable, size: int, args, name: str) -> None:
+    """``rank_main(rank, size, args, init_file)`` on ``size`` spawned processes that meet through a fresh file://
+    rendezvous; under nccl (``args.dist_backend``) each takes one GPU, so ``size`` GPUs must be there."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if args.dist_backend == "nccl" and torch.cuda.device_count() < size:
+        raise SystemExit(f"--{name} {size} needs {size} GPUs, found {torch.cuda.device_count()}")
+    fd, init_file = tempfile.mkstemp(prefix=f"bench_{name}_")
+    os.close(fd)
+    os.unlink(init_file)
+    mp.spawn(rank_main, args=(size, args, init_file), nprocs=size)
+
+
+def init_rank(rank: int, size: int, backend: str, init_file: str) -> torch.device:
+    """Join the process group of :func:`spawn_ranks` (NVLink multicast off, as the lent machines need); this rank's
+    device: GPU ``rank`` under nccl, else the CPU."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size)
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")

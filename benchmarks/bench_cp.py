@@ -34,14 +34,12 @@ import argparse
 import dataclasses
 import gc
 import os
-import tempfile
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _harness import backend_policy, base_parser, print_table, time_fn, write_json
+from _harness import backend_policy, base_parser, init_rank, print_table, spawn_ranks, time_fn, write_json
 
 MODULES = {"attention": "DotProductAttention", "layer": "TransformerLayer"}
 COMM_TYPES = ("p2p", "a2a", "all_gather")
@@ -147,11 +145,7 @@ def _over_ranks(result: Dict, device: torch.device) -> Dict:
 
 
 def _rank_main(rank: int, cp: int, args, init_file: str) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
-    if args.dist_backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(args.dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=cp)
-    device = torch.device("cuda", rank) if args.dist_backend == "nccl" else torch.device("cpu")
+    device = init_rank(rank, cp, args.dist_backend, init_file)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))  # the ranks share the cores
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -231,12 +225,7 @@ def main() -> None:
         raise SystemExit("--cp must be at least 2")
     if any(seq % (2 * args.cp) for seq in args.seq):
         raise SystemExit(f"every --seq must be a multiple of 2 * cp = {2 * args.cp} (each rank holds 2 of 2P chunks)")
-    if args.dist_backend == "nccl" and torch.cuda.device_count() < args.cp:
-        raise SystemExit(f"--cp {args.cp} needs {args.cp} GPUs, found {torch.cuda.device_count()}")
-    fd, init_file = tempfile.mkstemp(prefix="bench_cp_")
-    os.close(fd)
-    os.unlink(init_file)
-    mp.spawn(_rank_main, args=(args.cp, args, init_file), nprocs=args.cp)
+    spawn_ranks(_rank_main, args.cp, args, "cp")
 
 
 if __name__ == "__main__":

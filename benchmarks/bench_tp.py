@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import tempfile
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _harness import backend_policy, base_parser, fwd_bwd_step, peak_memory, print_table, time_fn, write_json
+from _harness import backend_policy, base_parser, fwd_bwd_step, init_rank, peak_memory, print_table, spawn_ranks, time_fn, write_json
 from bench_transformer_layer import SMALL, LayerShape
 
 
@@ -166,11 +163,7 @@ def _run_variant(s: LayerShape, tp: int, device: torch.device, variant, iters: i
 
 
 def _rank_main(rank: int, tp: int, args, init_file: str) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
-    if args.dist_backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(args.dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=tp)
-    device = torch.device("cuda", rank) if args.dist_backend == "nccl" else torch.device("cpu")
+    device = init_rank(rank, tp, args.dist_backend, init_file)
     s = SMALL if args.small else LayerShape()
     alone, _ = dist.new_subgroups(group_size=1)
     results = {}
@@ -224,12 +217,7 @@ def main() -> None:
     unknown = set(args.variants or ()) - set(_variants())
     if unknown:
         raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {list(_variants())}")
-    if args.dist_backend == "nccl" and torch.cuda.device_count() < args.tp:
-        raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
-    fd, init_file = tempfile.mkstemp(prefix="bench_tp_")
-    os.close(fd)
-    os.unlink(init_file)
-    mp.spawn(_rank_main, args=(args.tp, args, init_file), nprocs=args.tp)
+    spawn_ranks(_rank_main, args.tp, args, "tp")
 
 
 if __name__ == "__main__":
