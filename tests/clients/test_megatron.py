@@ -10,6 +10,7 @@ and norm layers, Megatron's own against ours; on a GPU it covers the attention t
 
 import importlib
 import importlib.util
+import re
 import warnings
 
 import pytest
@@ -53,8 +54,9 @@ def _config(tp: int, fp8=None, **extra):
                              fp8_amax_history_len=4, fp8_amax_compute_algo="max", tensor_model_parallel_size=tp, **extra)
 
 
-def _gpt(spec: str, tp: int, fp8=None, **extra):
-    """A fresh GPT (TE or local layer spec) in a model-parallel state of tensor-parallel size ``tp``."""
+def _gpt(spec: str, tp: int, fp8=None, experts=None, **extra):
+    """A fresh GPT (TE or local layer spec; with ``experts``, MoE layers: the TE spec's experts one grouped GEMM,
+    the local spec's a loop of Megatron's MLPs) in a model-parallel state of tensor-parallel size ``tp``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -64,10 +66,14 @@ def _gpt(spec: str, tp: int, fp8=None, **extra):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)  # the CPU initialization draws from the default generator
     model_parallel_cuda_manual_seed(1234, te_rng_tracker=True)
+    moe = {} if experts is None else dict(num_experts=experts, moe_grouped_gemm=spec == "te")
+    if experts is not None:  # top-2 routing, every token kept, no auxiliary loss: the loss is the model's alone
+        extra = dict(extra, num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+                     moe_aux_loss_coeff=0.0, moe_grouped_gemm=spec == "te")
     if spec == "te":
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(**moe)
     else:
-        layer_spec = get_gpt_layer_local_spec()
+        layer_spec = get_gpt_layer_local_spec(**moe)
         if _device() == "cpu":  # Megatron's own core attention allocates on CUDA
             from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
@@ -112,7 +118,13 @@ def _train(model, steps: int, fp8=False):
 _NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-def _te_name(local_name: str) -> str:
+def _te_name(local_name: str, moe: bool = False) -> str:
+    """The TE-spec name of a local-spec parameter (MoE: the pre-MLP norm stays apart, expert i's weights are the
+    grouped GEMM's ``weight{i}`` / ``bias{i}``)."""
+    if moe:
+        grouped = re.sub(r"experts\.local_experts\.(\d+)\.(linear_fc\d)\.(weight|bias)$", r"experts.\2.\3\1", local_name)
+        if grouped != local_name or "pre_mlp_layernorm" in local_name:
+            return grouped
     for local, te in _NORMS.items():
         local_prefix = local + ("weight" if local_name.endswith("weight") else "bias")
         if local_name.endswith(local_prefix):
@@ -133,6 +145,20 @@ def te_spec_tracks_local_spec(steps: int):
             for key, value in weights.items():
                 params[key].copy_(value)
     return _train(local, steps), _train(models["te"], steps), _train(models["te_fp8"], steps, fp8=True)
+
+
+def moe_te_spec_tracks_local_spec(steps: int):
+    """(local losses, TE losses) of one MoE GPT (4 experts) built from both specs with the same weights and trained
+    on the same batch: the TE spec's experts are one te.GroupedLinear per projection."""
+    local = _gpt("local", tp=1, experts=4)
+    weights = {_te_name(name, moe=True): p.detach().clone() for name, p in local.named_parameters()}
+    te_model = _gpt("te", tp=1, experts=4)
+    params = dict(te_model.named_parameters())
+    assert params.keys() == weights.keys(), sorted(set(params) ^ set(weights))
+    with torch.no_grad():
+        for key, value in weights.items():
+            params[key].copy_(value)
+    return _train(local, steps), _train(te_model, steps)
 
 
 def cpu_offloading_losses(steps: int):
@@ -200,6 +226,15 @@ def test_te_spec_gpt_at_tensor_parallel_2_matches_one_rank(backend):
     losses = [loss for loss, _ in pool.run(te_spec_loss_at, 2, weights, timeout=300)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert losses[0] == pytest.approx(loss_tp1, rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_moe_te_spec_with_grouped_gemm_tracks_the_local_spec():
+    """MoE layers (4 experts, top-2; Megatron's router moves its weights to the GPU, so no CPU variant): the TE
+    spec's grouped GEMM experts compute the losses of Megatron's own expert MLPs with the same weights, float32."""
+    local, te = get_pool(1, "nccl").run(moe_te_spec_tracks_local_spec, 8, timeout=300)[0]
+    torch.testing.assert_close(torch.tensor(te), torch.tensor(local), rtol=1e-4, atol=1e-5)
+    assert min(te[-3:]) < te[0] - 0.5  # and it learns
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
