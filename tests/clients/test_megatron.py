@@ -67,9 +67,11 @@ def _gpt(spec: str, tp: int, fp8=None, experts=None, **extra):
     torch.manual_seed(1234)  # the CPU initialization draws from the default generator
     model_parallel_cuda_manual_seed(1234, te_rng_tracker=True)
     moe = {} if experts is None else dict(num_experts=experts, moe_grouped_gemm=spec == "te")
-    if experts is not None:  # top-2 routing, every token kept, no auxiliary loss: the loss is the model's alone
+    if experts is not None:  # top-2 routing, every token kept, no auxiliary loss: the loss is the model's alone;
+        # no linear biases (Megatron 0.16's local expert MLP adds its bias in place into a view its own TP-region
+        # Function returned, which autograd refuses)
         extra = dict(extra, num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
-                     moe_aux_loss_coeff=0.0, moe_grouped_gemm=spec == "te")
+                     moe_aux_loss_coeff=0.0, moe_grouped_gemm=spec == "te", add_bias_linear=False)
     if spec == "te":
         layer_spec = get_gpt_layer_with_transformer_engine_spec(**moe)
     else:
