@@ -202,8 +202,8 @@ def test_sliding_window(ranks, comm_type, mask, window):
     ranks.run(check_dpa, FP32, comm_type, "bshd", mask, window)
 
 
-def check_p2p_dropout(mask: str):
-    """"p2p" with attention dropout: repeatable under torch.manual_seed, not the output without dropout, and its
+def check_dropout(mask: str, comm_type: str = "p2p"):
+    """``comm_type`` ("p2p"; "all_gather", whose causal second chunk runs as two blocks) with attention dropout: repeatable under torch.manual_seed, not the output without dropout, and its
     backward is the derivative of its forward with the same masks (directional central differences of
     <dO, out> along random directions of q, k, v; float32 ring math, eps = 1e-2: agreement to ~1e-3 relative,
     while a backward with other masks or without them is off by O(1)).
@@ -214,7 +214,7 @@ def check_p2p_dropout(mask: str):
     group = dist.group.WORLD
     size, rank = dist.get_world_size(), dist.get_rank()
     dpa = te.DotProductAttention(H, D, num_gqa_groups=HKV, attention_dropout=0.5, qkv_format="bshd", attn_mask_type=mask).to(device())
-    dpa.set_context_parallel_group(group, None, None, "p2p")
+    dpa.set_context_parallel_group(group, None, None, comm_type)
     q, k, v, dout = (shard_sequence(t, 1, size, rank) for t in _inputs("bshd"))
 
     def f(q, k, v):
@@ -254,7 +254,14 @@ def _run_with(f, q, k, v, dout):
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
 @pytest.mark.parametrize("ranks", _pools(2, 4, nccl=(2,)), indirect=True)
 def test_p2p_dropout(ranks, mask):
-    ranks.run(check_p2p_dropout, mask, timeout=_timeout(ranks))
+    ranks.run(check_dropout, mask, timeout=_timeout(ranks))
+
+
+@pytest.mark.parametrize("ranks", _pools(2, 4), indirect=True)
+def test_all_gather_dropout(ranks):
+    """The causal all_gather chunks after the first run as two blocks (keys before them, their diagonal): their
+    dropout masks come back in backward from the blocks' own state."""
+    ranks.run(check_dropout, "causal", "all_gather", timeout=_timeout(ranks))
 
 
 @pytest.mark.parametrize("comm_type", COMM_TYPES)
