@@ -2,10 +2,11 @@
 
 K/V blocks travel rank r -> r+1 (isend / irecv posted before the block's compute); each block's partial output and
 log-sum-exp merge exactly; the backward runs the same ring with the global lse, each block's dK / dV accumulator
-travelling with it. Each block is one catalog call: ``attention_block_fwd`` returns its O and lse (cuDNN or FlashAttention-2 on
-the GPU, the reference backend's float32 math elsewhere and for masks they cannot take: packed sequences, windows,
-biases), ``attention_block_bwd`` takes the merged O and lse, from which it forms the block's share of the gradients.
-Outputs merge in float32, dQ and the travelling dK / dV accumulate in float32.
+travelling with it. Each block is one catalog call: ``attention_block_fwd`` returns its O and lse (cuDNN or
+FlashAttention-2 on the GPU; the reference backend's float32 math elsewhere, and for masks they cannot take:
+packed sequences, windows, biases), ``attention_block_bwd`` takes the merged O and lse, from which it forms the
+block's share of the gradients. Outputs merge in float32 (:mod:`.blockwise`); dQ and the travelling dK / dV
+accumulate in float32.
 
 An attention bias (TE's ``core_attention_bias``, "pre_scale_bias" / "post_scale_bias") holds this rank's query rows
 and every key column in sequence order, [1 or b, 1 or h, 1 or s_q, S_kv]; the block of rank j's keys adds the
