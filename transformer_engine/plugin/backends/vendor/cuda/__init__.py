@@ -1,7 +1,8 @@
 """The ``cuda`` vendor backend: what NVIDIA's libraries do best, reached through PyTorch.
 
 - ``gemm``: cuBLASLt FP8 GEMM (``torch._scaled_mm``) and cuBLAS for bf16 / fp16 / fp32;
-- ``fused_attn_fwd`` / ``fused_attn_bwd``: PyTorch SDPA (cuDNN / flash), when its module is present.
+- ``fused_attn_fwd`` / ``fused_attn_bwd``: PyTorch SDPA (cuDNN / flash), when its module is present;
+- ``attention_block_fwd`` / ``attention_block_bwd``: the same kernels as blocks of blockwise (ring) attention.
 
 Every op runs on CUDA devices only (``Capabilities(device_types={"cuda"})``); what a vendor op cannot
 do (an FP8 GEMM before compute capability 8.9, misaligned shapes, ...) its ``SUPPORTS`` predicate
