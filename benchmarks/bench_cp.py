@@ -2,11 +2,13 @@
 
     python benchmarks/bench_cp.py --json cp2.json                                    # CP=2 on 2 GPUs, NCCL
     python benchmarks/bench_cp.py --cp 4 --seq 32768,65536 --module attention,layer --json cp4.json
+    python benchmarks/bench_cp.py --cp 4 --seq 32768 --module layer --recipe delayed                # FP8 GEMMs
     python benchmarks/bench_cp.py --small --dist-backend gloo --cp 2 --module attention,layer   # CPU smoke run (numbers mean nothing)
 
 Modules: ``attention`` is ``te.DotProductAttention`` (bshd, batch 1, 32 heads of 128, ``--gqa-groups`` 8 KV heads,
 causal, no dropout); ``layer`` is ``te.TransformerLayer`` (hidden 4096, FFN 16384, the same heads, causal
-self-attention, no dropout, sbhd input [S, 1, 4096]); bf16 on GPUs, float32 on CPU. For each sequence length S,
+self-attention, no dropout, sbhd input [S, 1, 4096]; ``--recipe delayed`` / ``current`` runs its GEMMs in FP8 with
+the amaxes MAX-reduced over the CP ranks); bf16 on GPUs, float32 on CPU. For each sequence length S,
 the whole sequence runs first on GPU 0 alone (the other ranks wait; if it fails, out of memory for instance, its
 time is None and the rows have no efficiency), then, for each ``cp_comm_type``, every rank runs the module after
 ``set_context_parallel_group(WORLD, ranks, None, comm_type)`` on its part of the sequence: chunks r and 2P-1-r of 2P
@@ -87,8 +89,11 @@ def _build(module: str, s: CPShape, seq: int, cp: int, comm_type: Optional[str],
 
 
 def _measure(module: str, s: CPShape, seq: int, cp: int, comm_type: Optional[str], device: torch.device, dtype: torch.dtype,
-             args) -> Dict:
-    """Median fwd+bwd ms and peak bytes of one case on this rank, or its error: {"ms", "peak_bytes"} or {"error"}."""
+             args, amax_group) -> Dict:
+    """Median fwd+bwd ms and peak bytes of one case on this rank, or its error: {"ms", "peak_bytes"} or {"error"}.
+    ``amax_group``: where an FP8 recipe MAX-reduces its amaxes (the CP ranks, whose weights are replicated)."""
+    import transformer_engine.pytorch as te
+
     gc.collect()  # the previous case's module and tensors (and those of a step that raised) go first
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -97,8 +102,12 @@ def _measure(module: str, s: CPShape, seq: int, cp: int, comm_type: Optional[str
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # after the build: the whole sequence made for sharding is gone
 
+        recipe = _recipe(args.recipe) if module == "layer" else None
+
         def step():
-            net(*inputs).backward(dy)
+            with te.autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=amax_group):
+                out = net(*inputs)
+            out.backward(dy)
             net.zero_grad(set_to_none=True)
             for x in inputs:
                 x.grad = None
@@ -109,6 +118,14 @@ def _measure(module: str, s: CPShape, seq: int, cp: int, comm_type: Optional[str
     except Exception as exc:  # out of memory, or a comm type that refuses these shapes: reported in the row
         return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"}
     return {"ms": ms, "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def _recipe(name: str):
+    """The FP8 recipe of ``--recipe`` for the layer's GEMMs (None: bf16)."""
+    from transformer_engine.common import recipe
+
+    factories = {"bf16": lambda: None, "delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling}
+    return factories[name]()
 
 
 def _print_top_kernels(step, title: str, device: torch.device, steps: int = 2) -> None:
@@ -150,14 +167,15 @@ def _rank_main(rank: int, cp: int, args, init_file: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))  # the ranks share the cores
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     s = _shape(args)
+    alone, _ = dist.new_subgroups(group_size=1)  # the one-GPU run reduces its amaxes on this rank (collective call)
     rows = []
     with backend_policy(args.backend):
         for module in args.module:
             for seq in args.seq:
-                single = _measure(module, s, seq, 1, None, device, dtype, args) if rank == 0 else {}
+                single = _measure(module, s, seq, 1, None, device, dtype, args, alone) if rank == 0 else {}
                 dist.barrier()
                 for comm_type in args.comm_types:
-                    result = _over_ranks(_measure(module, s, seq, cp, comm_type, device, dtype, args), device)
+                    result = _over_ranks(_measure(module, s, seq, cp, comm_type, device, dtype, args, dist.group.WORLD), device)
                     t1, tp = single.get("ms"), result.get("ms")
                     rows.append({"module": module, "seq": seq, "comm_type": comm_type, "single_ms": t1,
                                  "single_peak_bytes": single.get("peak_bytes"), "single_error": single.get("error"),
@@ -182,11 +200,11 @@ def _report(s: CPShape, cp: int, rows: List[Dict], dtype: torch.dtype, args) -> 
             table.append([r["seq"], r["comm_type"], single, "error" if r["cp_ms"] is None else f"{r['cp_ms']:.2f}", efficiency,
                           "n/a" if peaks is None else f"{max(peaks) / 2**30:.2f}", note[:120]])
         shape = (f"b=1, {s.heads} heads / {s.gqa_groups} KV, d={s.head_dim}" if module == "attention"
-                 else f"hidden {s.hidden}, FFN {s.ffn}, {s.heads} heads / {s.gqa_groups} KV")
+                 else f"hidden {s.hidden}, FFN {s.ffn}, {s.heads} heads / {s.gqa_groups} KV, GEMMs {args.recipe}")
         print_table(f"{MODULES[module]} fwd+bwd ({shape}, causal, {str(dtype).removeprefix('torch.')}): "
                     f"1 GPU vs CP={cp} ({args.dist_backend}, median of {args.iters})",
                     ["seq", "comm type", "1 GPU ms", f"CP={cp} ms", "efficiency", "peak GiB per rank (max)", "note"], table)
-    write_json(args.json, {"shape": dataclasses.asdict(s), "cp": cp, "dist_backend": args.dist_backend, "dtype": str(dtype),
+    write_json(args.json, {"shape": dataclasses.asdict(s), "cp": cp, "dist_backend": args.dist_backend, "dtype": str(dtype), "recipe": args.recipe,
                            "warmup": args.warmup, "iters": args.iters, "rows": rows})
 
 
@@ -218,6 +236,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run): 4 heads of 16, FFN 256")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--recipe", choices=["bf16", "delayed", "current"], default="bf16",
+                        help="the layer's GEMMs in FP8 under this recipe (amaxes reduced over the CP ranks); attention stays bf16")
     parser.add_argument("--profile", action="store_true", help="print rank 0's top kernels by GPU time of each CP case")
     args = parser.parse_args()
     args.seq = args.seq or ([256] if args.small else [32768, 65536])
