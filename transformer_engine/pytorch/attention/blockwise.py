@@ -35,14 +35,19 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-    """out (float32 bshd), lse over rows <- the exact merge with a block's (o_b bshd, lse_b), in place:
-    lse' = logaddexp(lse, lse_b), out' = exp(lse - lse') out + exp(lse_b - lse') o_b."""
+def merge_block(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], rows: slice, o_b: torch.Tensor,
+                lse_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out float32 bshd, lse) merged over ``rows`` with a block's (o_b bshd, lse_b), in place:
+    lse' = logaddexp(lse, lse_b), out' = exp(lse - lse') out + exp(lse_b - lse') o_b. With out None (the first
+    block, which must cover every row): the block itself."""
+    if out is None:
+        return o_b.float(), lse_b
     new = torch.logaddexp(lse[..., rows], lse_b)
     weight_old = torch.exp(lse[..., rows] - _finite(new)).transpose(1, 2).unsqueeze(-1)
     weight_b = torch.exp(lse_b - _finite(new)).transpose(1, 2).unsqueeze(-1)
     out[:, rows].mul_(weight_old).addcmul_(o_b, weight_b)
     lse[..., rows] = new
+    return out, lse
 
 
 class _BlockwiseAttention(torch.autograd.Function):
@@ -54,10 +59,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         for keys, mask_type in blocks:
             o_b, lse_b, ctx_b = ops.attention_block_fwd(q, k[:, keys], v[:, keys], block_config(settings, mask_type))
             contexts.append(ctx_b)
-            if out is None:
-                out, lse = o_b.float(), lse_b
-            else:
-                merge_block(out, lse, slice(None), o_b, lse_b)
+            out, lse = merge_block(out, lse, slice(None), o_b, lse_b)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.blocks, ctx.settings, ctx.contexts = blocks, settings, contexts

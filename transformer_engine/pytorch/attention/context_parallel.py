@@ -154,6 +154,11 @@ class CPAttention:
     packed: Optional[PackedSequences] = None
     bias_type: str = "no_bias"
 
+    @property
+    def windowed(self) -> bool:
+        """True when a sliding window hides keys that the mask type alone does not ((-1, 0) is the causal mask's)."""
+        return tuple(self.window_size) not in ((-1, -1), (-1, 0))
+
 
 def check_cp_group(cp_group, cp_global_ranks, cp_comm_type: str) -> None:
     """Validate ``set_context_parallel_group``'s arguments (before any work).
@@ -319,7 +324,7 @@ def _all_gather_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: A
         return _all_gather_packed(q, k, v, settings, cp, attend, softmax_offset)
     k_full, v_full = _gather_sequence(k, cp), _gather_sequence(v, cp)
     length, s_kv = q.shape[1] // 2, k_full.shape[1]
-    split = settings.causal and tuple(settings.window_size) in ((-1, -1), (-1, 0)) and settings.softmax_type == "vanilla"
+    split = settings.causal and not settings.windowed and settings.softmax_type == "vanilla"
     outs = []
     for q_chunk, chunk in zip(q.chunk(2, dim=1), (cp.rank, 2 * cp.size - 1 - cp.rank)):
         end, left, right = _chunk_window(settings, chunk, length, s_kv)

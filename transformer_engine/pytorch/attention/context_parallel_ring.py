@@ -74,7 +74,7 @@ def _blocks(step: int, ring: _Ring, settings: CPAttention, s_q: int, s_kv: int, 
     if settings.packed is not None:
         hidden = packed_hidden(settings.packed, ring.rank, src, ring.size, settings.causal, settings.window_size, device)
         return every_q, every_kv, "no_mask", hidden
-    if tuple(settings.window_size) not in ((-1, -1), (-1, 0)):
+    if settings.windowed:
         return every_q, every_kv, "no_mask", _window_hidden(settings, ring, src, s_q, device)
     if not settings.causal:
         return every_q, every_kv, "no_mask", None
@@ -140,10 +140,7 @@ def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
         o_b, lse_b, ctx_b = ops.attention_block_fwd(q[:, rows], k_blk[:, cols], v_blk[:, cols], block_config(settings, mask_type, block_bias),
                                                     attn_mask=hidden, attn_bias=block_bias)
         contexts.append(ctx_b)
-        if out is None:  # step 0, this rank's own keys: every query row
-            out, lse = o_b.float(), lse_b
-        else:
-            merge_block(out, lse, rows, o_b, lse_b)
+        out, lse = merge_block(out, lse, rows, o_b, lse_b)  # step 0 (this rank's own keys) covers every query row
         if arriving is not None:
             kv = arriving()
     return out.to(q.dtype), lse, contexts
