@@ -117,6 +117,15 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def recast_weight_transpose(monkeypatch):
+    """Modules cast W^T again in backward whatever the weight's size (as for weights above
+    ``KEEP_WEIGHT_T_MAX_NUMEL``): the path of large weights, on the small layers of a test."""
+    from transformer_engine.pytorch.module import base
+
+    monkeypatch.setattr(base, "KEEP_WEIGHT_T_MAX_NUMEL", 0)
+
+
 class _TierWatch:
     """Counts, per tier of :data:`TIERS`, the tests selected and the tests run (not skipped); fails the
     session when an expected tier ran none; leaves out the doctests of :data:`DOCTEST_SKIPS`.

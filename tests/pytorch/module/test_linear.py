@@ -75,7 +75,7 @@ def _saved_during_forward(layer, x, recipe, **kwargs):
     return saved
 
 
-def test_fp8_saves_the_input_in_fp8_and_no_copy_of_the_weight():
+def test_fp8_saves_the_input_in_fp8_and_no_copy_of_the_weight(recast_weight_transpose):
     layer = te.Linear(32, 16)
     x = torch.randn(48, 32, requires_grad=True)
     saved = _saved_during_forward(layer, x, Float8CurrentScaling())
@@ -86,11 +86,23 @@ def test_fp8_saves_the_input_in_fp8_and_no_copy_of_the_weight():
     assert [shape for dtype, shape in cached if dtype == torch.float8_e4m3fn] == [(32, 48), (32, 16)]  # x^T, cached W^T
 
 
+def test_a_small_weight_keeps_its_fp8_transpose_from_forward():
+    # at most KEEP_WEIGHT_T_MAX_NUMEL elements: forward writes W and W^T in one pass and saves W^T, not W
+    layer = te.Linear(32, 16)
+    saved = _saved_during_forward(layer, torch.randn(48, 32, requires_grad=True), Float8CurrentScaling())
+    assert [shape for dtype, shape in saved if dtype == torch.float8_e4m3fn] == [(32, 48), (32, 16)]  # x^T, W^T
+    assert (torch.float32, (16, 32)) not in saved
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("make", [lambda: te.Linear(64, 48), lambda: te.LayerNormLinear(64, 80), lambda: te.LayerNormMLP(64, 96)],
                          ids=["Linear", "LayerNormLinear", "LayerNormMLP"])
-def test_weight_transpose_cast_in_backward_equals_the_cached_one(recipe, make):
-    """W^T cast again in backward (no cache) has the values of the W^T cast in forward (cache): same grads, bit for bit."""
+@pytest.mark.parametrize("recast", [True, False], ids=["recast", "kept"])
+def test_weight_transpose_cast_in_backward_equals_the_cached_one(recipe, make, recast, request):
+    """W^T cast again in backward or kept from forward (no cache) has the values of the W^T cast in forward (cache):
+    same grads, bit for bit."""
+    if recast:
+        request.getfixturevalue("recast_weight_transpose")
     torch.manual_seed(0)
     fresh = make()
     cached = copy.deepcopy(fresh)
@@ -109,7 +121,7 @@ def test_weight_transpose_cast_in_backward_equals_the_cached_one(recipe, make):
 
 
 @pytest.mark.parametrize("make", [lambda: te.Linear(64, 48), lambda: te.LayerNormLinear(64, 80), lambda: te.LayerNormMLP(64, 96)])
-def test_no_fp8_weight_copy_lives_from_forward_to_backward(make):
+def test_no_fp8_weight_copy_lives_from_forward_to_backward(make, recast_weight_transpose):
     """Without a weight cache no FP8 copy of a weight stays alive after forward (backward casts W^T again);
     with ``is_first_microbatch=True`` the cache keeps W and W^T."""
     import gc

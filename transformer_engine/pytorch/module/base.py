@@ -61,6 +61,11 @@ __all__ = [
 #: the ``is_first_microbatch`` of modules called without one (None: no weight cache), see :func:`first_microbatch`
 _DEFAULT_FIRST_MICROBATCH: List[Optional[bool]] = [None]
 
+#: weights of at most this many elements keep the W^T of forward's one-pass cast for backward (at most 4 MiB of FP8
+#: each): casting W^T again in backward saves that memory but costs the host two more launches per weight and step
+#: (the scale's copy and the second cast), which decide the step time of layers this small (docs/performance.md)
+KEEP_WEIGHT_T_MAX_NUMEL = 1 << 22
+
 
 @contextlib.contextmanager
 def first_microbatch(value: Optional[bool]) -> Iterator[None]:
@@ -419,8 +424,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         """The weight as GEMM operand; FP8 copies are cached per TE's ``is_first_microbatch`` rule.
 
         None (unless :func:`first_microbatch` gives another default): quantize, no cache; with autograd
-        on, backward casts W^T (the dgrad layout) again from the weight (``quantize_weight``), so no FP8
-        copy of W lives from forward to backward. True:
+        on, W^T (the dgrad layout) is written in the same pass for a weight of at most
+        ``KEEP_WEIGHT_T_MAX_NUMEL`` elements, and cast again from the weight in backward for a larger one
+        (``quantize_weight``: no FP8 copy of W lives from forward to backward). True:
         quantize and cache. False: reuse the cache (the weight's amax is then not recorded), quantizing
         only if there is none yet. A cached copy carries W^T too, written in the same pass. Traced by
         torch.compile, W^T is cast in forward with W (as with a cache): a backward cast would read the
@@ -435,7 +441,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return quantizer.quantize(weight)
         if is_first_microbatch is None:
             is_first_microbatch = _DEFAULT_FIRST_MICROBATCH[0]
-        if is_first_microbatch is None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if (is_first_microbatch is None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and weight.numel() > KEEP_WEIGHT_T_MAX_NUMEL):
             return quantizer.quantize_weight(weight.detach())
         cached = self._weight_cache.get(key)
         if is_first_microbatch is False and cached is not None:

@@ -14,7 +14,8 @@ operand kept only for wgrad drops its row-major ``data`` (``transpose_only``).
 A weight's W^T need not live from forward to backward at all: :class:`DeferredTranspose` keeps the
 high-precision weight (alive anyway as the parameter) and casts W^T again when dgrad needs it, with
 the scale forward used, so the values are the same. For a whole layer this takes one byte per weight
-element off the peak of a training step, for one more read of W per step. A weight stored in FP8
+element off the peak of a training step, for one more read of W per step (modules do so for weights
+larger than ``module.base.KEEP_WEIGHT_T_MAX_NUMEL``; smaller ones keep W^T, which costs the host less). A weight stored in FP8
 (``quantized_model_init``) has nothing to cast: :class:`StoredTranspose` transposes its FP8 bytes in
 backward instead (the same values, no rounding).
 """

@@ -9,7 +9,8 @@ All quantizers share one interface, so module code never asks which recipe is ac
   per-tensor FP8 casts and block scaling's 1-D tiles);
 - ``quantize_transposed(x)`` returns the operand of a 2-D x with only its transpose (``data_t``);
 - ``quantize_weight(w)`` returns w's operand for fprop only, carrying a :class:`DeferredTranspose`
-  that casts W^T again in backward (so no FP8 copy of w lives from forward to backward);
+  that casts W^T again in backward (so no FP8 copy of w lives from forward to backward; modules use it
+  for large weights);
 - ``produce(run, columnwise=False)`` quantizes the output of a producer op that can fuse the cast (norm,
   activation); ``columnwise`` says backward reads the transposed copy (quantizers that can make it
   later from the FP8 values, such as delayed scaling's fused casts, leave it to ``transpose_only``).
