@@ -201,6 +201,12 @@ for op, extra in (
     case(op, "empty", lambda e=extra: (rnd(0, 8), E4M3, *e))
     case(op, "nonfinite", lambda e=extra: (nonfinite(4, 8), E4M3, *e))
     case(op, "noncontiguous", lambda e=extra: (transposed(4, 8), E4M3, *e))
+case("block_amax_of_range", "empty", lambda: (rnd(0), 4, 8, 12, 2, 4))
+case("block_amax_of_range", "nonfinite", lambda: (nonfinite(4, 8).reshape(-1)[3:20], 4, 8, 3, 2, 4))
+case("block_amax_of_range", "noncontiguous", lambda: (transposed(4, 8), 8, 4, 0, 2, 4))
+case("quantize_blockwise_range", "empty", lambda: (rnd(0), torch.ones(2, 2), 4, 8, 12, 2, 4, E4M3, False, 0.0))
+case("quantize_blockwise_range", "nonfinite", lambda: (nonfinite(4, 8).reshape(-1)[3:20], torch.tensor([[1.0, INF], [NAN, 0.0]]),
+                                                       4, 8, 3, 2, 4, E4M3, True, 0.0))
 case("dequantize_blockwise", "empty", lambda: (rnd(0, 8).to(E4M3), torch.ones(0, 2), 1, 4, torch.float32))
 case("delayed_scaling_update", "nonfinite", lambda: (torch.tensor([[NAN, INF, 0.0, 2.0]]), torch.ones(4), 448.0, 0.0, "max"))
 case("delayed_scaling_update", "no_tensors", lambda: (torch.zeros(3, 0), torch.ones(0), 448.0, 0.0, "max"))

@@ -73,8 +73,60 @@ def test_checks_before_any_write():
         cast_master_weights_to_fp8([weight], [], [], None)
     with pytest.raises(ValueError, match="does not fit"):
         cast_master_weights_to_fp8([weight], [_master()[:100]], [2000], None)
-    with pytest.raises(NotImplementedError, match="Float8BlockwiseQTensor"):
-        cast_master_weights_to_fp8([_weight(Float8BlockScaling())], [None], [None], None)
+    with pytest.raises(NotImplementedError, match="1 x 128 tiles"):
+        one_d = Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1)(torch.randn(32, 64))
+        cast_master_weights_to_fp8([weight, one_d], [_master(), None], [0, None], None)
+    assert not torch.equal(weight._data.view(-1), weight._get_quantizer().quantize_impl(_master().view(32, 64))._data.view(-1))
+    with pytest.raises(NotImplementedError, match="MXFP8Tensor"):
+        cast_master_weights_to_fp8([MXFP8Quantizer(DType.kFloat8E4M3)(torch.randn(32, 64))], [None], [None], None)
+
+
+def _block_weight(seed=0):
+    # 160 x 300: ragged 128 x 128 tiles in both dimensions
+    torch.manual_seed(seed)
+    with te.quantized_model_init(recipe=Float8BlockScaling()):
+        return te.Linear(300, 160, params_dtype=torch.bfloat16).weight
+
+
+def _block_master(seed=1):
+    return torch.randn(160 * 300, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _block_cast(master):
+    quantizer = Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False)
+    return quantizer(master.to(torch.bfloat16).view(160, 300))
+
+
+def test_one_process_block_scaled_weight_is_the_whole_masters_block_cast():
+    weight, master = _block_weight(), _block_master()
+    weight.update_usage(columnwise_usage=True)  # a column-wise copy would be stale: it is dropped
+    cast_master_weights_to_fp8([weight], [master], [0], None)
+    expected = _block_cast(master)
+    assert torch.equal(weight._rowwise_data, expected._rowwise_data)
+    assert torch.equal(weight._rowwise_scale_inv, expected._rowwise_scale_inv)
+    assert weight._columnwise_data is None
+    assert torch.equal(weight.dequantize(), expected.dequantize())
+
+
+def check_sharded_block_master(cuts):
+    """On each rank: the same block-scaled weight, this rank's range of the master (the ranges cut across tiles)."""
+    import torch.distributed as dist
+
+    rank, weight, master = dist.get_rank(), _block_weight(), _block_master()
+    start, end = cuts[rank], cuts[rank + 1]
+    cast_master_weights_to_fp8([weight], [master[start:end] if end > start else None], [start], None)
+    return weight._rowwise_data.view(-1)[start:end].clone(), weight._rowwise_scale_inv.clone()
+
+
+@pytest.mark.parametrize("cuts", [(0, 20000, 48000), (0, 0, 48000), (0, 301, 48000)], ids=["across_tiles", "one_rank_none", "one_row"])
+def test_two_ranks_write_their_block_ranges_with_the_whole_weights_tile_scales(ranks2, cuts):
+    """Each rank's range of the bytes is that range of the one-process block cast of the whole master, and both
+    ranks hold every tile's scale_inv (the tile amaxes MAX-reduced over the ranks)."""
+    results = ranks2.run(check_sharded_block_master, cuts)
+    expected = _block_cast(_block_master())
+    for rank, (raw, scale_inv) in enumerate(results):
+        assert torch.equal(raw, expected._rowwise_data.view(-1)[cuts[rank]:cuts[rank + 1]]), rank
+        assert torch.equal(scale_inv, expected._rowwise_scale_inv), rank
 
 
 def check_sharded_masters(recipe_name):

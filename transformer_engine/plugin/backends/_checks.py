@@ -28,6 +28,7 @@ __all__ = [
     "check_dropout_dbias",
     "check_amax_epsilon",
     "check_bias_dropout_add",
+    "check_block_range",
     "check_delayed_scaling_update",
     "check_delayed_scaling_update_",
     "check_cross_entropy",
@@ -100,6 +101,25 @@ def check_amax_epsilon(amax_epsilon) -> None:
     eps = float(amax_epsilon)
     if not eps >= 0.0 or _FLOAT32_MAX < eps < math.inf:
         raise ValueError(f"amax_epsilon={amax_epsilon!r} must be 0, a float32 value > 0 or inf (0 disables it)")
+
+
+def check_block_range(x, rows, cols, start, block_rows, block_cols, amax=None) -> None:
+    """The arguments of ``block_amax_of_range`` / ``quantize_blockwise_range``: x a high-precision tensor whose
+    elements fit [start, start + x.numel()) of a [rows, cols] matrix, positive tiles; amax (when given) float32 of
+    the tile grid's shape on x's device."""
+    check_high_precision(x)
+    for name, value in (("rows", rows), ("cols", cols), ("block_rows", block_rows), ("block_cols", block_cols)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + x.numel() > rows * cols:
+        raise ValueError(f"start={start!r} with {x.numel()} elements does not fit a [{rows}, {cols}] matrix "
+                         f"(0 <= start and start + x.numel() <= {rows * cols})")
+    if amax is None:
+        return
+    grid = (-(-rows // block_rows), -(-cols // block_cols))
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or tuple(amax.shape) != grid or amax.device != x.device:
+        got = f"{amax.dtype} {tuple(amax.shape)} on {amax.device}" if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise ValueError(f"amax must be float32 {grid} (the tile grid) on {x.device}, got {got}")
 
 
 def check_dropout_mask(dy: torch.Tensor, mask) -> None:

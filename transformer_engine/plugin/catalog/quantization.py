@@ -135,6 +135,30 @@ def cast_transpose_blockwise_dbias(x: Tensor, fp8_dtype: dtype, block_len: int, 
 
 
 @declare
+def block_amax_of_range(x: Tensor, rows: int, cols: int, start: int, block_rows: int, block_cols: int) -> Tensor:
+    """Per-tile amax of part of a matrix: a shard of a block-scaled weight, as ZeRO / FSDP hold it.
+
+    x holds the elements [start, start + x.numel()) of a [rows, cols] matrix in row-major order (any shape,
+    read flattened). amax[i, j] = max |x| over the elements of the range in tile (i, j) of ``block_rows x
+    block_cols`` (0 for a tile with none; inf and NaN propagate, as in ``quantize_blockwise``'s tiles).
+    The MAX over the ranges of all shards is the whole matrix's tile amax.
+    Returns: float32 [ceil(rows / block_rows), ceil(cols / block_cols)] on x's device.
+    """
+
+
+@declare
+def quantize_blockwise_range(x: Tensor, amax: Tensor, rows: int, cols: int, start: int, block_rows: int, block_cols: int,
+                             fp8_dtype: dtype, power_2_scale: bool, amax_epsilon: float) -> Tuple[Tensor, Tensor]:
+    """``quantize_blockwise`` of part of a matrix, with given tile amaxes (the whole matrix's, reduced over the shards).
+
+    x as in ``block_amax_of_range``; each tile's scale comes from ``amax`` [ceil(rows / block_rows), ceil(cols /
+    block_cols)] by ``quantize_blockwise``'s rule, and q = cast_fp8(clip(x * scale of its tile)). With amax the MAX
+    of every shard's ``block_amax_of_range``, the shards' q laid side by side are ``quantize_blockwise`` of the
+    matrix, bit for bit. Returns: (q [x.numel()] in ``fp8_dtype``, scale_inv float32 of amax's shape); x may be empty.
+    """
+
+
+@declare
 def dequantize_blockwise(q: Tensor, scale_inv: Tensor, block_rows: int, block_cols: int, out_dtype: dtype) -> Tensor:
     """x[i, j] = q[i, j] * scale_inv[i // block_rows, j // block_cols], cast to ``out_dtype``."""
 

@@ -9,7 +9,13 @@ flattened weight), writes the new FP8 weights with :func:`cast_master_weights_to
   group (the next update sees the whole weight's amax), and every weight's scale_inv = 1 / scale;
 - current scaling: amax = MAX over the group of the shards' amaxes (0 for a rank without a shard),
   scale = ``ops.scale_from_amax(amax)`` with the weight quantizer's epsilon and power-of-two rule, and each rank
-  casts its shard with that scale; every rank sets scale_inv = 1 / scale.
+  casts its shard with that scale; every rank sets scale_inv = 1 / scale;
+- block scaling (128 x 128 tiles, NVIDIA TE's weight tiles): each rank takes the tile amaxes of its shard
+  (``ops.block_amax_of_range``: 0 for tiles it holds none of), one MAX all-reduce of every weight's tiles gives the
+  whole weight's, and each rank casts its shard with the tile scales they give (``ops.quantize_blockwise_range``,
+  the epsilon and power-of-two rule of the weight's quantizer); every rank writes the scale_inv of every tile. The
+  column-wise copy, if the weight holds one, is dropped (it would be stale until the bytes are all-gathered; the
+  modules read W^T as the transpose of the tiles), as NVIDIA TE does.
 
 The bytes outside a rank's range are written by the other ranks (Megatron all-gathers them afterwards).
 """
@@ -25,7 +31,7 @@ from transformer_engine.plugin import ops
 
 from .dtype import fp8_torch_dtype
 from .float8_blockwise_tensor import Float8BlockwiseQTensor
-from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, _matrix_dims
 from .mxfp8_tensor import MXFP8Tensor
 from .quantized_tensor import QuantizedTensor
 
@@ -77,44 +83,68 @@ def cast_master_weights_to_fp8(model_weights: Sequence[Float8Tensor], master_wei
 
     Raises:
         ValueError: lists of different lengths, a shard that does not fit its weight.
-        NotImplementedError: block-scaled or MXFP8 weights (NVIDIA TE handles the former; not yet here).
-        TypeError: a weight that is not an FP8 tensor of a per-tensor quantizer.
+        NotImplementedError: MXFP8 weights, block-scaled weights of 1 x 128 tiles.
+        TypeError: a weight that is neither a Float8Tensor of a per-tensor quantizer nor a Float8BlockwiseQTensor.
     """
     count = len(model_weights)
     targets = [None] * count if fsdp_shard_model_weights is None else list(fsdp_shard_model_weights)
     if not len(master_weights) == len(start_offsets) == len(targets) == count:
         raise ValueError("model_weights, master_weights, start_offsets (and fsdp_shard_model_weights) must have one entry per weight")
-    delayed, current = [], []
+    for weight in model_weights:
+        _check_weight(weight)
+    delayed, current, blockwise = [], [], []
     for weight, master, start, target in zip(model_weights, master_weights, start_offsets, targets):
-        if isinstance(weight, (Float8BlockwiseQTensor, MXFP8Tensor)):
-            raise NotImplementedError(f"cast_master_weights_to_fp8 for {type(weight).__name__} weights is not implemented yet")
-        if not isinstance(weight, Float8Tensor):
-            raise TypeError(f"cast_master_weights_to_fp8 takes Float8Tensor weights, got {type(weight).__name__}")
         if hasattr(weight, "clear_high_precision_init_val"):
             weight.clear_high_precision_init_val()  # the masters exist by now (NVIDIA TE clears it here too)
-        weight._reset_caches()
-        quantizer = weight._get_quantizer()
-        if not isinstance(quantizer, (Float8Quantizer, Float8CurrentScalingQuantizer)):
-            raise TypeError(f"cast_master_weights_to_fp8: a weight quantized by {type(quantizer).__name__} is not supported")
         shard = None
         if master is not None:
-            shard = (master.detach().to(weight.dtype).reshape(-1), _shard_bytes(weight, master, start, target))
+            shard = (master.detach().to(weight.dtype).reshape(-1), _shard_bytes(weight, master, start, target), start)
+        if isinstance(weight, Float8BlockwiseQTensor):
+            blockwise.append((weight, weight._get_quantizer(), shard))
+            continue
+        weight._reset_caches()
+        quantizer = weight._get_quantizer()
         (current if isinstance(quantizer, Float8CurrentScalingQuantizer) else delayed).append((weight, quantizer, shard))
     if delayed:
         _delayed(delayed, group)
     if current:
         _current(current, group)
+    if blockwise:
+        _blockwise(blockwise, group)
 
 
-def _shard_bytes(weight: Float8Tensor, master: torch.Tensor, start: Optional[int], target) -> torch.Tensor:
+def _check_weight(weight) -> None:
+    """The weight kinds this helper writes (checked for every weight before any is written)."""
+    if isinstance(weight, MXFP8Tensor):
+        raise NotImplementedError("cast_master_weights_to_fp8 for MXFP8Tensor weights is not implemented yet (their row-wise and "
+                                  "column-wise copies each need a partial cast of their own blocks)")
+    if isinstance(weight, Float8BlockwiseQTensor):
+        if not weight._is_2D_scaled or weight._rowwise_data is None:
+            raise NotImplementedError("cast_master_weights_to_fp8 writes block-scaled weights of 128 x 128 tiles with row-wise data "
+                                      "(NVIDIA TE's weight tiles); this weight has 1 x 128 tiles or no row-wise copy, whose "
+                                      "column-wise copy a shard of the rows cannot write")
+        return
+    if not isinstance(weight, Float8Tensor):
+        raise TypeError(f"cast_master_weights_to_fp8 takes Float8Tensor or Float8BlockwiseQTensor weights, got {type(weight).__name__}")
+    quantizer = weight._get_quantizer()
+    if not isinstance(quantizer, (Float8Quantizer, Float8CurrentScalingQuantizer)):
+        raise TypeError(f"cast_master_weights_to_fp8: a weight quantized by {type(quantizer).__name__} is not supported")
+
+
+def _raw_data(tensor) -> torch.Tensor:
+    """The row-wise FP8 bytes of a Float8Tensor or Float8BlockwiseQTensor."""
+    return tensor._rowwise_data if isinstance(tensor, Float8BlockwiseQTensor) else tensor._data
+
+
+def _shard_bytes(weight: QuantizedTensor, master: torch.Tensor, start: Optional[int], target) -> torch.Tensor:
     """The uint8 bytes this rank writes: ``target`` (FSDP) or the weight's own flattened range."""
     if target is not None:
-        data = target._data if isinstance(target, Float8Tensor) else target
+        data = _raw_data(target) if isinstance(target, QuantizedTensor) else target
         return data.view(-1)
     if start is None or start < 0 or start + master.numel() > weight.numel():
         raise ValueError(f"a master shard of {master.numel()} elements at start offset {start} does not fit a weight of "
                          f"{weight.numel()} elements")
-    return weight._data.view(-1)[start:start + master.numel()]
+    return _raw_data(weight).view(-1)[start:start + master.numel()]
 
 
 def _reduce_max(values: List[torch.Tensor], group) -> List[torch.Tensor]:
@@ -129,7 +159,7 @@ def _write_cast(shard, scale: torch.Tensor, fp8_dtype, amax_out: Optional[torch.
     """The master shard cast with ``scale`` into its bytes (its amax max-accumulated into ``amax_out`` when given)."""
     if shard is None:
         return
-    values, raw = shard
+    values, raw, _ = shard
     q, _, _ = ops.quantize(values, scale.reshape(()), fp8_torch_dtype(fp8_dtype), amax_out=amax_out)
     raw.copy_(q.view(torch.uint8))
 
@@ -152,3 +182,29 @@ def _current(params, group) -> None:
                                     power_2_scale=quantizer.force_pow_2_scales)
         _write_cast(shard, scale, weight._fp8_dtype)
         weight._scale_inv.copy_(scale.reshape(weight._scale_inv.shape).reciprocal())
+
+
+def _blockwise(params, group) -> None:
+    tiles, amaxes = [], []
+    for weight, quantizer, shard in params:
+        rows, cols = _matrix_dims(weight.shape)
+        tile = (rows, cols, quantizer.block_len, quantizer.block_len)
+        grid = quantizer.get_scale_shape(weight.shape, columnwise=False)
+        amax = (torch.zeros(grid, dtype=torch.float32, device=weight.device) if shard is None
+                else ops.block_amax_of_range(shard[0], rows, cols, shard[2], tile[2], tile[3]))
+        tiles.append(tile)
+        amaxes.append(amax)
+    packed = torch.cat([amax.reshape(-1) for amax in amaxes])  # one all-reduce for every weight's tiles
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    reduced = packed.split([amax.numel() for amax in amaxes])
+    for (weight, quantizer, shard), (rows, cols, block_rows, block_cols), amax, whole in zip(params, tiles, amaxes, reduced):
+        values, raw, start = shard if shard is not None else (torch.empty(0, dtype=weight.dtype, device=weight.device), None, 0)
+        q, scale_inv = ops.quantize_blockwise_range(values, whole.view(amax.shape), rows, cols, start, block_rows, block_cols,
+                                                    fp8_torch_dtype(quantizer.dtype), quantizer.force_pow_2_scales,
+                                                    quantizer.amax_epsilon)
+        if raw is not None:
+            raw.copy_(q.view(torch.uint8))
+        weight._rowwise_scale_inv.copy_(scale_inv)
+        if weight._columnwise_data is not None:
+            weight.update_usage(columnwise_usage=False)

@@ -277,6 +277,43 @@ def test_quantize_blockwise_matches_tile_oracle(shape, dtype, block_rows, block_
     assert torch.equal(q.view(torch.uint8), codes)
 
 
+@pytest.mark.parametrize("block_rows, block_cols", [(128, 128), (1, 128), (32, 1), (3, 5)])
+@pytest.mark.parametrize("power_2", [True, False])
+def test_shards_cast_by_range_are_the_whole_matrix_block_cast(block_rows, block_cols, power_2):
+    # shards of the flattened matrix (one empty, one of one element, others across tile rows): the MAX of their tile
+    # amaxes, then each shard's range cast, laid side by side, equal quantize_blockwise of the whole, bit for bit
+    rows, cols = 300, 260
+    x = _wide_range((rows, cols), torch.bfloat16)
+    x[5, 7] = math.inf  # a tile of scale 1
+    flat = x.reshape(-1)
+    cuts = [0, 1, 777, 777, 40000, 60000, flat.numel()]
+    shards = [(flat[a:b], a) for a, b in zip(cuts, cuts[1:])]
+    amax = torch.stack([ref.block_amax_of_range(v, rows, cols, a, block_rows, block_cols) for v, a in shards]).amax(0)
+    casts = [ref.quantize_blockwise_range(v, amax, rows, cols, a, block_rows, block_cols, E4M3, power_2, 1e-6) for v, a in shards]
+    q, scale_inv = ref.quantize_blockwise(x, E4M3, block_rows, block_cols, power_2, 1e-6)
+    assert torch.equal(torch.cat([c[0] for c in casts]).view(torch.uint8), q.view(torch.uint8).reshape(-1))
+    assert all(torch.equal(c[1], scale_inv) for c in casts)
+    assert torch.equal(amax, torch.tensor(_tile_amax(x, block_rows, block_cols)))
+
+
+def _tile_amax(x, block_rows, block_cols):
+    rows, cols = x.shape
+    return [[x[i:i + block_rows, j:j + block_cols].float().abs().max().item() for j in range(0, cols, block_cols)]
+            for i in range(0, rows, block_rows)]
+
+
+def test_block_range_tiles_outside_the_range_are_zero_and_bad_ranges_are_refused():
+    x = torch.ones(10)
+    amax = ref.block_amax_of_range(x, 4, 8, 14, 2, 4)  # elements 14..23: rows 1 (cols 6, 7) and 2 (cols 0-7)
+    assert amax.tolist() == [[0.0, 1.0], [1.0, 1.0]]
+    with pytest.raises(ValueError, match="does not fit"):
+        ref.block_amax_of_range(x, 4, 8, 23, 2, 4)
+    with pytest.raises(ValueError, match="block_cols"):
+        ref.block_amax_of_range(x, 4, 8, 0, 2, 0)
+    with pytest.raises(ValueError, match="tile grid"):
+        ref.quantize_blockwise_range(x, torch.ones(2, 3), 4, 8, 0, 2, 4, E4M3, False, 0.0)
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_mxfp8_scale_is_e8m0_rounded_up(fp8_dtype):
     x = _wide_range((5, 96), torch.float32)

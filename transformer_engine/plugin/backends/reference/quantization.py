@@ -18,6 +18,7 @@ import torch
 
 from transformer_engine.plugin.backends._checks import (
     check_amax_epsilon,
+    check_block_range,
     check_delayed_scaling_update,
     check_delayed_scaling_update_,
     check_delayed_scaling_update_many_,
@@ -48,6 +49,8 @@ __all__ = [
     "current_scale",
     "scale_from_amax",
     "quantize_blockwise",
+    "block_amax_of_range",
+    "quantize_blockwise_range",
     "cast_transpose_blockwise",
     "cast_transpose_blockwise_dbias",
     "dequantize_blockwise",
@@ -233,6 +236,56 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
     q_tiles = saturating_cast(tiles * scale[:, None, :, None], fp8_dtype)
     m, n = x.shape
     q = q_tiles.reshape(tiles.shape[0] * block_rows, tiles.shape[2] * block_cols)[:m, :n].contiguous()
+    return q, torch.reciprocal(scale)
+
+
+def _range_window(x, rows, cols, start, block_rows):
+    """(window, first tile row, offset): the tile rows of a [rows, cols] matrix that the range [start, start + n) of
+    x's n elements touches, as a zero-filled float32 [tile rows * block_rows, cols] holding x at flat ``offset``."""
+    n = x.numel()
+    first = start // cols // block_rows
+    last = (start + n - 1) // cols // block_rows + 1 if n else first
+    window = torch.zeros((last - first) * block_rows * cols, dtype=torch.float32, device=x.device)
+    offset = start - first * block_rows * cols
+    window[offset:offset + n] = x.reshape(-1)
+    return window.view(-1, cols), first, offset
+
+
+def block_amax_of_range(x, rows, cols, start, block_rows, block_cols):
+    """Per-tile max |x| of the range [start, start + x.numel()) of a [rows, cols] matrix (0 where it has no element).
+
+    Returns:
+        float32 [ceil(rows / block_rows), ceil(cols / block_cols)].
+
+    Raises:
+        TypeError / ValueError: see ``check_block_range``.
+    """
+    check_block_range(x, rows, cols, start, block_rows, block_cols)
+    window, first, _ = _range_window(x, rows, cols, start, block_rows)
+    amax = torch.zeros(-(-rows // block_rows), -(-cols // block_cols), dtype=torch.float32, device=x.device)
+    tile_amax = _tiles(window.abs(), block_rows, block_cols).amax(dim=(1, 3))
+    amax[first:first + tile_amax.shape[0]] = tile_amax
+    return amax
+
+
+def quantize_blockwise_range(x, amax, rows, cols, start, block_rows, block_cols, fp8_dtype, power_2_scale, amax_epsilon):
+    """The range's elements cast with the scales of ``amax`` (``quantize_blockwise``'s rule per tile).
+
+    Returns:
+        (q [x.numel()] in ``fp8_dtype``, scale_inv float32 of amax's shape).
+
+    Raises:
+        TypeError / ValueError: see ``check_block_range``; amax not float32 [ceil(rows / br), ceil(cols / bc)]
+        on x's device; bad fp8_dtype or epsilon.
+    """
+    check_block_range(x, rows, cols, start, block_rows, block_cols, amax=amax)
+    check_fp8_dtype(fp8_dtype)
+    check_amax_epsilon(amax_epsilon)
+    scale = _block_scale(amax, fp8_dtype, bool(power_2_scale), float(amax_epsilon))
+    window, first, offset = _range_window(x, rows, cols, start, block_rows)
+    tiles = _tiles(window, block_rows, block_cols)
+    q_tiles = saturating_cast(tiles * scale[first:first + tiles.shape[0], None, :, None], fp8_dtype)
+    q = q_tiles.reshape(window.shape[0], tiles.shape[2] * block_cols)[:, :cols].reshape(-1)[offset:offset + x.numel()].clone()
     return q, torch.reciprocal(scale)
 
 
