@@ -29,6 +29,7 @@ __all__ = [
     "check_amax_epsilon",
     "check_bias_dropout_add",
     "check_block_range",
+    "check_dbias_dtype",
     "check_delayed_scaling_update",
     "check_delayed_scaling_update_",
     "check_cross_entropy",
@@ -101,6 +102,12 @@ def check_amax_epsilon(amax_epsilon) -> None:
     eps = float(amax_epsilon)
     if not eps >= 0.0 or _FLOAT32_MAX < eps < math.inf:
         raise ValueError(f"amax_epsilon={amax_epsilon!r} must be 0, a float32 value > 0 or inf (0 disables it)")
+
+
+def check_dbias_dtype(dbias_dtype) -> None:
+    """The ``dbias_dtype`` of the casts with a bias gradient: None (float32) or a high-precision float dtype."""
+    if dbias_dtype is not None:
+        check_out_dtype(dbias_dtype, "dbias_dtype")
 
 
 def check_block_range(x, rows, cols, start, block_rows, block_cols, amax=None) -> None:

@@ -59,12 +59,14 @@ def quantize_transposed(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Op
 
 
 @declare(mutates=("amax_out",))
-def cast_transpose_dbias(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def cast_transpose_dbias(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Optional[Tensor] = None,
+                         dbias_dtype: Optional[dtype] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cast_transpose`` of the output gradient plus the bias gradient, from one read of x.
 
     (q, q_t, scale_inv, amax) = cast_transpose(x),  dbias[j] = sum_i x[i, j] accumulated in float32
-    Args: x: [M, N] (dy of a linear layer); scale, fp8_dtype, amax_out: as in ``quantize``. Returns: (q [M, N], q_t [N, M], scale_inv, amax, dbias
-    float32 [N]). Non-finite x propagate into dbias as in a float32 sum (NaN, +-inf, inf - inf = NaN).
+    Args: x: [M, N] (dy of a linear layer); scale, fp8_dtype, amax_out: as in ``quantize``; dbias_dtype: the dtype
+    dbias is returned in, rounded once from the float32 sum (None: float32). Returns: (q [M, N], q_t [N, M],
+    scale_inv, amax, dbias [N]). Non-finite x propagate into dbias as in a float32 sum (NaN, +-inf, inf - inf = NaN).
     """
 
 
@@ -125,12 +127,14 @@ def cast_transpose_blockwise(x: Tensor, fp8_dtype: dtype, block_len: int, power_
 
 
 @declare
-def cast_transpose_blockwise_dbias(x: Tensor, fp8_dtype: dtype, block_len: int, power_2_scale: bool, amax_epsilon: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def cast_transpose_blockwise_dbias(x: Tensor, fp8_dtype: dtype, block_len: int, power_2_scale: bool, amax_epsilon: float,
+                                   dbias_dtype: Optional[dtype] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cast_transpose_blockwise`` of the output gradient plus the bias gradient, from the same reads of x.
 
     (q, scale_inv, q_t, scale_inv_t) = cast_transpose_blockwise(x, ...),  dbias[j] = sum_i x[i, j] in float32
-    Args: x: [M, N] (dy of a linear layer); the rest as in ``cast_transpose_blockwise``. Returns: (q,
-    scale_inv, q_t, scale_inv_t, dbias float32 [N]). Non-finite x propagate into dbias as in a float32 sum.
+    Args: x: [M, N] (dy of a linear layer); dbias_dtype: as in ``cast_transpose_dbias``; the rest as in
+    ``cast_transpose_blockwise``. Returns: (q, scale_inv, q_t, scale_inv_t, dbias [N]). Non-finite x propagate
+    into dbias as in a float32 sum.
     """
 
 

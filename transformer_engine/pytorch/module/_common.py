@@ -91,9 +91,10 @@ def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, db_dty
     ``amaxes``: the backward's list for the amaxes of traced delayed-scaling casts, handed to
     ``backward_update`` (``Quantizer.recording_into``; eager casts record in their own kernel).
 
-    ``db_dtype``: the bias's dtype, None when no bias gradient is needed. db comes in float32 where the
-    cast fuses it or ``comm`` all-reduces it afterwards (``LinearComm.reduces_bias_grad``), else in
-    ``db_dtype`` (:func:`bias_grad`); the caller casts it to ``db_dtype`` after the reduction.
+    ``db_dtype``: the bias's dtype, None when no bias gradient is needed. db comes in float32 where ``comm``
+    all-reduces it afterwards (``LinearComm.reduces_bias_grad``), else in ``db_dtype`` (rounded once from the
+    float32 sum, in the cast's own launch where it fuses the sum); the caller casts it to ``db_dtype`` after the
+    reduction.
 
     ``gather_dy``: ``comm`` all-gathers dy block by block inside the dgrad GEMM
     (``LinearComm.pipelines_grad_gather``), so the cast covers this rank's rows, without transpose (made
@@ -107,7 +108,7 @@ def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, db_dty
     reduces_db = comm.reduces_bias_grad
     comm, need_dw = comm.for_grad_cast(quantizer), need_dw and not gather_dy
     if need_dw and db_dtype is not None and quantizer.fuses_dbias and not comm.gathers_grad_output:
-        return (*quantizer.quantize_with_dbias(dy), gather_dy)
+        return (*quantizer.quantize_with_dbias(dy, torch.float32 if reduces_db else db_dtype), gather_dy)
     dy_op = quantize_operand(quantizer, dy, comm.gather_grad_output, comm.gathers_grad_output, need_dw)
     return dy_op, None if db_dtype is None else bias_grad(dy, db_dtype, keep_float32=reduces_db), gather_dy
 

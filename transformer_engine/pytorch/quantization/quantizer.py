@@ -4,9 +4,9 @@ All quantizers share one interface, so module code never asks which recipe is ac
 
 - ``quantize(x, columnwise=False)`` returns the operand: a :class:`Float8Tensor` (with its transpose
   written in the same pass when ``columnwise``, for the backward GEMMs), or ``x`` itself in high precision;
-- ``quantize_with_dbias(x)`` casts a 2-D gradient with its transpose and also returns its float32
-  column sums (the bias gradient), fused into the cast where the quantizer can (``fuses_dbias``: the
-  per-tensor FP8 casts and block scaling's 1-D tiles);
+- ``quantize_with_dbias(x, dbias_dtype)`` casts a 2-D gradient with its transpose and also returns its
+  column sums (the bias gradient, accumulated in float32, returned in ``dbias_dtype``), fused into the cast
+  where the quantizer can (``fuses_dbias``: the per-tensor FP8 casts and block scaling's 1-D tiles);
 - ``quantize_transposed(x)`` returns the operand of a 2-D x with only its transpose (``data_t``);
 - ``quantize_weight(w)`` returns w's operand for fprop only, carrying a :class:`DeferredTranspose`
   that casts W^T again in backward (so no FP8 copy of w lives from forward to backward; modules use it
@@ -88,9 +88,11 @@ class Quantizer:
         """The GEMM operand for ``x``; FP8 operands of a 2-D ``x`` also carry ``data_t`` when ``columnwise``."""
         raise NotImplementedError
 
-    def quantize_with_dbias(self, x: torch.Tensor):
-        """(operand of a 2-D x with its transpose, float32 column sums of x): a gradient's cast and its bias gradient."""
-        return self.quantize(x, columnwise=True), x.sum(dim=0, dtype=torch.float32)
+    def quantize_with_dbias(self, x: torch.Tensor, dbias_dtype: torch.dtype = torch.float32):
+        """(operand of a 2-D x with its transpose, column sums of x accumulated in float32, in ``dbias_dtype``): a
+        gradient's cast and its bias gradient."""
+        sums = x.sum(dim=0, dtype=torch.float32)
+        return self.quantize(x, columnwise=True), sums if dbias_dtype == torch.float32 else sums.to(dbias_dtype)
 
     def quantize_transposed(self, x: torch.Tensor):
         """The FP8 operand of a 2-D x keeping only ``data_t`` (what a transposed GEMM reads, e.g. W^T for dgrad)."""
@@ -251,10 +253,11 @@ class Float8Quantizer(Quantizer):
         deferred cast with a copy of it (``DeferredTranspose.snapshot``, after the GEMMs are queued)."""
         return self._recording(lambda scale, amax_out: _fixed_scale_weight(w, scale, self.fp8_dtype, amax_out))
 
-    def quantize_with_dbias(self, x: torch.Tensor):
+    def quantize_with_dbias(self, x: torch.Tensor, dbias_dtype: torch.dtype = torch.float32):
         """One pass over x: FP8 x and x^T, the amax recorded, and the column sums (``ops.cast_transpose_dbias``)."""
         def cast(scale, amax_out):
-            q, q_t, scale_inv, amax, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out=amax_out)
+            q, q_t, scale_inv, amax, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out=amax_out,
+                                                                      dbias_dtype=dbias_dtype)
             return (Float8Tensor(q, scale_inv, q_t), dbias), amax
 
         return self._recording(cast)
@@ -318,10 +321,10 @@ class Float8CurrentScalingQuantizer(Quantizer):
         scale, amax = self._scale_and_amax(w)
         return _fixed_scale_weight(w, scale, self.fp8_dtype, amax)[0]
 
-    def quantize_with_dbias(self, x: torch.Tensor):
+    def quantize_with_dbias(self, x: torch.Tensor, dbias_dtype: torch.dtype = torch.float32):
         """FP8 x and x^T with this tensor's own scale, and the column sums, in one cast (``ops.cast_transpose_dbias``)."""
         scale, amax = self._scale_and_amax(x)
-        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out=amax)
+        q, q_t, scale_inv, _, dbias = ops.cast_transpose_dbias(x, scale, self.fp8_dtype, amax_out=amax, dbias_dtype=dbias_dtype)
         return Float8Tensor(q, scale_inv, q_t), dbias
 
     def for_sharded_tensor(self, reduce_amax: AmaxReduction) -> "Float8CurrentScalingQuantizer":
@@ -353,14 +356,14 @@ class Float8BlockQuantizer(Quantizer):
         """1-D tiles: the cast with its transpose sums the columns on the way."""
         return self.block[0] == 1
 
-    def quantize_with_dbias(self, x: torch.Tensor):
-        """1-D tiles: x and x^T cast and the float32 column sums, from the same reads (``ops.cast_transpose_blockwise_dbias``)."""
+    def quantize_with_dbias(self, x: torch.Tensor, dbias_dtype: torch.dtype = torch.float32):
+        """1-D tiles: x and x^T cast and the column sums, from the same reads (``ops.cast_transpose_blockwise_dbias``)."""
         rows, block_len = self.block
         if rows != 1:  # 2-D tiles: the cast, then the sums
-            return super().quantize_with_dbias(x)
+            return super().quantize_with_dbias(x, dbias_dtype)
         power_2, eps = self.qparams.power_2_scale, self.qparams.amax_epsilon
         q, scale_inv, q_t, scale_inv_t, dbias = ops.cast_transpose_blockwise_dbias(
-            x, self.fp8_dtype, block_len=block_len, power_2_scale=power_2, amax_epsilon=eps)
+            x, self.fp8_dtype, block_len=block_len, power_2_scale=power_2, amax_epsilon=eps, dbias_dtype=dbias_dtype)
         return Float8BlockwiseTensor(q, scale_inv, q_t, scale_inv_t, block=self.block), dbias
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> Float8BlockwiseTensor:

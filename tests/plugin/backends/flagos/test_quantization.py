@@ -182,6 +182,25 @@ def test_cast_transpose_dbias_non_finite_and_empty(device):
     assert dbias.dtype == torch.float32 and dbias.cpu().tolist() == [0.0] * 5
 
 
+def _stored_as(sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values as a kernel stores them in ``dtype``: rounded to nearest even on a GPU; Triton's CPU
+    interpreter keeps the upper 16 bits of a float32 stored as bfloat16 (it truncates)."""
+    if dtype == torch.bfloat16 and not sums.is_cuda:
+        return (sums.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    return sums.to(dtype)
+
+
+@pytest.mark.parametrize("dbias_dtype", [torch.bfloat16, torch.float16])
+def test_cast_transpose_dbias_in_the_bias_dtype_is_the_float32_sum_rounded_once(dbias_dtype, device):
+    x = randn(260, 67, dtype=torch.bfloat16, device=device)
+    scale = torch.ones(1, device=device)
+    *_, dbias = fq.cast_transpose_dbias(x, scale, torch.float8_e4m3fn, dbias_dtype=dbias_dtype)
+    *_, dbias32 = fq.cast_transpose_dbias(x, scale, torch.float8_e4m3fn)
+    assert dbias.dtype == dbias_dtype and torch.equal(dbias, _stored_as(dbias32, dbias_dtype))
+    with pytest.raises(ValueError, match="dbias_dtype"):
+        fq.cast_transpose_dbias(x, scale, torch.float8_e4m3fn, dbias_dtype=torch.float8_e4m3fn)
+
+
 def test_cast_transpose_dbias_errors_and_supports(device):
     with pytest.raises(ValueError, match="2-D"):
         fq.cast_transpose_dbias(randn(2, 2, 4, device=device), torch.ones(1, device=device), torch.float8_e4m3fn)

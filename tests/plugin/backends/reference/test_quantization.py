@@ -277,6 +277,17 @@ def test_quantize_blockwise_matches_tile_oracle(shape, dtype, block_rows, block_
     assert torch.equal(q.view(torch.uint8), codes)
 
 
+@pytest.mark.parametrize("op", ["cast_transpose_dbias", "cast_transpose_blockwise_dbias"])
+def test_dbias_in_the_bias_dtype_is_the_float32_sum_rounded_once(op):
+    x = randn(70, 40, dtype=torch.bfloat16)
+    args = (torch.ones(1), E4M3) if op == "cast_transpose_dbias" else (E4M3, 16, False, 0.0)
+    dbias = getattr(ref, op)(x, *args, dbias_dtype=torch.bfloat16)[-1]
+    assert dbias.dtype == torch.bfloat16 and torch.equal(dbias, x.sum(0, dtype=torch.float32).to(torch.bfloat16))
+    assert getattr(ref, op)(x, *args)[-1].dtype == torch.float32
+    with pytest.raises(ValueError, match="dbias_dtype"):
+        getattr(ref, op)(x, *args, dbias_dtype=torch.int32)
+
+
 @pytest.mark.parametrize("block_rows, block_cols", [(128, 128), (1, 128), (32, 1), (3, 5)])
 @pytest.mark.parametrize("power_2", [True, False])
 def test_shards_cast_by_range_are_the_whole_matrix_block_cast(block_rows, block_cols, power_2):

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_amax_epsilon
+from transformer_engine.plugin.backends._checks import check_amax_epsilon, check_dbias_dtype
 from transformer_engine.plugin.backends._fp8 import (
     check_amax_out,
     check_fp8_dtype,
@@ -374,7 +374,7 @@ def quantize_transposed(x, scale, fp8_dtype, amax_out=None):
     return q_t, out.scale_inv, out.amax
 
 
-def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
+def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None, dbias_dtype=None):
     """:func:`cast_transpose` plus the bias gradient dbias[j] = sum_i x[i, j] in float32, from one read of x.
 
     The kernel writes each tile row's column sums (tiles of _CT_TILE_M = 128 rows); ``column_sums`` adds
@@ -383,15 +383,17 @@ def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
     Args:
         x: [M, N] float32/bfloat16/float16, dy of a linear layer (rows may be strided).
         scale, fp8_dtype, amax_out: as :func:`quantize`.
+        dbias_dtype: dbias's dtype, written by ``column_sums`` (None: float32).
 
     Returns:
-        (q [M, N], q_t [N, M], scale_inv, amax, dbias float32 [N]); NaN / inf propagate into dbias.
+        (q [M, N], q_t [N, M], scale_inv, amax, dbias [N]); NaN / inf propagate into dbias.
 
     Raises:
-        TypeError / ValueError: as :func:`cast_transpose`.
+        TypeError / ValueError: as :func:`cast_transpose`, or a dbias_dtype that is not a float dtype.
     """
+    check_dbias_dtype(dbias_dtype)
     out, q_t, partials = _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias=True)
-    return out.q, q_t, out.scale_inv, out.amax, column_sums(partials, torch.float32)[0]
+    return out.q, q_t, out.scale_inv, out.amax, column_sums(partials, dbias_dtype or torch.float32)[0]
 
 
 def fp8_transpose(q):
@@ -422,6 +424,11 @@ def _scale_on_device(x, scale, fp8_dtype, amax_out=None):
     return True
 
 
+def _dbias_scale_on_device(x, scale, fp8_dtype, amax_out=None, dbias_dtype=None):
+    """``_scale_on_device`` for ``cast_transpose_dbias`` (every dbias_dtype runs: ``column_sums`` writes it)."""
+    return _scale_on_device(x, scale, fp8_dtype)
+
+
 def _scale_inv_on_device(q, scale_inv, out_dtype):
     """Reject a scale_inv that is not float32 on q's device."""
     if isinstance(scale_inv, torch.Tensor) and isinstance(q, torch.Tensor):
@@ -434,7 +441,7 @@ SUPPORTS = {
     "quantize": _scale_on_device,
     "cast_transpose": _scale_on_device,
     "quantize_transposed": _scale_on_device,
-    "cast_transpose_dbias": _scale_on_device,
+    "cast_transpose_dbias": _dbias_scale_on_device,
     "dequantize": _scale_inv_on_device,
 }
 # under torch.compile the cast with its bias gradient stays this kernel, traced as it is (Inductor launches

@@ -26,7 +26,7 @@ import struct
 
 import torch
 
-from transformer_engine.plugin.backends._checks import check_amax_epsilon
+from transformer_engine.plugin.backends._checks import check_amax_epsilon, check_dbias_dtype
 from transformer_engine.plugin.backends._fp8 import check_fp8_dtype, check_high_precision
 from transformer_engine.plugin.core import Reject
 
@@ -208,20 +208,21 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     return _launch_cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias=False)[:4]
 
 
-def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias_dtype=None):
     """:func:`cast_transpose_blockwise` plus the bias gradient dbias[j] = sum_i x[i, j] in float32.
 
     The column kernel also writes each B-row tile's column sums; ``column_sums`` adds the cdiv(M, B)
     partial rows in a fixed order (deterministic, no atomics).
 
     Returns:
-        (q, scale_inv, q_t, scale_inv_t, dbias float32 [N]); NaN / inf propagate into dbias.
+        (q, scale_inv, q_t, scale_inv_t, dbias [N] in ``dbias_dtype``, float32 if None); NaN / inf propagate into dbias.
 
     Raises:
-        TypeError / ValueError: as :func:`quantize_blockwise`.
+        TypeError / ValueError: as :func:`quantize_blockwise`, or a dbias_dtype that is not a float dtype.
     """
+    check_dbias_dtype(dbias_dtype)
     *casts, partials = _launch_cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias=True)
-    return (*casts, column_sums(partials, torch.float32)[0])
+    return (*casts, column_sums(partials, dbias_dtype or torch.float32)[0])
 
 
 def _launch_cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias: bool):
@@ -260,8 +261,13 @@ def _supported_block_len(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
     return _blockwise_tiles(1, block_len)
 
 
+def _supported_dbias_block_len(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias_dtype=None):
+    """``_supported_block_len`` for the cast with the bias gradient (every dbias_dtype runs)."""
+    return _blockwise_tiles(1, block_len)
+
+
 SUPPORTS = {
     "quantize_blockwise": _supported_tiles,
     "cast_transpose_blockwise": _supported_block_len,
-    "cast_transpose_blockwise_dbias": _supported_block_len,
+    "cast_transpose_blockwise_dbias": _supported_dbias_block_len,
 }

@@ -19,6 +19,7 @@ import torch
 from transformer_engine.plugin.backends._checks import (
     check_amax_epsilon,
     check_block_range,
+    check_dbias_dtype,
     check_delayed_scaling_update,
     check_delayed_scaling_update_,
     check_delayed_scaling_update_many_,
@@ -129,17 +130,25 @@ def quantize_transposed(x, scale, fp8_dtype, amax_out=None):
     return q_t, scale_inv, amax
 
 
-def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None):
+def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None, dbias_dtype=None):
     """:func:`cast_transpose` plus the bias gradient dbias[j] = sum_i x[i, j], accumulated in float32.
 
     Returns:
-        (q [M, N], q_t [N, M], scale_inv, amax, dbias float32 [N]); NaN / inf in x propagate into dbias.
+        (q [M, N], q_t [N, M], scale_inv, amax, dbias [N] in ``dbias_dtype``, float32 if None); NaN / inf in x
+        propagate into dbias.
 
     Raises:
-        TypeError / ValueError: as :func:`cast_transpose`.
+        TypeError / ValueError: as :func:`cast_transpose`, or a dbias_dtype that is not a float dtype.
     """
+    check_dbias_dtype(dbias_dtype)
     q, q_t, scale_inv, amax = cast_transpose(x, scale, fp8_dtype, amax_out)
-    return q, q_t, scale_inv, amax, x.sum(dim=0, dtype=torch.float32)
+    return q, q_t, scale_inv, amax, _column_sums(x, dbias_dtype)
+
+
+def _column_sums(x: torch.Tensor, dbias_dtype) -> torch.Tensor:
+    """sum_i x[i, j] accumulated in float32, rounded once to ``dbias_dtype`` (float32 if None)."""
+    sums = x.sum(dim=0, dtype=torch.float32)
+    return sums if dbias_dtype in (None, torch.float32) else sums.to(dbias_dtype)
 
 
 def fp8_transpose(q):
@@ -303,16 +312,18 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     return q, scale_inv, q_t, scale_inv_t
 
 
-def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon):
+def cast_transpose_blockwise_dbias(x, fp8_dtype, block_len, power_2_scale, amax_epsilon, dbias_dtype=None):
     """:func:`cast_transpose_blockwise` plus the bias gradient dbias[j] = sum_i x[i, j], accumulated in float32.
 
     Returns:
-        (q, scale_inv, q_t, scale_inv_t, dbias float32 [N]); NaN / inf in x propagate into dbias.
+        (q, scale_inv, q_t, scale_inv_t, dbias [N] in ``dbias_dtype``, float32 if None); NaN / inf in x propagate
+        into dbias.
 
     Raises:
-        TypeError / ValueError: as :func:`quantize_blockwise`.
+        TypeError / ValueError: as :func:`quantize_blockwise`, or a dbias_dtype that is not a float dtype.
     """
-    return (*cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon), x.sum(dim=0, dtype=torch.float32))
+    check_dbias_dtype(dbias_dtype)
+    return (*cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilon), _column_sums(x, dbias_dtype))
 
 
 def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
