@@ -300,6 +300,10 @@ case("quantize_nvfp4", "nonfinite", lambda: (nonfinite(16, 32), *NVFP4_PLAIN))
 case("quantize_nvfp4", "noncontiguous_2d", lambda: (transposed(16, 32, dtype=torch.bfloat16), True, True, True, False, False, None))
 case("quantize_nvfp4", "rht_stochastic", lambda: (rnd(32, 16, dtype=torch.bfloat16), True, True, False, True, True, torch.tensor([5])))
 case("quantize_nvfp4", "misaligned", lambda: (rnd(16, 24), *NVFP4_PLAIN))
+case("quantize_nvfp4", "4over6_nonfinite_2d", lambda: (nonfinite(16, 32), True, True, True, False, False, None),
+     four_over_six="MSE", e4m3_max=256)
+case("quantize_nvfp4", "4over6_empty", lambda: (rnd(0, 32), *NVFP4_PLAIN), four_over_six="MAE")
+case("quantize_nvfp4", "4over6_rht", lambda: (rnd(32, 16), True, True, False, True, False, None), four_over_six="MAE")
 
 
 def _nvfp4_operand(rows, k):
@@ -310,6 +314,7 @@ def _nvfp4_operand(rows, k):
 
 case("dequantize_nvfp4", "empty", lambda: (*_nvfp4_operand(0, 32), torch.float32))
 case("dequantize_nvfp4", "every_code", lambda: (*_nvfp4_operand(64, 64), torch.bfloat16))
+case("dequantize_nvfp4", "every_code_bound_256", lambda: (*_nvfp4_operand(64, 64), torch.float32), e4m3_max=256)
 
 
 def _nvfp4_gemm(m, n, k):
@@ -320,6 +325,7 @@ def _nvfp4_gemm(m, n, k):
 case("gemm_nvfp4", "empty_m", lambda: _nvfp4_gemm(0, 4, 32))
 case("gemm_nvfp4", "empty_k_bias", lambda: _nvfp4_gemm(2, 3, 0) + (rnd(3),))
 case("gemm_nvfp4", "every_code", lambda: _nvfp4_gemm(16, 8, 64))
+case("gemm_nvfp4", "every_code_bound_256", lambda: _nvfp4_gemm(16, 8, 64), a_e4m3_max=256)
 
 MXFP8_BOTH = (E4M3, True, True)  # fp8_dtype, rowwise, columnwise
 case("quantize_mxfp8", "empty", lambda: (rnd(0, 32), *MXFP8_BOTH))

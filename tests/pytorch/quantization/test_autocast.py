@@ -51,17 +51,29 @@ def test_default_recipe_on_cpu_is_delayed():
 
 
 def test_nvfp4_options_the_modules_do_not_implement_raise():
-    for options in ({"row_scaled_activation": True}, {"nvfp4_4over6": "weights"}, {"nvfp4_4over6": "all", "nvfp4_4over6_e4m3_use_256": "none"}):
-        name = next(iter(options))
-        with pytest.raises(NotImplementedError, match=f"NVFP4BlockScaling\\({name}="):
-            with te.autocast(recipe=NVFP4BlockScaling(**options)):
-                pass
-        assert not current_config().enabled
+    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling\\(row_scaled_activation=True\\)"):
+        with te.autocast(recipe=NVFP4BlockScaling(row_scaled_activation=True)):
+            pass
+    assert not current_config().enabled
     with te.autocast(recipe=NVFP4BlockScaling()):
         assert current_config().recipe.nvfp4()
     assert NVFP4BlockScaling().nvfp4_4over6_e4m3_use_256 == "all"  # NVIDIA TE's default; without 4over6 it means nothing
     with te.autocast(recipe=NVFP4BlockScaling(nvfp4_4over6_e4m3_use_256="none")):
         assert current_config().recipe.nvfp4()
+
+
+def test_nvfp4_4over6_runs_and_refuses_the_rht_on_activations_as_te():
+    """4over6 is implemented (tests/pytorch/quantization/test_nvfp4_4over6.py); TE refuses it on tensors that use the
+    RHT, which the recipe's defaults apply to activations: "activations" / "all" need disable_rht=True."""
+    for options in ({"nvfp4_4over6": "weights"}, {"nvfp4_4over6": "all", "disable_rht": True, "nvfp4_4over6_e4m3_use_256": "none"},
+                    {"nvfp4_4over6": "activations", "disable_rht": True, "nvfp4_4over6_err_mode": "MSE"}):
+        with te.autocast(recipe=NVFP4BlockScaling(**options)):
+            assert current_config().recipe.nvfp4_4over6 == options["nvfp4_4over6"]
+    for scope in ("activations", "all"):
+        with pytest.raises(ValueError, match=f"nvfp4_4over6='{scope}', disable_rht=False.*does not support RHT"):
+            with te.autocast(recipe=NVFP4BlockScaling(nvfp4_4over6=scope)):
+                pass
+        assert not current_config().enabled
 
 
 def test_mxfp8_runs_emulated_on_every_device(monkeypatch):

@@ -1,5 +1,6 @@
 """The public NVFP4 tensor (NVFP4Tensor, NVFP4Quantizer): casts, usages, views, copies, dispatch, pickling, CustomRecipe."""
 
+import inspect
 import io
 
 import pytest
@@ -312,3 +313,70 @@ def test_exported_at_tes_paths():
     from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer as by_module
 
     assert te.NVFP4Quantizer is NVFP4Quantizer is by_module and te.NVFP4Tensor is NVFP4Tensor
+
+
+# -- 4over6 ---------------------------------------------------------------------------------------------
+def test_4over6_quantizer_takes_tes_arguments_in_tes_order():
+    names = list(inspect.signature(NVFP4Quantizer).parameters)
+    assert names[8:] == ["stochastic_rounding", "row_scaled_nvfp4", "nvfp4_use_4over6", "nvfp4_e4m3_max",
+                         "nvfp4_4over6_err_mode", "with_random_sign_mask"]
+    q = NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=256, nvfp4_4over6_err_mode="mse")
+    assert (q.nvfp4_use_4over6, q.nvfp4_e4m3_max, q.nvfp4_4over6_err_mode, q.row_scaled_nvfp4) == (True, 256, "MSE", False)
+    assert q.copy()._settings() == q._settings()
+    assert NVFP4Quantizer(nvfp4_e4m3_max=256).nvfp4_e4m3_max == 448  # without 4over6 the bound is 448, as TE sets it
+
+
+@pytest.mark.parametrize("two_d", [False, True], ids=["1d", "2d"])
+@pytest.mark.parametrize("bound", [448, 256])
+def test_4over6_copies_are_the_catalog_cast_and_carry_the_bound(bound, two_d):
+    x = _x((64, 96), torch.bfloat16)
+    q = NVFP4Quantizer(with_2d_quantization=two_d, nvfp4_use_4over6=True, nvfp4_e4m3_max=bound, nvfp4_4over6_err_mode="MAE")
+    x_q = q(x)
+    expected = ops.quantize_nvfp4(x, True, True, two_d, False, False, None, four_over_six="MAE", e4m3_max=bound)
+    assert all(torch.equal(a, b) for a, b in zip(_buffers(x_q), expected))
+    assert x_q._nvfp4_use_4over6 and x_q._nvfp4_e4m3_max == bound and x_q.operand().e4m3_max == bound
+    decoded = ops.dequantize_nvfp4(expected[0], expected[1], expected[2], torch.float32, e4m3_max=bound)
+    assert torch.equal(x_q.dequantize(dtype=torch.float32), decoded)
+    assert torch.equal(x_q.view(2, 32, 96).dequantize(dtype=torch.float32), decoded.view(2, 32, 96))
+    if bound == 256:
+        assert not torch.equal(ops.dequantize_nvfp4(*expected[:3], torch.float32), decoded)  # the bound is part of the decode
+
+
+def test_4over6_tensors_pickle_copy_and_update_with_their_bound():
+    q256 = NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=256)
+    x_q = q256(_x((64, 64)))
+    buffer = io.BytesIO()
+    torch.save(x_q, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded._nvfp4_e4m3_max == 256 and loaded._nvfp4_use_4over6 and torch.equal(loaded.dequantize(), x_q.dequantize())
+    detached = x_q.detach()
+    assert detached._nvfp4_e4m3_max == 256 and torch.equal(detached.dequantize(), x_q.dequantize())
+    dst = NVFP4Quantizer()(torch.zeros(64, 64))
+    dst.copy_(x_q)  # another bound: not a byte copy, dst = Q(x_q) with dst's own quantizer and bound
+    assert dst._nvfp4_e4m3_max == 448 and torch.equal(dst.dequantize(), NVFP4Quantizer()(x_q.dequantize()).dequantize())
+    q256.update_quantized(_x((64, 64)), dst)
+    assert dst._nvfp4_e4m3_max == 256 and dst._nvfp4_use_4over6 and dst._quantizer.nvfp4_use_4over6
+    same = q256(torch.zeros(64, 64))
+    same.copy_(x_q)  # one bound: the bytes
+    assert all(torch.equal(a, b) for a, b in zip(_buffers(same), _buffers(x_q)))
+
+
+def test_4over6_refusals_name_the_value_and_the_rule():
+    with pytest.raises(ValueError, match=r"nvfp4_use_4over6=True, with_rht=True.*does not support RHT"):
+        NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, nvfp4_use_4over6=True)
+    with pytest.raises(ValueError, match=r"stochastic_rounding=True.*does not support stochastic rounding"):
+        NVFP4Quantizer(stochastic_rounding=True, nvfp4_use_4over6=True)
+    with pytest.raises(ValueError, match=r"nvfp4_e4m3_max=300"):
+        NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=300)
+    with pytest.raises(ValueError, match=r"nvfp4_4over6_err_mode='L1'"):
+        NVFP4Quantizer(nvfp4_4over6_err_mode="L1")
+    with pytest.raises(NotImplementedError, match=r"row_scaled_nvfp4=True"):
+        NVFP4Quantizer(row_scaled_nvfp4=True)
+
+
+def test_setting_data_takes_the_other_tensor_s_4over6_flags():
+    plain = NVFP4Quantizer()(_x((32, 64)))
+    other = NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=256)(_x((32, 64)))
+    plain.data = other
+    assert plain._nvfp4_use_4over6 and plain._nvfp4_e4m3_max == 256 and torch.equal(plain.dequantize(), other.dequantize())

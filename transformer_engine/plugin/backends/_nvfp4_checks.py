@@ -11,11 +11,16 @@ import torch
 from transformer_engine.plugin.backends._checks import check_gemm_output, gemm_result_dtype
 from transformer_engine.plugin.backends._fp8 import check_bool, check_scalar, check_tensor
 
-__all__ = ["NVFP4_BLOCK", "check_gemm_nvfp4", "check_nvfp4_operand", "check_quantize_nvfp4"]
+__all__ = ["E4M3_BOUNDS", "FOUR_OVER_SIX_MODES", "NVFP4_BLOCK", "check_e4m3_max", "check_gemm_nvfp4", "check_nvfp4_operand",
+           "check_quantize_nvfp4"]
 
 #: elements per NVFP4 block (TE's NVFP4_BLOCK_SCALING_SIZE)
 NVFP4_BLOCK = 16
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+#: the error modes of 4over6 (NVIDIA TE's ``nvfp4_4over6_err_mode``)
+FOUR_OVER_SIX_MODES = ("MAE", "MSE")
+#: the global scale's E4M3 bounds (TE's ``nvfp4_e4m3_max``): 448, or 256 under 4over6
+E4M3_BOUNDS = (448, 256)
 
 
 def _check_aligned(size: int, which: str, shape, why: str) -> None:
@@ -38,7 +43,29 @@ def _check_seed(stochastic_rounding: bool, seed) -> None:
         raise TypeError(f"seed has dtype {seed.dtype}; it must be a one-element torch.int64 tensor")
 
 
-def check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed) -> None:
+def check_e4m3_max(e4m3_max, name: str = "e4m3_max") -> None:
+    """ValueError unless ``e4m3_max`` is 448 or 256 (an int, not a bool)."""
+    if isinstance(e4m3_max, bool) or e4m3_max not in E4M3_BOUNDS:
+        raise ValueError(f"{name}={e4m3_max!r}: the NVFP4 global scale's E4M3 bound is 448, or 256 under 4over6")
+
+
+def _check_four_over_six(four_over_six, e4m3_max, rht, stochastic_rounding) -> None:
+    if four_over_six is not None and four_over_six not in FOUR_OVER_SIX_MODES:
+        raise ValueError(f"four_over_six={four_over_six!r}: pass None (off), or the 4over6 error mode 'MAE' or 'MSE'")
+    check_e4m3_max(e4m3_max)
+    if four_over_six is None:
+        if e4m3_max != 448:
+            raise ValueError(f"e4m3_max={e4m3_max} without 4over6: NVFP4 quantization without 4over6 uses the E4M3 bound 448 "
+                             "(as NVIDIA TE); pass e4m3_max=448, or four_over_six='MAE' / 'MSE'")
+        return
+    for on, what in ((rht, "rht=True (the random Hadamard transform)"), (stochastic_rounding, "stochastic_rounding=True")):
+        if on:
+            raise ValueError(f"four_over_six={four_over_six!r} with {what}: NVFP4 4over6 quantization does not support it "
+                             "(as NVIDIA TE); quantize this tensor without one of the two")
+
+
+def check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed, four_over_six=None,
+                         e4m3_max=448) -> None:
     """The arguments of ``quantize_nvfp4``: TypeError / ValueError naming the value and the rule."""
     check_tensor(x, "x")
     if x.dtype not in _HIGH_PRECISION:
@@ -55,10 +82,12 @@ def check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_round
     if columnwise or block_2d:
         _check_aligned(x.shape[0], "first", x.shape, "the column-wise copy has one scale per 16 rows; 2-D tiles are 16 x 16")
     _check_seed(stochastic_rounding, seed)
+    _check_four_over_six(four_over_six, e4m3_max, rht, stochastic_rounding)
 
 
-def check_nvfp4_operand(q, scale, amax, name: str) -> None:
-    """One NVFP4 operand: q uint8 [M, K / 2] (packed E2M1), scale uint8 [M, K / 16] (E4M3 bits), amax one float32."""
+def check_nvfp4_operand(q, scale, amax, name: str, e4m3_max=448) -> None:
+    """One NVFP4 operand: q uint8 [M, K / 2] (packed E2M1), scale uint8 [M, K / 16] (E4M3 bits), amax one float32,
+    e4m3_max 448 or 256."""
     check_tensor(q, name)
     check_tensor(scale, f"{name} scale")
     if q.dtype != torch.uint8 or scale.dtype != torch.uint8:
@@ -74,16 +103,18 @@ def check_nvfp4_operand(q, scale, amax, name: str) -> None:
     check_scalar(amax, f"{name} amax")
     if amax.dtype != torch.float32:
         raise TypeError(f"the amax of {name} has dtype {amax.dtype}; it must be a one-element float32 tensor")
+    check_e4m3_max(e4m3_max, "e4m3_max" if name == "q" else f"{name}_e4m3_max")
 
 
-def check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate) -> torch.dtype:
+def check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate, a_e4m3_max=448,
+                     b_e4m3_max=448) -> torch.dtype:
     """The arguments of ``gemm_nvfp4`` (both operands, accumulate / out / out_dtype, the shapes); returns D's dtype.
 
     D's dtype is out_dtype, else out's dtype, else float32; a [M, K / 2] and b [N, K / 2] share K; accumulate
     needs out; bias is [N], out [M, N].
     """
-    check_nvfp4_operand(a, a_scale, a_amax, "a")
-    check_nvfp4_operand(b, b_scale, b_amax, "b")
+    check_nvfp4_operand(a, a_scale, a_amax, "a", a_e4m3_max)
+    check_nvfp4_operand(b, b_scale, b_amax, "b", b_e4m3_max)
     dtype = gemm_result_dtype(out_dtype, out, accumulate, default=torch.float32)
     (m, k), (n, k_b) = a.shape, b.shape
     if k != k_b:

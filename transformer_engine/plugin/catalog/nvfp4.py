@@ -31,6 +31,28 @@ Hadamard matrix (H[i, j] = (-1)^popcount(i & j)) and D = diag(signs), TE's fixed
 two copies transformed along the GEMM's K keep their product: (A R)(B R)^T = A B^T. Computed in float64
 and rounded once to x's dtype (TE rounds its bfloat16 RHT output to bfloat16).
 
+4over6 (``four_over_six`` "MAE" or "MSE"; NVIDIA TE's ``nvfp4_4over6``, ``quantize_4over6_nvfp4.cuh``) quantizes
+every block (or 16 x 16 tile) twice and keeps the candidate with the smaller error in the input's domain:
+map-to-6 is the rule above, map-to-4 expands the block scale by 1.5 so that E2M1's 4 reaches what 6 reaches
+in map-to-6. The global scale's E4M3 bound ``e4m3_max`` (448, or 256 to leave the expanded scales room) sets
+S_enc and the decode; every step is one float32 operation in TE's order:
+
+    S_enc   = min((6 * e4m3_max) / amax, fp32_max), 1 where amax = 0 or S_enc = 0;  S_dec = 1 / S_enc
+    base    = (b_amax / 6) * S_enc
+    s_6     = cast_e4m3(min(base, 448)),  s_4 = cast_e4m3(min(base * 1.5, 448))
+    q_c     = e2m1(clip(x * enc_c, -6, 6)),  enc_c = min(1 / (s_c * S_dec), fp32_max)      (c = 4, 6)
+    d_c[i]  = (((e2m1(q_c[i]) * s_c) * amax) / (6 * e4m3_max)) - x[i];  e = |d| (MAE) or d * d (MSE)
+    err_c   = ((e_c[0] + e_c[1]) + e_c[2]) + ... + e_c[15]                (the block's 16, in element order)
+    2-D:      err_c of a tile from its 16 row errors r_0..r_15 in TE's warp-shuffle tree:
+              a_i = r_i + r_(i+8), b_i = a_i + a_(i+4), c_i = b_i + b_(i+2), err_c = c_0 + c_1
+    keep      map-to-4 iff err_4 < err_6 (a tie or a NaN error keeps map-to-6)
+    x_hat   = q * ((s * amax) * fp32(1 / (6 * e4m3_max)))
+
+The column-wise copy is the same rule on x^T (a tile's "rows" are then x's columns, so with ``block_2d`` the
+two copies' choices may differ where float32 sums in the two orders do). Without 4over6 ``e4m3_max`` must be
+448; 4over6 refuses the RHT and stochastic rounding (as TE). TE's opt-in float16 error
+(``NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH``) is not offered.
+
 Alignment: the row-wise copy needs C % 16 == 0, the column-wise copy R % 16 == 0, ``block_2d`` both
 (TE's NVFP4Quantizer asks both of every tensor; its fused kernels 32, and RHT only for bfloat16 input).
 
@@ -53,41 +75,47 @@ from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
 @declare
-def quantize_nvfp4(x: Tensor, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic_rounding: bool, seed: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def quantize_nvfp4(x: Tensor, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic_rounding: bool, seed: Optional[Tensor] = None, four_over_six: Optional[str] = None, e4m3_max: int = 448) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """NVFP4 cast of a 2-D tensor into its row-wise and/or column-wise copies (math in the module docstring).
 
     (data, scale, amax) = blocks of 16 along the rows of x; (data_t, scale_t, amax_t) = blocks of 16
     along the rows of x_t = x^T, or of RHT(x^T) with ``rht`` (its amax is then the amax of RHT(x^T)).
     Args: x: [M, N] float32/bfloat16/float16; rowwise, columnwise: which copies to write (at least one);
-    block_2d: 16 x 16 tiles (weights: the two copies' scales are then transposes of each other);
+    block_2d: 16 x 16 tiles (weights: the two copies' scales are then transposes of each other, but for
+    4over6's choices, see the module docstring);
     rht: the random Hadamard transform on the column-wise copy (inputs and gradients, for wgrad);
     stochastic_rounding: round each element to a random neighbour (gradients); seed: its one-element
-    int64 tensor (required with stochastic rounding, refused without; draw a fresh one per call).
+    int64 tensor (required with stochastic rounding, refused without; draw a fresh one per call);
+    four_over_six: None, or "MAE" / "MSE": 4over6 choosing each block's candidate by that error;
+    e4m3_max: the global scale's E4M3 bound, 448, or 256 (4over6 only).
     Returns: (data uint8 [M, N / 2], scale uint8 [M, N / 16] (E4M3 bits), amax float32 [1], data_t uint8
     [N, M / 2], scale_t uint8 [N, M / 16], amax_t float32 [1]); the copy not asked for is three Nones.
     Scales are compact (TE pads them to [roundup(rows, 128), roundup(cols / 16, 4)]).
-    Raises ValueError when N % 16 (row-wise or 2-D) or M % 16 (column-wise or 2-D) != 0.
+    Raises ValueError when N % 16 (row-wise or 2-D) or M % 16 (column-wise or 2-D) != 0, for another
+    four_over_six or e4m3_max, e4m3_max 256 without 4over6, and 4over6 with rht or stochastic_rounding.
     """
 
 
 @declare
-def dequantize_nvfp4(q: Tensor, scale: Tensor, amax: Tensor, out_dtype: dtype) -> Tensor:
-    """x[i, j] = e2m1(q)[i, j] * ((e4m3(scale[i, j // 16]) * amax) * fp32(1 / 2688)), float32, cast to ``out_dtype``.
+def dequantize_nvfp4(q: Tensor, scale: Tensor, amax: Tensor, out_dtype: dtype, e4m3_max: int = 448) -> Tensor:
+    """x[i, j] = e2m1(q)[i, j] * ((e4m3(scale[i, j // 16]) * amax) * fp32(1 / (6 * e4m3_max))), float32, cast to ``out_dtype``.
 
     Args: q: uint8 [M, K / 2] (two E2M1 codes a byte, low nibble first); scale: uint8 [M, K / 16] (E4M3
-    bits); amax: the copy's float32 amax, one element. Returns: x [M, K].
+    bits); amax: the copy's float32 amax, one element; e4m3_max: the bound it was quantized with (448, or
+    256 under 4over6). Returns: x [M, K].
     """
 
 
 @declare(mutates=("out",))
-def gemm_nvfp4(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, a_amax: Tensor, b_amax: Tensor, out_dtype: dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+def gemm_nvfp4(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, a_amax: Tensor, b_amax: Tensor, out_dtype: dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None, accumulate: bool = False, a_e4m3_max: int = 448, b_e4m3_max: int = 448) -> Tensor:
     """D = A @ B^T + bias on NVFP4 operands, both read along K ("TN").
 
-    A = dequantize_nvfp4(a, a_scale, a_amax), B = dequantize_nvfp4(b, b_scale, b_amax); the product
+    A = dequantize_nvfp4(a, a_scale, a_amax, e4m3_max=a_e4m3_max), B likewise with b's; the product
     accumulates in float32, bias ([N]) is added in float32, then one cast to ``out_dtype``. With
     ``accumulate`` D = out + A @ B^T + bias (``out`` required), returned as ``out``.
     Args: a: uint8 [M, K / 2], b: uint8 [N, K / 2], K % 16 == 0; a_scale uint8 [M, K / 16], b_scale uint8
-    [N, K / 16]; a_amax, b_amax: one-element float32. Linear layers use: fprop y = gemm_nvfp4(x, W);
+    [N, K / 16]; a_amax, b_amax: one-element float32; a_e4m3_max, b_e4m3_max: each operand's global scale
+    bound (448, or 256 under 4over6). Linear layers use: fprop y = gemm_nvfp4(x, W);
     dgrad dx = gemm_nvfp4(dy, W^T); wgrad dW = gemm_nvfp4(dy^T, x^T), each operand the copy quantized
     along K (wgrad's two with the RHT). Returns: D [M, N].
     """

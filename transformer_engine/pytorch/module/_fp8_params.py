@@ -160,7 +160,9 @@ def _reads(quantizer: ModuleQuantizer, weight: BlockScaledTensor) -> bool:
 
 
 def _casts_alike(quantizer: ModuleNVFP4Quantizer, stored: NVFP4Quantizer) -> bool:
-    """Whether an NVFP4 weight stored by ``stored`` holds what ``quantizer`` casts (the same tiles and transform; stochastic
-    rounding draws new bits per cast, so a stored stochastic quantization is one of its casts). The caller reads
+    """Whether an NVFP4 weight stored by ``stored`` holds what ``quantizer`` casts (the same tiles, transform and 4over6 rule;
+    stochastic rounding draws new bits per cast, so a stored stochastic quantization is one of its casts). The caller reads
     ``stored`` through the tensor's class, as :func:`_operand` does."""
-    return quantizer.block_2d == stored.with_2d_quantization and quantizer.rht == stored.with_rht
+    four_over_six = stored.nvfp4_4over6_err_mode if stored.nvfp4_use_4over6 else None
+    return (quantizer.block_2d == stored.with_2d_quantization and quantizer.rht == stored.with_rht
+            and (quantizer.four_over_six, quantizer.e4m3_max) == (four_over_six, stored.nvfp4_e4m3_max))

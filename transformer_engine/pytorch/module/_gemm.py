@@ -76,7 +76,7 @@ def _gemm_blockwise(a: Operand, b: Operand, trans_a: bool, trans_b: bool, bias, 
         a_data, a_scale, a_amax = a.nvfp4_operand(transposed=trans_a)
         b_data, b_scale, b_amax = b.nvfp4_operand(transposed=not trans_b)
         return ops.gemm_nvfp4(a_data, b_data, a_scale=a_scale, b_scale=b_scale, a_amax=a_amax, b_amax=b_amax, out_dtype=dtype,
-                              bias=bias, out=out, accumulate=accumulate)
+                              bias=bias, out=out, accumulate=accumulate, a_e4m3_max=a.e4m3_max, b_e4m3_max=b.e4m3_max)
     a_data, a_scale_inv, a_block = a.gemm_operand(transposed=trans_a)
     b_data, b_scale_inv, b_block = b.gemm_operand(transposed=not trans_b)
     if type(a) is MXFP8Tensor:

@@ -11,7 +11,7 @@ a quantized tensor); here each is made from the internal one, on the first acces
 | Float8CurrentScaling | ``Float8CurrentScalingQuantizer`` of the slot's QParams |
 | Float8BlockScaling | ``Float8BlockQuantizer`` of the slot's tiles and QParams |
 | MXFP8BlockScaling | ``MXFP8Quantizer`` |
-| NVFP4BlockScaling | ``NVFP4Quantizer`` of the slot's RHT, tiles and stochastic rounding |
+| NVFP4BlockScaling | ``NVFP4Quantizer`` of the slot's RHT, tiles, stochastic rounding and 4over6 |
 | CustomRecipe | the quantizer ``qfactory`` returned for the slot's role |
 """
 
@@ -86,8 +86,10 @@ def public_quantizer(module_quantizer: ModuleQuantizer, fp8_meta: dict, key: str
         return MXFP8Quantizer(module_quantizer.fp8_dtype)
     if isinstance(module_quantizer, ModuleNVFP4Quantizer):
         rht = module_quantizer.rht
+        four_over_six = module_quantizer.four_over_six
         return NVFP4Quantizer(with_rht=rht, with_post_rht_amax=rht, with_2d_quantization=module_quantizer.block_2d,
-                              stochastic_rounding=module_quantizer.stochastic_rounding)
+                              stochastic_rounding=module_quantizer.stochastic_rounding, nvfp4_use_4over6=four_over_six is not None,
+                              nvfp4_e4m3_max=module_quantizer.e4m3_max, nvfp4_4over6_err_mode=four_over_six or "MAE")
     raise TypeError(f"{type(module_quantizer).__name__} has no public quantizer class")
 
 

@@ -12,6 +12,9 @@ own quantization of the high-precision tensor (``ops.quantize_nvfp4``), each wit
   (``rht_t``): both wgrad operands carry the same orthogonal transform along the GEMM's K, which the
   product cancels. Weights use 16 x 16 tiles (``block`` (16, 16)) and no transform.
 
+Under 4over6 the global scale's E4M3 bound may be 256 instead of 448 (``e4m3_max``, both copies): it enters
+the decode, x ~= e2m1 * e4m3 * amax / (6 * e4m3_max), so the tensor carries it to the GEMM and dequantize.
+
 The GEMMs run through ``ops.gemm_nvfp4``, which the reference backend emulates exactly: dequantize,
 then a float32 GEMM.
 """
@@ -27,10 +30,24 @@ from transformer_engine.plugin import ops
 
 from .float8_blockwise_tensor import Block, Float8BlockwiseTensor
 
-__all__ = ["NVFP4_BLOCK", "NVFP4Tensor"]
+__all__ = ["NVFP4_BLOCK", "NVFP4Tensor", "check_four_over_six_options"]
 
 #: elements per NVFP4 block (TE's NVFP4_BLOCK_SCALING_SIZE)
 NVFP4_BLOCK = 16
+
+
+def check_four_over_six_options(four_over_six: Optional[str], e4m3_max: int, *, rht: bool, stochastic_rounding: bool) -> None:
+    """ValueError unless the 4over6 settings of an NVFP4 quantizer are ones NVIDIA TE runs: ``four_over_six`` None,
+    "MAE" or "MSE"; ``e4m3_max`` 448, or 256 with 4over6; 4over6 neither with the RHT nor with stochastic rounding."""
+    if four_over_six not in (None, "MAE", "MSE"):
+        raise ValueError(f"four_over_six={four_over_six!r}: pass None (no 4over6), or 4over6's error mode 'MAE' or 'MSE'")
+    if isinstance(e4m3_max, bool) or e4m3_max not in (448, 256) or (e4m3_max == 256 and four_over_six is None):
+        raise ValueError(f"e4m3_max={e4m3_max!r} with four_over_six={four_over_six!r}: the NVFP4 global scale's E4M3 bound "
+                         "is 448, or 256 under 4over6")
+    for on, what in ((rht, "the random Hadamard transform (rht=True)"), (stochastic_rounding, "stochastic rounding")):
+        if four_over_six is not None and on:
+            raise ValueError(f"NVFP4 4over6 quantization (four_over_six={four_over_six!r}) does not support {what}, as in "
+                             "NVIDIA TE: quantize this tensor without one of the two")
 
 
 class NVFP4Tensor(Float8BlockwiseTensor):
@@ -48,6 +65,7 @@ class NVFP4Tensor(Float8BlockwiseTensor):
         rht_t: ``data_t`` quantizes the random Hadamard transform of x^T (its dequantized values are
             those of the transformed tensor; a GEMM against another transformed copy is exact).
         block: (1, 16), or (16, 16) for 2-D tiles (weights).
+        e4m3_max: the global scale's E4M3 bound of both copies, 448 (or 256 under 4over6).
 
     Example:
         >>> import torch
@@ -57,19 +75,21 @@ class NVFP4Tensor(Float8BlockwiseTensor):
         (torch.Size([16, 32]), True)
     """
 
-    __slots__ = ("amax", "amax_t", "rht_t")
+    __slots__ = ("amax", "amax_t", "rht_t", "e4m3_max")
 
     def __init__(self, data: Optional[torch.Tensor], scale_inv: Optional[torch.Tensor], amax: Optional[torch.Tensor],
                  data_t: Optional[torch.Tensor] = None, scale_inv_t: Optional[torch.Tensor] = None,
-                 amax_t: Optional[torch.Tensor] = None, *, rht_t: bool = False, block: Block = (1, NVFP4_BLOCK)):
+                 amax_t: Optional[torch.Tensor] = None, *, rht_t: bool = False, block: Block = (1, NVFP4_BLOCK),
+                 e4m3_max: int = 448):
         super().__init__(data, scale_inv, data_t, scale_inv_t, block=block)
         if (data is not None and amax is None) or (data_t is not None and amax_t is None):
             raise ValueError("every copy of an NVFP4Tensor needs its amax")
-        self.amax, self.amax_t, self.rht_t = amax, amax_t, rht_t
+        self.amax, self.amax_t, self.rht_t, self.e4m3_max = amax, amax_t, rht_t, e4m3_max
 
     def __repr__(self) -> str:
-        return (f"NVFP4Tensor(block={self.block}, rht_t={self.rht_t}, data={self.data!r}, scale_inv={self.scale_inv!r}, "
-                f"amax={self.amax!r}, data_t={self.data_t!r}, scale_inv_t={self.scale_inv_t!r}, amax_t={self.amax_t!r})")
+        return (f"NVFP4Tensor(block={self.block}, rht_t={self.rht_t}, e4m3_max={self.e4m3_max}, data={self.data!r}, "
+                f"scale_inv={self.scale_inv!r}, amax={self.amax!r}, data_t={self.data_t!r}, scale_inv_t={self.scale_inv_t!r}, "
+                f"amax_t={self.amax_t!r})")
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -86,7 +106,7 @@ class NVFP4Tensor(Float8BlockwiseTensor):
     def to_saved(self):
         """(tensors, rebuild): what ``save_for_backward`` stores and the callable that makes this operand again."""
         tensors = (self.data, self.scale_inv, self.amax, self.data_t, self.scale_inv_t, self.amax_t)
-        return tensors, partial(NVFP4Tensor, rht_t=self.rht_t, block=self.block)
+        return tensors, partial(NVFP4Tensor, rht_t=self.rht_t, block=self.block, e4m3_max=self.e4m3_max)
 
     def _transposed(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(data_t, scale_inv_t).
@@ -116,16 +136,17 @@ class NVFP4Tensor(Float8BlockwiseTensor):
 
     def transpose_only(self) -> "NVFP4Tensor":
         """The same tensor keeping only the column-wise copy (what wgrad and dgrad read)."""
-        return NVFP4Tensor(None, None, None, *self._transposed(), self.amax_t, rht_t=self.rht_t, block=self.block)
+        return NVFP4Tensor(None, None, None, *self._transposed(), self.amax_t, rht_t=self.rht_t, block=self.block,
+                           e4m3_max=self.e4m3_max)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """x = e2m1(data) * e4m3(scale_inv) * amax / 2688 per block, in float32, cast to ``dtype``.
+        """x = e2m1(data) * e4m3(scale_inv) * amax / (6 * e4m3_max) per block, in float32, cast to ``dtype``.
 
         Raises:
             RuntimeError: only a Hadamard-transformed column-wise copy is left (it holds RHT(x^T), not x^T).
         """
         if self.data is not None:
-            return ops.dequantize_nvfp4(self.data, self.scale_inv, self.amax, out_dtype=dtype)
+            return ops.dequantize_nvfp4(self.data, self.scale_inv, self.amax, out_dtype=dtype, e4m3_max=self.e4m3_max)
         if self.rht_t:
             raise RuntimeError("this NVFP4 tensor keeps only its Hadamard-transformed column-wise copy, which is not x^T")
-        return ops.dequantize_nvfp4(self.data_t, self.scale_inv_t, self.amax_t, out_dtype=dtype).t()
+        return ops.dequantize_nvfp4(self.data_t, self.scale_inv_t, self.amax_t, out_dtype=dtype, e4m3_max=self.e4m3_max).t()

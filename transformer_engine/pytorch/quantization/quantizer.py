@@ -49,7 +49,7 @@ from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import DeferredTranspose, Float8Tensor
 from .kept_scale import kept_copy
 from .mxfp8_tensor import MXFP8Tensor
-from .nvfp4_tensor import NVFP4_BLOCK, NVFP4Tensor
+from .nvfp4_tensor import NVFP4_BLOCK, NVFP4Tensor, check_four_over_six_options
 
 __all__ = [
     "AmaxObserver",
@@ -442,13 +442,23 @@ class NVFP4Quantizer(Quantizer):
         rht: the random Hadamard transform on the column-wise copy (TE: inputs and gradients).
         block_2d: 16 x 16 tiles (TE: weights).
         stochastic_rounding: round to a random neighbour (TE: gradients).
+        four_over_six: None, or 4over6's error mode "MAE" / "MSE": each block keeps the better of its map-to-4
+            and map-to-6 candidates (TE: the non-gradient tensors ``nvfp4_4over6`` selects).
+        e4m3_max: the global scale's E4M3 bound, 448, or 256 (4over6 only; TE's ``nvfp4_4over6_e4m3_use_256``).
+
+    Raises:
+        ValueError: 4over6 with ``rht`` or ``stochastic_rounding`` (TE refuses both), another error mode or bound,
+            or the bound 256 without 4over6.
     """
 
     is_fp8 = True
     gathers_quantized = False  # a column-wise block of 16 rows may span the shards
 
-    def __init__(self, *, rht: bool = False, block_2d: bool = False, stochastic_rounding: bool = False):
+    def __init__(self, *, rht: bool = False, block_2d: bool = False, stochastic_rounding: bool = False,
+                 four_over_six: Optional[str] = None, e4m3_max: int = 448):
+        check_four_over_six_options(four_over_six, e4m3_max, rht=rht, stochastic_rounding=stochastic_rounding)
         self.rht, self.block_2d, self.stochastic_rounding = rht, block_2d, stochastic_rounding
+        self.four_over_six, self.e4m3_max = four_over_six, e4m3_max
         self.block = (NVFP4_BLOCK if block_2d else 1, NVFP4_BLOCK)
         self.casts_from_input_alone = not stochastic_rounding  # (each stochastic cast draws a new seed)
 
@@ -459,9 +469,9 @@ class NVFP4Quantizer(Quantizer):
         seed = _random_seed(x.device) if self.stochastic_rounding else None
         data, scale, amax, data_t, scale_t, amax_t = ops.quantize_nvfp4(
             x, rowwise=rowwise, columnwise=columnwise, block_2d=self.block_2d, rht=rht, stochastic_rounding=self.stochastic_rounding,
-            seed=seed,
+            seed=seed, four_over_six=self.four_over_six, e4m3_max=self.e4m3_max,
         )
-        return NVFP4Tensor(data, scale, amax, data_t, scale_t, amax_t, rht_t=rht, block=self.block)
+        return NVFP4Tensor(data, scale, amax, data_t, scale_t, amax_t, rht_t=rht, block=self.block, e4m3_max=self.e4m3_max)
 
     def quantize(self, x: torch.Tensor, columnwise: bool = False) -> NVFP4Tensor:
         return self._cast(x, rowwise=True, columnwise=bool(columnwise))

@@ -78,7 +78,8 @@ def check_recipe_implemented(recipe: Recipe) -> None:
 
 
 def _check_nvfp4_options(recipe: NVFP4BlockScaling) -> None:
-    """NotImplementedError for NVFP4 options newer than what the modules implement (never silently ignored)."""
+    """NotImplementedError for NVFP4 options newer than what the modules implement (never silently ignored);
+    ValueError for 4over6 on activations with the RHT, which NVIDIA TE refuses when it makes their quantizers."""
     unsupported = {name: getattr(recipe, name) for name, default in _NVFP4_DEFAULTS.items() if getattr(recipe, name) != default}
     if unsupported:
         settings = ", ".join(f"{name}={value!r}" for name, value in unsupported.items())
@@ -86,11 +87,16 @@ def _check_nvfp4_options(recipe: NVFP4BlockScaling) -> None:
             f"NVFP4BlockScaling({settings}) is not implemented yet in TransformerEngine-FL (environment NVTE_NVFP4_*); "
             "leave these options at their defaults"
         )
+    if recipe.nvfp4_4over6 in ("activations", "all") and not recipe.disable_rht:
+        raise ValueError(
+            f"NVFP4BlockScaling(nvfp4_4over6={recipe.nvfp4_4over6!r}, disable_rht=False): 4over6 quantizes the activations, "
+            "whose recipe settings apply the random Hadamard transform, and NVFP4 4over6 quantization does not support RHT "
+            "(NVIDIA TE raises the same); pass disable_rht=True, or nvfp4_4over6='weights'"
+        )
 
 
-#: NVFP4 options (TE 2.16-2.17) whose non-default values the modules do not implement yet (the other 4over6
-#: options only refine 4over6, which is refused with them)
-_NVFP4_DEFAULTS = {"row_scaled_activation": False, "nvfp4_4over6": "none"}
+#: NVFP4 options (TE 2.16) whose non-default values the modules do not implement yet
+_NVFP4_DEFAULTS = {"row_scaled_activation": False}
 
 
 class RecipeState:
@@ -309,7 +315,13 @@ class MXFP8BlockScalingRecipeState(RecipeState):
 
 class NVFP4BlockScalingRecipeState(RecipeState):
     """NVFP4: no tensors; each slot's quantizer follows its role's QParams (TE's defaults: inputs RHT on the
-    column-wise copy, weights 16 x 16 tiles, gradients RHT and stochastic rounding)."""
+    column-wise copy, weights 16 x 16 tiles, gradients RHT and stochastic rounding).
+
+    4over6, as NVIDIA TE's ``NVFP4BlockScalingRecipeState``: the forward slots ``nvfp4_4over6`` selects ("weights":
+    the weight slots; "activations": the input and output slots; "all": every forward slot) quantize with 4over6
+    and ``nvfp4_4over6_err_mode``, under the global scale bound 256 where ``nvfp4_4over6_e4m3_use_256`` also selects
+    them (else 448); gradient slots never do.
+    """
 
     @property
     def split_accumulator(self) -> Tuple[bool, bool, bool]:
@@ -322,11 +334,27 @@ class NVFP4BlockScalingRecipeState(RecipeState):
             return self.recipe.fp4_quant_fwd_weight
         return self.recipe.fp4_quant_fwd_inp
 
+    def _four_over_six(self, index: int) -> Tuple[Optional[str], int]:
+        """(four_over_six, e4m3_max) of slot ``index``: (err mode, 256 or 448) where 4over6 applies, else (None, 448)."""
+        if self.mode == "backward":
+            return None, 448
+        weight = FWD_ROLES[index % len(FWD_ROLES)] is Role.WEIGHT
+        if not _selects(self.recipe.nvfp4_4over6, weight=weight):
+            return None, 448
+        return self.recipe.nvfp4_4over6_err_mode, 256 if _selects(self.recipe.nvfp4_4over6_e4m3_use_256, weight=weight) else 448
+
     def make_quantizers(self) -> List[Quantizer]:
-        return [
-            NVFP4Quantizer(rht=q.random_hadamard_transform, block_2d=q.fp4_2d_quantization, stochastic_rounding=q.stochastic_rounding)
-            for q in map(self._qparams, range(self.num_quantizers))
-        ]
+        quantizers = []
+        for i in range(self.num_quantizers):
+            q, (four_over_six, e4m3_max) = self._qparams(i), self._four_over_six(i)
+            quantizers.append(NVFP4Quantizer(rht=q.random_hadamard_transform, block_2d=q.fp4_2d_quantization,
+                                             stochastic_rounding=q.stochastic_rounding, four_over_six=four_over_six, e4m3_max=e4m3_max))
+        return quantizers
+
+
+def _selects(scope: str, *, weight: bool) -> bool:
+    """Whether an NVFP4 4over6 scope ("none", "weights", "activations", "all") selects a forward slot (a weight's or not)."""
+    return scope == "all" or scope == ("weights" if weight else "activations")
 
 
 #: TE's role names of the slots, per GEMM, that ``CustomRecipe.qfactory`` is asked for

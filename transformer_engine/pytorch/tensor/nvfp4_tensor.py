@@ -20,6 +20,11 @@ Layout, as NVIDIA TE's (all buffers uint8 but the amaxes):
 
 The row-wise copy needs K % 16 == 0, the column-wise one M % 16 == 0, 2-D tiles both.
 
+4over6 (``nvfp4_use_4over6``, TE 2.17): each block keeps the better of two candidates, its scale times 1.5
+(map-to-4) or not (map-to-6), by ``nvfp4_4over6_err_mode`` ("MAE" or "MSE"); the global scale's E4M3 bound
+``nvfp4_e4m3_max`` may then be 256 instead of 448, and the tensor carries it (``_nvfp4_e4m3_max``, as TE's):
+x ~= e2m1 * e4m3 * amax / (6 * nvfp4_e4m3_max). The rule is ``ops.quantize_nvfp4``'s (plugin/catalog/nvfp4.py).
+
 What differs from NVIDIA TE, and why:
 
 - scales are compact ([M, K / 16], [K, M / 16]); TE pads them to [roundup(rows, 128), roundup(cols / 16, 4)]
@@ -27,8 +32,10 @@ What differs from NVIDIA TE, and why:
 - stochastic rounding draws counter-based random bits from a seed taken from torch's generator of x's
   device (``torch.manual_seed`` repeats a run, on every device); TE draws Philox bits on the GPU;
 - the RHT runs on float32 and float16 too (TE: bfloat16 only) and always uses TE's fixed random signs;
-- ``with_amax_reduction=True``, ``with_random_sign_mask=False`` with RHT and ``with_rht=True`` without
-  ``with_post_rht_amax`` raise (not implemented; TE also refuses the last);
+- ``with_amax_reduction=True``, ``with_random_sign_mask=False`` with RHT, ``row_scaled_nvfp4=True`` and
+  ``with_rht=True`` without ``with_post_rht_amax`` raise (not implemented; TE also refuses the last);
+- 4over6 with ``with_rht`` or ``stochastic_rounding`` raises when the quantizer is made (TE: when it casts);
+  TE's opt-in float16 4over6 error (``NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH``) is not read;
 - the column-wise copy dequantizes when it is x^T (no RHT); TE dequantizes the row-wise copy only. Whether
   it is transformed is what the tensor's quantizer says, so a tensor that holds that copy alone needs one;
 - pickles keep the quantizer's settings as plain values (``torch.load(weights_only=True)`` reads them).
@@ -90,6 +97,11 @@ class NVFP4Quantizer(Quantizer):
             no effect without it.
         with_2d_quantization: 16 x 16 tiles (TE: weights).
         stochastic_rounding: round each value to a random neighbour (TE: gradients); see the module docstring.
+        row_scaled_nvfp4: one amax per row (TE's ``row_scaled_activation``); not implemented (must be False).
+        nvfp4_use_4over6: 4over6, each block's better candidate (see the module docstring); not with ``with_rht``
+            or ``stochastic_rounding``.
+        nvfp4_e4m3_max: the global scale's E4M3 bound under 4over6, 448 or 256 (448 without 4over6, as TE).
+        nvfp4_4over6_err_mode: 4over6's error, "MAE" or "MSE" (any case).
         with_random_sign_mask: TE's fixed random signs in the RHT; False (a plain Hadamard) is not implemented
             with ``with_rht``, no effect without it.
 
@@ -97,7 +109,8 @@ class NVFP4Quantizer(Quantizer):
     0xD7E8, or 0 without the random signs).
 
     Raises:
-        ValueError: another fp4_dtype. NotImplementedError: the options not implemented (above).
+        ValueError: another fp4_dtype, a bad 4over6 bound or error mode, 4over6 with the RHT or stochastic rounding.
+        NotImplementedError: the options not implemented (above).
 
     Example:
         >>> q = NVFP4Quantizer()
@@ -109,13 +122,20 @@ class NVFP4Quantizer(Quantizer):
     def __init__(self, fp4_dtype: DType = DType.kFloat4E2M1, rowwise: bool = True, columnwise: bool = True,
                  with_amax_reduction: bool = False, amax_reduction_group=None, with_rht: bool = False,
                  with_post_rht_amax: bool = False, with_2d_quantization: bool = False, stochastic_rounding: bool = False,
-                 with_random_sign_mask: bool = True) -> None:
+                 row_scaled_nvfp4: bool = False, nvfp4_use_4over6: bool = False, nvfp4_e4m3_max: int = 448,
+                 nvfp4_4over6_err_mode: str = "MAE", with_random_sign_mask: bool = True) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         self.dtype = _fp4_dtype(fp4_dtype)
         _check_options(with_amax_reduction, with_rht, with_post_rht_amax, with_random_sign_mask)
+        _check_row_scaled(row_scaled_nvfp4)
+        _check_4over6(nvfp4_use_4over6, nvfp4_e4m3_max if nvfp4_use_4over6 else 448, with_rht=with_rht,
+                      stochastic_rounding=stochastic_rounding)
         self.with_amax_reduction, self.amax_reduction_group = False, amax_reduction_group
         self.with_rht, self.with_post_rht_amax = bool(with_rht), bool(with_post_rht_amax)
         self.with_2d_quantization, self.stochastic_rounding = bool(with_2d_quantization), bool(stochastic_rounding)
+        self.row_scaled_nvfp4, self.nvfp4_use_4over6 = False, bool(nvfp4_use_4over6)
+        self.nvfp4_e4m3_max = nvfp4_e4m3_max if self.nvfp4_use_4over6 else 448  # TE's rule
+        self.nvfp4_4over6_err_mode = _err_mode(nvfp4_4over6_err_mode)
         self.rht_matrix_random_sign_mask_t = _RHT_SIGN_MASK if with_random_sign_mask else 0
 
     def _settings(self) -> Dict[str, Any]:
@@ -123,14 +143,17 @@ class NVFP4Quantizer(Quantizer):
         return {"fp4_dtype": self.dtype, "rowwise": self.rowwise_usage, "columnwise": self.columnwise_usage,
                 "with_rht": self.with_rht, "with_post_rht_amax": self.with_post_rht_amax,
                 "with_2d_quantization": self.with_2d_quantization, "stochastic_rounding": self.stochastic_rounding,
-                "with_random_sign_mask": self.rht_matrix_random_sign_mask_t != 0}
+                "nvfp4_use_4over6": self.nvfp4_use_4over6, "nvfp4_e4m3_max": self.nvfp4_e4m3_max,
+                "nvfp4_4over6_err_mode": self.nvfp4_4over6_err_mode, "with_random_sign_mask": self.rht_matrix_random_sign_mask_t != 0}
 
     def copy(self) -> NVFP4Quantizer:
         return NVFP4Quantizer(**self._settings(), amax_reduction_group=self.amax_reduction_group)
 
     def module_quantizer(self) -> ModuleNVFP4Quantizer:
         """The quantizer the modules cast with under a ``CustomRecipe`` that returns this one (the same rule)."""
-        return ModuleNVFP4Quantizer(rht=self.with_rht, block_2d=self.with_2d_quantization, stochastic_rounding=self.stochastic_rounding)
+        return ModuleNVFP4Quantizer(rht=self.with_rht, block_2d=self.with_2d_quantization, stochastic_rounding=self.stochastic_rounding,
+                                    four_over_six=self.nvfp4_4over6_err_mode if self.nvfp4_use_4over6 else None,
+                                    e4m3_max=self.nvfp4_e4m3_max)
 
     def is_quantizable(self, inp: torch.Tensor) -> bool:
         """Whether ``inp`` has the shape NVFP4 needs: 2 or more dims, the last and the product of the others multiples of 16."""
@@ -155,7 +178,11 @@ class NVFP4Quantizer(Quantizer):
         check_high_precision(tensor)
         copies = self._cast(tensor.detach(), self.rowwise_usage, self.columnwise_usage)
         return NVFP4Tensor(shape=tensor.shape, dtype=tensor.dtype, **dict(zip(_COPY_KEYWORDS, copies)), fp4_dtype=self.dtype,
-                           quantizer=self, device=tensor.device)
+                           quantizer=self, device=tensor.device, **self._tensor_flags())
+
+    def _tensor_flags(self) -> Dict[str, Any]:
+        """The 4over6 keywords of the tensors this quantizer makes (TE's ``nvfp4_use_4over6``, ``nvfp4_e4m3_max``)."""
+        return {"nvfp4_use_4over6": self.nvfp4_use_4over6, "nvfp4_e4m3_max": self.nvfp4_e4m3_max}
 
     def _tensor_type(self) -> type:
         return NVFP4Tensor
@@ -168,6 +195,7 @@ class NVFP4Quantizer(Quantizer):
         for key, new in zip(dst._rowwise_attrs + dst._columnwise_attrs, copies):
             setattr(dst, key, _write(getattr(dst, key), new))
         dst._quantizer = self.copy()
+        dst._nvfp4_use_4over6, dst._nvfp4_e4m3_max = self.nvfp4_use_4over6, self.nvfp4_e4m3_max
         return dst
 
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
@@ -185,7 +213,7 @@ class NVFP4Quantizer(Quantizer):
         if self.columnwise_usage:
             copies[3:] = _empty_copy(_columnwise_bytes(shape), _scale_grid(shape, columnwise=True), device)
         return NVFP4Tensor(shape=shape, dtype=dtype, **dict(zip(_COPY_KEYWORDS, copies)), fp4_dtype=self.dtype, quantizer=self,
-                           requires_grad=requires_grad, device=device)
+                           requires_grad=requires_grad, device=device, **self._tensor_flags())
 
 
 def _fp4_dtype(fp4_dtype) -> DType:
@@ -209,6 +237,31 @@ def _check_options(with_amax_reduction: bool, with_rht: bool, with_post_rht_amax
     if with_rht and not with_random_sign_mask:
         raise NotImplementedError("NVFP4Quantizer(with_rht=True, with_random_sign_mask=False): the RHT uses TE's fixed "
                                   "random signs only; leave with_random_sign_mask=True")
+
+
+def _check_row_scaled(row_scaled_nvfp4: bool) -> None:
+    """NotImplementedError for row-scaled NVFP4 (one amax per row), which the casts do not implement."""
+    if row_scaled_nvfp4:
+        raise NotImplementedError("NVFP4Quantizer(row_scaled_nvfp4=True) is not implemented in TransformerEngine-FL: each "
+                                  "copy has one amax; leave row_scaled_nvfp4=False")
+
+
+def _check_4over6(nvfp4_use_4over6: bool, nvfp4_e4m3_max: int, *, with_rht: bool, stochastic_rounding: bool) -> None:
+    """ValueError for the 4over6 settings NVIDIA TE refuses: a bound other than 448 or 256, 4over6 with the RHT or
+    stochastic rounding (TE refuses those two when it casts; here when the quantizer is made)."""
+    if isinstance(nvfp4_e4m3_max, bool) or nvfp4_e4m3_max not in (448, 256):
+        raise ValueError(f"nvfp4_e4m3_max={nvfp4_e4m3_max!r}: it must be 448 or 256")
+    for on, name in ((with_rht, "with_rht"), (stochastic_rounding, "stochastic_rounding")):
+        if nvfp4_use_4over6 and on:
+            raise ValueError(f"NVFP4Quantizer(nvfp4_use_4over6=True, {name}=True): NVFP4 4over6 quantization does not support "
+                             f"{'RHT' if name == 'with_rht' else 'stochastic rounding'} (as NVIDIA TE); pass {name}=False")
+
+
+def _err_mode(mode) -> str:
+    """4over6's error mode upper-cased, as TE ("MAE" or "MSE"; ValueError otherwise)."""
+    if not isinstance(mode, str) or mode.upper() not in ("MAE", "MSE"):
+        raise ValueError(f"nvfp4_4over6_err_mode={mode!r}: it must be 'MAE' or 'MSE'")
+    return mode.upper()
 
 
 def _check_blocks(shape: torch.Size, rowwise: bool, columnwise: bool) -> None:
@@ -238,31 +291,38 @@ class NVFP4Tensor(BlockScaledTensor):
         quantizer: the quantizer for in-place updates, whose settings also say what the column-wise copy holds
             (a copy is kept), or None.
         requires_grad, device: as for any tensor (device defaults to the data's).
+        nvfp4_use_4over6: the copies were quantized with 4over6 (TE's flag; the decode does not depend on it).
+        nvfp4_e4m3_max: the global scale's E4M3 bound of both copies, 448 (or 256 under 4over6): the decode divides
+            by 6 * nvfp4_e4m3_max.
 
     Raises:
         ValueError: no data, a copy without its scales or amax, buffers whose shapes do not fit ``shape``, a dim a
-            copy's blocks do not divide, another fp4_dtype. TypeError: data that is not uint8.
+            copy's blocks do not divide, another fp4_dtype, a bound other than 448 or 256. TypeError: data that is
+            not uint8.
     """
 
     _rowwise_attrs = ("_rowwise_data", "_rowwise_scale_inv", "_amax_rowwise")
     _columnwise_attrs = ("_columnwise_data", "_columnwise_scale_inv", "_amax_columnwise")
     _format_attr = "_fp4_dtype"
+    _layout = ("_nvfp4_e4m3_max",)  # bytes quantized under another bound decode differently
 
     def __new__(cls, shape: Iterable[int], dtype: torch.dtype, *, rowwise_data: Optional[torch.Tensor],
                 rowwise_scale_inv: Optional[torch.Tensor], columnwise_data: Optional[torch.Tensor] = None,
                 columnwise_scale_inv: Optional[torch.Tensor] = None, amax_rowwise: Optional[torch.Tensor] = None,
                 amax_columnwise: Optional[torch.Tensor] = None, fp4_dtype: DType = DType.kFloat4E2M1,
                 quantizer: Optional[Quantizer] = None, requires_grad: bool = False, device=None,
-                stride: Optional[Iterable[int]] = None):
+                stride: Optional[Iterable[int]] = None, nvfp4_use_4over6: bool = False, nvfp4_e4m3_max: int = 448):
         shape, fp4_dtype = torch.Size(shape), _fp4_dtype(fp4_dtype)
         copies = (rowwise_data, rowwise_scale_inv, amax_rowwise, columnwise_data, columnwise_scale_inv, amax_columnwise)
         _check_copies(shape, copies)
+        _check_4over6(nvfp4_use_4over6, nvfp4_e4m3_max, with_rht=False, stochastic_rounding=False)
         device = (rowwise_data if rowwise_data is not None else columnwise_data).device if device is None else torch.device(device)
         instance = super().__new__(cls, shape, dtype, requires_grad=requires_grad, device=device, stride=stride)
         for key, value in zip(cls._rowwise_attrs + cls._columnwise_attrs, copies):
             setattr(instance, key, value)
         instance._fp4_dtype = fp4_dtype
         instance._quantizer = None if quantizer is None else quantizer.copy()
+        instance._nvfp4_use_4over6, instance._nvfp4_e4m3_max = bool(nvfp4_use_4over6), nvfp4_e4m3_max
         return instance
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -274,7 +334,8 @@ class NVFP4Tensor(BlockScaledTensor):
         return tuple(getattr(self, key) for key in self._rowwise_attrs + self._columnwise_attrs)
 
     def get_metadata(self) -> Dict[str, Any]:
-        return {**dict(zip(_COPY_KEYWORDS, self._buffers())), "fp4_dtype": self._fp4_dtype, "quantizer": self._quantizer}
+        return {**dict(zip(_COPY_KEYWORDS, self._buffers())), "fp4_dtype": self._fp4_dtype, "quantizer": self._quantizer,
+                "nvfp4_use_4over6": self._nvfp4_use_4over6, "nvfp4_e4m3_max": self._nvfp4_e4m3_max}
 
     def _get_quantizer(self) -> Quantizer:
         """The tensor's quantizer, or (as NVIDIA TE) a default one for the copies it holds."""
@@ -299,12 +360,23 @@ class NVFP4Tensor(BlockScaledTensor):
         return NVFP4Tensor(shape=shape, dtype=self.dtype, rowwise_data=data, rowwise_scale_inv=self._rowwise_scale_inv,
                            columnwise_data=data_t, columnwise_scale_inv=self._columnwise_scale_inv, amax_rowwise=self._amax_rowwise,
                            amax_columnwise=self._amax_columnwise, fp4_dtype=self._fp4_dtype, quantizer=self._quantizer,
-                           device=self.device)
+                           device=self.device, **self._flags())
+
+    def _flags(self) -> Dict[str, Any]:
+        """The constructor's 4over6 keywords of this tensor."""
+        return {"nvfp4_use_4over6": self._nvfp4_use_4over6, "nvfp4_e4m3_max": self._nvfp4_e4m3_max}
+
+    def _adopt(self, other: NVFP4Tensor) -> None:
+        """``t.data = other``: other's buffers, quantizer and 4over6 flags."""
+        super()._adopt(other)
+        self._nvfp4_use_4over6 = other._nvfp4_use_4over6
 
     def _copy_bytes(self, src: NVFP4Tensor) -> NVFP4Tensor:
-        """The byte copy of the base; self then records src's quantizer (what the copied column-wise bytes hold)."""
+        """The byte copy of the base (the same E4M3 bound: ``_layout``); self then records src's quantizer (what the
+        copied column-wise bytes hold) and 4over6 flag."""
         super()._copy_bytes(src)
         self._quantizer = None if src._quantizer is None else src._quantizer.copy()
+        self._nvfp4_use_4over6 = src._nvfp4_use_4over6
         return self
 
     def operand(self) -> NVFP4Operand:
@@ -314,10 +386,10 @@ class NVFP4Tensor(BlockScaledTensor):
         two_d = self._quantizer is not None and self._quantizer.with_2d_quantization
         return NVFP4Operand(data, self._rowwise_scale_inv, self._amax_rowwise, self._columnwise_data, self._columnwise_scale_inv,
                             self._amax_columnwise, rht_t=self._columnwise_rht() is not False,
-                            block=(NVFP4_BLOCK if two_d else 1, NVFP4_BLOCK))
+                            block=(NVFP4_BLOCK if two_d else 1, NVFP4_BLOCK), e4m3_max=self._nvfp4_e4m3_max)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """x = e2m1(data) * e4m3(scale_inv) * amax / 2688 per block (``ops.dequantize_nvfp4``), from the row-wise copy,
+        """x = e2m1(data) * e4m3(scale_inv) * amax / (6 * e4m3_max) per block (``ops.dequantize_nvfp4``), from the row-wise copy,
         else from the column-wise copy where it is x^T.
 
         Raises:
@@ -345,9 +417,10 @@ class NVFP4Tensor(BlockScaledTensor):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        """Pickle the buffers, amaxes, nominal dtype, shape and the quantizer's settings as plain values."""
+        """Pickle the buffers, amaxes, nominal dtype, shape, the quantizer's settings and the 4over6 flags as plain values."""
         settings = None if self._quantizer is None else self._quantizer._settings()
-        return _make_nvfp4_tensor_in_reduce_ex, (self.shape, self.dtype, self._buffers(), self._fp4_dtype, settings)
+        return _make_nvfp4_tensor_in_reduce_ex, (self.shape, self.dtype, self._buffers(), self._fp4_dtype, settings,
+                                                 self._nvfp4_use_4over6, self._nvfp4_e4m3_max)
 
 
 def _check_copies(shape: torch.Size, copies: Tuple[Optional[torch.Tensor], ...]) -> None:
@@ -373,10 +446,13 @@ def _check_copies(shape: torch.Size, copies: Tuple[Optional[torch.Tensor], ...])
         _one_element_f32(amax, f"amax_{name}")
 
 
-def _make_nvfp4_tensor_in_reduce_ex(shape, dtype, buffers, fp4_dtype, settings) -> NVFP4Tensor:
-    """Rebuild a pickled NVFP4Tensor (``NVFP4Tensor.__reduce_ex__``): its six buffers, its quantizer from its settings."""
+def _make_nvfp4_tensor_in_reduce_ex(shape, dtype, buffers, fp4_dtype, settings, nvfp4_use_4over6=False,
+                                    nvfp4_e4m3_max=448) -> NVFP4Tensor:
+    """Rebuild a pickled NVFP4Tensor (``NVFP4Tensor.__reduce_ex__``): its six buffers, its quantizer from its settings
+    (pickles made before 4over6 carry no flags: 448, no 4over6)."""
     quantizer = None if settings is None else NVFP4Quantizer(**settings)
-    return NVFP4Tensor(shape=shape, dtype=dtype, **dict(zip(_COPY_KEYWORDS, buffers)), fp4_dtype=fp4_dtype, quantizer=quantizer)
+    return NVFP4Tensor(shape=shape, dtype=dtype, **dict(zip(_COPY_KEYWORDS, buffers)), fp4_dtype=fp4_dtype, quantizer=quantizer,
+                       nvfp4_use_4over6=nvfp4_use_4over6, nvfp4_e4m3_max=nvfp4_e4m3_max)
 
 
 torch.serialization.add_safe_globals([NVFP4Tensor, _make_nvfp4_tensor_in_reduce_ex])

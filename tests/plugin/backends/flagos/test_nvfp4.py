@@ -245,6 +245,31 @@ def test_dispatch_runs_flagos_and_explains_a_decline(monkeypatch, device):
     assert declined[0].status == "rejected" and "seed" in declined[0].reason
 
 
+def test_4over6_and_the_bound_256_are_declined_and_run_on_the_reference(monkeypatch, device):
+    """The kernels do not implement 4over6: SUPPORTS declines it (and the bound 256) with the reason, a direct call
+    raises NotImplementedError, and the dispatcher gives the call to the reference backend."""
+    x = torch.randn(32, 32, device=device)
+    verdict = fn.SUPPORTS["quantize_nvfp4"](x, True, True, False, False, False, None, four_over_six="MAE", e4m3_max=256)
+    assert not verdict and "four_over_six='MAE'" in verdict.reason and "reference" in verdict.reason
+    with pytest.raises(NotImplementedError, match="4over6"):
+        fn.quantize_nvfp4(x, True, True, False, False, False, None, four_over_six="MSE")
+    manager = flagos_and_reference(monkeypatch, device)
+    args = (x, True, True, True, False, False, None)
+    out, impl = manager.dispatcher("quantize_nvfp4").traced(*args, four_over_six="MSE", e4m3_max=256)
+    assert impl.impl_id == "reference.torch"
+    assert_outputs_identical(out, ref.quantize_nvfp4(*args, four_over_six="MSE", e4m3_max=256))
+    q, s, a = out[:3]
+    assert not fg.SUPPORTS["dequantize_nvfp4"](q, s, a, torch.float32, e4m3_max=256)
+    assert "e4m3_max=256" in fg.SUPPORTS["dequantize_nvfp4"](q, s, a, torch.float32, e4m3_max=256).reason
+    assert not fg.SUPPORTS["gemm_nvfp4"](q, q, s, s, a, a, torch.float32, b_e4m3_max=256)
+    with pytest.raises(NotImplementedError, match="a_e4m3_max=256"):
+        fg.gemm_nvfp4(q, q, s, s, a, a, torch.float32, a_e4m3_max=256)
+    d, impl = manager.dispatcher("gemm_nvfp4").traced(q, q, s, s, a, a, torch.float32, a_e4m3_max=256, b_e4m3_max=256)
+    assert impl.impl_id == "reference.torch"
+    assert torch.equal(d, ref.gemm_nvfp4(q, q, s, s, a, a, torch.float32, a_e4m3_max=256, b_e4m3_max=256))
+    assert fn.SUPPORTS["quantize_nvfp4"](x, True, True, False, False, False, None)  # the defaults still run here
+
+
 # -- GPU: larger shapes ----------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", HP_DTYPES, ids=["fp32", "bf16", "fp16"])

@@ -1,5 +1,7 @@
 """NVFP4 in Triton: quantize_nvfp4 (contract and math: plugin/catalog/nvfp4.py; oracle: the reference backend's
 nvfp4.py, which these kernels match bit for bit). dequantize_nvfp4 and gemm_nvfp4: :mod:`.nvfp4_gemm`.
+4over6 (``four_over_six``) and its E4M3 bound 256 are not implemented here: the ``SUPPORTS`` predicates decline
+them, so the dispatcher runs the reference backend.
 
 Per copy v [R, C] (x, or x^T / RHT(x^T) for the column-wise one), each step one float32 operation:
 
@@ -43,6 +45,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.plugin.backends._nvfp4_checks import check_quantize_nvfp4
+from transformer_engine.plugin.core import Reject
 
 from ._common import INTERPRET, _fp8_decode, _fp8_encode, cdiv, device_guard, hw_fp8_cast, rows_contiguous
 from ._emulated import _bf16_bits, _magnitude_bits, _to_float32, on_device
@@ -331,7 +334,7 @@ def _nvfp4_copies(m: int, n: int, rowwise: bool, columnwise: bool, device):
     return (row if rowwise else (None, None)), (col if columnwise else (None, None)), torch.zeros(2, dtype=torch.int32, device=device)
 
 
-def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed=None):
+def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed=None, four_over_six=None, e4m3_max=448):
     """NVFP4 cast of x [M, N] into its row-wise copy (blocks along N) and/or column-wise copy (x^T or RHT(x^T)).
 
     Bit-identical to the reference backend (RHT: see the module docstring). Two launches: the amaxes, then
@@ -341,13 +344,15 @@ def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, s
         x: [M, N] float32/bfloat16/float16 (any strides; a non-unit column stride is copied first).
         rowwise, columnwise, block_2d, rht, stochastic_rounding: as the catalog's ``quantize_nvfp4``.
         seed: one-element int64 tensor on x's device with stochastic rounding, else None.
+        four_over_six, e4m3_max: None and 448 only (4over6 runs on the reference backend).
 
     Returns:
         (data uint8 [M, N / 2], scale uint8 [M, N / 16], amax float32 [1], data_t uint8 [N, M / 2],
         scale_t uint8 [N, M / 16], amax_t float32 [1]); three Nones for a copy not asked for.
 
     Raises:
-        TypeError / ValueError: as the reference (x's dtype, rank, alignment; flags; the seed).
+        TypeError / ValueError: as the reference (x's dtype, rank, alignment; flags; the seed; the 4over6 options).
+        NotImplementedError: 4over6 or e4m3_max 256 (declined by ``SUPPORTS``; the reference runs them).
 
     Example (through the dispatcher: CUDA tensors run these kernels, CPU ones the reference, with the same bits):
 
@@ -357,7 +362,10 @@ def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, s
     >>> [hex(b) for b in data[0, :2].tolist()], hex(scale.item()), amax.tolist()
     (['0xd7', '0x2'], '0x7e', [6.0])
     """
-    check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed)
+    check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed, four_over_six, e4m3_max)
+    reason = _unimplemented_option(four_over_six, e4m3_max=e4m3_max)
+    if reason:
+        raise NotImplementedError(reason)
     x = rows_contiguous(x)
     (m, n), device = x.shape, x.device
     (data, scale), (data_t, scale_t), amax_bits = _nvfp4_copies(m, n, rowwise, columnwise, device)
@@ -379,8 +387,22 @@ def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, s
 
 
 # -- what the kernels decline ----------------------------------------------------------------------
-def _quantize_supported(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed=None):
-    """Decline a seed on another device than x (the reference moves it)."""
+def _unimplemented_option(four_over_six=None, **e4m3_bounds) -> str:
+    """Why the flagos NVFP4 kernels cannot run these options ("" when they can): 4over6, or an E4M3 bound other
+    than 448 (``e4m3_bounds``: the E4M3 bound arguments by name)."""
+    if four_over_six is not None:
+        return f"four_over_six={four_over_six!r}: NVFP4 4over6 is not implemented in the flagos kernels (the reference backend runs it)"
+    for name, bound in e4m3_bounds.items():
+        if bound != 448:
+            return f"{name}={bound!r}: the flagos NVFP4 kernels use the E4M3 bound 448 only (the reference backend runs 256)"
+    return ""
+
+
+def _quantize_supported(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed=None, four_over_six=None, e4m3_max=448):
+    """Decline 4over6 and the bound 256 (the reference runs them), a seed on another device than x (the reference moves it)."""
+    reason = _unimplemented_option(four_over_six, e4m3_max=e4m3_max)
+    if reason:
+        return Reject(reason)
     return on_device(x.device, seed=seed) if isinstance(x, torch.Tensor) else True
 
 

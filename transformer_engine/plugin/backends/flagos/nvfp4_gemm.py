@@ -25,10 +25,12 @@ import triton.language as tl
 
 from transformer_engine.plugin.backends._fp8 import check_out_dtype
 from transformer_engine.plugin.backends._nvfp4_checks import check_gemm_nvfp4, check_nvfp4_operand
+from transformer_engine.plugin.core import Reject
 
 from ._common import _fp8_decode, cdiv, device_guard, hw_fp8_cast, rows_contiguous
 from ._emulated import _store_rounded, finish_gemm, mm_f32, on_device
 from ._launch import cached_launch
+from .nvfp4 import _unimplemented_option
 
 __all__ = ["dequantize_nvfp4", "gemm_nvfp4"]
 
@@ -96,20 +98,23 @@ def _decode(q: torch.Tensor, scale: torch.Tensor, amax, out_dtype: torch.dtype) 
     return out
 
 
-def dequantize_nvfp4(q, scale, amax, out_dtype):
+def dequantize_nvfp4(q, scale, amax, out_dtype, e4m3_max=448):
     """x[i, j] = e2m1(q)[i, j] * ((e4m3(scale[i, j // 16]) * amax) * fp32(1 / 2688)), float32, cast to ``out_dtype``.
 
-    Bit-identical to the reference backend (one kernel).
+    Bit-identical to the reference backend (one kernel); the E4M3 bound 448 only.
 
     Raises:
-        TypeError: q or scale not uint8, amax not float32. ValueError: shapes that do not fit, a bad out_dtype.
+        TypeError: q or scale not uint8, amax not float32. ValueError: shapes that do not fit, a bad out_dtype or
+        e4m3_max. NotImplementedError: e4m3_max 256 (declined by ``SUPPORTS``; the reference runs it).
     """
-    check_nvfp4_operand(q, scale, amax, "q")
+    check_nvfp4_operand(q, scale, amax, "q", e4m3_max)
     check_out_dtype(out_dtype)
+    _refuse_bounds(e4m3_max=e4m3_max)
     return _decode(q, scale, amax, out_dtype)
 
 
-def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False):
+def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False, a_e4m3_max=448,
+               b_e4m3_max=448):
     """D = A @ B^T + bias (+ out when ``accumulate``) on NVFP4 operands, emulated on bfloat16 tensor cores.
 
     A @ B^T = (a_amax / 2688) (b_amax / 2688) V_a @ V_b^T with V = e2m1 * e4m3 exact in bfloat16 (see the
@@ -120,9 +125,10 @@ def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out
 
     Raises:
         TypeError / ValueError: as the reference (either operand, K that differ, a bad bias / out,
-        accumulate without out).
+        accumulate without out, a bad E4M3 bound). NotImplementedError: a bound 256 (declined by ``SUPPORTS``).
     """
-    dtype = check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate)
+    dtype = check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate, a_e4m3_max, b_e4m3_max)
+    _refuse_bounds(a_e4m3_max=a_e4m3_max, b_e4m3_max=b_e4m3_max)
     result = out if out is not None else torch.empty((a.shape[0], b.shape[0]), dtype=dtype, device=a.device)
     if result.numel():
         acc = mm_f32(_decode(a, a_scale, None, torch.bfloat16), _decode(b, b_scale, None, torch.bfloat16))
@@ -131,13 +137,27 @@ def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out
 
 
 # -- what the kernels decline ----------------------------------------------------------------------
-def _dequantize_supported(q, scale, amax, out_dtype):
-    """Decline a scale or an amax on another device than q (the reference moves the amax)."""
+def _refuse_bounds(**e4m3_bounds) -> None:
+    """NotImplementedError for an E4M3 bound the kernels do not implement (256: 4over6's)."""
+    reason = _unimplemented_option(**e4m3_bounds)
+    if reason:
+        raise NotImplementedError(reason)
+
+
+def _dequantize_supported(q, scale, amax, out_dtype, e4m3_max=448):
+    """Decline the bound 256 and a scale or an amax on another device than q (the reference runs the one, moves the amax)."""
+    reason = _unimplemented_option(e4m3_max=e4m3_max)
+    if reason:
+        return Reject(reason)
     return on_device(q.device, scale=scale, amax=amax) if isinstance(q, torch.Tensor) else True
 
 
-def _gemm_supported(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False):
-    """Decline any tensor on another device than a (the reference moves the amaxes)."""
+def _gemm_supported(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False, a_e4m3_max=448,
+                    b_e4m3_max=448):
+    """Decline a bound 256 and any tensor on another device than a (the reference runs the one, moves the amaxes)."""
+    reason = _unimplemented_option(a_e4m3_max=a_e4m3_max, b_e4m3_max=b_e4m3_max)
+    if reason:
+        return Reject(reason)
     if not isinstance(a, torch.Tensor):
         return True
     return on_device(a.device, b=b, a_scale=a_scale, b_scale=b_scale, a_amax=a_amax, b_amax=b_amax, bias=bias, out=out)

@@ -10,8 +10,10 @@ Per copy (x2d [R, C], its amax), each step one float32 operation in TE's order
 E2M1 rounding compares |y| with the seven midpoints of the grid (a tie goes to the even code, as
 ``cvt.rn``); stochastic rounding draws counter-based bits (lowbias32 hash, see the catalog) so that
 every device gives the same result for a seed. The RHT runs in float64 (exact for 16 terms of
-comparable size) and is rounded once to x's dtype. ``gemm_nvfp4`` dequantizes both operands to
-float32 and runs the reference float32 GEMM.
+comparable size) and is rounded once to x's dtype. 4over6 casts each copy twice (map-to-6: s as above,
+map-to-4: its scale before the E4M3 cast times 1.5, both under the bound ``e4m3_max``: 2688 = 6 * 448 above
+becomes 6 * e4m3_max) and keeps per block the candidate ``_nvfp4_4over6`` picks. ``gemm_nvfp4`` dequantizes
+both operands to float32 and runs the reference float32 GEMM.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from .._fp8 import check_out_dtype
 from .._nvfp4_checks import NVFP4_BLOCK, check_gemm_nvfp4, check_nvfp4_operand, check_quantize_nvfp4
+from ._nvfp4_4over6 import block_errors, keep_map_to_4
 from .gemm import gemm
 
 __all__ = ["quantize_nvfp4", "dequantize_nvfp4", "gemm_nvfp4"]
@@ -39,8 +42,16 @@ _E2M1_NAN_CODE = 7  # NaN -> +6 (cuda_fp4.h: "NaN input values result in positiv
 #: TE's fixed RHT signs (``get_wgrad_sign_vector``; sign mask 0xD7E8)
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 _FP32_MAX = torch.finfo(torch.float32).max
-_GLOBAL_RANGE = E4M3_MAX * E2M1_MAX  # 2688, exact in float32
-_DECODE_FACTOR = struct.unpack("f", struct.pack("f", 1.0 / _GLOBAL_RANGE))[0]  # fp32(1 / 2688), TE's factor_inv
+#: map-to-4's expansion of the block scale under 4over6 (E2M1's 4 then reaches what 6 reaches in map-to-6)
+MAP_TO_4 = 1.5
+
+
+def _fp32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+#: fp32(1 / (6 * e4m3_max)) by the global scale's bound, TE's factor_inv (2688 = 6 * 448, 1536 = 6 * 256)
+_DECODE_FACTORS = {bound: _fp32(1.0 / (E2M1_MAX * bound)) for bound in (448, 256)}
 _U32 = 0xFFFFFFFF
 
 
@@ -54,19 +65,22 @@ def amax_ignoring_nan(t: torch.Tensor, dims=None) -> torch.Tensor:
     return magnitude.amax() if dims is None else magnitude.amax(dim=dims)
 
 
-def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = min(fp32(2688 / amax), fp32_max), 1 where amax = 0 or S_enc = 0 (TE's
-    ``compute_global_encode_scaling_factor_FP4``)."""
-    s_enc = (torch.full_like(amax, _GLOBAL_RANGE) / amax).clamp(max=_FP32_MAX)
+def global_encode_scale(amax: torch.Tensor, e4m3_max: int = 448) -> torch.Tensor:
+    """S_enc = min(fp32((6 * e4m3_max) / amax), fp32_max), 1 where amax = 0 or S_enc = 0 (TE's
+    ``compute_global_encode_scaling_factor_FP4``; 6 * e4m3_max is 2688, or 1536 under 4over6's bound 256)."""
+    s_enc = (torch.full_like(amax, E2M1_MAX * e4m3_max) / amax).clamp(max=_FP32_MAX)
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
-def block_scale_e4m3(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
-    """s = cast_e4m3(min(fp32(fp32(b_amax / 6) * S_enc), 448)) as uint8 bits (round to nearest even, saturating).
+def block_scale_e4m3(block_amax: torch.Tensor, s_enc: torch.Tensor, expand: float = 1.0) -> torch.Tensor:
+    """s = cast_e4m3(min(fp32(fp32(b_amax / 6) * S_enc) [* expand], 448)) as uint8 bits (round to nearest even,
+    saturating); ``expand`` 1.5 gives 4over6's map-to-4 scale (one more float32 product).
 
     The divisor is a tensor: PyTorch's CUDA division by a Python scalar multiplies by its rounded reciprocal.
     """
     s_dec_b = (block_amax / torch.full_like(block_amax, E2M1_MAX)) * s_enc
+    if expand != 1.0:
+        s_dec_b = s_dec_b * expand
     return s_dec_b.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -117,12 +131,15 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes 0..15 (any shape; code 8 is -0)."""
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return torch.cat((magnitudes, -magnitudes))[codes.long()]
+
+
 def decode_e2m1(q: torch.Tensor) -> torch.Tensor:
     """float32 [R, 2 C] values of packed uint8 [R, C] (low nibble first)."""
-    codes = torch.stack((q & 0xF, q >> 4), dim=-1).reshape(q.shape[0], 2 * q.shape[1]).long()
-    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=q.device)
-    values = torch.cat((magnitudes, -magnitudes))
-    return values[codes]
+    return e2m1_values(torch.stack((q & 0xF, q >> 4), dim=-1).reshape(q.shape[0], 2 * q.shape[1]))
 
 
 # -- stochastic rounding bits ----------------------------------------------------------------------
@@ -168,21 +185,47 @@ def rht_rows(x2d: torch.Tensor) -> torch.Tensor:
 
 
 # -- quantize --------------------------------------------------------------------------------------
-def _quantize_copy(x2d: torch.Tensor, amax: torch.Tensor, block_2d: bool,
-                   bits: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _encode(blocks: torch.Tensor, scale: torch.Tensor, s_dec: torch.Tensor, bits: Optional[torch.Tensor]) -> torch.Tensor:
+    """E2M1 codes [R, C] of blocks [R, C / 16, 16] under their scales: e2m1(x * min(1 / (s * S_dec), fp32_max))."""
+    rows, n_blocks, _ = blocks.shape
+    enc = torch.reciprocal(decode_e4m3(scale) * s_dec).clamp(max=_FP32_MAX)
+    return _e2m1_signed_codes((blocks * enc.unsqueeze(-1)).reshape(rows, n_blocks * BLOCK), bits)
+
+
+def _four_over_six(blocks: torch.Tensor, block_amax: torch.Tensor, amax: torch.Tensor, s_enc: torch.Tensor, *,
+                   block_2d: bool, mode: str, e4m3_max: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes [R, C], scale uint8 [R, C / 16]): per block the map-to-4 or the map-to-6 candidate, whichever
+    ``keep_map_to_4`` picks from their errors (module docstring)."""
+    s_dec = torch.reciprocal(s_enc)
+    candidates = []
+    for expand in (MAP_TO_4, 1.0):
+        scale = block_scale_e4m3(block_amax, s_enc, expand)
+        codes = _encode(blocks, scale, s_dec, None)
+        error = block_errors(blocks, e2m1_values(codes).reshape(blocks.shape), decode_e4m3(scale), amax, e4m3_max, mode)
+        candidates.append((codes, scale, error))
+    (codes_4, scale_4, error_4), (codes_6, scale_6, error_6) = candidates
+    map_to_4 = keep_map_to_4(error_4, error_6, block_2d)
+    codes = torch.where(map_to_4.repeat_interleave(BLOCK, dim=1), codes_4, codes_6)
+    return codes, torch.where(map_to_4, scale_4, scale_6)
+
+
+def _quantize_copy(x2d: torch.Tensor, amax: torch.Tensor, block_2d: bool, bits: Optional[torch.Tensor],
+                   four_over_six: Optional[str] = None, e4m3_max: int = 448) -> Tuple[torch.Tensor, torch.Tensor]:
     """(data uint8 [R, C / 2], scale uint8 [R, C / 16]): the NVFP4 copy of x2d [R, C] with its amax (0-d float32)."""
     rows, cols = x2d.shape
-    s_enc = global_encode_scale(amax)
-    s_dec = torch.reciprocal(s_enc)
+    s_enc = global_encode_scale(amax, e4m3_max)
     blocks = x2d.float().reshape(rows, cols // BLOCK, BLOCK)
-    scale = block_scale_e4m3(_block_amax(blocks, block_2d), s_enc)
-    enc = torch.reciprocal(decode_e4m3(scale) * s_dec).clamp(max=_FP32_MAX)
-    y = (blocks * enc.unsqueeze(-1)).reshape(rows, cols)
-    return pack_e2m1(_e2m1_signed_codes(y, bits)), scale
+    block_amax = _block_amax(blocks, block_2d)
+    if four_over_six is not None:
+        codes, scale = _four_over_six(blocks, block_amax, amax, s_enc, block_2d=block_2d, mode=four_over_six, e4m3_max=e4m3_max)
+        return pack_e2m1(codes), scale
+    scale = block_scale_e4m3(block_amax, s_enc)
+    return pack_e2m1(_encode(blocks, scale, torch.reciprocal(s_enc), bits)), scale
 
 
-def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed=None):
-    """NVFP4 cast of x [M, N] into its row-wise copy (blocks along N) and/or column-wise copy (x^T or RHT(x^T)).
+def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed=None, four_over_six=None, e4m3_max=448):
+    """NVFP4 cast of x [M, N] into its row-wise copy (blocks along N) and/or column-wise copy (x^T or RHT(x^T)),
+    with 4over6's choice per block when ``four_over_six`` is "MAE" or "MSE" (global scale bound ``e4m3_max``).
 
     Returns:
         (data uint8 [M, N / 2], scale uint8 [M, N / 16], amax float32 [1], data_t uint8 [N, M / 2],
@@ -190,7 +233,8 @@ def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, s
 
     Raises:
         TypeError: x is not a float32/bfloat16/float16 tensor, a flag is not a bool, seed is not int64.
-        ValueError: x not 2-D, neither copy asked for, a dim not divisible by 16, a seed missing or unwanted.
+        ValueError: x not 2-D, neither copy asked for, a dim not divisible by 16, a seed missing or unwanted,
+            another four_over_six or e4m3_max, e4m3_max 256 without 4over6, 4over6 with rht or stochastic rounding.
 
     Example (one block: 6 -> code 7, -3 -> code 0xD, 0.75 -> 1.0 (tie to even), scale 448 = 0x7E):
 
@@ -199,47 +243,49 @@ def quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, s
     >>> [hex(b) for b in data[0, :2].tolist()], hex(scale.item()), amax.tolist()
     (['0xd7', '0x2'], '0x7e', [6.0])
     """
-    check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed)
+    check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed, four_over_six, e4m3_max)
     row = col = (None, None, None)
     if rowwise:
         amax = amax_ignoring_nan(x)
         bits = random_bits(seed, 0, tuple(x.shape), x.device) if stochastic_rounding else None
-        row = (*_quantize_copy(x, amax, block_2d, bits), amax.reshape(1))
+        row = (*_quantize_copy(x, amax, block_2d, bits, four_over_six, e4m3_max), amax.reshape(1))
     if columnwise:
         x_t = rht_rows(x.t()) if rht else x.t()
         amax_t = amax_ignoring_nan(x_t)
         bits = random_bits(seed, 1, tuple(x_t.shape), x.device) if stochastic_rounding else None
-        col = (*_quantize_copy(x_t, amax_t, block_2d, bits), amax_t.reshape(1))
+        col = (*_quantize_copy(x_t, amax_t, block_2d, bits, four_over_six, e4m3_max), amax_t.reshape(1))
     return (*row, *col)
 
 
 # -- dequantize and GEMM ---------------------------------------------------------------------------
-def _dequantize_f32(q: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """x = e2m1(q) * fp32(fp32(s * amax) * fp32(1 / 2688)) in float32 (TE's dequantize kernel)."""
+def _dequantize_f32(q: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, e4m3_max: int = 448) -> torch.Tensor:
+    """x = e2m1(q) * fp32(fp32(s * amax) * fp32(1 / (6 * e4m3_max))) in float32 (TE's dequantize kernel)."""
     m, k = q.shape[0], 2 * q.shape[1]
-    block_scale = (decode_e4m3(scale) * amax.detach().reshape(()).to(scale.device)) * _DECODE_FACTOR
+    block_scale = (decode_e4m3(scale) * amax.detach().reshape(()).to(scale.device)) * _DECODE_FACTORS[e4m3_max]
     blocks = decode_e2m1(q).reshape(m, k // BLOCK, BLOCK) * block_scale.unsqueeze(-1)
     return blocks.reshape(m, k)
 
 
-def dequantize_nvfp4(q, scale, amax, out_dtype):
-    """x[i, j] = e2m1(q)[i, j] * ((e4m3(scale[i, j // 16]) * amax) * fp32(1 / 2688)), float32, cast to ``out_dtype``.
+def dequantize_nvfp4(q, scale, amax, out_dtype, e4m3_max=448):
+    """x[i, j] = e2m1(q)[i, j] * ((e4m3(scale[i, j // 16]) * amax) * fp32(1 / (6 * e4m3_max))), float32, cast to ``out_dtype``.
 
     Raises:
-        TypeError: q or scale not uint8, amax not float32. ValueError: shapes that do not fit, a bad out_dtype.
+        TypeError: q or scale not uint8, amax not float32. ValueError: shapes that do not fit, a bad out_dtype,
+        e4m3_max other than 448 or 256.
     """
-    check_nvfp4_operand(q, scale, amax, "q")
+    check_nvfp4_operand(q, scale, amax, "q", e4m3_max)
     check_out_dtype(out_dtype)
-    return _dequantize_f32(q, scale, amax).to(out_dtype)
+    return _dequantize_f32(q, scale, amax, e4m3_max).to(out_dtype)
 
 
-def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False):
-    """D = A @ B^T + bias (+ out when ``accumulate``) on the dequantized NVFP4 operands, in float32.
+def gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias=None, out=None, accumulate=False, a_e4m3_max=448,
+               b_e4m3_max=448):
+    """D = A @ B^T + bias (+ out when ``accumulate``) on the dequantized NVFP4 operands (each with its E4M3 bound), in float32.
 
     Raises:
         TypeError / ValueError: as :func:`dequantize_nvfp4` for either operand; K that differ, a bad
         bias / out, accumulate without out (see the reference ``gemm``).
     """
-    check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate)
-    return gemm(_dequantize_f32(a, a_scale, a_amax), _dequantize_f32(b, b_scale, b_amax), bias=bias, trans_b=True,
-                out_dtype=out_dtype, out=out, accumulate=accumulate)
+    check_gemm_nvfp4(a, b, a_scale, b_scale, a_amax, b_amax, out_dtype, bias, out, accumulate, a_e4m3_max, b_e4m3_max)
+    return gemm(_dequantize_f32(a, a_scale, a_amax, a_e4m3_max), _dequantize_f32(b, b_scale, b_amax, b_e4m3_max), bias=bias,
+                trans_b=True, out_dtype=out_dtype, out=out, accumulate=accumulate)
