@@ -54,7 +54,7 @@ def test_current_scaling_casts_max_into_the_amax_of_their_scale(monkeypatch):
     seen = []
     for name in ("quantize", "cast_transpose", "cast_transpose_dbias"):
         op = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *args, _op=op, amax_out: seen.append(amax_out) or _op(*args, amax_out=amax_out))
+        monkeypatch.setattr(ops, name, lambda *args, _op=op, amax_out, **kw: seen.append(amax_out) or _op(*args, amax_out=amax_out, **kw))
     x = randn(16, 32, scale=5.0, dtype=torch.bfloat16)
     quantizer = RecipeState.create(Float8CurrentScaling(), mode="backward", num_gemms=1, device="cpu").make_quantizers()[0]
     quantizer.quantize(x)
