@@ -160,7 +160,6 @@ def test_quantized_model_init_stores_4over6_weights_that_forward_reads_as_they_a
         assert torch.equal(y, plain(x))
 
 
-
 def test_custom_recipe_of_4over6_quantizers_casts_as_the_recipe():
     def factory(role):
         if role.startswith("linear_grad"):
