@@ -117,6 +117,12 @@ def test_other_validation():
         Float8BlockScaling(fp8_gemm_fprop=MMParams(False))
     with pytest.raises(ValueError, match="nvfp4_4over6"):
         NVFP4BlockScaling(nvfp4_4over6="some")
+
+
+def test_nvfp4_4over6_fast_math_env_is_not_silently_ignored(monkeypatch):
+    monkeypatch.setenv("NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH", "1")
+    with pytest.warns(UserWarning, match="FAST_MATH"):
+        NVFP4BlockScaling(nvfp4_4over6="weights")
     with pytest.raises(TypeError, match="qfactory"):
         CustomRecipe()
 

@@ -403,6 +403,9 @@ class NVFP4BlockScaling(Recipe):
         _check_choice(self, "nvfp4_4over6", _NVFP4_4OVER6_TARGETS)
         _check_choice(self, "nvfp4_4over6_e4m3_use_256", _NVFP4_4OVER6_TARGETS)
         _check_choice(self, "nvfp4_4over6_err_mode", _NVFP4_4OVER6_ERR_MODES)
+        if self.nvfp4_4over6 != "none" and _env_flag("NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH"):
+            warnings.warn("NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH=1 is not implemented in TransformerEngine-FL: 4over6 picks each "
+                          "block's candidate by the float32 error (NVIDIA TE's default), not TE's fp16 fast-math one", stacklevel=3)
         if self.fp8_dpa or self.fp8_mha:
             _fail("NVFP4BlockScaling", "fp8_dpa and fp8_mha are not supported with NVFP4")
 
