@@ -185,26 +185,33 @@ def _current(params, group) -> None:
 
 
 def _blockwise(params, group) -> None:
-    tiles, amaxes = [], []
-    for weight, quantizer, shard in params:
-        rows, cols = _matrix_dims(weight.shape)
-        tile = (rows, cols, quantizer.block_len, quantizer.block_len)
-        grid = quantizer.get_scale_shape(weight.shape, columnwise=False)
-        amax = (torch.zeros(grid, dtype=torch.float32, device=weight.device) if shard is None
-                else ops.block_amax_of_range(shard[0], rows, cols, shard[2], tile[2], tile[3]))
-        tiles.append(tile)
-        amaxes.append(amax)
-    packed = torch.cat([amax.reshape(-1) for amax in amaxes])  # one all-reduce for every weight's tiles
+    """Each shard's tile amaxes, MAX-reduced over the ranks in one all-reduce, then each shard cast with the tile
+    scales of the whole weight (see the module docstring)."""
+    amaxes = [_shard_tile_amax(weight, quantizer, shard) for weight, quantizer, shard in params]
+    packed = torch.cat([amax.reshape(-1) for amax in amaxes])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    reduced = packed.split([amax.numel() for amax in amaxes])
-    for (weight, quantizer, shard), (rows, cols, block_rows, block_cols), amax, whole in zip(params, tiles, amaxes, reduced):
+    for (weight, quantizer, shard), amax, whole in zip(params, amaxes, packed.split([a.numel() for a in amaxes])):
+        rows, cols = _matrix_dims(weight.shape)
         values, raw, start = shard if shard is not None else (torch.empty(0, dtype=weight.dtype, device=weight.device), None, 0)
-        q, scale_inv = ops.quantize_blockwise_range(values, whole.view(amax.shape), rows, cols, start, block_rows, block_cols,
-                                                    fp8_torch_dtype(quantizer.dtype), quantizer.force_pow_2_scales,
-                                                    quantizer.amax_epsilon)
+        q, scale_inv = ops.quantize_blockwise_range(
+            values, whole.view(amax.shape), rows=rows, cols=cols, start=start, block_rows=quantizer.block_len,
+            block_cols=quantizer.block_len, fp8_dtype=fp8_torch_dtype(quantizer.dtype), power_2_scale=quantizer.force_pow_2_scales,
+            amax_epsilon=quantizer.amax_epsilon,
+        )
         if raw is not None:
             raw.copy_(q.view(torch.uint8))
         weight._rowwise_scale_inv.copy_(scale_inv)
         if weight._columnwise_data is not None:
             weight.update_usage(columnwise_usage=False)
+
+
+def _shard_tile_amax(weight, quantizer, shard) -> torch.Tensor:
+    """The tile amaxes of this rank's shard of ``weight`` (zeros without a shard), float32 [ceil(M / 128), ceil(K / 128)]."""
+    if shard is None:
+        grid = quantizer.get_scale_shape(weight.shape, columnwise=False)
+        return torch.zeros(grid, dtype=torch.float32, device=weight.device)
+    rows, cols = _matrix_dims(weight.shape)
+    values, _, start = shard
+    return ops.block_amax_of_range(values, rows=rows, cols=cols, start=start, block_rows=quantizer.block_len,
+                                   block_cols=quantizer.block_len)
