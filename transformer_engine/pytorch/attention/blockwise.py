@@ -57,7 +57,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, blocks: Sequence[Tuple[slice, str]], settings):
         out, lse, contexts = None, None, []
         for keys, mask_type in blocks:
-            o_b, lse_b, ctx_b = ops.attention_block_fwd(q, k[:, keys], v[:, keys], block_config(settings, mask_type))
+            o_b, lse_b, ctx_b = ops.attention_block_fwd(q, k[:, keys], v[:, keys], config=block_config(settings, mask_type))
             contexts.append(ctx_b)
             out, lse = merge_block(out, lse, slice(None), o_b, lse_b)
         out = out.to(q.dtype)
@@ -70,8 +70,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dks, dvs = None, [], []
         for (keys, mask_type), ctx_b in zip(ctx.blocks, ctx.contexts):
-            dq_b, dk_b, dv_b, _ = ops.attention_block_bwd(dout, q, k[:, keys], v[:, keys], out, lse, ctx_b,
-                                                          block_config(ctx.settings, mask_type))
+            dq_b, dk_b, dv_b, _ = ops.attention_block_bwd(dout, q, k[:, keys], v[:, keys], out=out, lse=lse, ctx=ctx_b,
+                                                          config=block_config(ctx.settings, mask_type))
             dq = dq_b.float() if dq is None else dq.add_(dq_b)
             dks.append(dk_b)
             dvs.append(dv_b)

@@ -137,8 +137,9 @@ def _ring_forward(q, k, v, bias, settings: CPAttention, ring: _Ring):
         k_blk, v_blk = _unpack(kv, (k, v))
         rows, cols, mask_type, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         block_bias, _ = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
-        o_b, lse_b, ctx_b = ops.attention_block_fwd(q[:, rows], k_blk[:, cols], v_blk[:, cols], block_config(settings, mask_type, block_bias),
-                                                    attn_mask=hidden, attn_bias=block_bias)
+        o_b, lse_b, ctx_b = ops.attention_block_fwd(q[:, rows], k_blk[:, cols], v_blk[:, cols],
+                                                    config=block_config(settings, mask_type, block_bias), attn_mask=hidden,
+                                                    attn_bias=block_bias)
         contexts.append(ctx_b)
         out, lse = merge_block(out, lse, rows, o_b, lse_b)  # step 0 (this rank's own keys) covers every query row
         if arriving is not None:
@@ -159,8 +160,8 @@ def _ring_backward(dout, q, k, v, bias, out, lse, contexts, settings: CPAttentio
         rows, cols, mask_type, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         block_bias, columns = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
         dq_b, dk_b, dv_b, dbias_b = ops.attention_block_bwd(
-            dout[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols], out[:, rows], lse[..., rows], contexts[step],
-            block_config(settings, mask_type, block_bias), attn_mask=hidden, attn_bias=block_bias,
+            dout[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols], out=out[:, rows], lse=lse[..., rows], ctx=contexts[step],
+            config=block_config(settings, mask_type, block_bias), attn_mask=hidden, attn_bias=block_bias,
         )
         dq[:, rows] += dq_b
         if dbias is not None:
