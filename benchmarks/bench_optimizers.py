@@ -22,12 +22,9 @@ import torch
 
 from _harness import backend_policy, base_parser, print_table, time_fn, write_json
 
-HIDDEN = 4096
-
-
-def _shapes(total: int) -> List[tuple]:
+def _shapes(total: int, hidden: int = 4096) -> List[tuple]:
     """Layer-like shapes (q/k/v/o [h, h], fc1 [4h, h], fc2 [h, 4h], two norms [h]) until ``total`` elements."""
-    layer = [(HIDDEN, HIDDEN)] * 4 + [(4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN), (HIDDEN,), (HIDDEN,)]
+    layer = [(hidden, hidden)] * 4 + [(4 * hidden, hidden), (hidden, 4 * hidden), (hidden,), (hidden,)]
     per_layer = sum(torch.Size(s).numel() for s in layer)
     return layer * max(1, round(total / per_layer))
 
@@ -125,12 +122,13 @@ def _measure(optimizer, after, timed: bool) -> tuple:
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=1e9, help="parameter count (elements)")
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size of the layer-like shapes")
     parser.add_argument("--memory-only", action="store_true", help="count the bytes per parameter only (no timing)")
     parser.add_argument("--device", default="cuda", help="where the parameters live (cpu only with --memory-only)")
     args = parser.parse_args()
     if not args.memory_only and not (args.device == "cuda" and torch.cuda.is_available()):
         raise SystemExit("bench_optimizers.py times GPU optimizers: it needs --device cuda and a CUDA GPU (or --memory-only)")
-    shapes = _shapes(int(args.params))
+    shapes = _shapes(int(args.params), args.hidden)
     count = sum(torch.Size(s).numel() for s in shapes)
     rows, results = [], []
     with backend_policy(args.backend):
