@@ -148,11 +148,12 @@ def _shard_bytes(weight: QuantizedTensor, master: torch.Tensor, start: Optional[
 
 
 def _reduce_max(values: List[torch.Tensor], group) -> List[torch.Tensor]:
-    """Elementwise MAX of one-element tensors over the ranks of ``group`` (as they are without a process group)."""
-    packed = torch.stack([v.reshape(()) for v in values])
+    """Elementwise MAX of float32 tensors over the ranks of ``group``, in one all-reduce of them side by side; each
+    result has its value's shape (the values as they are without a process group)."""
+    packed = torch.cat([v.reshape(-1) for v in values])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    return list(packed.unbind())
+    return [part.view(v.shape) for part, v in zip(packed.split([v.numel() for v in values]), values)]
 
 
 def _write_cast(shard, scale: torch.Tensor, fp8_dtype, amax_out: Optional[torch.Tensor] = None) -> None:
@@ -169,7 +170,7 @@ def _delayed(params, group) -> None:
         _write_cast(shard, quantizer.scale, weight._fp8_dtype, quantizer.amax.reshape(()))
     amaxes = [quantizer.amax for _, quantizer, _ in params]
     for amax, reduced in zip(amaxes, _reduce_max(amaxes, group)):
-        amax.copy_(reduced.reshape(amax.shape))
+        amax.copy_(reduced)
     for weight, quantizer, _ in params:
         weight._scale_inv.copy_(quantizer.scale.reshape(weight._scale_inv.shape).reciprocal())
 
@@ -187,15 +188,12 @@ def _current(params, group) -> None:
 def _blockwise(params, group) -> None:
     """Each shard's tile amaxes, MAX-reduced over the ranks in one all-reduce, then each shard cast with the tile
     scales of the whole weight (see the module docstring)."""
-    amaxes = [_shard_tile_amax(weight, quantizer, shard) for weight, quantizer, shard in params]
-    packed = torch.cat([amax.reshape(-1) for amax in amaxes])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    for (weight, quantizer, shard), amax, whole in zip(params, amaxes, packed.split([a.numel() for a in amaxes])):
+    amaxes = _reduce_max([_shard_tile_amax(weight, quantizer, shard) for weight, quantizer, shard in params], group)
+    for (weight, quantizer, shard), amax in zip(params, amaxes):
         rows, cols = _matrix_dims(weight.shape)
         values, raw, start = shard if shard is not None else (torch.empty(0, dtype=weight.dtype, device=weight.device), None, 0)
         q, scale_inv = ops.quantize_blockwise_range(
-            values, whole.view(amax.shape), rows=rows, cols=cols, start=start, block_rows=quantizer.block_len,
+            values, amax, rows=rows, cols=cols, start=start, block_rows=quantizer.block_len,
             block_cols=quantizer.block_len, fp8_dtype=fp8_torch_dtype(quantizer.dtype), power_2_scale=quantizer.force_pow_2_scales,
             amax_epsilon=quantizer.amax_epsilon,
         )
