@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_errors", "keep_map_to_4", "tile_errors"]
+from .._nvfp4_checks import NVFP4_BLOCK as BLOCK
 
-BLOCK = 16
+__all__ = ["block_errors", "keep_map_to_4", "tile_errors"]
 
 
 def block_errors(blocks: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, e4m3_max: int,
