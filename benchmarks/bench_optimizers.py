@@ -22,6 +22,7 @@ import torch
 
 from _harness import backend_policy, base_parser, print_table, time_fn, write_json
 
+
 def _shapes(total: int, hidden: int = 4096) -> List[tuple]:
     """Layer-like shapes (q/k/v/o [h, h], fc1 [4h, h], fc2 [h, 4h], two norms [h]) until ``total`` elements."""
     layer = [(hidden, hidden)] * 4 + [(4 * hidden, hidden), (hidden, 4 * hidden), (hidden,), (hidden,)]
