@@ -26,6 +26,7 @@ from transformer_engine.plugin.core import OpRegistry
 from transformer_engine.plugin.core.catalog import list_specs
 
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 NAN, INF = float("nan"), float("inf")
 
 
@@ -293,6 +294,18 @@ case("gemm", "empty_m", lambda: (rnd(0, 4), rnd(4, 3)))
 case("gemm", "empty_k_bias", lambda: (rnd(2, 0), rnd(0, 3), rnd(3)))
 case("gemm", "nonfinite", lambda: (nonfinite(2, 4), rnd(4, 3)))
 case("gemm", "noncontiguous", lambda: (transposed(2, 4), transposed(4, 3)))
+case("gemm_grouped", "empty_and_nonfinite_splits", lambda: (nonfinite(5, 4), rnd(3, 2, 4), (2, 0, 3)))
+case("gemm_grouped", "fp8_bias_strided_b", lambda: (rnd(6, 16).to(E4M3), transposed(3, 8, 16).to(E4M3), (4, 0, 2),
+                                                    torch.full((3,), 0.5), torch.full((6,), 2.0)[::2], torch.bfloat16, rnd(3, 8)))
+case("gemm_grouped", "empty_m", lambda: (rnd(0, 4), rnd(2, 3, 4), (0, 0)))
+case("gemm_grouped_wgrad", "empty_split_is_zero", lambda: (nonfinite(3, 5), rnd(4, 5), (2, 0, 3)))
+case("gemm_grouped_wgrad", "fp8_noncontiguous", lambda: (transposed(8, 32).to(E4M3), transposed(16, 32).to(E5M2), (16, 16),
+                                                         torch.full((2,), 0.5), torch.ones(2), torch.float32))
+case("gemm_grouped_wgrad", "empty_m", lambda: (rnd(3, 0), rnd(4, 0), (0,)))
+case("cast_transpose_grouped", "empty_splits_nonfinite", lambda: (nonfinite(5, 8), (2, 0, 3), torch.tensor([2.0, 1.0, 0.5]), E4M3))
+case("cast_transpose_grouped", "strided_slots", lambda: (transposed(6, 8, dtype=torch.bfloat16), (4, 2), torch.full((6,), 4.0)[::3], E5M2,
+                                                         torch.tensor([[1.0, 0.0, 0.0, 9e9, 0.0, 0.0]])[0, ::3]))
+case("cast_transpose_grouped", "empty", lambda: (rnd(0, 8), (0, 0), torch.ones(2), E4M3))
 
 NVFP4_PLAIN = (True, True, False, False, False, None)  # rowwise, columnwise, block_2d, rht, stochastic_rounding, seed
 case("quantize_nvfp4", "empty", lambda: (rnd(0, 32), *NVFP4_PLAIN))

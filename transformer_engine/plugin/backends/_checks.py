@@ -38,10 +38,39 @@ __all__ = [
     "check_softmax_input",
     "check_gemm_output",
     "gemm_result_dtype",
+    "check_splits",
+    "check_group_vector",
 ]
 
 _AMAX_ALGOS = ("max", "most_recent")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_splits(m_splits, rows: int, name: str = "m_splits") -> None:
+    """ValueError unless ``m_splits`` is a sequence of G >= 1 non-negative Python ints with sum = ``rows``."""
+    if not isinstance(m_splits, (list, tuple)) or not m_splits:
+        raise ValueError(f"{name}={m_splits!r} must be a list or tuple of >= 1 non-negative ints summing to {rows}")
+    for m in m_splits:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name}={list(m_splits)!r} holds {m!r}; each split must be a non-negative int")
+    if sum(m_splits) != rows:
+        raise ValueError(f"{name}={list(m_splits)!r} sums to {sum(m_splits)}; the splits must sum to {rows} (x's rows)")
+
+
+def check_group_vector(t, groups: int, name: str, device) -> None:
+    """A per-group vector: a float32 1-D tensor of ``groups`` elements on ``device`` (any stride).
+
+    Raises:
+        TypeError: not a tensor, or not float32. ValueError: another shape, or another device.
+    """
+    check_tensor(t, name)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} has dtype {t.dtype}; it must be float32 (one value per split)")
+    if tuple(t.shape) != (groups,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be [{groups}] (one value per split)")
+    expected = torch.device(device)
+    if t.device.type != expected.type or expected.index not in (None, t.device.index):
+        raise ValueError(f"{name} is on {t.device} but must be on {device} (x's device)")
 
 
 def check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype, amax_out=None) -> None:

@@ -41,3 +41,27 @@ def gemm_blockwise(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tenso
     dW = gemm_blockwise(dy^T, x^T), each operand quantized along the GEMM's K.
     Returns: D [M, N].
     """
+
+
+@declare
+def gemm_grouped(a: Tensor, b: Tensor, m_splits: Tuple[int, ...], a_scale_inv: Optional[Tensor] = None, b_scale_inv: Optional[Tensor] = None, out_dtype: Optional[dtype] = None, bias: Optional[Tensor] = None, use_split_accumulator: bool = True) -> Tensor:
+    """G GEMMs over the row splits of a: D[rows of g] = a_g @ b[g]^T + bias[g] (``gemm(a_g, b[g], trans_b=True)`` each).
+
+    a: [M, K] split into G row blocks by ``m_splits`` (non-negative, summing to M); b: [G, N, K] (each b[g] a 2-D
+    operand of any strides, such as views of one weight transpose); bias: None or [G, N]. FP8 operands carry one
+    scale_inv per split, float32 [G] (any stride): a_g's is a_scale_inv[g], b[g]'s b_scale_inv[g]. Accumulation,
+    bias, ``out_dtype`` and ``use_split_accumulator`` as in ``gemm``. A grouped linear layer uses: fprop
+    y = gemm_grouped(x, W) with W [G, N, K]; dgrad dx = gemm_grouped(dy, W^T) with W^T [G, K, N].
+    Returns: D [M, N].
+    """
+
+
+@declare
+def gemm_grouped_wgrad(a_t: Tensor, b_t: Tensor, m_splits: Tuple[int, ...], a_scale_inv: Optional[Tensor] = None, b_scale_inv: Optional[Tensor] = None, out_dtype: Optional[dtype] = None, use_split_accumulator: bool = True) -> Tensor:
+    """G GEMMs over column splits that share K: D[g] = a_t[:, cols of g] @ b_t[:, cols of g]^T.
+
+    a_t: [N, M], b_t: [K, M], their columns split into G blocks by ``m_splits`` (non-negative, summing to M); an
+    empty split gives D[g] = 0. Scales, accumulation and ``out_dtype`` as in ``gemm_grouped``. A grouped linear
+    layer's weight gradients: dW = gemm_grouped_wgrad(dy^T, x^T), dW[g] = dy_g^T @ x_g.
+    Returns: D [G, N, K].
+    """

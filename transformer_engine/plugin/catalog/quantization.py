@@ -59,6 +59,20 @@ def quantize_transposed(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Op
 
 
 @declare(mutates=("amax_out",))
+def cast_transpose_grouped(x: Tensor, m_splits: Tuple[int, ...], scale: Tensor, fp8_dtype: dtype,
+                           amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``cast_transpose`` of the row splits x = [x_0; ...; x_{G-1}] of one tensor, split g with its own scale.
+
+    q[rows of g] = quantize(x_g, scale[g]),  q_t = q^T (the whole matrix: x_g^T is q_t[:, o_g : o_g + m_g]),
+    scale_inv[g] = 1 / scale[g],  amax[g] = max|x_g| (finite; 0 for an empty split)
+    Args: x: [M, K]; m_splits: G >= 1 non-negative row counts summing to M; scale: float32 [G] (any stride);
+    fp8_dtype: as in ``quantize``; amax_out: None, or float32 [G] (any stride) on x's device holding values >= 0
+    (a role's slots of an amax history row): the op then sets amax_out[g] = max(amax_out[g], amax[g]) in place and
+    returns amax_out as amax. Returns: (q [M, K], q_t [K, M], scale_inv [G], amax [G]), float32 vectors.
+    """
+
+
+@declare(mutates=("amax_out",))
 def cast_transpose_dbias(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Optional[Tensor] = None,
                          dbias_dtype: Optional[dtype] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cast_transpose`` of the output gradient plus the bias gradient, from one read of x.

@@ -1,6 +1,7 @@
 """The ``cuda`` vendor backend: what NVIDIA's libraries do best, reached through PyTorch.
 
 - ``gemm``: cuBLASLt FP8 GEMM (``torch._scaled_mm``) and cuBLAS for bf16 / fp16 / fp32;
+- ``gemm_grouped`` / ``gemm_grouped_wgrad``: the G GEMMs of a grouped linear layer (CUTLASS or cuBLASLt per split);
 - ``fused_attn_fwd`` / ``fused_attn_bwd``: PyTorch SDPA (cuDNN / flash), when its module is present;
 - ``attention_block_fwd`` / ``attention_block_bwd``: the same kernels as blocks of blockwise (ring) attention.
 
@@ -19,7 +20,7 @@ from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
 IMPL_ID = "vendor.cuda"
 VENDOR = "cuda"
 PRIORITY = 100
-_FAMILIES = ("gemm", "attention", "attention_block")
+_FAMILIES = ("gemm", "gemm_grouped", "attention", "attention_block")
 
 __all__ = ["register", "IMPL_ID", "VENDOR"]
 

@@ -1,0 +1,114 @@
+"""Reference (pure PyTorch) grouped ops: one call over the G row splits of a mixture-of-experts layer's tokens.
+See plugin/catalog/quantization.py (``cast_transpose_grouped``) and gemm.py (``gemm_grouped*``) for the contract.
+
+Each is the per-split op run G times, so it is the oracle of the single-launch kernels and equals, bit for bit,
+a layer that calls the per-split ops itself:
+
+    cast_transpose_grouped   q[rows of g] = quantize(x_g, scale[g]), q_t = q^T, amax[g] = max|x_g|
+    gemm_grouped             D[rows of g] = gemm(a_g, b[g], trans_b=True) (+ bias[g])
+    gemm_grouped_wgrad       D[g] = gemm(a_t[:, cols of g], b_t[:, cols of g], trans_b=True), 0 for an empty split
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._checks import check_group_vector, check_splits, gemm_result_dtype
+from .._fp8 import check_high_precision, check_tensor, is_fp8
+from .._splits import split_bounds
+from .gemm import gemm
+from .quantization import quantize
+
+__all__ = ["cast_transpose_grouped", "gemm_grouped", "gemm_grouped_wgrad"]
+
+
+def cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None):
+    """``quantize`` of each row split x_g with scale[g] (its amax into amax_out[g]), then q_t = q^T.
+
+    Returns:
+        (q [M, K], q_t [K, M], scale_inv [G], amax [G]) as in the catalog.
+
+    Raises:
+        TypeError / ValueError: as ``quantize``, x not 2-D, splits that do not sum to M, a scale or amax_out
+        that is not float32 [G] on x's device.
+    """
+    check_high_precision(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    check_splits(m_splits, x.shape[0])
+    groups = len(m_splits)
+    check_group_vector(scale, groups, "scale", x.device)
+    if amax_out is not None:
+        check_group_vector(amax_out, groups, "amax_out", x.device)
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scale_invs, amaxes = [], []
+    for g, (start, stop) in enumerate(split_bounds(m_splits)):
+        q[start:stop], scale_inv, amax = quantize(x[start:stop], scale[g], fp8_dtype, None if amax_out is None else amax_out[g])
+        scale_invs.append(scale_inv)
+        amaxes.append(amax)
+    return q, q.t().contiguous(), torch.stack(scale_invs), amax_out if amax_out is not None else torch.stack(amaxes)
+
+
+def _check_grouped_operands(a, b, a_scale_inv, b_scale_inv, groups: int) -> None:
+    """Both operands tensors, FP8 ones with a float32 [G] scale_inv each, none for high-precision ones."""
+    for t, scale_inv, name in ((a, a_scale_inv, "a"), (b, b_scale_inv, "b")):
+        check_tensor(t, name)
+        if is_fp8(t):
+            if scale_inv is None:
+                raise ValueError(f"{name} is FP8 ({t.dtype}) but {name}_scale_inv is None; pass one scale_inv per split")
+            check_group_vector(scale_inv, groups, f"{name}_scale_inv", t.device)
+        elif scale_inv is not None:
+            raise ValueError(f"{name}_scale_inv was given but {name} is {t.dtype}, not FP8; pass {name}_scale_inv=None")
+
+
+def _scale_of(scale_inv: Optional[torch.Tensor], g: int) -> Optional[torch.Tensor]:
+    return None if scale_inv is None else scale_inv[g]
+
+
+def gemm_grouped(a, b, m_splits, a_scale_inv=None, b_scale_inv=None, out_dtype=None, bias=None, use_split_accumulator=True):
+    """D[rows of g] = a_g @ b[g]^T (+ bias[g]) by ``gemm`` per split, in float32 from the dequantized operands.
+
+    Raises:
+        ValueError: a not [M, K] or b not [G, N, K], splits that do not sum to M, bias not [G, N], scales as in
+        ``_check_grouped_operands``, FP8 a without out_dtype.
+    """
+    _check_grouped_operands(a, b, a_scale_inv, b_scale_inv, len(m_splits))
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"gemm_grouped takes a [M, K] and b [G, N, K], got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    check_splits(m_splits, a.shape[0])
+    groups, n, k = b.shape
+    if groups != len(m_splits) or k != a.shape[1]:
+        raise ValueError(f"b {tuple(b.shape)} must be [G={len(m_splits)}, N, K={a.shape[1]}] for a {tuple(a.shape)}")
+    if bias is not None and tuple(bias.shape) != (groups, n):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected [G, N] = [{groups}, {n}]")
+    if out_dtype is None and is_fp8(a):
+        raise ValueError(f"a is FP8 ({a.dtype}), so gemm_grouped needs out_dtype (e.g. torch.bfloat16)")
+    d = torch.empty((a.shape[0], n), dtype=gemm_result_dtype(out_dtype, None, False, default=a.dtype), device=a.device)
+    for g, (start, stop) in enumerate(split_bounds(m_splits)):
+        if stop > start:
+            d[start:stop] = gemm(a[start:stop], b[g], bias=None if bias is None else bias[g], a_scale_inv=_scale_of(a_scale_inv, g),
+                                 b_scale_inv=_scale_of(b_scale_inv, g), trans_b=True, out_dtype=d.dtype)
+    return d
+
+
+def gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv=None, b_scale_inv=None, out_dtype=None, use_split_accumulator=True):
+    """D[g] = a_t[:, cols of g] @ b_t[:, cols of g]^T by ``gemm`` per split; D[g] = 0 for an empty split.
+
+    Raises:
+        ValueError: a_t not [N, M] or b_t not [K, M], splits that do not sum to M, scales as in ``gemm_grouped``.
+    """
+    _check_grouped_operands(a_t, b_t, a_scale_inv, b_scale_inv, len(m_splits))
+    if a_t.dim() != 2 or b_t.dim() != 2 or a_t.shape[1] != b_t.shape[1]:
+        raise ValueError(f"gemm_grouped_wgrad takes a_t [N, M] and b_t [K, M], got {tuple(a_t.shape)} and {tuple(b_t.shape)}")
+    check_splits(m_splits, a_t.shape[1])
+    if out_dtype is None and is_fp8(a_t):
+        raise ValueError(f"a_t is FP8 ({a_t.dtype}), so gemm_grouped_wgrad needs out_dtype (e.g. torch.bfloat16)")
+    dtype = gemm_result_dtype(out_dtype, None, False, default=a_t.dtype)
+    d = torch.zeros((len(m_splits), a_t.shape[0], b_t.shape[0]), dtype=dtype, device=a_t.device)
+    for g, (start, stop) in enumerate(split_bounds(m_splits)):
+        if stop > start:
+            d[g] = gemm(a_t[:, start:stop], b_t[:, start:stop], a_scale_inv=_scale_of(a_scale_inv, g),
+                        b_scale_inv=_scale_of(b_scale_inv, g), trans_b=True, out_dtype=dtype)
+    return d
