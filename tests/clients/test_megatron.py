@@ -149,18 +149,26 @@ def te_spec_tracks_local_spec(steps: int):
     return _train(local, steps), _train(models["te"], steps), _train(models["te_fp8"], steps, fp8=True)
 
 
-def moe_te_spec_tracks_local_spec(steps: int):
-    """(local losses, TE losses) of one MoE GPT (4 experts) built from both specs with the same weights and trained
-    on the same batch: the TE spec's experts are one te.GroupedLinear per projection."""
+def moe_te_spec_tracks_local_spec(steps: int, fp8=None):
+    """(local losses, TE losses, one-call GroupedLinear forwards) of one MoE GPT (4 experts) built from both specs with
+    the same weights and trained on the same batch: the TE spec's experts are one te.GroupedLinear per projection
+    (under FP8, Megatron pads each expert's tokens to a multiple of 16 with Fp8Padding: the one-call FP8 path)."""
+    from transformer_engine.pytorch.module._grouped_fp8_function import GroupedFp8Function
+
     local = _gpt("local", tp=1, experts=4)
     weights = {_te_name(name, moe=True): p.detach().clone() for name, p in local.named_parameters()}
-    te_model = _gpt("te", tp=1, experts=4)
+    te_model = _gpt("te", tp=1, fp8=fp8, experts=4)
     params = dict(te_model.named_parameters())
     assert params.keys() == weights.keys(), sorted(set(params) ^ set(weights))
     with torch.no_grad():
         for key, value in weights.items():
             params[key].copy_(value)
-    return _train(local, steps), _train(te_model, steps)
+    calls, forward = [], GroupedFp8Function.forward
+    GroupedFp8Function.forward = staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args))
+    try:
+        return _train(local, steps), _train(te_model, steps, fp8=fp8 is not None), len(calls)
+    finally:
+        GroupedFp8Function.forward = staticmethod(forward)
 
 
 def cpu_offloading_losses(steps: int):
@@ -234,9 +242,19 @@ def test_te_spec_gpt_at_tensor_parallel_2_matches_one_rank(backend):
 def test_moe_te_spec_with_grouped_gemm_tracks_the_local_spec():
     """MoE layers (4 experts, top-2; Megatron's router moves its weights to the GPU, so no CPU variant): the TE
     spec's grouped GEMM experts compute the losses of Megatron's own expert MLPs with the same weights, float32."""
-    local, te = get_pool(1, "nccl").run(moe_te_spec_tracks_local_spec, 8, timeout=300)[0]
+    local, te, _ = get_pool(1, "nccl").run(moe_te_spec_tracks_local_spec, 8, timeout=300)[0]
     torch.testing.assert_close(torch.tensor(te), torch.tensor(local), rtol=1e-4, atol=1e-5)
     assert min(te[-3:]) < te[0] - 0.5  # and it learns
+
+
+@pytest.mark.gpu
+def test_moe_te_spec_in_fp8_learns_as_the_local_spec():
+    """The same MoE GPT with Megatron's fp8="hybrid" (delayed scaling): its experts' GroupedLinear runs one call per
+    pass (the padded splits), the first loss is float32's to FP8 precision, and it learns."""
+    local, te_fp8, one_call_forwards = get_pool(1, "nccl").run(moe_te_spec_tracks_local_spec, 8, "hybrid", timeout=300)[0]
+    assert one_call_forwards > 0
+    assert te_fp8[0] == pytest.approx(local[0], rel=0.01)
+    assert min(te_fp8[-3:]) < te_fp8[0] - 0.5
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from tests.utils import randn
+from tests.utils import dtype_tols, randn
 from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
 
@@ -76,11 +76,13 @@ def test_equals_separate_linears(recipe_name, dtype, device):
         y_l = _linears_step(linears, x_l.view(-1, IN), recipe).view(y_g.shape)
         y_g.backward(dy)
         y_l.backward(dy)
-        assert y_g.dtype == dtype and torch.equal(y_g, y_l)
-        assert torch.equal(x_g.grad, x_l.grad)
+        one_call = device == "cuda" and recipe_name == "delayed"
+        assert y_g.dtype == dtype
+        _check_equal(y_g, y_l, one_call)
+        _check_equal(x_g.grad, x_l.grad, one_call)
         for i, linear in enumerate(linears):
-            assert torch.equal(getattr(grouped, f"weight{i}").grad, linear.weight.grad), i
-            assert torch.equal(getattr(grouped, f"bias{i}").grad, linear.bias.grad), i
+            _check_equal(getattr(grouped, f"weight{i}").grad, linear.weight.grad, one_call)
+            _check_equal(getattr(grouped, f"bias{i}").grad, linear.bias.grad, one_call)
         assert not getattr(grouped, "weight1").grad.any() and not getattr(grouped, "bias1").grad.any()  # the empty split
         _sgd(grouped.parameters())
         _sgd([p for linear in linears for p in linear.parameters()])
@@ -91,6 +93,18 @@ def test_equals_separate_linears(recipe_name, dtype, device):
             expected = _state(linears, key)
             assert torch.equal(history, expected[0]) and torch.equal(scale, expected[1]), key
             assert history.abs().sum() > 0
+
+
+def _check_equal(grouped: torch.Tensor, linear: torch.Tensor, one_call: bool) -> None:
+    """Bit for bit, but for GroupedLinear's one-call FP8 path on a GPU, whose GEMMs read slices of one operand
+    (cuBLASLt may pick another kernel for another alignment, summing in another order; CUTLASS's grouped GEMM
+    does) and whose bias gradients are column sums in torch rather than in the flagos cast: float32 sums in
+    another order, then one rounding (2^-9 of the largest value: Hopper's FP8 accumulator, see test_gemm.py)."""
+    if not one_call:
+        assert torch.equal(grouped, linear)
+        return
+    scale = linear.abs().max().item()
+    torch.testing.assert_close(grouped, linear, rtol=max(dtype_tols(grouped.dtype)["rtol"], 2.0**-9), atol=2.0**-9 * scale + 1e-6)
 
 
 def test_parameters_and_bias_options():

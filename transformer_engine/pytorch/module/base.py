@@ -34,7 +34,6 @@ from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import ops
 
 from ..quantization.autocast import current_config, forward_amax_buffer, register_states
-from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.model_init import model_init_config
 from ..quantization.quantizer import IDENTITY, Quantizer
 from ..quantization.recipe_state import RecipeState, reserve_delayed_tensors, reserved_fit
@@ -158,7 +157,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.name = name
         self._param_init: Dict[str, Callable[[torch.Tensor], None]] = {}
         self._fp8_weight_gemms: Dict[str, int] = {}  # GEMM weight name -> its GEMM (stored in FP8 under quantized_model_init)
-        self._weight_cache: Dict[str, Float8Tensor] = {}
+        self._weight_cache: Dict[str, object] = {}  # FP8 weight copies kept across microbatches (is_first_microbatch)
         self._fp8_gemms: Tuple[GemmQuantizers, ...] = ()  # self._slot_quantizers grouped per GEMM, see _states_installed
         self._rng = (get_rng_state_tracker, rng_tracker_name)
         init = model_init_config()

@@ -9,13 +9,22 @@ import torch
 
 from ..parallel.tensor_parallel import local_features, megatron_attributes
 from ..quantization.autocast import current_config
+from ..quantization.quantizer import Float8Quantizer
 from ._checks import check_sizes
 from ._common import apply_without_torch_autocast, cast
+from ._fp8_meta import ForwardQuantization
+from ._grouped_fp8_function import GroupedFp8Args, GroupedFp8Function, GroupedFp8Weights, cast_weights
 from ._grouped_linear_function import GroupedLinearArgs, GroupedLinearFunction
 from ._params import default_init_method
-from .base import ParallelConfig, TransformerEngineBaseModule, check_saved_input, check_unsupported, default_device, resolve_params_dtype
+from .base import (
+    _DEFAULT_FIRST_MICROBATCH, ParallelConfig, TransformerEngineBaseModule, check_saved_input, check_unsupported, default_device,
+    resolve_params_dtype,
+)
 
 __all__ = ["GroupedLinear"]
+
+
+_GROUPED_WEIGHTS = "grouped_fp8_weights"  # the weight cache's key of the one-call path's FP8 weights
 
 
 def _zeros(t: torch.Tensor) -> None:
@@ -197,6 +206,13 @@ class GroupedLinear(TransformerEngineBaseModule):
         q = self._prepare_quantization(inp.device, [("weight", weights[0].shape)])
         if self.save_original_input:
             check_saved_input("GroupedLinear", q.gemms[0].input)
+        biases = [None] * self.num_gemms if self.return_bias else biases
+        if self._one_call_per_pass(q, splits, weights, out, dgrad_out):
+            args = GroupedFp8Args(dtype=act_dtype, m_splits=splits, weights=self._fp8_weights(weights, is_first_microbatch),
+                                  fwd_state=self.fp8_meta["scaling_fwd"], bwd_state=self.fp8_meta["scaling_bwd"],
+                                  split_accumulator=q.split_accumulator, backward_update=q.backward_update)
+            out = apply_without_torch_autocast(GroupedFp8Function, inp.device, inp, args, *weights, *biases)
+            return self._with_bias(out, act_dtype)
         args = GroupedLinearArgs(
             dtype=act_dtype,
             quantization=q,
@@ -208,11 +224,41 @@ class GroupedLinear(TransformerEngineBaseModule):
             out=out,
             dgrad_out=dgrad_out,
         )
-        out = apply_without_torch_autocast(GroupedLinearFunction, inp.device, inp, args, *weights,
-                                           *([None] * self.num_gemms if self.return_bias else biases))
+        out = apply_without_torch_autocast(GroupedLinearFunction, inp.device, inp, args, *weights, *biases)
+        return self._with_bias(out, act_dtype)
+
+    def _with_bias(self, out: torch.Tensor, act_dtype: torch.dtype):
+        """y, or (y, [b_i in the activation dtype]) with ``return_bias``."""
         if self.return_bias:
-            return out, [cast(b, act_dtype) for b in biases]
+            return out, [cast(getattr(self, name), act_dtype) for name in self._bias_names]
         return out
+
+    def _one_call_per_pass(self, q: ForwardQuantization, splits: Tuple[int, ...], weights, out, dgrad_out) -> bool:
+        """Whether this call runs :class:`GroupedFp8Function` (every split's cast in one launch, one grouped GEMM a pass)
+        rather than a GEMM per split: eager FP8 delayed scaling on high-precision weights, splits and features that
+        are multiples of 16 (FP8 GEMM alignment), and none of the options that act per split (main_grad
+        accumulation, delayed or recomputed wgrads, preallocated buffers)."""
+        gemm = q.gemms[0]
+        return (
+            type(gemm.input) is Float8Quantizer and type(gemm.weight) is Float8Quantizer
+            and type(gemm.grad_output) is Float8Quantizer and not torch.compiler.is_compiling() and not self.primary_weights_in_fp8
+            and not (self.save_original_input or self.fuse_wgrad_accumulation or self.wgrad_store.delay_wgrad_compute())
+            and out is None and dgrad_out is None and all(m % 16 == 0 for m in splits)
+            and self.in_features % 16 == 0 and self.out_features % 16 == 0 and weights[0].dim() == 2
+        )
+
+    def _fp8_weights(self, weights, is_first_microbatch: Optional[bool]) -> GroupedFp8Weights:
+        """The weights in FP8 for the one-call path, cached per TE's ``is_first_microbatch`` rule (as per split): None
+        casts, True casts and caches, False reuses the cache (recording no amax), casting if there is none yet."""
+        if is_first_microbatch is None:
+            is_first_microbatch = _DEFAULT_FIRST_MICROBATCH[0]
+        cached = self._weight_cache.get(_GROUPED_WEIGHTS)
+        if is_first_microbatch is False and isinstance(cached, GroupedFp8Weights):
+            return cached
+        fp8_weights = cast_weights(self.fp8_meta["scaling_fwd"], weights)
+        if is_first_microbatch is not None:
+            self._weight_cache[_GROUPED_WEIGHTS] = fp8_weights
+        return fp8_weights
 
 
 def _check_buffer(name: str, buffer: Optional[torch.Tensor], inp: torch.Tensor, shape: Tuple[int, int], dtype: torch.dtype) -> None:

@@ -1,0 +1,157 @@
+"""GroupedLinear's one-call-per-pass FP8 path (``_grouped_fp8_function``): when it runs, and that it equals the
+per-split path (bit for bit on the reference backend, to FP8 GEMM rounding on a GPU)."""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from tests.utils import randn
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_engine.pytorch.module import _grouped_fp8_function
+from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
+
+SPLITS = [32, 0, 48, 16]  # multiples of 16, one empty
+IN, OUT = 64, 32
+FORMATS = {"hybrid": Format.HYBRID, "e4m3": Format.E4M3}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The number of GroupedFp8Function.forward calls so far (a list holding one count)."""
+    count = [0]
+    forward = _grouped_fp8_function.GroupedFp8Function.forward
+
+    def counted(ctx, *args):
+        count[0] += 1
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(_grouped_fp8_function.GroupedFp8Function, "forward", staticmethod(counted))
+    return count
+
+
+def _step(layer, x, splits, recipe, **kwargs):
+    with te.autocast(recipe=recipe):
+        return layer(x, splits, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "splits, recipe, kwargs, expected",
+    [
+        (SPLITS, DelayedScaling(), {}, 1),
+        ([40, 0, 40, 16], DelayedScaling(), {}, 0),  # 40 rows: not an FP8 GEMM's multiple of 16
+        (SPLITS, Float8CurrentScaling(), {}, 0),  # current scaling casts per split
+        (SPLITS, DelayedScaling(), {"is_first_microbatch": True}, 1),  # the FP8 weights cached for the next microbatches
+    ],
+)
+def test_which_path_runs(calls, splits, recipe, kwargs, expected):
+    layer = GroupedLinear(len(splits), IN, OUT)
+    _step(layer, randn(sum(splits), IN), splits, recipe, **kwargs).sum().backward()
+    assert calls[0] == expected
+
+
+@pytest.mark.parametrize("option", ["fuse_wgrad_accumulation", "delay_wgrad_compute"])
+def test_options_acting_per_split_take_the_split_path(calls, option):
+    layer = GroupedLinear(len(SPLITS), IN, OUT, **{option: True})
+    _step(layer, randn(sum(SPLITS), IN), SPLITS, DelayedScaling())
+    assert calls[0] == 0
+
+
+def test_cached_weights_serve_later_microbatches(calls):
+    """is_first_microbatch=False reuses the FP8 weights of the first microbatch (a changed weight is not seen) and
+    records no weight amax, on the one-call path as per split."""
+    layer = GroupedLinear(len(SPLITS), IN, OUT)
+    x = randn(sum(SPLITS), IN)
+    with te.autocast(recipe=DelayedScaling()):
+        first = layer(x, SPLITS, is_first_microbatch=True)
+        with torch.no_grad():
+            layer.weight0.add_(1.0)
+        history = layer.fp8_meta["scaling_fwd"].amax_history
+        weight_amaxes = history[0, 1::3].clone()
+        again = layer(x, SPLITS, is_first_microbatch=False)
+        assert torch.equal(history[0, 1::3], weight_amaxes)
+    assert torch.equal(first, again) and calls[0] == 2
+
+
+def _twin_layers(dtype, device, bias, return_bias=False):
+    torch.manual_seed(1)
+    one_call = GroupedLinear(len(SPLITS), IN, OUT, bias=bias, return_bias=return_bias, params_dtype=dtype, device=device)
+    per_split = GroupedLinear(len(SPLITS), IN, OUT, bias=bias, return_bias=return_bias, params_dtype=dtype, device=device)
+    per_split.load_state_dict(one_call.state_dict())
+    with torch.no_grad():
+        for a, b in zip(one_call.parameters(), per_split.parameters()):
+            a.normal_()
+            b.copy_(a)
+    per_split._one_call_per_pass = lambda *args: False
+    return one_call, per_split
+
+
+def _train(layer, xs, dys, recipe, return_bias):
+    """Outputs, input / parameter gradients and the scaling state of three SGD steps."""
+    outputs, grads = [], []
+    for x, dy in zip(xs, dys):
+        x = x.clone().requires_grad_()
+        y = _step(layer, x, SPLITS, recipe)
+        if return_bias:
+            y, biases = y
+            outputs.extend(biases)
+        y.backward(dy)
+        outputs.append(y.detach())
+        grads.extend([x.grad] + [p.grad.clone() for p in layer.parameters() if p.grad is not None])
+        with torch.no_grad():
+            for p in layer.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    states = [t.clone() for key in ("scaling_fwd", "scaling_bwd")
+              for t in (layer.fp8_meta[key].scale, layer.fp8_meta[key].amax_history)]
+    return outputs, grads, states
+
+
+def _compare(dtype, device, fmt, bias, return_bias, check):
+    one_call, per_split = _twin_layers(dtype, device, bias, return_bias)
+    recipe = DelayedScaling(fp8_format=FORMATS[fmt], amax_history_len=4)
+    xs = [randn(sum(SPLITS) // 2, 2, IN, dtype=dtype, device=device) for _ in range(3)]
+    dys = [randn(sum(SPLITS) // 2, 2, OUT, dtype=dtype, device=device) for _ in range(3)]
+    for got, want in zip(_train(one_call, xs, dys, recipe, return_bias), _train(per_split, xs, dys, recipe, return_bias)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            check(a, b)
+
+
+def _bitwise(a, b):
+    assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias, return_bias", [(True, False), (False, False), (True, True)])
+def test_equals_the_per_split_path_on_the_reference_backend(fmt, dtype, bias, return_bias):
+    _compare(dtype, "cpu", fmt, bias, return_bias, _bitwise)
+
+
+def test_under_torch_autocast():
+    """fp32 parameters under torch.autocast(bfloat16): the GEMMs in bf16, the gradients in float32, as per split."""
+    one_call, per_split = _twin_layers(torch.float32, "cpu", bias=True)
+    x, dy = randn(sum(SPLITS), IN), randn(sum(SPLITS), OUT)
+    results = []
+    for layer in (one_call, per_split):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = _step(layer, x, SPLITS, DelayedScaling())
+        y.backward(dy.bfloat16())
+        results.append([y] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):
+        _bitwise(a, b)
+    assert results[0][0].dtype == torch.bfloat16 and results[0][1].dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("bias", [True, False])
+def test_equals_the_per_split_path_on_a_gpu(fmt, bias):
+    """The grouped casts are bit-exact; the grouped GEMM (CUTLASS, E4M3 without bias) may round its products
+    otherwise than cuBLASLt: outputs and gradients within a bf16 unit, the scaling state equal."""
+    def close(a, b):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3)
+
+    _compare(torch.bfloat16, "cuda", fmt, bias, False, close)
