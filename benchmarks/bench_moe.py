@@ -1,8 +1,8 @@
 """Mixture-of-experts pieces against plain PyTorch: GroupedLinear and parallel_cross_entropy.
 
 - ``te.GroupedLinear`` (8 experts, uneven splits of 16384 tokens, 4096 -> 4096), fwd+bwd, bf16 and FP8
-  (delayed and current scaling), against a loop of bf16 ``nn.Linear`` over the same splits; the
-  "time-rate" is the loop's time over ours.
+  (delayed scaling in the HYBRID and E4M3 formats, current scaling), with and without biases, against a loop
+  of bf16 ``nn.Linear`` over the same splits; the "time-rate" is the loop's time over ours.
 - ``te.parallel_cross_entropy`` on one GPU (vocab 131072, 8192 tokens, bf16 logits), fwd+bwd, against
   ``F.cross_entropy`` on the same logits: time and the peak memory a step adds.
 
@@ -22,36 +22,46 @@ VOCAB, CE_TOKENS = 131072, 8192
 
 
 def _recipes():
-    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
-    return {"bf16": None, "fp8 delayed": DelayedScaling(amax_history_len=16), "fp8 current": Float8CurrentScaling()}
+    return {
+        "bf16": None,
+        "fp8 delayed": DelayedScaling(amax_history_len=16),
+        "fp8 delayed e4m3": DelayedScaling(fp8_format=Format.E4M3, amax_history_len=16),
+        "fp8 current": Float8CurrentScaling(),
+    }
 
 
 def grouped_linear_rows():
+    """Each precision with and without biases (mixture-of-experts layers mostly have none), against the loop of
+    ``nn.Linear`` with the same biases."""
     import transformer_engine.pytorch as te
 
     assert sum(SPLITS) == TOKENS and len(SPLITS) == EXPERTS
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    linears = [torch.nn.Linear(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(EXPERTS)]
+    rows, results = [], {}
+    for bias in (True, False):
+        linears = [torch.nn.Linear(HIDDEN, HIDDEN, bias=bias, device="cuda", dtype=torch.bfloat16) for _ in range(EXPERTS)]
 
-    def loop_step():
-        y = torch.cat([linear(part) for linear, part in zip(linears, x.split(SPLITS))])
-        y.backward(dy)
+        def loop_step():
+            y = torch.cat([linear(part) for linear, part in zip(linears, x.split(SPLITS))])
+            y.backward(dy)
 
-    baseline = time_fn(loop_step, warmup=5, iters=20)
-    rows = [["loop of nn.Linear", "bf16", f"{baseline:.3f}", "1.00x"]]
-    grouped = te.GroupedLinear(EXPERTS, HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda")
-    results = {"loop_bf16_ms": baseline}
-    for name, recipe in _recipes().items():
-        forward = under_autocast(lambda inp: grouped(inp, SPLITS), recipe)
+        baseline = time_fn(loop_step, warmup=5, iters=20)
+        suffix = "" if bias else " no bias"
+        rows.append([f"loop of nn.Linear{suffix}", "bf16", f"{baseline:.3f}", "1.00x"])
+        results[f"loop_bf16{suffix.replace(' ', '_')}_ms"] = baseline
+        grouped = te.GroupedLinear(EXPERTS, HIDDEN, HIDDEN, bias=bias, params_dtype=torch.bfloat16, device="cuda")
+        for name, recipe in _recipes().items():
+            forward = under_autocast(lambda inp: grouped(inp, SPLITS), recipe)
 
-        def step():
-            forward(x).backward(dy)
+            def step():
+                forward(x).backward(dy)
 
-        ms = time_fn(step, warmup=5, iters=20)
-        results[f"grouped_{name}_ms"] = ms
-        rows.append(["te.GroupedLinear", name, f"{ms:.3f}", f"{baseline / ms:.2f}x"])
+            ms = time_fn(step, warmup=5, iters=20)
+            results[f"grouped_{name}{suffix}_ms".replace(" ", "_")] = ms
+            rows.append([f"te.GroupedLinear{suffix}", name, f"{ms:.3f}", f"{baseline / ms:.2f}x"])
     return rows, results
 
 
