@@ -1,5 +1,5 @@
 """The row splits of a grouped op: their bounds on the host, and on the device ends[g] = m_0 + ... + m_g and the
-sizes m_g, built once per (splits, device).
+split of each row, built once per (splits, device).
 
 Grouped kernels (``cast_transpose_grouped``, the grouped GEMM) find the split g of row r as the number of
 ends <= r. The splits of a mixture-of-experts layer repeat from step to step, so the device vectors are
@@ -14,9 +14,10 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-__all__ = ["split_bounds", "split_ends", "split_sizes"]
+__all__ = ["split_bounds", "split_ends", "split_of_rows"]
 
-_CACHED_SPLITS = 16  # distinct (splits, device) pairs kept on the devices
+_CACHED_SPLITS = 16  # distinct (splits, device) pairs whose ends are kept on the devices
+_CACHED_ROWS = 4  # ... and whose row index is
 
 
 def split_bounds(m_splits: Sequence[int]) -> List[Tuple[int, int]]:
@@ -24,20 +25,29 @@ def split_bounds(m_splits: Sequence[int]) -> List[Tuple[int, int]]:
     return [(stop - m, stop) for m, stop in zip(m_splits, accumulate(m_splits))]
 
 
-def split_sizes(m_splits: Sequence[int], device) -> torch.Tensor:
-    """int64 [G] on ``device``: the sizes m_g (``repeat_interleave``'s repeats); do not write it."""
-    return _on_device(tuple(m_splits), torch.device(device), cumulative=False)
+def split_of_rows(m_splits: Sequence[int], device) -> torch.Tensor:
+    """int32 [M] on ``device``: the split each row belongs to (an index that spreads per-split values over the rows
+    in one gather); do not write it. Few are kept (M entries each): a forward's and its backward's."""
+    return _rows_on(tuple(m_splits), torch.device(device))
 
 
 def split_ends(m_splits: Sequence[int], device) -> torch.Tensor:
     """int32 [G] on ``device``: ends[g] = sum(m_splits[: g + 1]) (the callers checked the splits); do not write it."""
-    return _on_device(tuple(m_splits), torch.device(device), cumulative=True)
+    return _ends_on(tuple(m_splits), torch.device(device))
 
 
-@functools.lru_cache(maxsize=2 * _CACHED_SPLITS)
-def _on_device(m_splits: tuple, device: torch.device, cumulative: bool) -> torch.Tensor:
-    sizes = torch.tensor(m_splits, dtype=torch.int64)
-    host = sizes.cumsum(0).to(torch.int32) if cumulative else sizes
+@functools.lru_cache(maxsize=_CACHED_SPLITS)
+def _ends_on(m_splits: tuple, device: torch.device) -> torch.Tensor:
+    return _to_device(torch.tensor(m_splits, dtype=torch.int64).cumsum(0).to(torch.int32), device)
+
+
+@functools.lru_cache(maxsize=_CACHED_ROWS)
+def _rows_on(m_splits: tuple, device: torch.device) -> torch.Tensor:
+    rows = torch.arange(len(m_splits), dtype=torch.int32).repeat_interleave(torch.tensor(m_splits, dtype=torch.int64))
+    return _to_device(rows, device)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_available():  # pinned: the copy is queued on the stream, no host sync
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)

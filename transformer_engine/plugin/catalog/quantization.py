@@ -114,6 +114,16 @@ def current_scale(x: Tensor, fp8_dtype: dtype, amax_epsilon: float = 0.0, power_
 
 
 @declare
+def current_scale_grouped(x: Tensor, m_splits: Tuple[int, ...], fp8_dtype: dtype, amax_epsilon: float = 0.0,
+                          power_2_scale: bool = False) -> Tuple[Tensor, Tensor]:
+    """``current_scale`` of each row split x_g of x [M, K] (``m_splits``: G >= 1 non-negative row counts summing to M).
+
+    amax[g] = max|x_g| over finite elements (0 for an empty split), scale[g] = scale_from_amax(amax[g], ...).
+    Returns: (scale [G], amax [G]), float32 on x's device.
+    """
+
+
+@declare
 def quantize_blockwise(x: Tensor, fp8_dtype: dtype, block_rows: int, block_cols: int, power_2_scale: bool, amax_epsilon: float) -> Tuple[Tensor, Tensor]:
     """Block-scaled FP8 cast of a 2-D tensor: one scale per ``block_rows x block_cols`` tile.
 

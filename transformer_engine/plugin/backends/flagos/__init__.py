@@ -27,7 +27,7 @@ import triton  # noqa: F401  (ImportError here disables the backend, by design)
 from transformer_engine.plugin.backends._registration import impls_from_modules, register_torch_capability_probe
 from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
 
-from . import activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, quantization_blockwise, rope, softmax
+from . import activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, quantization_blockwise, quantization_grouped, rope, softmax
 
 IMPL_ID = "flagos.triton"
 
@@ -36,7 +36,7 @@ __all__ = ["register", "IMPL_ID", "capabilities"]
 
 def _modules():
     """The kernel modules to register; attention joins when its module exists."""
-    modules = [activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, quantization_blockwise, rope, softmax]
+    modules = [activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, quantization_blockwise, quantization_grouped, rope, softmax]
     if importlib.util.find_spec(f"{__name__}.attention") is not None:
         try:
             modules.append(importlib.import_module(f"{__name__}.attention"))

@@ -1,6 +1,6 @@
-"""Per-tensor FP8 casts in Triton: quantize, dequantize, cast_transpose(_dbias, _grouped), quantize_transposed,
+"""Per-tensor FP8 casts in Triton: quantize, dequantize, cast_transpose(_dbias), quantize_transposed,
 fp8_transpose, compute_amax, current_scale (the delayed-scaling update: ``delayed_scaling.py``; block
-scaling: ``quantization_blockwise.py``).
+scaling: ``quantization_blockwise.py``; the grouped forms over row splits: ``quantization_grouped.py``).
 
 Math (plugin/catalog/quantization.py), float32 throughout:
 
@@ -8,9 +8,6 @@ Math (plugin/catalog/quantization.py), float32 throughout:
                     amax = max |x| over the finite elements of x
     dequantize      x = q * scale_inv, cast to out_dtype
     cast_transpose  q as quantize and q_t = q^T, both written from one read of each x tile
-    cast_transpose_grouped
-                    cast_transpose of the row splits x_g of x in one launch: rows of split g cast with
-                    scale[g], amax[g] = max |x_g|, q_t the transpose of the whole q
     quantize_transposed
                     q_t alone (the same kernel, the row-major store left out)
     cast_transpose_dbias
@@ -38,8 +35,6 @@ import triton.language as tl
 from transformer_engine.plugin.backends._checks import (
     check_amax_epsilon,
     check_dbias_dtype,
-    check_group_vector,
-    check_splits,
 )
 from transformer_engine.plugin.backends._fp8 import (
     check_amax_out,
@@ -50,7 +45,6 @@ from transformer_engine.plugin.backends._fp8 import (
     check_tensor,
     is_fp8,
 )
-from transformer_engine.plugin.backends._splits import split_ends
 from transformer_engine.plugin.core import Reject
 
 from ._column_sums import column_sums
@@ -68,14 +62,13 @@ from ._common import (
     fp8_format,
     fp8_outputs,
     hw_fp8_cast,
-    next_power_of_2,
     rows_contiguous,
     stream_counters,
 )
 from ._launch import cached_launch
 
 __all__ = [
-    "quantize", "dequantize", "cast_transpose", "quantize_transposed", "cast_transpose_dbias", "cast_transpose_grouped",
+    "quantize", "dequantize", "cast_transpose", "quantize_transposed", "cast_transpose_dbias",
     "fp8_transpose", "compute_amax", "current_scale",
 ]
 
@@ -112,6 +105,24 @@ def _quantize_kernel(
     _amax_commit(amax_ptr, _finite_abs(x))  # masked lanes hold 0
 
 
+@triton.jit
+def _current_scale_of(amax_bits, amax_epsilon, FP8_MAX: tl.constexpr, POWER_2: tl.constexpr):
+    """``scale_from_amax`` of amaxes given as int32 bit patterns (any shape; finite and >= 0 by construction).
+
+    scale = fp8_max / max(amax, eps), 1 for amax = 0, float32 max on overflow, with POWER_2 2^floor(log2(scale)).
+    """
+    # the correctly rounded float32 quotient via float64, as in the delayed-scaling update; usable
+    # amax on the bit pattern: 0 < amax < inf (finite by construction, a subnormal counts)
+    usable = amax_bits > 0
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    quotient = FP8_MAX / tl.where(usable, tl.maximum(amax, amax_epsilon), 1.0).to(tl.float64)
+    scale = tl.minimum(quotient, 3.4028234663852886e38).to(tl.float32)  # overflow: float32 max
+    scale = tl.where(usable, scale, 1.0)
+    if POWER_2:  # 2^floor(log2(scale)): the exponent bits alone (every reachable scale is normal)
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
 @cached_launch
 @triton.jit
 def _current_scale_kernel(
@@ -130,7 +141,7 @@ def _current_scale_kernel(
     Each program commits its max, then (after a barrier, so the commit of whichever thread made it
     comes first) counts itself done with an acq_rel atomic: the program that counts last sees every
     committed max, takes amax and zeroes both counters for the next launch on the stream (no other
-    program touches them again), and writes amax and scale = fp8_max / max(amax, eps) by the catalog's rules.
+    program touches them again), and writes amax and its scale (``_current_scale_of``).
     """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
@@ -139,17 +150,8 @@ def _current_scale_kernel(
     if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         amax_bits = tl.atomic_xchg(counters_ptr, 0, sem="acquire")  # the final value, the counter zeroed
         tl.atomic_xchg(counters_ptr + 1, 0)
-        amax = amax_bits.to(tl.float32, bitcast=True)
-        tl.store(amax_ptr, amax)
-        # the correctly rounded float32 quotient via float64, as in the delayed-scaling update; usable
-        # amax on the bit pattern: 0 < amax < inf (finite by construction, a subnormal counts)
-        usable = amax_bits > 0
-        quotient = FP8_MAX / tl.where(usable, tl.maximum(amax, amax_epsilon), 1.0).to(tl.float64)
-        scale = tl.minimum(quotient, 3.4028234663852886e38).to(tl.float32)  # overflow: float32 max
-        scale = tl.where(usable, scale, 1.0)
-        if POWER_2:  # 2^floor(log2(scale)): the exponent bits alone (every reachable scale is normal)
-            scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        tl.store(scale_ptr, scale)
+        tl.store(amax_ptr, amax_bits.to(tl.float32, bitcast=True))
+        tl.store(scale_ptr, _current_scale_of(amax_bits, amax_epsilon, FP8_MAX, POWER_2))
 
 
 @cached_launch
@@ -215,68 +217,6 @@ def _cast_transpose_kernel(
         tl.store(partials_ptr + tile_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
     _amax_commit(amax_ptr, tl.max(_finite_abs(x), axis=1))  # masked lanes hold 0
     _scale_inv_store(scale_inv_ptr, scale)
-
-
-@cached_launch
-@triton.jit
-def _cast_transpose_grouped_kernel(
-    x_ptr,  # *x [M, N], row stride stride_xm, unit column stride
-    q_ptr,  # *uint8 view of q [M, N], contiguous
-    qt_ptr,  # *uint8 view of q_t [N, M], contiguous
-    ends_ptr,  # *int32 [G]: ends[g] = m_0 + ... + m_g (split g holds rows ends[g] - m_g .. ends[g] - 1)
-    scale_ptr,  # *float32 [G], stride stride_scale
-    scale_inv_ptr,  # *float32 [G], stride stride_scale_inv: receives 1 / scale
-    amax_ptr,  # *int32 view of amax [G], stride stride_amax, values >= 0: receives the bits of max |x_g| (finite)
-    M,  # rows of x
-    N,  # columns of x
-    G,  # splits
-    stride_xm,  # elements between rows of x
-    stride_scale,  # elements between the scales
-    stride_scale_inv,  # elements between the scale_inv entries
-    stride_amax,  # elements between the amax entries
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GP: tl.constexpr,  # next power of two >= G
-    LOAD_TRANSPOSED: tl.constexpr,  # q_t encoded from a second load of the tile in transposed order (float32 x)
-    FP8_MAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EBIAS: tl.constexpr,
-    HW_CAST: tl.constexpr,
-):
-    """``_cast_transpose_kernel`` with a scale per row: row r is in split g(r) = #{g : ends[g] <= r}.
-
-    A tile may straddle splits (empty ones included): its rows gather scale[g(r)], and each split g(first
-    row) .. g(last row) gets one atomic of the max over its rows. Program 0 writes every scale_inv.
-    """
-    pid = tl.program_id(0)
-    tiles_n = tl.maximum(tl.cdiv(N, BLOCK_N), 1)  # N = 0: one program still runs
-    first_row = (pid // tiles_n) * BLOCK_M
-    rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = ((pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    in_rows = rows < M
-    mask = in_rows[:, None] & (cols < N)[None, :]
-    groups = tl.arange(0, GP)
-    ends = tl.load(ends_ptr + groups, mask=groups < G, other=M)  # padding ends at M: no row r < M passes them
-    row_group = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-    scale = tl.load(scale_ptr + row_group * stride_scale, mask=in_rows, other=1.0)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    code = _fp8_encode(x * scale[:, None], FP8_MAX, MBITS, EBIAS, HW_CAST)
-    tl.store(q_ptr + rows[:, None] * N + cols[None, :], code, mask=mask)
-    if LOAD_TRANSPOSED:
-        x_t = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None], mask=tl.trans(mask), other=0.0).to(tl.float32)
-        code_t = _fp8_encode(x_t * scale[None, :], FP8_MAX, MBITS, EBIAS, HW_CAST)
-        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], code_t, mask=tl.trans(mask))
-    else:
-        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
-    row_amax = tl.max(_finite_abs(x), axis=1)  # masked lanes hold 0
-    last_row = tl.minimum(first_row + BLOCK_M, M) - 1  # -1 for M = 0: no split below
-    first_group = tl.sum((ends <= first_row).to(tl.int32), axis=0)
-    last_group = tl.sum((ends <= last_row).to(tl.int32), axis=0)
-    for g in range(first_group, last_group + 1):
-        _amax_commit(amax_ptr + g * stride_amax, tl.where(row_group == g, row_amax, 0.0))
-    if pid == 0:
-        group_scale = tl.load(scale_ptr + groups * stride_scale, mask=groups < G, other=1.0)
-        tl.store(scale_inv_ptr + groups * stride_scale_inv, tl.math.div_rn(1.0, group_scale), mask=groups < G)
 
 
 @cached_launch
@@ -468,53 +408,6 @@ def cast_transpose_dbias(x, scale, fp8_dtype, amax_out=None, dbias_dtype=None):
     return out.q, q_t, out.scale_inv, out.amax, column_sums(partials, dbias_dtype or torch.float32)[0]
 
 
-def cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None):
-    """:func:`cast_transpose` of the row splits x = [x_0; ...; x_{G-1}] in one launch, split g with scale[g].
-
-    q[rows of g] = quantize(x_g, scale[g]), q_t = q^T, scale_inv[g] = 1 / scale[g], amax[g] = max |x_g| (finite, 0
-    for an empty split); each split's codes are bit-identical to ``cast_transpose(x_g, scale[g])``'s.
-
-    Args:
-        x: [M, N] float32/bfloat16/float16 (rows may be strided, columns unit-stride).
-        m_splits: G >= 1 non-negative ints summing to M.
-        scale: float32 [G] on x's device, any stride (e.g. a role's slots of a state's scales).
-        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
-        amax_out: None, or float32 [G] on x's device, any stride, values >= 0 (a role's slots of an amax
-            history row): the kernel's atomic max lands there (amax_out[g] = max(amax_out[g], amax[g])).
-
-    Returns:
-        (q [M, N], q_t [N, M], scale_inv float32 [G] with every element 16-byte aligned (0-d views of it are
-        cuBLASLt scale pointers), amax float32 [G]: amax_out itself when given).
-
-    Raises:
-        TypeError / ValueError: as :func:`cast_transpose`, bad splits, or scale / amax_out not float32 [G] on
-            x's device.
-    """
-    check_high_precision(x)
-    check_2d(x, "x")
-    check_fp8_dtype(fp8_dtype)
-    check_splits(m_splits, x.shape[0])
-    groups = len(m_splits)
-    check_group_vector(scale, groups, "scale", x.device)
-    if amax_out is not None:
-        check_group_vector(amax_out, groups, "amax_out", x.device)
-    x = rows_contiguous(x)
-    m, n = x.shape
-    q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
-    q_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
-    scale_inv = torch.empty((groups, 4), dtype=torch.float32, device=x.device)[:, 0]  # 16 bytes apart
-    amax = torch.zeros(groups, dtype=torch.float32, device=x.device) if amax_out is None else amax_out
-    with device_guard(x):  # one program even for an empty x: it writes scale_inv
-        _cast_transpose_grouped_kernel[(max(1, cdiv(m, _CT_TILE_M) * cdiv(n, _CT_TILE_N)),)](
-            x, q.view(torch.uint8), q_t.view(torch.uint8), split_ends(m_splits, x.device), scale, scale_inv,
-            amax.view(torch.int32), m, n, groups, x.stride(0), scale.stride(0), scale_inv.stride(0), amax.stride(0),
-            BLOCK_M=_CT_TILE_M, BLOCK_N=_CT_TILE_N, GP=next_power_of_2(groups), num_warps=4,
-            LOAD_TRANSPOSED=x.dtype == torch.float32,  # see _launch_cast_transpose
-            **fp8_format(fp8_dtype).constexprs(hw_fp8_cast(x.device)),
-        )  # fmt: skip
-    return q, q_t, scale_inv, amax
-
-
 def fp8_transpose(q):
     """Contiguous transpose of a 2-D FP8 tensor, no rescaling: q_t[j, i] = q[i, j].
 
@@ -548,16 +441,6 @@ def _dbias_scale_on_device(x, scale, fp8_dtype, amax_out=None, dbias_dtype=None)
     return _scale_on_device(x, scale, fp8_dtype)
 
 
-def _group_vectors_on_device(x, m_splits, scale, fp8_dtype, amax_out=None):
-    """Reject a scale or amax_out the grouped kernel would misread: not float32, or on another device than x."""
-    if not isinstance(x, torch.Tensor):
-        return True
-    for name, t in (("scale", scale), ("amax_out", amax_out)):
-        if isinstance(t, torch.Tensor) and (t.dtype != torch.float32 or t.device != x.device):
-            return Reject(f"{name} must be float32 on {x.device}, got {t.dtype} on {t.device}")
-    return True
-
-
 def _scale_inv_on_device(q, scale_inv, out_dtype):
     """Reject a scale_inv that is not float32 on q's device."""
     if isinstance(scale_inv, torch.Tensor) and isinstance(q, torch.Tensor):
@@ -571,7 +454,6 @@ SUPPORTS = {
     "cast_transpose": _scale_on_device,
     "quantize_transposed": _scale_on_device,
     "cast_transpose_dbias": _dbias_scale_on_device,
-    "cast_transpose_grouped": _group_vectors_on_device,
     "dequantize": _scale_inv_on_device,
 }
 # under torch.compile the cast with its bias gradient stays this kernel, traced as it is (Inductor launches

@@ -1,10 +1,12 @@
 """Reference (pure PyTorch) grouped ops: one call over the G row splits of a mixture-of-experts layer's tokens.
-See plugin/catalog/quantization.py (``cast_transpose_grouped``) and gemm.py (``gemm_grouped*``) for the contract.
+See plugin/catalog/quantization.py (``cast_transpose_grouped``, ``current_scale_grouped``) and gemm.py
+(``gemm_grouped*``) for the contract.
 
 Each is the per-split op run G times, so it is the oracle of the single-launch kernels and equals, bit for bit,
 a layer that calls the per-split ops itself:
 
     cast_transpose_grouped   q[rows of g] = quantize(x_g, scale[g]), q_t = q^T, amax[g] = max|x_g|
+    current_scale_grouped    (scale[g], amax[g]) = current_scale(x_g)
     gemm_grouped             D[rows of g] = gemm(a_g, b[g], trans_b=True) (+ bias[g])
     gemm_grouped_wgrad       D[g] = gemm(a_t[:, cols of g], b_t[:, cols of g], trans_b=True), 0 for an empty split
 """
@@ -19,9 +21,17 @@ from .._checks import check_group_vector, check_splits, gemm_result_dtype
 from .._fp8 import check_high_precision, check_tensor, is_fp8
 from .._splits import split_bounds
 from .gemm import gemm
-from .quantization import quantize
+from .quantization import current_scale, quantize
 
-__all__ = ["cast_transpose_grouped", "gemm_grouped", "gemm_grouped_wgrad"]
+__all__ = ["cast_transpose_grouped", "current_scale_grouped", "gemm_grouped", "gemm_grouped_wgrad"]
+
+
+def _check_x_and_splits(x, m_splits) -> None:
+    """x a high-precision [M, K] tensor, m_splits G >= 1 non-negative ints summing to M."""
+    check_high_precision(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    check_splits(m_splits, x.shape[0])
 
 
 def cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None):
@@ -34,10 +44,7 @@ def cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None):
         TypeError / ValueError: as ``quantize``, x not 2-D, splits that do not sum to M, a scale or amax_out
         that is not float32 [G] on x's device.
     """
-    check_high_precision(x)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    check_splits(m_splits, x.shape[0])
+    _check_x_and_splits(x, m_splits)
     groups = len(m_splits)
     check_group_vector(scale, groups, "scale", x.device)
     if amax_out is not None:
@@ -49,6 +56,19 @@ def cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None):
         scale_invs.append(scale_inv)
         amaxes.append(amax)
     return q, q.t().contiguous(), torch.stack(scale_invs), amax_out if amax_out is not None else torch.stack(amaxes)
+
+
+def current_scale_grouped(x, m_splits, fp8_dtype, amax_epsilon=0.0, power_2_scale=False):
+    """``current_scale`` of each row split x_g, stacked: (scale [G], amax [G]) as in the catalog.
+
+    Raises:
+        TypeError / ValueError: as ``current_scale``, x not 2-D, splits that do not sum to M.
+    """
+    _check_x_and_splits(x, m_splits)
+    results = [current_scale(x[start:stop], fp8_dtype, amax_epsilon=amax_epsilon, power_2_scale=power_2_scale)
+               for start, stop in split_bounds(m_splits)]
+    scales, amaxes = zip(*results)
+    return torch.stack(scales), torch.stack(amaxes)
 
 
 def _check_grouped_operands(a, b, a_scale_inv, b_scale_inv, groups: int) -> None:

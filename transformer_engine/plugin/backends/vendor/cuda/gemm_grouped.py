@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from transformer_engine.plugin.backends._splits import split_bounds, split_ends, split_sizes
+from transformer_engine.plugin.backends._splits import split_bounds, split_ends, split_of_rows
 from transformer_engine.plugin.core import Reject
 
 from ..._checks import check_group_vector
@@ -65,10 +65,9 @@ def _gemm_grouped(a, b, m_splits, a_scale_inv=None, b_scale_inv=None, out_dtype=
     if _one_launch(a, b, m_splits, dtype, bias):
         groups, n, _ = b.shape
         return torch._scaled_grouped_mm(
-            a, b.transpose(-2, -1),
-            scale_a=a_scale_inv.repeat_interleave(split_sizes(m_splits, a.device), output_size=a.shape[0]),
-            scale_b=b_scale_inv.repeat_interleave(n).view(groups, n),
-            offs=split_ends(m_splits, a.device), out_dtype=dtype, use_fast_accum=not use_split_accumulator,
+            a, b.transpose(-2, -1), scale_a=a_scale_inv[split_of_rows(m_splits, a.device)],
+            scale_b=b_scale_inv[:, None].expand(groups, n).contiguous(), offs=split_ends(m_splits, a.device),
+            out_dtype=dtype, use_fast_accum=not use_split_accumulator,
         )  # fmt: skip
     d = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
     products = [(g, a[start:stop], b[g], d[start:stop]) for g, (start, stop) in enumerate(split_bounds(m_splits)) if stop > start]
@@ -116,9 +115,11 @@ def _gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv=None, b_scale_inv=None, 
     dtype = out_dtype or a_t.dtype
     (n, _), k = a_t.shape, b_t.shape[0]
     if _one_launch(a_t, b_t, m_splits, dtype):
+        groups = len(m_splits)
         return torch._scaled_grouped_mm(
-            a_t, b_t.t(), scale_a=a_scale_inv.repeat_interleave(n), scale_b=b_scale_inv.repeat_interleave(k),
-            offs=split_ends(m_splits, a_t.device), out_dtype=dtype, use_fast_accum=not use_split_accumulator,
+            a_t, b_t.t(), scale_a=a_scale_inv[:, None].expand(groups, n).reshape(-1),
+            scale_b=b_scale_inv[:, None].expand(groups, k).reshape(-1), offs=split_ends(m_splits, a_t.device),
+            out_dtype=dtype, use_fast_accum=not use_split_accumulator,
         )  # fmt: skip
     d = torch.empty((len(m_splits), n, k), dtype=dtype, device=a_t.device)
     bounds = split_bounds(m_splits)
