@@ -6,13 +6,17 @@ import torch
 
 import transformer_engine.pytorch as te
 from tests.utils import randn
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch.module import _grouped_fp8_function
 from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
 
 SPLITS = [32, 0, 48, 16]  # multiples of 16, one empty
 IN, OUT = 64, 32
-FORMATS = {"hybrid": Format.HYBRID, "e4m3": Format.E4M3}
+RECIPES = {
+    "delayed hybrid": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
+    "delayed e4m3": DelayedScaling(fp8_format=Format.E4M3, amax_history_len=4),
+    "current hybrid": Float8CurrentScaling(fp8_format=Format.HYBRID),
+}
 
 
 @pytest.fixture
@@ -39,7 +43,8 @@ def _step(layer, x, splits, recipe, **kwargs):
     [
         (SPLITS, DelayedScaling(), {}, 1),
         ([40, 0, 40, 16], DelayedScaling(), {}, 0),  # 40 rows: not an FP8 GEMM's multiple of 16
-        (SPLITS, Float8CurrentScaling(), {}, 0),  # current scaling casts per split
+        (SPLITS, Float8CurrentScaling(), {}, 1),
+        (SPLITS, Float8BlockScaling(), {}, 0),  # block scaling casts per split
         (SPLITS, DelayedScaling(), {"is_first_microbatch": True}, 1),  # the FP8 weights cached for the next microbatches
     ],
 )
@@ -81,7 +86,7 @@ def _twin_layers(dtype, device, bias, return_bias=False):
         for a, b in zip(one_call.parameters(), per_split.parameters()):
             a.normal_()
             b.copy_(a)
-    per_split._one_call_per_pass = lambda *args: False
+    per_split._split_casters = lambda *args: None
     return one_call, per_split
 
 
@@ -102,14 +107,14 @@ def _train(layer, xs, dys, recipe, return_bias):
                 if p.grad is not None:
                     p -= 0.1 * p.grad
                     p.grad = None
-    states = [t.clone() for key in ("scaling_fwd", "scaling_bwd")
+    states = [t.clone() for key in ("scaling_fwd", "scaling_bwd") if recipe.delayed()
               for t in (layer.fp8_meta[key].scale, layer.fp8_meta[key].amax_history)]
     return outputs, grads, states
 
 
-def _compare(dtype, device, fmt, bias, return_bias, check):
+def _compare(dtype, device, recipe_name, bias, return_bias, check):
     one_call, per_split = _twin_layers(dtype, device, bias, return_bias)
-    recipe = DelayedScaling(fp8_format=FORMATS[fmt], amax_history_len=4)
+    recipe = RECIPES[recipe_name]
     xs = [randn(sum(SPLITS) // 2, 2, IN, dtype=dtype, device=device) for _ in range(3)]
     dys = [randn(sum(SPLITS) // 2, 2, OUT, dtype=dtype, device=device) for _ in range(3)]
     for got, want in zip(_train(one_call, xs, dys, recipe, return_bias), _train(per_split, xs, dys, recipe, return_bias)):
@@ -122,11 +127,11 @@ def _bitwise(a, b):
     assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias, return_bias", [(True, False), (False, False), (True, True)])
-def test_equals_the_per_split_path_on_the_reference_backend(fmt, dtype, bias, return_bias):
-    _compare(dtype, "cpu", fmt, bias, return_bias, _bitwise)
+def test_equals_the_per_split_path_on_the_reference_backend(recipe_name, dtype, bias, return_bias):
+    _compare(dtype, "cpu", recipe_name, bias, return_bias, _bitwise)
 
 
 def test_under_torch_autocast():
@@ -145,13 +150,13 @@ def test_under_torch_autocast():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("bias", [True, False])
-def test_equals_the_per_split_path_on_a_gpu(fmt, bias):
+def test_equals_the_per_split_path_on_a_gpu(recipe_name, bias):
     """The grouped casts are bit-exact; the grouped GEMM (CUTLASS, E4M3 without bias) may round its products
     otherwise than cuBLASLt: outputs and gradients within a bf16 unit, the scaling state equal."""
     def close(a, b):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3)
 
-    _compare(torch.bfloat16, "cuda", fmt, bias, False, close)
+    _compare(torch.bfloat16, "cuda", recipe_name, bias, False, close)

@@ -1,33 +1,70 @@
-"""``GroupedLinear`` under delayed scaling in one call per pass: every split's cast in one launch, the G GEMMs of
-each pass in one grouped GEMM (y_i = x_i @ W_i^T + b_i over the row splits x = [x_0; ...; x_{G-1}]).
+"""``GroupedLinear`` under per-tensor FP8 scaling in one call per pass: every split's cast in one launch, the G GEMMs
+of each pass in one grouped GEMM (y_i = x_i @ W_i^T + b_i over the row splits x = [x_0; ...; x_{G-1}]).
 
-    forward   q_x, x^T = cast_transpose_grouped(x, splits, s_x)        s_x[g]: GEMM g's input scale
+    forward   q_x, x^T = cast_transpose_grouped(x, splits, s_x)        s_x[g]: split g's input scale
               q_W, W^T = cast_transpose_grouped([W_0; ...; W_{G-1}], (N,) * G, s_W)    (cast_weights; or cached)
               y        = gemm_grouped(q_x, q_W [G, N, K]) + b
     backward  q_dy, dy^T = cast_transpose_grouped(dy, splits, s_dy)
               dx  = gemm_grouped(q_dy, W^T [G, K, N]),  dW = gemm_grouped_wgrad(dy^T, x^T),  db_g = sum_rows(dy_g)
 
-Each split uses its GEMM's scale and amax slots, as the per-split path (``_grouped_linear_function``) does, so the
-two give the same results (bit for bit on the reference backend); what differs is the host work: a handful of op
-calls for all splits instead of about ten per split. W^T is kept from the forward cast (one FP8 byte per weight
-element from forward to backward, as NVIDIA TE keeps it). The module takes this path only where it applies
-(``GroupedLinear._one_call_per_pass``).
+The scales per split: delayed scaling's are GEMM g's slots of the state, the amaxes max-ed into its history
+(:class:`DelayedSplits`); current scaling's come from each split's own amax (``current_scale_grouped``,
+:class:`CurrentSplits`). Either way split g is cast as the per-split path (``_grouped_linear_function``) casts it,
+so the two give the same results (bit for bit on the reference backend); what differs is the host work: a handful
+of op calls for all splits instead of about ten per split. W^T is kept from the forward cast (one FP8 byte per
+weight element from forward to backward, as NVIDIA TE keeps it). The module takes this path only where it applies
+(``GroupedLinear._split_casters``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
 from transformer_engine.plugin import ops
 
+from ..quantization.quantizer import Float8CurrentScalingQuantizer
 from ..quantization.roles import BWD_ROLES, FWD_ROLES, Role, slot
 from ._common import cast, no_torch_autocast, rows_of, unflatten
 
-__all__ = ["GroupedFp8Args", "GroupedFp8Function", "GroupedFp8Weights", "cast_weights"]
+__all__ = ["CurrentSplits", "DelayedSplits", "GroupedFp8Args", "GroupedFp8Function", "GroupedFp8Weights", "SplitCaster", "cast_weights"]
+
+
+@dataclass(frozen=True)
+class DelayedSplits:
+    """Delayed scaling of one role: split g cast with scale[slot(g, role)], its amax max-ed into the history's row 0."""
+
+    state: object
+    role: Role
+
+    def cast(self, x: torch.Tensor, m_splits: Tuple[int, ...]):
+        """(q, q_t, scale_inv [G]) of x's row splits."""
+        roles = FWD_ROLES if self.role in FWD_ROLES else BWD_ROLES
+        first, state = slot(0, self.role), self.state
+        scale, amax_slots = state.scale[first::len(roles)], state.amax_history[0, first::len(roles)]  # strided [G] views
+        q, q_t, scale_inv, _ = ops.cast_transpose_grouped(x, m_splits, scale, state.fp8_dtype, amax_out=amax_slots)
+        return q, q_t, scale_inv
+
+
+@dataclass(frozen=True)
+class CurrentSplits:
+    """Current scaling of one role: split g cast with fp8_max / max|x_g| (the role's quantizer's rule)."""
+
+    quantizer: Float8CurrentScalingQuantizer
+
+    def cast(self, x: torch.Tensor, m_splits: Tuple[int, ...]):
+        """(q, q_t, scale_inv [G]) of x's row splits."""
+        fp8_dtype, qparams = self.quantizer.fp8_dtype, self.quantizer.qparams
+        scale, amax = ops.current_scale_grouped(x, m_splits, fp8_dtype, amax_epsilon=qparams.amax_epsilon,
+                                                power_2_scale=qparams.power_2_scale)
+        q, q_t, scale_inv, _ = ops.cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=amax)  # amax holds max|x_g| already
+        return q, q_t, scale_inv
+
+
+SplitCaster = Union[DelayedSplits, CurrentSplits]
 
 
 @dataclass(frozen=True)
@@ -48,7 +85,7 @@ class GroupedFp8Args:
         dtype: activation dtype (of the GEMM outputs).
         m_splits: rows of each split (multiples of 16, summing to the input's rows).
         weights: the weights in FP8 (:func:`cast_weights`, or the module's cache of them).
-        fwd_state, bwd_state: the module's delayed-scaling states (scale [3G] / [2G], amax_history [L, 3G] / [L, 2G]).
+        inputs, grad_outputs: the casts of x's and dy's splits.
         split_accumulator: ``use_split_accumulator`` of the (fprop, dgrad, wgrad) GEMMs.
         backward_update: the update of the gradients' scales, run at the end of backward, or None.
     """
@@ -56,38 +93,23 @@ class GroupedFp8Args:
     dtype: torch.dtype
     m_splits: Tuple[int, ...]
     weights: GroupedFp8Weights
-    fwd_state: object
-    bwd_state: object
+    inputs: SplitCaster
+    grad_outputs: SplitCaster
     split_accumulator: Tuple[bool, bool, bool]
     backward_update: Optional[Callable[..., None]] = None
 
 
-def _role_slots(state, role: Role) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(scale, amax history row 0) of ``role`` for every GEMM: strided [G] views of the state's slots."""
-    roles = FWD_ROLES if role in FWD_ROLES else BWD_ROLES
-    first = slot(0, role)
-    return state.scale[first::len(roles)], state.amax_history[0, first::len(roles)]
-
-
-def _cast_splits(state, role: Role, x: torch.Tensor, m_splits: Tuple[int, ...]):
-    """(q, q_t, scale_inv [G]) of x's row splits with ``role``'s scales, their amaxes recorded in the history."""
-    scale, amax_slots = _role_slots(state, role)
-    q, q_t, scale_inv, _ = ops.cast_transpose_grouped(x, m_splits, scale, state.fp8_dtype, amax_out=amax_slots)
-    return q, q_t, scale_inv
-
-
-def cast_weights(fwd_state, weights: Sequence[torch.Tensor]) -> GroupedFp8Weights:
-    """The weights [N, K] stacked and cast with their GEMMs' weight scales, their amaxes recorded (from the parameter
-    dtype, as per split)."""
+def cast_weights(caster: SplitCaster, weights: Sequence[torch.Tensor]) -> GroupedFp8Weights:
+    """The weights [N, K] stacked and cast by ``caster`` (the weight role's), from the parameter dtype as per split."""
     n, k = weights[0].shape
     with torch.no_grad():
         stacked = torch.stack([w.detach() for w in weights]).view(len(weights) * n, k)
-        q, q_t, scale_inv = _cast_splits(fwd_state, Role.WEIGHT, stacked, (n,) * len(weights))
+        q, q_t, scale_inv = caster.cast(stacked, (n,) * len(weights))
     return GroupedFp8Weights(q.view(len(weights), n, k), q_t, scale_inv)
 
 
 class GroupedFp8Function(torch.autograd.Function):
-    """y_i = x_i @ W_i^T + b_i over the row splits, FP8 with delayed scaling; see the module docstring.
+    """y_i = x_i @ W_i^T + b_i over the row splits in FP8; see the module docstring.
 
     ``apply(inp, args, *weights, *biases)``: G weights [N, K], then G biases [N] (all None without bias).
     """
@@ -96,7 +118,7 @@ class GroupedFp8Function(torch.autograd.Function):
     def forward(ctx, inp: torch.Tensor, args: GroupedFp8Args, *params: Optional[torch.Tensor]):
         biases, w = params[len(args.m_splits):], args.weights
         with no_torch_autocast(inp.device):
-            q_x, x_t, x_scale_inv = _cast_splits(args.fwd_state, Role.INPUT, cast(rows_of(inp), args.dtype), args.m_splits)
+            q_x, x_t, x_scale_inv = args.inputs.cast(cast(rows_of(inp), args.dtype), args.m_splits)
             bias = None if biases[0] is None else torch.stack([cast(b.detach(), args.dtype) for b in biases])
             y = ops.gemm_grouped(q_x, w.q, args.m_splits, a_scale_inv=x_scale_inv, b_scale_inv=w.scale_inv,
                                  out_dtype=args.dtype, bias=bias, use_split_accumulator=args.split_accumulator[0])
@@ -114,7 +136,7 @@ class GroupedFp8Function(torch.autograd.Function):
         dx, dws, dbs = None, [None] * groups, [None] * groups
         with no_torch_autocast(dy.device):
             dy = cast(rows_of(dy), args.dtype)
-            q_dy, dy_t, dy_scale_inv = _cast_splits(args.bwd_state, Role.GRAD_OUTPUT, dy, args.m_splits)
+            q_dy, dy_t, dy_scale_inv = args.grad_outputs.cast(dy, args.m_splits)
             if any(need_w):
                 dw = ops.gemm_grouped_wgrad(dy_t, x_t, args.m_splits, a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv,
                                             out_dtype=ctx.param_dtypes[0], use_split_accumulator=args.split_accumulator[2])

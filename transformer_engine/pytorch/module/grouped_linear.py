@@ -9,11 +9,14 @@ import torch
 
 from ..parallel.tensor_parallel import local_features, megatron_attributes
 from ..quantization.autocast import current_config
-from ..quantization.quantizer import Float8Quantizer
+from ..quantization.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
+from ..quantization.roles import Role
 from ._checks import check_sizes
 from ._common import apply_without_torch_autocast, cast
 from ._fp8_meta import ForwardQuantization
-from ._grouped_fp8_function import GroupedFp8Args, GroupedFp8Function, GroupedFp8Weights, cast_weights
+from ._grouped_fp8_function import (
+    CurrentSplits, DelayedSplits, GroupedFp8Args, GroupedFp8Function, GroupedFp8Weights, SplitCaster, cast_weights,
+)
 from ._grouped_linear_function import GroupedLinearArgs, GroupedLinearFunction
 from ._params import default_init_method
 from .base import (
@@ -207,10 +210,12 @@ class GroupedLinear(TransformerEngineBaseModule):
         if self.save_original_input:
             check_saved_input("GroupedLinear", q.gemms[0].input)
         biases = [None] * self.num_gemms if self.return_bias else biases
-        if self._one_call_per_pass(q, splits, weights, out, dgrad_out):
-            args = GroupedFp8Args(dtype=act_dtype, m_splits=splits, weights=self._fp8_weights(weights, is_first_microbatch),
-                                  fwd_state=self.fp8_meta["scaling_fwd"], bwd_state=self.fp8_meta["scaling_bwd"],
-                                  split_accumulator=q.split_accumulator, backward_update=q.backward_update)
+        casters = self._split_casters(q, splits, weights, out, dgrad_out)
+        if casters is not None:
+            inputs, weight_casts, grad_outputs = casters
+            args = GroupedFp8Args(dtype=act_dtype, m_splits=splits, weights=self._fp8_weights(weight_casts, weights, is_first_microbatch),
+                                  inputs=inputs, grad_outputs=grad_outputs, split_accumulator=q.split_accumulator,
+                                  backward_update=q.backward_update)
             out = apply_without_torch_autocast(GroupedFp8Function, inp.device, inp, args, *weights, *biases)
             return self._with_bias(out, act_dtype)
         args = GroupedLinearArgs(
@@ -233,21 +238,25 @@ class GroupedLinear(TransformerEngineBaseModule):
             return out, [cast(getattr(self, name), act_dtype) for name in self._bias_names]
         return out
 
-    def _one_call_per_pass(self, q: ForwardQuantization, splits: Tuple[int, ...], weights, out, dgrad_out) -> bool:
-        """Whether this call runs :class:`GroupedFp8Function` (every split's cast in one launch, one grouped GEMM a pass)
-        rather than a GEMM per split: eager FP8 delayed scaling on high-precision weights, splits and features that
-        are multiples of 16 (FP8 GEMM alignment), and none of the options that act per split (main_grad
-        accumulation, delayed or recomputed wgrads, preallocated buffers)."""
-        gemm = q.gemms[0]
-        return (
-            type(gemm.input) is Float8Quantizer and type(gemm.weight) is Float8Quantizer
-            and type(gemm.grad_output) is Float8Quantizer and not torch.compiler.is_compiling() and not self.primary_weights_in_fp8
-            and not (self.save_original_input or self.fuse_wgrad_accumulation or self.wgrad_store.delay_wgrad_compute())
-            and out is None and dgrad_out is None and all(m % 16 == 0 for m in splits)
-            and self.in_features % 16 == 0 and self.out_features % 16 == 0 and weights[0].dim() == 2
-        )
+    def _split_casters(self, q: ForwardQuantization, splits: Tuple[int, ...], weights, out, dgrad_out):
+        """(input, weight, grad output) casts of :class:`GroupedFp8Function` (every split's cast in one launch, one
+        grouped GEMM a pass) when this call takes it rather than a GEMM per split, else None. It takes eager FP8
+        delayed or current scaling (no amax reduction) on high-precision weights, splits and features that are
+        multiples of 16 (FP8 GEMM alignment), and none of the options that act per split (main_grad accumulation,
+        delayed or recomputed wgrads, preallocated buffers)."""
+        roles = (q.gemms[0].input, q.gemms[0].weight, q.gemms[0].grad_output)
+        if (torch.compiler.is_compiling() or self.primary_weights_in_fp8 or out is not None or dgrad_out is not None
+                or self.save_original_input or self.fuse_wgrad_accumulation or self.wgrad_store.delay_wgrad_compute()
+                or any(m % 16 for m in splits) or self.in_features % 16 or self.out_features % 16 or weights[0].dim() != 2):
+            return None
+        if all(type(r) is Float8Quantizer for r in roles):
+            fwd, bwd = self.fp8_meta["scaling_fwd"], self.fp8_meta["scaling_bwd"]
+            return DelayedSplits(fwd, Role.INPUT), DelayedSplits(fwd, Role.WEIGHT), DelayedSplits(bwd, Role.GRAD_OUTPUT)
+        if all(type(r) is Float8CurrentScalingQuantizer and r.reduce_amax is None for r in roles):
+            return tuple(CurrentSplits(r) for r in roles)
+        return None
 
-    def _fp8_weights(self, weights, is_first_microbatch: Optional[bool]) -> GroupedFp8Weights:
+    def _fp8_weights(self, caster: SplitCaster, weights, is_first_microbatch: Optional[bool]) -> GroupedFp8Weights:
         """The weights in FP8 for the one-call path, cached per TE's ``is_first_microbatch`` rule (as per split): None
         casts, True casts and caches, False reuses the cache (recording no amax), casting if there is none yet."""
         if is_first_microbatch is None:
@@ -255,7 +264,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         cached = self._weight_cache.get(_GROUPED_WEIGHTS)
         if is_first_microbatch is False and isinstance(cached, GroupedFp8Weights):
             return cached
-        fp8_weights = cast_weights(self.fp8_meta["scaling_fwd"], weights)
+        fp8_weights = cast_weights(caster, weights)
         if is_first_microbatch is not None:
             self._weight_cache[_GROUPED_WEIGHTS] = fp8_weights
         return fp8_weights
