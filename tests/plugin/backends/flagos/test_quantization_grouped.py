@@ -95,13 +95,18 @@ def test_grouped_strided_scale_and_amax_history_slots(device):
     assert torch.equal(scale_inv.cpu(), expected[2].cpu())
 
 
+def _non_finite_splits():
+    """(splits, x [137, 9]): split 0 holds nothing finite, the others a NaN and an inf among finite values."""
+    x = randn(137, 9)
+    x[0:3] = torch.tensor([math.nan, math.inf, -math.inf]).repeat(3, 3)
+    x[5, 2], x[100, 7], x[134, 0] = math.nan, math.inf, -math.inf
+    return [3, 130, 4], x
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_grouped_non_finite(fp8_dtype, device):
     """NaN stays NaN, +-inf saturate to +-fp8_max, amax skips them; an all-non-finite split has amax 0."""
-    m_splits = [3, 130, 4]
-    x = randn(137, 9)
-    x[0:3] = torch.tensor([math.nan, math.inf, -math.inf]).repeat(3, 3)  # split 0: nothing finite
-    x[5, 2], x[100, 7], x[134, 0] = math.nan, math.inf, -math.inf
+    m_splits, x = _non_finite_splits()
     x, scale = x.to(device), _scales(3, device)
     q, q_t, scale_inv, amax = fg.cast_transpose_grouped(x, m_splits, scale, fp8_dtype)
     _assert_as_per_split((q, q_t, scale_inv, amax), x, m_splits, scale, fp8_dtype)
@@ -223,10 +228,7 @@ def test_current_scale_grouped_epsilon_and_power_2(amax_epsilon, power_2_scale, 
 @pytest.mark.parametrize("dtype", HP_DTYPES)
 def test_current_scale_grouped_non_finite(dtype, device):
     """amax skips NaN and +-inf; a split with nothing finite has amax 0 and scale 1."""
-    m_splits = [3, 130, 4]
-    x = randn(137, 9)
-    x[0:3] = torch.tensor([math.nan, math.inf, -math.inf]).repeat(3, 3)  # split 0: nothing finite
-    x[5, 2], x[100, 7], x[134, 0] = math.nan, math.inf, -math.inf
+    m_splits, x = _non_finite_splits()
     x = x.to(dtype).to(device)
     scale, amax = _assert_scales_as_per_split(x, m_splits, torch.float8_e4m3fn)
     finite = torch.where(torch.isfinite(x), x, 0.0).abs().float().cpu()
