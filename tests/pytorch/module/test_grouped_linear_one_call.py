@@ -8,6 +8,7 @@ import transformer_engine.pytorch as te
 from tests.utils import randn
 from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch.module import _grouped_fp8_function
+from transformer_engine.pytorch.module._grouped_fp8_function import stacked_weights
 from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
 
 SPLITS = [32, 0, 48, 16]  # multiples of 16, one empty
@@ -160,3 +161,20 @@ def test_equals_the_per_split_path_on_a_gpu(recipe_name, bias):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3)
 
     _compare(torch.bfloat16, "cuda", recipe_name, bias, False, close)
+
+
+def test_the_weights_lie_in_one_buffer_which_the_casts_read_in_place():
+    """GroupedLinear's weights are slices of one buffer (again after .to()); the one-call path reads them as the
+    stacked weights without a copy, and copies (same values, same results) once a weight has its own tensor."""
+    layer = GroupedLinear(len(SPLITS), IN, OUT).to(torch.bfloat16)
+    weights = [getattr(layer, f"weight{i}") for i in range(len(SPLITS))]
+    assert weights[0].dtype == torch.bfloat16
+    assert stacked_weights(weights).data_ptr() == weights[0].data_ptr()
+    x = randn(sum(SPLITS), IN, dtype=torch.bfloat16)
+    shared = _step(layer, x, SPLITS, DelayedScaling())
+    weights[2].data = weights[2].data.clone()
+    copied = stacked_weights(weights)
+    assert copied.data_ptr() != weights[0].data_ptr() and torch.equal(copied, torch.cat(weights))
+    layer.fp8_meta["scaling_fwd"].amax_history.zero_()
+    layer.fp8_meta["scaling_fwd"].scale.fill_(1.0)
+    assert torch.equal(_step(layer, x, SPLITS, DelayedScaling()), shared)

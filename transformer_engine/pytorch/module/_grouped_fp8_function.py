@@ -30,7 +30,10 @@ from ..quantization.quantizer import Float8CurrentScalingQuantizer
 from ..quantization.roles import BWD_ROLES, FWD_ROLES, Role, slot
 from ._common import cast, no_torch_autocast, rows_of, unflatten
 
-__all__ = ["CurrentSplits", "DelayedSplits", "GroupedFp8Args", "GroupedFp8Function", "GroupedFp8Weights", "SplitCaster", "cast_weights"]
+__all__ = [
+    "CurrentSplits", "DelayedSplits", "GroupedFp8Args", "GroupedFp8Function", "GroupedFp8Weights", "SplitCaster", "cast_weights",
+    "stacked_weights",
+]
 
 
 @dataclass(frozen=True)
@@ -99,12 +102,24 @@ class GroupedFp8Args:
     backward_update: Optional[Callable[..., None]] = None
 
 
+def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[W_0; ...; W_{G-1}] [G N, K]: a view when the weights lie back to back in one storage (as ``GroupedLinear`` makes
+    them), else a copy."""
+    first = weights[0].detach()
+    (n, k), size = first.shape, first.numel() * first.element_size()
+    base = first.untyped_storage().data_ptr()
+    if all(w.is_contiguous() and w.dtype == first.dtype and w.untyped_storage().data_ptr() == base
+           and w.data_ptr() == first.data_ptr() + g * size for g, w in enumerate(weights)):
+        return first.as_strided((len(weights) * n, k), (k, 1))
+    return torch.stack([w.detach() for w in weights]).view(len(weights) * n, k)
+
+
 def cast_weights(caster: SplitCaster, weights: Sequence[torch.Tensor]) -> GroupedFp8Weights:
-    """The weights [N, K] stacked and cast by ``caster`` (the weight role's), from the parameter dtype as per split."""
+    """The weights [N, K] stacked (:func:`stacked_weights`) and cast by ``caster`` (the weight role's), from the parameter
+    dtype as per split."""
     n, k = weights[0].shape
     with torch.no_grad():
-        stacked = torch.stack([w.detach() for w in weights]).view(len(weights) * n, k)
-        q, q_t, scale_inv = caster.cast(stacked, (n,) * len(weights))
+        q, q_t, scale_inv = caster.cast(stacked_weights(weights), (n,) * len(weights))
     return GroupedFp8Weights(q.view(len(weights), n, k), q_t, scale_inv)
 
 

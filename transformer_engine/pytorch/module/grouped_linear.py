@@ -142,17 +142,31 @@ class GroupedLinear(TransformerEngineBaseModule):
         self._delay_wgrads(delay_wgrad_compute, self._weight_names + (self._bias_names if bias else ()))
 
     def _add_params(self, init_method: Callable, device: torch.device) -> None:
-        """Register ``weight{i}`` [out, in] and ``bias{i}`` [out] (or None) for each GEMM."""
+        """Register ``weight{i}`` [out, in] and ``bias{i}`` [out] (or None) for each GEMM; the weights are slices of one
+        [num_gemms, out, in] buffer, which the one-call FP8 path reads as the stacked weights."""
         tp_attrs = megatron_attributes(self.parallel_mode)
         shape = (self.out_features, self.in_features)
+        stacked = torch.empty((self.num_gemms, *shape), dtype=self.params_dtype, device=device)  # one-call FP8: no stack copy
         for i in range(self.num_gemms):
-            self._register(f"weight{i}", shape, init_method, self.params_dtype, device, fp8_gemm=i, **tp_attrs)
+            self._register(f"weight{i}", shape, init_method, self.params_dtype, device, data=stacked[i], fp8_gemm=i, **tp_attrs)
             if self.use_bias:
                 self._register(f"bias{i}", shape[:1], _zeros, self.params_dtype, device)
             else:
                 self.register_parameter(f"bias{i}", None)
         self._weight_names = tuple(f"weight{i}" for i in range(self.num_gemms))
         self._bias_names = tuple(f"bias{i}" for i in range(self.num_gemms))
+
+    def _apply(self, fn, *args, **kwargs):
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``, ...), which gives each weight its own tensor, then
+        the weights back to back in one buffer again (see :meth:`_add_params`)."""
+        module = super()._apply(fn, *args, **kwargs)
+        weights = [getattr(self, name) for name in self._weight_names]
+        plain = all(type(w) is torch.nn.Parameter and w.device.type != "meta" for w in weights)
+        if plain and len({(w.dtype, w.device, tuple(w.shape)) for w in weights}) == 1:
+            with torch.no_grad():
+                for weight, part in zip(weights, torch.stack([w.detach() for w in weights])):
+                    weight.data = part
+        return module
 
     _ROLE_MAJOR_CHECKPOINT = True  # TE's GroupedLinear stores its slots role-major; Megatron-Core splits them per expert so
 
