@@ -39,7 +39,10 @@ class GroupedLinear(TransformerEngineBaseModule):
 
     Split i runs as a ``Linear`` holding ``weight{i}`` / ``bias{i}`` would run it, bit for bit, under
     ``te.autocast`` with GEMM i's quantizers (FP8 state: 3n forward slots, input / weight / output per
-    GEMM, and 2n backward slots, grad output / grad input per GEMM).
+    GEMM, and 2n backward slots, grad output / grad input per GEMM). Under delayed or current scaling, splits
+    and features that are multiples of 16 run all splits in one call per pass (each split's casts in one launch,
+    grouped GEMMs: ``_grouped_fp8_function``), with the same casts and products per split (bit for bit on the
+    reference backend; on a GPU the GEMMs may sum in another order).
 
     Args (TE's, in TE's order):
         num_gemms: n, the number of splits (experts).
@@ -58,8 +61,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         device: parameter device; None = current CUDA device if any, else CPU; "meta" defers init.
         ub_name: stored.
         name: debug name.
-        use_grouped_tensor: None or a bool, stored: the split path (a GEMM per split) always runs, as
-            TE falls back to it for per-GEMM parameters.
+        use_grouped_tensor: None or a bool, stored: TE's grouped tensors (one parameter for all weights) are not
+            offered; the path taken follows the recipe and the splits (above).
         ub_overlap_rs, ub_overlap_ag: unsupported, as in TE (ValueError).
         delay_wgrad_compute: backward computes dgrad only and queues every dW_i for :meth:`backward_dw` (see
             :mod:`._wgrad_store`).
