@@ -38,16 +38,26 @@ def split_ends(m_splits: Sequence[int], device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=_CACHED_SPLITS)
 def _ends_on(m_splits: tuple, device: torch.device) -> torch.Tensor:
-    return _to_device(torch.tensor(m_splits, dtype=torch.int64).cumsum(0).to(torch.int32), device)
+    return _to_device(torch.tensor(m_splits, dtype=torch.int64).cumsum(0).to(torch.int32), device, m_splits)
 
 
 @functools.lru_cache(maxsize=_CACHED_ROWS)
 def _rows_on(m_splits: tuple, device: torch.device) -> torch.Tensor:
     rows = torch.arange(len(m_splits), dtype=torch.int32).repeat_interleave(torch.tensor(m_splits, dtype=torch.int64))
-    return _to_device(rows, device)
+    return _to_device(rows, device, m_splits)
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda" and torch.cuda.is_available():  # pinned: the copy is queued on the stream, no host sync
+def _to_device(host: torch.Tensor, device: torch.device, m_splits: tuple) -> torch.Tensor:
+    """host on ``device``; on CUDA from pinned memory, queued on the stream (no host sync).
+
+    Raises:
+        RuntimeError: a CUDA graph is being captured: the graph would copy from a host buffer freed after this call.
+    """
+    if device.type == "cuda" and torch.cuda.is_available():
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the device vectors of the row splits {list(m_splits)} are made while a CUDA graph is captured; run the "
+                "grouped op once with the same splits before capturing (make_graphed_callables' warm-up does)"
+            )
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
