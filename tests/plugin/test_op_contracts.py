@@ -306,6 +306,9 @@ case("cast_transpose_grouped", "empty_splits_nonfinite", lambda: (nonfinite(5, 8
 case("cast_transpose_grouped", "strided_slots", lambda: (transposed(6, 8, dtype=torch.bfloat16), (4, 2), torch.full((6,), 4.0)[::3], E5M2,
                                                          torch.tensor([[1.0, 0.0, 0.0, 9e9, 0.0, 0.0]])[0, ::3]))
 case("cast_transpose_grouped", "empty", lambda: (rnd(0, 8), (0, 0), torch.ones(2), E4M3))
+case("column_sums_grouped", "empty_split_nonfinite", lambda: (nonfinite(5, 8), (2, 0, 3)))
+case("column_sums_grouped", "bf16_noncontiguous", lambda: (transposed(6, 8, dtype=torch.bfloat16), (4, 2), torch.bfloat16))
+case("column_sums_grouped", "empty", lambda: (rnd(0, 8), (0,)))
 case("current_scale_grouped", "empty_splits_nonfinite", lambda: (nonfinite(5, 8), (2, 0, 3), E4M3))
 case("current_scale_grouped", "empty", lambda: (rnd(0, 8), (0, 0), E5M2))
 case("current_scale_grouped", "bf16_transposed_eps_pow2", lambda: (transposed(6, 8, dtype=torch.bfloat16), (4, 2), E4M3, 1e-3, True))

@@ -72,6 +72,16 @@ def cast_transpose_grouped(x: Tensor, m_splits: Tuple[int, ...], scale: Tensor, 
     """
 
 
+@declare
+def column_sums_grouped(x: Tensor, m_splits: Tuple[int, ...], out_dtype: Optional[dtype] = None) -> Tensor:
+    """Column sums of each row split of x [M, N]: out[g, j] = sum of x[r, j] over the rows r of split g (the bias
+    gradients of a grouped linear layer), accumulated in float32 and rounded once to ``out_dtype`` (None: float32).
+
+    Args: x: [M, N] float; m_splits: G >= 1 non-negative row counts summing to M. Returns: [G, N] (zeros for an
+    empty split). Non-finite x propagate as in a float32 sum.
+    """
+
+
 @declare(mutates=("amax_out",))
 def cast_transpose_dbias(x: Tensor, scale: Tensor, fp8_dtype: dtype, amax_out: Optional[Tensor] = None,
                          dbias_dtype: Optional[dtype] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -5,7 +5,7 @@ of each pass in one grouped GEMM (y_i = x_i @ W_i^T + b_i over the row splits x 
               q_W, W^T = cast_transpose_grouped([W_0; ...; W_{G-1}], (N,) * G, s_W)    (cast_weights; or cached)
               y        = gemm_grouped(q_x, q_W [G, N, K]) + b
     backward  q_dy, dy^T = cast_transpose_grouped(dy, splits, s_dy)
-              dx  = gemm_grouped(q_dy, W^T [G, K, N]),  dW = gemm_grouped_wgrad(dy^T, x^T),  db_g = sum_rows(dy_g)
+              dx  = gemm_grouped(q_dy, W^T [G, K, N]),  dW = gemm_grouped_wgrad(dy^T, x^T),  db = column_sums_grouped(dy)
 
 The scales per split: delayed scaling's are GEMM g's slots of the state, the amaxes max-ed into its history
 (:class:`DelayedSplits`); current scaling's come from each split's own amax (``current_scale_grouped``,
@@ -162,9 +162,9 @@ class GroupedFp8Function(torch.autograd.Function):
                 dx = ops.gemm_grouped(q_dy, w_t_splits, args.m_splits, a_scale_inv=dy_scale_inv, b_scale_inv=w_scale_inv,
                                       out_dtype=args.dtype, use_split_accumulator=args.split_accumulator[1])
                 dx = cast(dx.view(*inp_shape), inp_dtype)
-            rows = dy.split(list(args.m_splits))
-            dbs = [part.sum(dim=0, dtype=torch.float32).to(ctx.param_dtypes[groups + g]) if need else None
-                   for g, (part, need) in enumerate(zip(rows, need_b))]
+            if any(need_b):
+                db = ops.column_sums_grouped(dy, args.m_splits, out_dtype=ctx.param_dtypes[groups])
+                dbs = [part if need else None for part, need in zip(db.unbind(0), need_b)]
         if args.backward_update is not None:
             args.backward_update([])
         return (dx, None, *dws, *dbs)

@@ -15,7 +15,7 @@ from transformer_engine.plugin.core import BackendImplKind, OpManager, OpRegistr
 
 _FAMILY_OPS = {
     "activation": 26, "delayed_scaling": 3, "misc": 6, "normalization": 4, "optimizer": 3, "quantization": 8,
-    "quantization_blockwise": 3, "quantization_grouped": 2, "rope": 2, "softmax": 8,
+    "quantization_blockwise": 3, "quantization_grouped": 3, "rope": 2, "softmax": 8,
 }  # fmt: skip
 
 

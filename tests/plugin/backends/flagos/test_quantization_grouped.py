@@ -288,3 +288,38 @@ def test_current_scale_grouped_large_gpu(dtype):
         for fp8_dtype in FP8_DTYPES:
             _assert_scales_as_per_split(x, m_splits, fp8_dtype)
             _assert_scales_as_per_split(x, m_splits, fp8_dtype, amax_epsilon=1e-3, power_2_scale=True)
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_column_sums_grouped_sum_each_split(dtype, out_dtype, device):
+    """float32 sums of each split's rows (in another order than torch's: to float32 rounding), one rounding to
+    out_dtype; an empty split sums to 0; the result does not change from call to call."""
+    m_splits = [70, 0, 129, 1]
+    wide = randn(200, 72, dtype=dtype, device=device)
+    x = wide[:, 3:68]  # strided rows
+    got = fg.column_sums_grouped(x, m_splits, out_dtype)
+    want = torch.stack([x[start:stop].float().sum(0) for start, stop in split_bounds(m_splits)])
+    assert got.shape == (4, 65) and got.dtype == (out_dtype or torch.float32)
+    if out_dtype is None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # one bf16 ulp: the GPU rounds to nearest, Triton's CPU interpreter truncates float32 -> bfloat16 stores
+        torch.testing.assert_close(got.float(), want.to(out_dtype).float(), rtol=2**-7, atol=1e-4)
+    assert not got[1].any() and torch.equal(fg.column_sums_grouped(x, m_splits, out_dtype), got)
+
+
+def test_column_sums_grouped_errors(device):
+    x = randn(10, 8, device=device)
+    with pytest.raises(ValueError, match="sums to 9"):
+        fg.column_sums_grouped(x, [4, 5])
+    with pytest.raises((TypeError, ValueError), match="out_dtype|dbias_dtype|int32"):
+        fg.column_sums_grouped(x, [4, 6], torch.int32)
+
+
+@pytest.mark.gpu
+def test_column_sums_grouped_large_gpu():
+    m_splits = [3072, 1024, 2560, 512, 4096, 1536, 2048, 1536]
+    x = randn(sum(m_splits), 4096, dtype=torch.bfloat16, device="cuda")
+    got = fg.column_sums_grouped(x, m_splits, torch.float32)
+    want = torch.stack([x[start:stop].float().sum(0) for start, stop in split_bounds(m_splits)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)

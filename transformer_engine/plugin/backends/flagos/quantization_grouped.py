@@ -6,12 +6,16 @@ Math (plugin/catalog/quantization.py), float32 throughout:
     cast_transpose_grouped
                     cast_transpose of each x_g in one launch: rows of split g cast with scale[g],
                     amax[g] = max |x_g|, q_t the transpose of the whole q
+    column_sums_grouped
+                    out[g, j] = sum of x_g[:, j] in float32 (the bias gradients), one launch of
+                    ``segment_column_sums`` (_column_sums.py)
     current_scale_grouped
                     amax[g] = max |x_g| (finite, 0 for an empty split) in one launch of the same kernel
                     with the casts left out; the last program to finish writes every
                     scale[g] = fp8_max / max(amax[g], eps) (``_current_scale_of``, as ``current_scale``)
 
-Both are bit-identical to the per-split ops of ``quantization.py`` on each split.
+The casts and scales are bit-identical to the per-split ops of ``quantization.py`` on each split; the column sums
+add in their own fixed order (deterministic).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_amax_epsilon, check_group_vector, check_splits
+from transformer_engine.plugin.backends._checks import check_amax_epsilon, check_dbias_dtype, check_group_vector, check_splits
 from transformer_engine.plugin.backends._fp8 import check_fp8_dtype, check_high_precision
 from transformer_engine.plugin.backends._splits import split_ends
 from transformer_engine.plugin.core import Reject
@@ -38,10 +42,11 @@ from ._common import (
     rows_contiguous,
     stream_counters,
 )
+from ._column_sums import segment_column_sums
 from ._launch import cached_launch
 from .quantization import _CT_TILE_M, _CT_TILE_N, _current_scale_of
 
-__all__ = ["cast_transpose_grouped", "current_scale_grouped"]
+__all__ = ["cast_transpose_grouped", "column_sums_grouped", "current_scale_grouped"]
 
 
 @cached_launch
@@ -197,6 +202,19 @@ def current_scale_grouped(x, m_splits, fp8_dtype, amax_epsilon=0.0, power_2_scal
     scale = torch.empty(len(m_splits), dtype=torch.float32, device=x.device)  # written by the last program
     _launch_grouped(x, m_splits, fp8_dtype, scale=scale, amax=amax, amax_epsilon=amax_epsilon, power_2_scale=power_2_scale)
     return scale, amax
+
+
+def column_sums_grouped(x, m_splits, out_dtype=None):
+    """out[g, j] = sum of x[r, j] over the rows of split g, in float32, rounded once to ``out_dtype`` (None: float32).
+
+    Raises:
+        TypeError: x is not a high-precision float tensor. ValueError: x not 2-D, bad splits, a bad out_dtype.
+    """
+    check_high_precision(x)
+    check_2d(x, "x")
+    check_splits(m_splits, x.shape[0])
+    check_dbias_dtype(out_dtype)
+    return segment_column_sums(rows_contiguous(x), split_ends(m_splits, x.device), out_dtype or torch.float32)
 
 
 def _group_vectors_on_device(x, m_splits, scale, fp8_dtype, amax_out=None):

@@ -1,5 +1,5 @@
 """Reference (pure PyTorch) grouped ops: one call over the G row splits of a mixture-of-experts layer's tokens.
-See plugin/catalog/quantization.py (``cast_transpose_grouped``, ``current_scale_grouped``) and gemm.py
+See plugin/catalog/quantization.py (``cast_transpose_grouped``, ``current_scale_grouped``, ``column_sums_grouped``) and gemm.py
 (``gemm_grouped*``) for the contract.
 
 Each is the per-split op run G times, so it is the oracle of the single-launch kernels and equals, bit for bit,
@@ -7,6 +7,7 @@ a layer that calls the per-split ops itself:
 
     cast_transpose_grouped   q[rows of g] = quantize(x_g, scale[g]), q_t = q^T, amax[g] = max|x_g|
     current_scale_grouped    (scale[g], amax[g]) = current_scale(x_g)
+    column_sums_grouped      out[g] = sum_rows(x_g) in float32, then one rounding
     gemm_grouped             D[rows of g] = gemm(a_g, b[g], trans_b=True) (+ bias[g])
     gemm_grouped_wgrad       D[g] = gemm(a_t[:, cols of g], b_t[:, cols of g], trans_b=True), 0 for an empty split
 """
@@ -17,13 +18,13 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_group_vector, check_splits, gemm_result_dtype
+from .._checks import check_dbias_dtype, check_group_vector, check_splits, gemm_result_dtype
 from .._fp8 import check_high_precision, check_tensor, is_fp8
 from .._splits import split_bounds
 from .gemm import gemm
 from .quantization import current_scale, quantize
 
-__all__ = ["cast_transpose_grouped", "current_scale_grouped", "gemm_grouped", "gemm_grouped_wgrad"]
+__all__ = ["cast_transpose_grouped", "column_sums_grouped", "current_scale_grouped", "gemm_grouped", "gemm_grouped_wgrad"]
 
 
 def _check_x_and_splits(x, m_splits) -> None:
@@ -69,6 +70,18 @@ def current_scale_grouped(x, m_splits, fp8_dtype, amax_epsilon=0.0, power_2_scal
                for start, stop in split_bounds(m_splits)]
     scales, amaxes = zip(*results)
     return torch.stack(scales), torch.stack(amaxes)
+
+
+def column_sums_grouped(x, m_splits, out_dtype=None):
+    """out[g, j] = sum of x_g[:, j], accumulated in float32 (torch's sum), rounded once to ``out_dtype``.
+
+    Raises:
+        TypeError / ValueError: x not a high-precision [M, N] tensor, bad splits, a bad out_dtype.
+    """
+    _check_x_and_splits(x, m_splits)
+    check_dbias_dtype(out_dtype)
+    sums = torch.stack([x[start:stop].sum(dim=0, dtype=torch.float32) for start, stop in split_bounds(m_splits)])
+    return sums if out_dtype in (None, torch.float32) else sums.to(out_dtype)
 
 
 def _check_grouped_operands(a, b, a_scale_inv, b_scale_inv, groups: int) -> None:
