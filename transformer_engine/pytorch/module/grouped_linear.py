@@ -161,10 +161,11 @@ class GroupedLinear(TransformerEngineBaseModule):
 
     def _apply(self, fn, *args, **kwargs):
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``, ...), which gives each weight its own tensor, then
-        the weights back to back in one buffer again (see :meth:`_add_params`)."""
+        the weights back to back in one buffer again (see :meth:`_add_params`); weights of other kinds (FP8, sharded
+        tensor subclasses, meta) are left as they are."""
         module = super()._apply(fn, *args, **kwargs)
         weights = [getattr(self, name) for name in self._weight_names]
-        plain = all(type(w) is torch.nn.Parameter and w.device.type != "meta" for w in weights)
+        plain = all(type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor and w.device.type != "meta" for w in weights)
         if plain and len({(w.dtype, w.device, tuple(w.shape)) for w in weights}) == 1:
             with torch.no_grad():
                 for weight, part in zip(weights, torch.stack([w.detach() for w in weights])):
