@@ -149,7 +149,7 @@ def te_spec_tracks_local_spec(steps: int):
     return _train(local, steps), _train(models["te"], steps), _train(models["te_fp8"], steps, fp8=True)
 
 
-def moe_te_spec_tracks_local_spec(steps: int, fp8=None):
+def moe_te_spec_tracks_local_spec(steps: int, fp8=None, fp8_recipe="delayed"):
     """(local losses, TE losses, one-call GroupedLinear forwards) of one MoE GPT (4 experts) built from both specs with
     the same weights and trained on the same batch: the TE spec's experts are one te.GroupedLinear per projection
     (under FP8, Megatron pads each expert's tokens to a multiple of 16 with Fp8Padding: the one-call FP8 path)."""
@@ -157,7 +157,7 @@ def moe_te_spec_tracks_local_spec(steps: int, fp8=None):
 
     local = _gpt("local", tp=1, experts=4)
     weights = {_te_name(name, moe=True): p.detach().clone() for name, p in local.named_parameters()}
-    te_model = _gpt("te", tp=1, fp8=fp8, experts=4)
+    te_model = _gpt("te", tp=1, fp8=fp8, experts=4, **({} if fp8 is None else {"fp8_recipe": fp8_recipe}))
     params = dict(te_model.named_parameters())
     assert params.keys() == weights.keys(), sorted(set(params) ^ set(weights))
     with torch.no_grad():
@@ -248,10 +248,13 @@ def test_moe_te_spec_with_grouped_gemm_tracks_the_local_spec():
 
 
 @pytest.mark.gpu
-def test_moe_te_spec_in_fp8_learns_as_the_local_spec():
-    """The same MoE GPT with Megatron's fp8="hybrid" (delayed scaling): its experts' GroupedLinear runs one call per
-    pass (the padded splits), the first loss is float32's to FP8 precision, and it learns."""
-    local, te_fp8, one_call_forwards = get_pool(1, "nccl").run(moe_te_spec_tracks_local_spec, 8, "hybrid", timeout=300)[0]
+@pytest.mark.parametrize("fp8_recipe", ["delayed", "tensorwise"])
+def test_moe_te_spec_in_fp8_learns_as_the_local_spec(fp8_recipe):
+    """The same MoE GPT with Megatron's fp8="hybrid" under its delayed and tensorwise (current scaling) recipes: its
+    experts' GroupedLinear runs one call per pass (the padded splits), the first loss is float32's to FP8 precision,
+    and it learns."""
+    local, te_fp8, one_call_forwards = get_pool(1, "nccl").run(moe_te_spec_tracks_local_spec, 8, "hybrid", fp8_recipe,
+                                                               timeout=300)[0]
     assert one_call_forwards > 0
     assert te_fp8[0] == pytest.approx(local[0], rel=0.01)
     assert min(te_fp8[-3:]) < te_fp8[0] - 0.5
