@@ -12,11 +12,13 @@ import torch
 
 from transformer_engine.plugin.backends._dropout_mask import packed_bytes
 from transformer_engine.plugin.backends._fp8 import (
+    check_fp8_dtype,
     check_fp8_output,
     check_high_precision,
     check_last_dim,
     check_out_dtype,
     check_tensor,
+    is_fp8,
 )
 
 __all__ = [
@@ -40,6 +42,10 @@ __all__ = [
     "gemm_result_dtype",
     "check_splits",
     "check_group_vector",
+    "check_grouped_rows",
+    "check_cast_transpose_grouped",
+    "check_gemm_grouped",
+    "check_gemm_grouped_wgrad",
 ]
 
 _AMAX_ALGOS = ("max", "most_recent")
@@ -71,6 +77,58 @@ def check_group_vector(t, groups: int, name: str, device) -> None:
     expected = torch.device(device)
     if t.device.type != expected.type or expected.index not in (None, t.device.index):
         raise ValueError(f"{name} is on {t.device} but must be on {device} (x's device)")
+
+
+def check_grouped_rows(x, m_splits) -> None:
+    """x a high-precision [M, K] tensor whose rows ``m_splits`` (G >= 1 non-negative ints) split, summing to M."""
+    check_high_precision(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    check_splits(m_splits, x.shape[0])
+
+
+def check_cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None) -> None:
+    """``cast_transpose_grouped``: :func:`check_grouped_rows`, an FP8 dtype, scale (and amax_out) float32 [G] on x's device."""
+    check_grouped_rows(x, m_splits)
+    check_fp8_dtype(fp8_dtype)
+    check_group_vector(scale, len(m_splits), "scale", x.device)
+    if amax_out is not None:
+        check_group_vector(amax_out, len(m_splits), "amax_out", x.device)
+
+
+def _check_grouped_operands(a, b, a_scale_inv, b_scale_inv, groups: int, out_dtype) -> None:
+    """Both operands tensors, FP8 ones with a float32 [G] scale_inv each (and an out_dtype), none for high-precision ones."""
+    for t, scale_inv, name in ((a, a_scale_inv, "a"), (b, b_scale_inv, "b")):
+        check_tensor(t, name)
+        if is_fp8(t):
+            if scale_inv is None:
+                raise ValueError(f"{name} is FP8 ({t.dtype}) but {name}_scale_inv is None; pass one scale_inv per split")
+            check_group_vector(scale_inv, groups, f"{name}_scale_inv", t.device)
+        elif scale_inv is not None:
+            raise ValueError(f"{name}_scale_inv was given but {name} is {t.dtype}, not FP8; pass {name}_scale_inv=None")
+    if out_dtype is None and is_fp8(a):
+        raise ValueError(f"the first operand is FP8 ({a.dtype}), so a grouped GEMM needs out_dtype (e.g. torch.bfloat16)")
+
+
+def check_gemm_grouped(a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias) -> None:
+    """``gemm_grouped``: a [M, K] split by rows, b [G, N, K], bias None or [G, N], scales as the operands need."""
+    _check_grouped_operands(a, b, a_scale_inv, b_scale_inv, len(m_splits), out_dtype)
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"gemm_grouped takes a [M, K] and b [G, N, K], got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    check_splits(m_splits, a.shape[0])
+    groups, n, k = b.shape
+    if groups != len(m_splits) or k != a.shape[1]:
+        raise ValueError(f"b {tuple(b.shape)} must be [G={len(m_splits)}, N, K={a.shape[1]}] for a {tuple(a.shape)}")
+    if bias is not None and tuple(bias.shape) != (groups, n):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected [G, N] = [{groups}, {n}]")
+
+
+def check_gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv, b_scale_inv, out_dtype) -> None:
+    """``gemm_grouped_wgrad``: a_t [N, M] and b_t [K, M] split by columns, scales as the operands need."""
+    _check_grouped_operands(a_t, b_t, a_scale_inv, b_scale_inv, len(m_splits), out_dtype)
+    if a_t.dim() != 2 or b_t.dim() != 2 or a_t.shape[1] != b_t.shape[1]:
+        raise ValueError(f"gemm_grouped_wgrad takes a_t [N, M] and b_t [K, M], got {tuple(a_t.shape)} and {tuple(b_t.shape)}")
+    check_splits(m_splits, a_t.shape[1])
 
 
 def check_norm_fwd(x, weight, bias, eps, fp8_scale, fp8_dtype, out_dtype, amax_out=None) -> None:

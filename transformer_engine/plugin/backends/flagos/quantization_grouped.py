@@ -24,8 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_amax_epsilon, check_dbias_dtype, check_group_vector, check_splits
-from transformer_engine.plugin.backends._fp8 import check_fp8_dtype, check_high_precision
+from transformer_engine.plugin.backends._checks import (
+    check_amax_epsilon, check_cast_transpose_grouped, check_dbias_dtype, check_grouped_rows,
+)
+from transformer_engine.plugin.backends._fp8 import check_fp8_dtype
 from transformer_engine.plugin.backends._splits import split_ends
 from transformer_engine.plugin.core import Reject
 
@@ -34,7 +36,6 @@ from ._common import (
     _finite_abs,
     _fp8_encode,
     cdiv,
-    check_2d,
     device_guard,
     fp8_format,
     hw_fp8_cast,
@@ -125,13 +126,6 @@ def _cast_transpose_grouped_kernel(
             tl.store(scale_ptr + groups * stride_scale, scale, mask=groups < G)
 
 
-def _check_x_and_splits(x, m_splits, fp8_dtype) -> None:
-    check_high_precision(x)
-    check_2d(x, "x")
-    check_fp8_dtype(fp8_dtype)
-    check_splits(m_splits, x.shape[0])
-
-
 def _launch_grouped(x, m_splits, fp8_dtype, *, scale, amax, q=None, q_t=None, scale_inv=None, amax_epsilon=0.0, power_2_scale=False):
     """Run ``_cast_transpose_grouped_kernel`` on x [M, N] (rows contiguous, amax zeroed or a history row): the casts into
     the uint8 views q, q_t and scale_inv when given, else (CURRENT_SCALE) the amaxes and the scales written into ``scale``."""
@@ -171,11 +165,8 @@ def cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None):
         TypeError / ValueError: as :func:`cast_transpose`, bad splits, or scale / amax_out not float32 [G] on
             x's device.
     """
-    _check_x_and_splits(x, m_splits, fp8_dtype)
+    check_cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out)
     groups = len(m_splits)
-    check_group_vector(scale, groups, "scale", x.device)
-    if amax_out is not None:
-        check_group_vector(amax_out, groups, "amax_out", x.device)
     x = rows_contiguous(x)
     m, n = x.shape
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
@@ -195,7 +186,8 @@ def current_scale_grouped(x, m_splits, fp8_dtype, amax_epsilon=0.0, power_2_scal
     Raises:
         TypeError: x is not a high-precision float tensor. ValueError: x not 2-D, bad splits, fp8_dtype or amax_epsilon.
     """
-    _check_x_and_splits(x, m_splits, fp8_dtype)
+    check_grouped_rows(x, m_splits)
+    check_fp8_dtype(fp8_dtype)
     check_amax_epsilon(amax_epsilon)
     x = rows_contiguous(x)
     amax = torch.zeros(len(m_splits), dtype=torch.float32, device=x.device)
@@ -210,9 +202,7 @@ def column_sums_grouped(x, m_splits, out_dtype=None):
     Raises:
         TypeError: x is not a high-precision float tensor. ValueError: x not 2-D, bad splits, a bad out_dtype.
     """
-    check_high_precision(x)
-    check_2d(x, "x")
-    check_splits(m_splits, x.shape[0])
+    check_grouped_rows(x, m_splits)
     check_dbias_dtype(out_dtype)
     return segment_column_sums(rows_contiguous(x), split_ends(m_splits, x.device), out_dtype or torch.float32)
 

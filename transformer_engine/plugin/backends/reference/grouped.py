@@ -18,21 +18,14 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_dbias_dtype, check_group_vector, check_splits, gemm_result_dtype
-from .._fp8 import check_high_precision, check_tensor, is_fp8
+from .._checks import (
+    check_cast_transpose_grouped, check_dbias_dtype, check_gemm_grouped, check_gemm_grouped_wgrad, check_grouped_rows, gemm_result_dtype,
+)
 from .._splits import split_bounds
 from .gemm import gemm
 from .quantization import current_scale, quantize
 
 __all__ = ["cast_transpose_grouped", "column_sums_grouped", "current_scale_grouped", "gemm_grouped", "gemm_grouped_wgrad"]
-
-
-def _check_x_and_splits(x, m_splits) -> None:
-    """x a high-precision [M, K] tensor, m_splits G >= 1 non-negative ints summing to M."""
-    check_high_precision(x)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    check_splits(m_splits, x.shape[0])
 
 
 def cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None):
@@ -45,11 +38,7 @@ def cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=None):
         TypeError / ValueError: as ``quantize``, x not 2-D, splits that do not sum to M, a scale or amax_out
         that is not float32 [G] on x's device.
     """
-    _check_x_and_splits(x, m_splits)
-    groups = len(m_splits)
-    check_group_vector(scale, groups, "scale", x.device)
-    if amax_out is not None:
-        check_group_vector(amax_out, groups, "amax_out", x.device)
+    check_cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out)
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale_invs, amaxes = [], []
     for g, (start, stop) in enumerate(split_bounds(m_splits)):
@@ -65,7 +54,7 @@ def current_scale_grouped(x, m_splits, fp8_dtype, amax_epsilon=0.0, power_2_scal
     Raises:
         TypeError / ValueError: as ``current_scale``, x not 2-D, splits that do not sum to M.
     """
-    _check_x_and_splits(x, m_splits)
+    check_grouped_rows(x, m_splits)
     results = [current_scale(x[start:stop], fp8_dtype, amax_epsilon=amax_epsilon, power_2_scale=power_2_scale)
                for start, stop in split_bounds(m_splits)]
     scales, amaxes = zip(*results)
@@ -78,22 +67,10 @@ def column_sums_grouped(x, m_splits, out_dtype=None):
     Raises:
         TypeError / ValueError: x not a high-precision [M, N] tensor, bad splits, a bad out_dtype.
     """
-    _check_x_and_splits(x, m_splits)
+    check_grouped_rows(x, m_splits)
     check_dbias_dtype(out_dtype)
     sums = torch.stack([x[start:stop].sum(dim=0, dtype=torch.float32) for start, stop in split_bounds(m_splits)])
     return sums if out_dtype in (None, torch.float32) else sums.to(out_dtype)
-
-
-def _check_grouped_operands(a, b, a_scale_inv, b_scale_inv, groups: int) -> None:
-    """Both operands tensors, FP8 ones with a float32 [G] scale_inv each, none for high-precision ones."""
-    for t, scale_inv, name in ((a, a_scale_inv, "a"), (b, b_scale_inv, "b")):
-        check_tensor(t, name)
-        if is_fp8(t):
-            if scale_inv is None:
-                raise ValueError(f"{name} is FP8 ({t.dtype}) but {name}_scale_inv is None; pass one scale_inv per split")
-            check_group_vector(scale_inv, groups, f"{name}_scale_inv", t.device)
-        elif scale_inv is not None:
-            raise ValueError(f"{name}_scale_inv was given but {name} is {t.dtype}, not FP8; pass {name}_scale_inv=None")
 
 
 def _scale_of(scale_inv: Optional[torch.Tensor], g: int) -> Optional[torch.Tensor]:
@@ -104,21 +81,11 @@ def gemm_grouped(a, b, m_splits, a_scale_inv=None, b_scale_inv=None, out_dtype=N
     """D[rows of g] = a_g @ b[g]^T (+ bias[g]) by ``gemm`` per split, in float32 from the dequantized operands.
 
     Raises:
-        ValueError: a not [M, K] or b not [G, N, K], splits that do not sum to M, bias not [G, N], scales as in
-        ``_check_grouped_operands``, FP8 a without out_dtype.
+        TypeError / ValueError: as ``check_gemm_grouped`` (a not [M, K] or b not [G, N, K], splits that do not sum
+        to M, bias not [G, N], a missing or extra scale_inv, FP8 a without out_dtype).
     """
-    _check_grouped_operands(a, b, a_scale_inv, b_scale_inv, len(m_splits))
-    if a.dim() != 2 or b.dim() != 3:
-        raise ValueError(f"gemm_grouped takes a [M, K] and b [G, N, K], got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    check_splits(m_splits, a.shape[0])
-    groups, n, k = b.shape
-    if groups != len(m_splits) or k != a.shape[1]:
-        raise ValueError(f"b {tuple(b.shape)} must be [G={len(m_splits)}, N, K={a.shape[1]}] for a {tuple(a.shape)}")
-    if bias is not None and tuple(bias.shape) != (groups, n):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected [G, N] = [{groups}, {n}]")
-    if out_dtype is None and is_fp8(a):
-        raise ValueError(f"a is FP8 ({a.dtype}), so gemm_grouped needs out_dtype (e.g. torch.bfloat16)")
-    d = torch.empty((a.shape[0], n), dtype=gemm_result_dtype(out_dtype, None, False, default=a.dtype), device=a.device)
+    check_gemm_grouped(a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias)
+    d = torch.empty((a.shape[0], b.shape[1]), dtype=gemm_result_dtype(out_dtype, None, False, default=a.dtype), device=a.device)
     for g, (start, stop) in enumerate(split_bounds(m_splits)):
         if stop > start:
             d[start:stop] = gemm(a[start:stop], b[g], bias=None if bias is None else bias[g], a_scale_inv=_scale_of(a_scale_inv, g),
@@ -132,12 +99,7 @@ def gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv=None, b_scale_inv=None, o
     Raises:
         ValueError: a_t not [N, M] or b_t not [K, M], splits that do not sum to M, scales as in ``gemm_grouped``.
     """
-    _check_grouped_operands(a_t, b_t, a_scale_inv, b_scale_inv, len(m_splits))
-    if a_t.dim() != 2 or b_t.dim() != 2 or a_t.shape[1] != b_t.shape[1]:
-        raise ValueError(f"gemm_grouped_wgrad takes a_t [N, M] and b_t [K, M], got {tuple(a_t.shape)} and {tuple(b_t.shape)}")
-    check_splits(m_splits, a_t.shape[1])
-    if out_dtype is None and is_fp8(a_t):
-        raise ValueError(f"a_t is FP8 ({a_t.dtype}), so gemm_grouped_wgrad needs out_dtype (e.g. torch.bfloat16)")
+    check_gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv, b_scale_inv, out_dtype)
     dtype = gemm_result_dtype(out_dtype, None, False, default=a_t.dtype)
     d = torch.zeros((len(m_splits), a_t.shape[0], b_t.shape[0]), dtype=dtype, device=a_t.device)
     for g, (start, stop) in enumerate(split_bounds(m_splits)):

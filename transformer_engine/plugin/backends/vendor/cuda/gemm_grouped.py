@@ -23,7 +23,7 @@ import torch
 from transformer_engine.plugin.backends._splits import split_bounds, split_ends, split_of_rows
 from transformer_engine.plugin.core import Reject
 
-from ..._checks import check_group_vector
+from ..._checks import check_gemm_grouped, check_gemm_grouped_wgrad
 from .gemm import _capability_of, _fits_lt, _gemm, _require, _supports_gemm
 
 __all__ = ["gemm_grouped", "gemm_grouped_wgrad"]
@@ -130,18 +130,10 @@ def _gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv=None, b_scale_inv=None, 
     return d
 
 
-def _split_reason(m_splits, rows: int) -> Optional[str]:
-    if not isinstance(m_splits, (list, tuple)) or not m_splits or sum(m_splits) != rows:
-        return f"m_splits {m_splits!r} must be a non-empty sequence of ints summing to {rows}"
-    return None
-
-
-def _scale_reason(t, scale_inv, groups: int, name: str) -> Optional[str]:
-    if (scale_inv is None) != (t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)):
-        return f"{name}_scale_inv must be given exactly when {name} is FP8 (got {t.dtype})"
+def _contract_reason(check, *args) -> Optional[str]:
+    """Why ``check`` (the op's contract in ``_checks.py``) refuses the arguments, or None."""
     try:
-        if scale_inv is not None:
-            check_group_vector(scale_inv, groups, f"{name}_scale_inv", t.device)
+        check(*args)
     except (TypeError, ValueError) as exc:
         return str(exc)
     return None
@@ -157,12 +149,7 @@ def _supports_gemm_grouped(a, b, m_splits, a_scale_inv=None, b_scale_inv=None, o
     """True, or a Reject saying why this backend declines the call."""
     if not (getattr(a, "is_cuda", False) and getattr(b, "is_cuda", False)):
         return Reject("operands are not on a CUDA device")
-    if a.dim() != 2 or b.dim() != 3 or b.shape[0] != len(m_splits) or b.shape[2] != a.shape[1]:
-        return Reject(f"a must be [M, K] and b [G, N, K], got a {tuple(a.shape)}, b {tuple(b.shape)}, {len(m_splits)} splits")
-    if bias is not None and tuple(bias.shape) != tuple(b.shape[:2]):
-        return Reject(f"bias has shape {tuple(bias.shape)}, expected [G, N] = {list(b.shape[:2])}")
-    reason = (_split_reason(m_splits, a.shape[0]) or _scale_reason(a, a_scale_inv, len(m_splits), "a")
-              or _scale_reason(b, b_scale_inv, len(m_splits), "b"))
+    reason = _contract_reason(check_gemm_grouped, a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias)
     if reason is None:
         reason = _per_split_reason(a[: _ALIGN], b[0], a_scale_inv, b_scale_inv, out_dtype, None if bias is None else bias[0])
     return Reject(reason) if reason else True
@@ -173,10 +160,7 @@ def _supports_gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv=None, b_scale_i
     needs 16-byte aligned base pointers)."""
     if not (getattr(a_t, "is_cuda", False) and getattr(b_t, "is_cuda", False)):
         return Reject("operands are not on a CUDA device")
-    if a_t.dim() != 2 or b_t.dim() != 2 or a_t.shape[1] != b_t.shape[1]:
-        return Reject(f"a_t must be [N, M] and b_t [K, M], got {tuple(a_t.shape)} and {tuple(b_t.shape)}")
-    reason = (_split_reason(m_splits, a_t.shape[1]) or _scale_reason(a_t, a_scale_inv, len(m_splits), "a")
-              or _scale_reason(b_t, b_scale_inv, len(m_splits), "b"))
+    reason = _contract_reason(check_gemm_grouped_wgrad, a_t, b_t, m_splits, a_scale_inv, b_scale_inv, out_dtype)
     if reason is None and any(m % _ALIGN for m in m_splits):
         reason = f"every split must be a multiple of {_ALIGN} columns (16-byte aligned operands), got {list(m_splits)}"
     if reason is None:
