@@ -23,7 +23,7 @@ from .._checks import (
 )
 from .._splits import split_bounds
 from .gemm import gemm
-from .quantization import current_scale, quantize
+from .quantization import _column_sums, current_scale, quantize
 
 __all__ = ["cast_transpose_grouped", "column_sums_grouped", "current_scale_grouped", "gemm_grouped", "gemm_grouped_wgrad"]
 
@@ -69,8 +69,7 @@ def column_sums_grouped(x, m_splits, out_dtype=None):
     """
     check_grouped_rows(x, m_splits)
     check_dbias_dtype(out_dtype)
-    sums = torch.stack([x[start:stop].sum(dim=0, dtype=torch.float32) for start, stop in split_bounds(m_splits)])
-    return sums if out_dtype in (None, torch.float32) else sums.to(out_dtype)
+    return torch.stack([_column_sums(x[start:stop], out_dtype) for start, stop in split_bounds(m_splits)])
 
 
 def _scale_of(scale_inv: Optional[torch.Tensor], g: int) -> Optional[torch.Tensor]:
