@@ -18,7 +18,8 @@ Cases (a step is fwd+bwd, gradients cleared; FP8 = DelayedScaling HYBRID, histor
 - ``norms`` (GPU): ``te.LayerNorm`` / ``te.RMSNorm`` / ``nn.LayerNorm`` on [16384, 4096] bf16;
 - ``large`` (GPU): ``te.Linear`` 8192^3 FP8 and the headline ``te.TransformerLayer`` FP8, each step
   waited for (as ``bench_linear.py`` and ``bench_transformer_layer.py`` time them);
-- ``block`` / ``current`` (GPU): the same two under ``Float8BlockScaling`` / ``Float8CurrentScaling``;
+- ``block`` / ``current`` / ``mxfp8`` (GPU): the same two under ``Float8BlockScaling`` / ``Float8CurrentScaling`` /
+  ``MXFP8BlockScaling`` (emulated on Hopper), ``mxfp8`` with the headline layer in bf16 too (its target is a ratio to it);
 - ``layer1024`` (GPU): ``te.TransformerLayer`` at hidden 1024 (``bench_sizes.py``'s layer: 8192 tokens,
   host-bound) eager in bf16, FP8 delayed and FP8 current, and ``torch.compile`` of its FP8 delayed step
   (Inductor, no CUDA graphs), chunks enqueued back to back.
@@ -45,13 +46,13 @@ import torch
 from _harness import backend_policy, base_parser, fwd_bwd_step, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = ("small", "norms", "large", "block", "current", "layer1024")
+GROUPS = ("small", "norms", "large", "block", "current", "mxfp8", "layer1024")
 
 
 def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int, bool]]:
     """{name: (step, steps per chunk, wait for each step)} of the chosen groups that run on ``device``."""
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+    from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 
     from bench_host_overhead import FEATURES, TOKENS
     from bench_transformer_layer import LayerShape, _te_layer
@@ -77,7 +78,8 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
         dy = torch.randn_like(x)
         for name, cls in (("te.LayerNorm", te.LayerNorm), ("te.RMSNorm", te.RMSNorm), ("nn.LayerNorm", torch.nn.LayerNorm)):
             cases[f"{name} [16384, 4096]"] = (fwd_bwd_step(cls(4096, device=device, dtype=bf16), x, dy, none), 50, False)
-    recipes = (("large", "FP8", fp8), ("block", "FP8 block", Float8BlockScaling()), ("current", "FP8 current", Float8CurrentScaling()))
+    recipes = (("large", "FP8", fp8), ("block", "FP8 block", Float8BlockScaling()), ("current", "FP8 current", Float8CurrentScaling()),
+               ("mxfp8", "MXFP8", MXFP8BlockScaling()))
     for group, label, recipe in recipes:
         if group not in groups:
             continue
@@ -88,6 +90,8 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
         shape = LayerShape()
         xl = torch.randn(shape.seq, shape.batch, shape.hidden, device=device, dtype=bf16, requires_grad=True)
         cases[f"te.TransformerLayer {label}"] = (fwd_bwd_step(_te_layer(te, shape, device), xl, torch.randn_like(xl), context), 5, True)
+        if group == "mxfp8":
+            cases["te.TransformerLayer bf16"] = (fwd_bwd_step(_te_layer(te, shape, device), xl, torch.randn_like(xl), none), 5, True)
     if "layer1024" in groups:
         cases.update(_layer1024_cases(te, device, fp8))
     return cases

@@ -269,6 +269,10 @@ def test_gpu_gemm_large():
     a, a_s, a_dq = _operand(384, 2048, E4M3, "cuda")
     b, b_s, b_dq = _operand(256, 2048, E5M2, "cuda")
     bias = torch.randn(256, device="cuda")
-    for out_dtype in (torch.float32, torch.bfloat16):
-        d = fm.gemm_mxfp8(a, b, a_s, b_s, out_dtype, bias)
-        _assert_gemm_close(d, ref.gemm_mxfp8(a, b, a_s, b_s, out_dtype, bias), a_dq, b_dq)
+    for out_dtype in (torch.float32, torch.bfloat16):  # cuBLAS's own epilogue where it can (no bias, a bf16 one)
+        for extra in ((), (bias,), (bias.bfloat16(),)):
+            d = fm.gemm_mxfp8(a, b, a_s, b_s, out_dtype, *extra)
+            _assert_gemm_close(d, ref.gemm_mxfp8(a, b, a_s, b_s, out_dtype, *extra), a_dq, b_dq)
+    out = torch.empty(256, 384, device="cuda", dtype=torch.bfloat16).t()  # a transposed view written in place
+    assert fm.gemm_mxfp8(a, b, a_s, b_s, None, bias.bfloat16(), out) is out
+    _assert_gemm_close(out, ref.gemm_mxfp8(a, b, a_s, b_s, torch.bfloat16, bias.bfloat16()), a_dq, b_dq)

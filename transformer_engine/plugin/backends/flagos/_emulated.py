@@ -8,7 +8,9 @@ An emulated GEMM decodes each operand to values exact in bfloat16 (an FP8 or E2M
     D = fp32(acc * (a_amax * c) * (b_amax * c)) + bias (+ out)      (the per-tensor factor in float64, one rounding)
 
 with the factor only where the format has per-tensor scales (NVFP4: c = fp32(1 / 2688)); without it D = acc + bias
-(+ out), in the reference's order, rounded once to D's dtype.
+(+ out), in the reference's order, rounded once to D's dtype. Without the factor and ``out``, on the GPU
+(:func:`unscaled_gemm`), cuBLAS writes D itself where its epilogue is that same math: a bfloat16 D (the bias, if
+any, bfloat16), or a float32 D without bias: no float32 product written and read again, no epilogue launch.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from transformer_engine.plugin.core import Reject
 from ._common import _tile_offsets, cdiv, device_guard
 from ._launch import cached_launch
 
-__all__ = ["finish_gemm", "mm_f32", "on_device"]
+__all__ = ["finish_gemm", "mm_f32", "on_device", "unscaled_gemm"]
 
 _EPILOGUE_TILE = (32, 128)
 
@@ -103,6 +105,25 @@ def mm_f32(v_a: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     if v_a.is_cuda:
         return torch.mm(v_a, v_b.t(), out_dtype=torch.float32)
     return torch.mm(v_a.float(), v_b.float().t())
+
+
+def unscaled_gemm(v_a: torch.Tensor, v_b: torch.Tensor, result: torch.Tensor, *, bias: Optional[torch.Tensor],
+                  accumulate: bool) -> None:
+    """result = v_a @ v_b^T + bias (+ result when ``accumulate``) from bfloat16 operands, float32 accumulation, one
+    rounding to result's dtype: one cuBLAS call on the GPU where its epilogue does exactly that (bfloat16 result
+    with no bias or a bfloat16 one: cuBLASLt adds the bias to the float32 accumulator before the rounding; float32
+    result without bias), else :func:`mm_f32` and :func:`finish_gemm`."""
+    if v_a.is_cuda and not accumulate:
+        if result.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+            if bias is None:
+                torch.mm(v_a, v_b.t(), out=result)
+            else:
+                torch.addmm(bias, v_a, v_b.t(), out=result)
+            return
+        if result.dtype == torch.float32 and bias is None:
+            torch.mm(v_a, v_b.t(), out_dtype=torch.float32, out=result)
+            return
+    finish_gemm(mm_f32(v_a, v_b), result, bias=bias, accumulate=accumulate)
 
 
 def finish_gemm(acc: torch.Tensor, result: torch.Tensor, *, bias: Optional[torch.Tensor], accumulate: bool,

@@ -29,9 +29,9 @@ whenever V is a multiple of 2^-133: in every block with s >= 3 (E4M3, whose smal
 that range bfloat16 rounds V to a multiple of 2^-133 (nearest even; the reference keeps float32's 2^-149):
 an absolute error under 2^-134 per element, documented rather than handled (it would need a float32 GEMM).
 Each operand is decoded to V in bfloat16 (``_decode_mxfp8``, one launch), the GEMM runs on the tensor cores
-with float32 output (exact products, float32 accumulation), and the shared epilogue (``_emulated.finish_gemm``) adds bias
-(and out) in float32 and casts once: the reference's float32 GEMM of the dequantized operands up to the
-order of the float32 accumulation.
+(exact products, float32 accumulation), and bias (and out) are added in float32 before the one rounding, by cuBLAS's
+epilogue or the shared one (``_emulated.unscaled_gemm``): the reference's float32 GEMM of the dequantized operands
+up to the order of the float32 accumulation.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from transformer_engine.plugin.backends._fp8 import check_out_dtype
 from transformer_engine.plugin.backends._mxfp8_checks import check_gemm_mxfp8, check_mxfp8_operand, check_quantize_mxfp8
 
 from ._common import INTERPRET, _fp8_decode, _fp8_encode, cdiv, device_guard, fp8_format, hw_fp8_cast, rows_contiguous
-from ._emulated import _magnitude_bits, _store_rounded, _to_float32, finish_gemm, mm_f32, on_device
+from ._emulated import _magnitude_bits, _store_rounded, _to_float32, on_device, unscaled_gemm
 from ._launch import cached_launch
 
 __all__ = ["quantize_mxfp8", "dequantize_mxfp8", "gemm_mxfp8"]
@@ -278,7 +278,8 @@ def gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias=None, out=None,
     """D = A @ B^T + bias (+ out when ``accumulate``) on MXFP8 operands, emulated on bfloat16 tensor cores.
 
     Each operand is decoded to V = q * 2^(s - 127) in bfloat16 (``_decode_mxfp8``: exact, see the module
-    docstring for the range), then one bfloat16 GEMM with float32 output (``mm_f32``) and the epilogue launch.
+    docstring for the range), then one bfloat16 GEMM with float32 accumulation (``unscaled_gemm``: the epilogue
+    in cuBLAS where it can be, else a float32 product and the epilogue launch).
 
     Returns:
         D [M, N] in ``out_dtype`` (else out's dtype, else float32); ``out`` itself when given.
@@ -298,8 +299,8 @@ def gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias=None, out=None,
     dtype = check_gemm_mxfp8(a, b, a_scale_e8m0, b_scale_e8m0, out_dtype, bias, out, accumulate)
     result = out if out is not None else torch.empty((a.shape[0], b.shape[0]), dtype=dtype, device=a.device)
     if result.numel():
-        acc = mm_f32(_decode_mxfp8(a, a_scale_e8m0, torch.bfloat16), _decode_mxfp8(b, b_scale_e8m0, torch.bfloat16))
-        finish_gemm(acc, result, bias=bias, accumulate=accumulate)
+        unscaled_gemm(_decode_mxfp8(a, a_scale_e8m0, torch.bfloat16), _decode_mxfp8(b, b_scale_e8m0, torch.bfloat16), result,
+                      bias=bias, accumulate=accumulate)
     return result
 
 
