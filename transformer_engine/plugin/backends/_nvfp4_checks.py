@@ -10,6 +10,7 @@ import torch
 
 from transformer_engine.plugin.backends._checks import check_gemm_output, gemm_result_dtype
 from transformer_engine.plugin.backends._fp8 import check_bool, check_scalar, check_tensor
+from transformer_engine.plugin.catalog.nvfp4 import E4M3_BOUNDS, FOUR_OVER_SIX_MODES, check_e4m3_max, check_four_over_six
 
 __all__ = ["E4M3_BOUNDS", "FOUR_OVER_SIX_MODES", "NVFP4_BLOCK", "check_e4m3_max", "check_gemm_nvfp4", "check_nvfp4_operand",
            "check_quantize_nvfp4"]
@@ -17,10 +18,6 @@ __all__ = ["E4M3_BOUNDS", "FOUR_OVER_SIX_MODES", "NVFP4_BLOCK", "check_e4m3_max"
 #: elements per NVFP4 block (TE's NVFP4_BLOCK_SCALING_SIZE)
 NVFP4_BLOCK = 16
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-#: the error modes of 4over6 (NVIDIA TE's ``nvfp4_4over6_err_mode``)
-FOUR_OVER_SIX_MODES = ("MAE", "MSE")
-#: the global scale's E4M3 bounds (TE's ``nvfp4_e4m3_max``): 448, or 256 under 4over6
-E4M3_BOUNDS = (448, 256)
 
 
 def _check_aligned(size: int, which: str, shape, why: str) -> None:
@@ -43,27 +40,6 @@ def _check_seed(stochastic_rounding: bool, seed) -> None:
         raise TypeError(f"seed has dtype {seed.dtype}; it must be a one-element torch.int64 tensor")
 
 
-def check_e4m3_max(e4m3_max, name: str = "e4m3_max") -> None:
-    """ValueError unless ``e4m3_max`` is 448 or 256 (an int, not a bool)."""
-    if isinstance(e4m3_max, bool) or e4m3_max not in E4M3_BOUNDS:
-        raise ValueError(f"{name}={e4m3_max!r}: the NVFP4 global scale's E4M3 bound is 448, or 256 under 4over6")
-
-
-def _check_four_over_six(four_over_six, e4m3_max, rht, stochastic_rounding) -> None:
-    if four_over_six is not None and four_over_six not in FOUR_OVER_SIX_MODES:
-        raise ValueError(f"four_over_six={four_over_six!r}: pass None (off), or the 4over6 error mode 'MAE' or 'MSE'")
-    check_e4m3_max(e4m3_max)
-    if four_over_six is None:
-        if e4m3_max != 448:
-            raise ValueError(f"e4m3_max={e4m3_max} without 4over6: NVFP4 quantization without 4over6 uses the E4M3 bound 448 "
-                             "(as NVIDIA TE); pass e4m3_max=448, or four_over_six='MAE' / 'MSE'")
-        return
-    for on, what in ((rht, "rht=True (the random Hadamard transform)"), (stochastic_rounding, "stochastic_rounding=True")):
-        if on:
-            raise ValueError(f"four_over_six={four_over_six!r} with {what}: NVFP4 4over6 quantization does not support it "
-                             "(as NVIDIA TE); quantize this tensor without one of the two")
-
-
 def check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_rounding, seed, four_over_six=None,
                          e4m3_max=448) -> None:
     """The arguments of ``quantize_nvfp4``: TypeError / ValueError naming the value and the rule."""
@@ -82,7 +58,7 @@ def check_quantize_nvfp4(x, rowwise, columnwise, block_2d, rht, stochastic_round
     if columnwise or block_2d:
         _check_aligned(x.shape[0], "first", x.shape, "the column-wise copy has one scale per 16 rows; 2-D tiles are 16 x 16")
     _check_seed(stochastic_rounding, seed)
-    _check_four_over_six(four_over_six, e4m3_max, rht, stochastic_rounding)
+    check_four_over_six(four_over_six, e4m3_max, rht=rht, stochastic_rounding=stochastic_rounding)
 
 
 def check_nvfp4_operand(q, scale, amax, name: str, e4m3_max=448) -> None:

@@ -73,6 +73,36 @@ from typing import Optional, Tuple
 
 from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
+#: the error modes of 4over6 (NVIDIA TE's ``nvfp4_4over6_err_mode``)
+FOUR_OVER_SIX_MODES = ("MAE", "MSE")
+#: the global scale's E4M3 bounds (TE's ``nvfp4_e4m3_max``): 448, or 256 under 4over6
+E4M3_BOUNDS = (448, 256)
+
+
+def check_e4m3_max(e4m3_max, name: str = "e4m3_max") -> None:
+    """ValueError unless ``e4m3_max`` is 448 or 256 (an int, not a bool)."""
+    if isinstance(e4m3_max, bool) or e4m3_max not in E4M3_BOUNDS:
+        raise ValueError(f"{name}={e4m3_max!r}: the NVFP4 global scale's E4M3 bound is 448, or 256 under 4over6")
+
+
+def check_four_over_six(four_over_six: Optional[str], e4m3_max, *, rht: bool, stochastic_rounding: bool) -> None:
+    """ValueError unless the 4over6 settings of an NVFP4 cast are ones NVIDIA TE runs (the rule of ``quantize_nvfp4``,
+    checked by its implementations and, before any work, by the quantizers that will call it): ``four_over_six``
+    None, "MAE" or "MSE"; ``e4m3_max`` 448, or 256 with 4over6; 4over6 neither with the RHT nor with stochastic
+    rounding."""
+    if four_over_six is not None and four_over_six not in FOUR_OVER_SIX_MODES:
+        raise ValueError(f"four_over_six={four_over_six!r}: pass None (off), or the 4over6 error mode 'MAE' or 'MSE'")
+    check_e4m3_max(e4m3_max)
+    if four_over_six is None:
+        if e4m3_max != 448:
+            raise ValueError(f"e4m3_max={e4m3_max} without 4over6: NVFP4 quantization without 4over6 uses the E4M3 bound 448 "
+                             "(as NVIDIA TE); pass e4m3_max=448, or four_over_six='MAE' / 'MSE'")
+        return
+    for on, what in ((rht, "rht=True (the random Hadamard transform)"), (stochastic_rounding, "stochastic_rounding=True")):
+        if on:
+            raise ValueError(f"four_over_six={four_over_six!r} with {what}: NVFP4 4over6 quantization does not support it "
+                             "(as NVIDIA TE); quantize this tensor without one of the two")
+
 
 @declare
 def quantize_nvfp4(x: Tensor, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic_rounding: bool, seed: Optional[Tensor] = None, four_over_six: Optional[str] = None, e4m3_max: int = 448) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:

@@ -30,24 +30,10 @@ from transformer_engine.plugin import ops
 
 from .float8_blockwise_tensor import Block, Float8BlockwiseTensor
 
-__all__ = ["NVFP4_BLOCK", "NVFP4Tensor", "check_four_over_six_options"]
+__all__ = ["NVFP4_BLOCK", "NVFP4Tensor"]
 
 #: elements per NVFP4 block (TE's NVFP4_BLOCK_SCALING_SIZE)
 NVFP4_BLOCK = 16
-
-
-def check_four_over_six_options(four_over_six: Optional[str], e4m3_max: int, *, rht: bool, stochastic_rounding: bool) -> None:
-    """ValueError unless the 4over6 settings of an NVFP4 quantizer are ones NVIDIA TE runs: ``four_over_six`` None,
-    "MAE" or "MSE"; ``e4m3_max`` 448, or 256 with 4over6; 4over6 neither with the RHT nor with stochastic rounding."""
-    if four_over_six not in (None, "MAE", "MSE"):
-        raise ValueError(f"four_over_six={four_over_six!r}: pass None (no 4over6), or 4over6's error mode 'MAE' or 'MSE'")
-    if isinstance(e4m3_max, bool) or e4m3_max not in (448, 256) or (e4m3_max == 256 and four_over_six is None):
-        raise ValueError(f"e4m3_max={e4m3_max!r} with four_over_six={four_over_six!r}: the NVFP4 global scale's E4M3 bound "
-                         "is 448, or 256 under 4over6")
-    for on, what in ((rht, "the random Hadamard transform (rht=True)"), (stochastic_rounding, "stochastic rounding")):
-        if four_over_six is not None and on:
-            raise ValueError(f"NVFP4 4over6 quantization (four_over_six={four_over_six!r}) does not support {what}, as in "
-                             "NVIDIA TE: quantize this tensor without one of the two")
 
 
 class NVFP4Tensor(Float8BlockwiseTensor):

@@ -44,12 +44,13 @@ import torch
 
 from transformer_engine.common.recipe import QParams
 from transformer_engine.plugin import ops
+from transformer_engine.plugin.catalog.nvfp4 import check_four_over_six
 
 from .float8_blockwise_tensor import Float8BlockwiseTensor
 from .float8_tensor import DeferredTranspose, Float8Tensor
 from .kept_scale import kept_copy
 from .mxfp8_tensor import MXFP8Tensor
-from .nvfp4_tensor import NVFP4_BLOCK, NVFP4Tensor, check_four_over_six_options
+from .nvfp4_tensor import NVFP4_BLOCK, NVFP4Tensor
 
 __all__ = [
     "AmaxObserver",
@@ -456,7 +457,7 @@ class NVFP4Quantizer(Quantizer):
 
     def __init__(self, *, rht: bool = False, block_2d: bool = False, stochastic_rounding: bool = False,
                  four_over_six: Optional[str] = None, e4m3_max: int = 448):
-        check_four_over_six_options(four_over_six, e4m3_max, rht=rht, stochastic_rounding=stochastic_rounding)
+        check_four_over_six(four_over_six, e4m3_max, rht=rht, stochastic_rounding=stochastic_rounding)
         self.rht, self.block_2d, self.stochastic_rounding = rht, block_2d, stochastic_rounding
         self.four_over_six, self.e4m3_max = four_over_six, e4m3_max
         self.block = (NVFP4_BLOCK if block_2d else 1, NVFP4_BLOCK)
