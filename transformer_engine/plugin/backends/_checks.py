@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from transformer_engine.plugin.backends._activation_ops import backward_name, check_activation
 from transformer_engine.plugin.backends._dropout_mask import packed_bytes
 from transformer_engine.plugin.backends._fp8 import (
     check_fp8_dtype,
@@ -17,6 +18,7 @@ from transformer_engine.plugin.backends._fp8 import (
     check_high_precision,
     check_last_dim,
     check_out_dtype,
+    check_quantize_args,
     check_tensor,
     is_fp8,
 )
@@ -37,7 +39,13 @@ __all__ = [
     "check_cross_entropy",
     "check_cross_entropy_bwd",
     "check_tensor_lists",
+    "check_multi_tensor_adam",
+    "check_activation_input",
+    "check_activation_dy",
+    "check_activation_quantize",
+    "check_rope",
     "check_softmax_input",
+    "check_softmax_bwd",
     "check_gemm_output",
     "gemm_result_dtype",
     "check_splits",
@@ -374,6 +382,88 @@ def check_tensor_lists(op: str, tensor_lists, names) -> None:
         for t in group:
             if not t.is_contiguous():  # as TE's multi_tensor_apply: kernels walk raw addresses
                 raise ValueError(f"{op}: multi-tensor ops need contiguous tensors, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def check_multi_tensor_adam(tensor_lists, step, mode, bias_correction) -> None:
+    """multi_tensor_adam: :func:`check_tensor_lists` of [grads, params, exp_avgs, exp_avg_sqs], mode 0 (L2) or
+    1 (AdamW), and step >= 1 when bias_correction is on."""
+    check_tensor_lists("multi_tensor_adam", tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
+    if mode not in (0, 1):
+        raise ValueError(f"multi_tensor_adam: mode={mode} must be 0 (L2 / Adam) or 1 (decoupled / AdamW)")
+    if bias_correction and step < 1:
+        raise ValueError(f"multi_tensor_adam: step={step} must be >= 1 when bias_correction is on")
+
+
+def check_activation_input(x, op: str, gated: bool) -> None:
+    """The x of activation ``op`` (a forward op name): high precision, and for a gated op a last dim that
+    splits in two halves [a, b].
+
+    Raises:
+        TypeError: x is not a high-precision float tensor. ValueError: a gated op's last dim is odd (or x is 0-d).
+    """
+    check_high_precision(x)
+    if gated and (x.dim() < 1 or x.shape[-1] % 2):
+        raise ValueError(f"{op} splits x's last dim in two halves [a, b], but x has shape {tuple(x.shape)}; it must be even")
+
+
+def check_activation_dy(dy, x, op: str, gated: bool) -> tuple:
+    """The dy of the backward of activation ``op`` (a forward op name, x already checked): a high-precision
+    tensor with the forward output's shape (x's, with the last dim halved for a gated op), which is returned.
+
+    Raises:
+        TypeError: dy is not a high-precision float tensor. ValueError: dy has another shape.
+    """
+    check_high_precision(dy, "dy")
+    out_shape = (*x.shape[:-1], x.shape[-1] // 2) if gated else tuple(x.shape)
+    if tuple(dy.shape) != out_shape:
+        raise ValueError(f"{backward_name(op)}: dy has shape {tuple(dy.shape)} but must be {out_shape} (the forward output's)")
+    return out_shape
+
+
+def check_activation_quantize(x, activation: str, gated: bool, fp8_scale, fp8_dtype, limit, alpha, amax_out) -> None:
+    """activation_quantize: a known activation (and clamped_swiglu's parameters), its x
+    (:func:`check_activation_input`), then the FP8 cast's arguments (``check_quantize_args``).
+
+    ``gated`` says whether ``activation`` is a gated one (the backend's table knows).
+    """
+    check_activation(activation, limit, alpha)
+    check_activation_input(x, activation, gated)
+    check_quantize_args(x, fp8_scale, fp8_dtype, amax_out, scale_name="fp8_scale")
+
+
+_ROPE_FORMATS = ("sbhd", "bshd", "thd")
+
+
+def check_rope(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank) -> None:
+    """fused_rope_forward / _backward: a known tensor_format with its rank (sbhd / bshd 4-D, thd 3-D [t, h, d]),
+    freqs [s, 1, 1, d_rot] with an even d_rot <= the head dim, cu_seqlens for thd, 0 <= cp_rank < cp_size, and no
+    start_positions under context parallelism.
+
+    Raises:
+        ValueError: naming the argument and what the op takes.
+    """
+    if tensor_format not in _ROPE_FORMATS:
+        raise ValueError(f"tensor_format={tensor_format!r} is not one of {', '.join(_ROPE_FORMATS)}")
+    want_dim = 3 if tensor_format == "thd" else 4
+    if t.dim() != want_dim:
+        raise ValueError(f"tensor_format={tensor_format!r} needs a {want_dim}-D tensor, got shape {tuple(t.shape)}")
+    d_rot = freqs.shape[-1]
+    if freqs.dim() != 4 or tuple(freqs.shape[1:3]) != (1, 1) or d_rot % 2 or d_rot > t.shape[-1]:
+        raise ValueError(f"freqs must be [s, 1, 1, d_rot] with an even d_rot <= head dim {t.shape[-1]}, got {tuple(freqs.shape)}")
+    if tensor_format == "thd" and cu_seqlens is None:
+        raise ValueError("tensor_format='thd' needs cu_seqlens (int32 [b + 1])")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_size={cp_size}, cp_rank={cp_rank}: need cp_size >= 1 and 0 <= cp_rank < cp_size")
+    if cp_size > 1 and start_positions is not None:
+        raise ValueError("start_positions is not supported with cp_size > 1 (inference only); pass None")
+
+
+def check_softmax_bwd(dy, y) -> None:
+    """The fused softmax backwards: high-precision dy and y of one shape."""
+    check_high_precision(dy, "dy")
+    check_high_precision(y, "y")
+    if dy.shape != y.shape:
+        raise ValueError(f"dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}; they must match")
 
 
 def check_softmax_input(x, dims, layout: str) -> None:

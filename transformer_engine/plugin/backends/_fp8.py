@@ -20,13 +20,17 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 __all__ = [
     "FP8_DTYPES",
     "amax_finite",
+    "check_2d",
     "check_amax_out",
     "check_bool",
+    "check_dequantize_args",
     "check_fp8_dtype",
     "check_fp8_output",
+    "check_fp8_tensor",
     "check_high_precision",
     "check_last_dim",
     "check_out_dtype",
+    "check_quantize_args",
     "check_scalar",
     "check_tensor",
     "fp8_max_of",
@@ -61,6 +65,19 @@ def check_high_precision(x, name: str = "x") -> None:
         raise TypeError(f"{name} has dtype {x.dtype}; it must be float32, bfloat16 or float16 (dequantize FP8 first)")
 
 
+def check_fp8_tensor(q, name: str = "q") -> None:
+    """Raise TypeError unless ``q`` is a tensor of an FP8 dtype (torch.float8_e4m3fn or torch.float8_e5m2)."""
+    check_tensor(q, name)
+    if not is_fp8(q):
+        raise TypeError(f"{name} has dtype {q.dtype}; it must be torch.float8_e4m3fn or torch.float8_e5m2")
+
+
+def check_2d(t: torch.Tensor, name: str) -> None:
+    """Raise ValueError unless ``t`` is 2-D [M, N]."""
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
+
+
 def check_out_dtype(out_dtype, name: str = "out_dtype") -> None:
     """Raise ValueError unless ``out_dtype`` is a high-precision floating-point torch dtype."""
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point or out_dtype in FP8_DTYPES:
@@ -90,6 +107,30 @@ def scalar_f32(t, name: str) -> torch.Tensor:
     """A one-element tensor as a 0-d float32 tensor (after :func:`check_scalar`)."""
     check_scalar(t, name)
     return t.detach().reshape(()).to(torch.float32)
+
+
+def check_quantize_args(x, scale, fp8_dtype, amax_out=None, scale_name: str = "scale") -> None:
+    """A per-tensor FP8 cast of x (``quantize``, ``cast_transpose``, ``activation_quantize``, ...): a
+    high-precision x, a one-element scale, an FP8 dtype and an optional ``amax_out`` slot (:func:`check_amax_out`).
+
+    Raises:
+        TypeError: x (or the scale) is not a tensor of the right kind. ValueError: bad scale, fp8_dtype or amax_out.
+    """
+    check_high_precision(x)
+    check_scalar(scale, scale_name)
+    check_fp8_dtype(fp8_dtype)
+    check_amax_out(amax_out, x)
+
+
+def check_dequantize_args(q, scale_inv, out_dtype) -> None:
+    """``dequantize``: an FP8 q, a one-element scale_inv and a high-precision out_dtype.
+
+    Raises:
+        TypeError: q is not FP8. ValueError: scale_inv is not one element or out_dtype is not a float dtype.
+    """
+    check_fp8_tensor(q, "q")
+    check_scalar(scale_inv, "scale_inv")
+    check_out_dtype(out_dtype)
 
 
 def fp8_max_of(fp8_dtype: torch.dtype) -> float:

@@ -48,6 +48,34 @@ def test_errors_and_supports(device):
     assert fr.SUPPORTS["fused_rope_backward"](t, freqs, "bshd", True)
 
 
+@pytest.mark.parametrize("backward", [False, True])
+def test_thd_input_is_checked_as_the_reference_checks_it(backward, device):
+    """thd is [t, h, d] (3-D) with cu_seqlens, as the catalog and the reference take it: a valid one runs on the
+    reference and is declined by this kernel (SUPPORTS; NotImplementedError when called directly), not told to be
+    4-D; a 4-D "thd" tensor, or one without cu_seqlens, gets the reference's ValueError from both."""
+    fr_op, ref_op = (fr.fused_rope_backward, ref.fused_rope_backward) if backward else (fr.fused_rope_forward, ref.fused_rope_forward)
+    t, freqs = randn(5, 2, 8, device=device), randn(5, 1, 1, 8, device=device)
+    cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    assert ref_op(t, freqs, "thd", cu_seqlens=cu_seqlens).shape == t.shape
+    assert not fr.SUPPORTS[fr_op.__name__](t, freqs, "thd", cu_seqlens=cu_seqlens)
+    with pytest.raises(NotImplementedError, match="thd"):
+        fr_op(t, freqs, "thd", cu_seqlens=cu_seqlens)
+    for args, kwargs, match in (((t[:, None], freqs, "thd"), dict(cu_seqlens=cu_seqlens), "needs a 3-D tensor"),
+                                ((t, freqs, "thd"), {}, "needs cu_seqlens")):  # fmt: skip
+        errors = []
+        for op in (ref_op, fr_op):
+            with pytest.raises(ValueError, match=match) as info:
+                op(*args, **kwargs)
+            errors.append(str(info.value))
+        assert errors[0] == errors[1]
+
+
+def test_context_parallel_is_declined_on_a_direct_call(device):
+    t, freqs = randn(4, 2, 3, 8, device=device), randn(8, 1, 1, 8, device=device)
+    with pytest.raises(NotImplementedError, match="cp_size=2"):
+        fr.fused_rope_forward(t, freqs, "sbhd", cp_size=2, cp_rank=1)
+
+
 @pytest.mark.gpu
 def test_large_gpu():
     t = randn(2048, 4, 32, 128, dtype=torch.bfloat16, device="cuda")

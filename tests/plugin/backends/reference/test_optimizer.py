@@ -158,3 +158,16 @@ def test_list_structure_is_checked():
         multi_tensor_scale(_CHUNK, _flag(), [[randn(3)], []], 1.0)
     with pytest.raises(ValueError, match="mode=2"):
         multi_tensor_adam(_CHUNK, _flag(), [[randn(3)]] * 4, 0.1, 0.9, 0.999, 1e-8, 1, 2, True, 0.0)
+
+
+@pytest.mark.parametrize("op", ["scale", "l2norm", "adam", "sgd"])
+def test_non_contiguous_tensors_raise_as_the_catalog_says(op):
+    x = randn(4, 4).t()  # the catalog: non-contiguous tensors raise ValueError (the kernels walk raw addresses)
+    calls = {
+        "scale": lambda: multi_tensor_scale(_CHUNK, _flag(), [[x], [torch.empty_like(x)]], 1.0),
+        "l2norm": lambda: multi_tensor_l2norm(_CHUNK, _flag(), [[x]]),
+        "adam": lambda: multi_tensor_adam(_CHUNK, _flag(), [[x]] * 4, 0.1, 0.9, 0.999, 1e-8, 1, 0, True, 0.0),
+        "sgd": lambda: multi_tensor_sgd(_CHUNK, _flag(), [[x]] * 3, 0.0, 0.9, 0.0, 0.1, False, True, False, 1.0),
+    }
+    with pytest.raises(ValueError, match="contiguous"):
+        calls[op]()

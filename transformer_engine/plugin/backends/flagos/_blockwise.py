@@ -30,8 +30,8 @@ tiles row-major: the layouts cuBLASLt's block-scaled GEMM reads.
 two modes (``ROWS``): fused (C a multiple of B: the tile also gives q by rows, x read once) or
 columns only, next to ``_quantize_blockwise_kernel`` for q (split: x read twice, each kernel a
 plain streaming pass). Either way its programs are persistent and load their next tile before they
-quantize the current one (one tile per program left the column kernel at 0.43 of copy, latency-bound
-at low occupancy; ahead-loaded, 0.71-0.73 on the H200). Two ways to the transpose (``TRANSPOSE_CODES``):
+quantize the current one (one tile per program left the column kernel latency-bound at low
+occupancy). Two ways to the transpose (``TRANSPOSE_CODES``):
 
 - codes (16-bit x): the columns are quantized in place and the uint8 codes are stored transposed;
 - values (float32 x on the GPU): the tile itself is transposed and quantized by rows. On sm_90
@@ -121,8 +121,7 @@ def _quantize_tile_store(
         s_offs = blocks[None, :] * M + rows[:, None]  # column-major: runs of R contiguous scales
         s_mask = (rows < M)[:, None] & (blocks < tl.cdiv(N, B))[None, :]
     scale, scale_inv = _tile_scales(amax_bits, eps_bits, FP8_MAX, POW2)
-    # the store offsets are formed after the encode: 64-bit offsets held across the reductions cost
-    # registers (measured on the H200: the 1 x 128 quantize fell from 0.74 to 0.48 of copy)
+    # the store offsets are formed after the encode: 64-bit offsets held across the reductions cost registers
     if G == 1:
         code = _fp8_encode(xs * scale, FP8_MAX, MBITS, EBIAS, HW_CAST)  # [R, B] * [R or 1, 1]
         cols = col0 + tl.arange(0, B)

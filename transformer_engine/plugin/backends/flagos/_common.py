@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.plugin.backends._device import cuda_properties
+from transformer_engine.plugin.backends._fp8 import check_fp8_dtype
 
 __all__ = [
     "INTERPRET",
@@ -92,10 +93,10 @@ NO_FP8 = dict(FP8_MAX=1.0, MBITS=3, EBIAS=7, HW_CAST=False)
 
 def fp8_format(fp8_dtype: torch.dtype) -> Fp8Format:
     """The :class:`Fp8Format` of ``fp8_dtype``; ValueError for anything but E4M3 / E5M2."""
-    try:
-        return _FORMATS[fp8_dtype]
-    except KeyError:
-        raise ValueError(f"fp8_dtype={fp8_dtype!r} is not an FP8 dtype; pass torch.float8_e4m3fn or torch.float8_e5m2") from None
+    fmt = _FORMATS.get(fp8_dtype)
+    if fmt is None:
+        check_fp8_dtype(fp8_dtype)  # raises: E4M3 and E5M2 are its only FP8 dtypes
+    return fmt
 
 
 def hw_fp8_cast(device: torch.device) -> bool:
@@ -160,12 +161,6 @@ def row_block(rows: int, cols: int, target: int = 4096) -> Tuple[int, int]:
     block_n = next_power_of_2(max(cols, 1))
     rows_per_program = max(1, min(target // block_n, next_power_of_2(max(rows, 1))))
     return block_n, rows_per_program
-
-
-def check_2d(t: torch.Tensor, name: str) -> None:
-    """ValueError unless ``t`` is 2-D [M, N]."""
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
 
 
 def rows_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,8 @@
 
 ``kernel[grid](*args, **kwargs)`` on a ``triton.jit`` function binds the arguments, computes each
 one's specialization and the cache key, reads the runtime knobs and builds launch metadata before
-the compiled kernel's own launcher runs: 15-24 us of host time per call on the H200 machine,
-against 6-8 us for the compiled launcher alone and 11 us for the path here. Small kernels run faster than that on the GPU, so an
-FP8 step of many small casts waits for the host.
+the compiled kernel's own launcher runs: several times the host time of that launcher alone. Small
+kernels run faster than that on the GPU, so an FP8 step of many small casts waits for the host.
 
 :func:`cached_launch` wraps a ``triton.jit`` kernel with a dict from a *launch key* to the compiled
 kernel. The key refines Triton's specialization (two calls with one key get the same compiled
@@ -92,8 +91,8 @@ def launch(_grid, {params}, **_options):
 def _direct_launch(run: Any) -> Optional[Tuple[Callable[..., Any], Any, Any]]:
     """(launch, cooperative grid, PDL) of a compiled kernel's launcher, to call its C ``launch`` as Triton
     3.6's ``CudaLauncher.__call__`` does for a kernel that needs no global or profile scratch memory
-    (both buffers None), without that Python frame and its two scratch helpers (about 5 us per launch
-    on the lent hosts). None under other Triton versions (their ``__call__`` differs: 3.9 passes the
+    (both buffers None), without that Python frame and its two scratch helpers (host time saved on every
+    launch). None under other Triton versions (their ``__call__`` differs: 3.9 passes the
     profile scratch otherwise) or for a kernel with scratch memory: the launch then goes through ``run``."""
     if not _TRITON_3_6 or type(run).__name__ != "CudaLauncher":
         return None

@@ -23,18 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from transformer_engine.plugin.backends._activation_ops import (
-    ACTIVATION_OP_NAMES, activation_ops, check_activation, check_in_place, module_getattr,
-)
+from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_in_place, module_getattr
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._fp8 import (
-    check_amax_out,
-    check_fp8_dtype,
-    check_high_precision,
-    check_scalar,
-)
+from transformer_engine.plugin.backends._checks import check_activation_dy, check_activation_input, check_activation_quantize
 from transformer_engine.plugin.core import Reject
 
 from ._common import (
@@ -215,12 +208,6 @@ def _tiles(m: int, n: int):
     return block_m, block_n, cdiv(m, block_m) * cdiv(n, block_n)
 
 
-def _check_x(op: str, x, gated: bool) -> None:
-    check_high_precision(x)
-    if gated and (x.dim() < 1 or x.shape[-1] % 2):
-        raise ValueError(f"{op} splits x's last dim in two halves [a, b], but x has shape {tuple(x.shape)}; it must be even")
-
-
 def _launch_fwd(op: str, x, limit: float, alpha: float, fp8=None):
     """y = act(x) in x's dtype, or the Fp8Outputs of quantize(act(x)) when ``fp8`` = (scale, dtype, amax_out)."""
     act, gated = _OPS[op]
@@ -244,7 +231,7 @@ def _launch_fwd(op: str, x, limit: float, alpha: float, fp8=None):
 
 
 def _forward(op: str, x, limit: float = 7.0, alpha: float = 1.702):
-    _check_x(op, x, _OPS[op][1])
+    check_activation_input(x, op, _OPS[op][1])
     return _launch_fwd(op, x, limit, alpha)
 
 
@@ -252,11 +239,8 @@ def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702, dx=None)
     """dx = d<op>(dy, x) into a new tensor, or into ``dx`` (contiguous, x's shape; x itself works: each
     program reads its elements of x before it writes the same elements of dx)."""
     act, gated = _OPS[op]
-    _check_x(op, x, gated)
-    check_high_precision(dy, "dy")
-    out_shape = (*x.shape[:-1], x.shape[-1] // 2) if gated else tuple(x.shape)
-    if tuple(dy.shape) != tuple(out_shape):
-        raise ValueError(f"d{op}: dy has shape {tuple(dy.shape)} but must be {tuple(out_shape)} (the forward output's)")
+    check_activation_input(x, op, gated)
+    check_activation_dy(dy, x, op, gated)
     x_rows, dy_rows = _as_rows(x, gated), _as_rows(dy, gated)
     m, n = dy_rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
@@ -274,26 +258,14 @@ __getattr__ = module_getattr(activation_ops(_forward, _backward), __name__)
 
 
 def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.702, amax_out=None):
-    """(q, scale_inv, amax) = quantize(act(x), fp8_scale, fp8_dtype, amax_out) in one pass, act(x) kept in float32.
-
-    Args:
-        x: float32/bfloat16/float16 input ([..., 2F] for gated activations).
-        activation: one of the twelve forward op names ("gelu", ..., "clamped_swiglu").
-        fp8_scale: one-element float32 tensor. fp8_dtype: torch.float8_e4m3fn / torch.float8_e5m2.
-        limit, alpha: clamped_swiglu's parameters.
-        amax_out: None, or a float32 slot the amax is max-accumulated into (see ``quantize``).
-
-    Returns:
-        (q in ``fp8_dtype`` with act(x)'s shape, scale_inv 0-d float32, amax 0-d float32).
+    """(q, scale_inv, amax) = quantize(act(x), fp8_scale, fp8_dtype, amax_out) (plugin/catalog/activation.py) in one
+    pass, act(x) kept in float32. ``SUPPORTS`` declines an fp8_scale that is not float32 on x's device.
 
     Raises:
         ValueError: unknown activation, bad scale or fp8_dtype, or the activation's input errors.
     """
-    check_activation(activation, limit, alpha)
-    _check_x(activation, x, _OPS[activation][1])
-    check_scalar(fp8_scale, "fp8_scale")
-    check_fp8_dtype(fp8_dtype)
-    check_amax_out(amax_out, x)
+    gated = activation in _OPS and _OPS[activation][1]  # an unknown activation: the check names it
+    check_activation_quantize(x, activation, gated, fp8_scale, fp8_dtype, limit, alpha, amax_out)
     out = _launch_fwd(activation, x, limit, alpha, fp8=(fp8_scale, fp8_dtype, amax_out))
     return out.q, out.scale_inv, out.amax
 

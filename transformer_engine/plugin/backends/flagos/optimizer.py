@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_tensor_lists
+from transformer_engine.plugin.backends._checks import check_multi_tensor_adam, check_tensor_lists
 from transformer_engine.plugin.core import Reject
 
 from ._common import cdiv, device_guard
@@ -287,11 +287,7 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     Raises:
         ValueError: wrong list structure, mode not 0/1, step < 1 with bias correction, non-contiguous tensors.
     """
-    check_tensor_lists("multi_tensor_adam", tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
-    if mode not in (0, 1):
-        raise ValueError(f"multi_tensor_adam: mode={mode} must be 0 (L2 / Adam) or 1 (decoupled / AdamW)")
-    if bias_correction and step < 1:
-        raise ValueError(f"multi_tensor_adam: step={step} must be >= 1 when bias_correction is on")
+    check_multi_tensor_adam(tensor_lists, step, mode, bias_correction)
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
     scalars = (lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, epsilon, bc1, bc2, weight_decay, 1.0 - lr * weight_decay)

@@ -37,13 +37,12 @@ from transformer_engine.plugin.backends._checks import (
     check_dbias_dtype,
 )
 from transformer_engine.plugin.backends._fp8 import (
-    check_amax_out,
+    check_2d,
+    check_dequantize_args,
     check_fp8_dtype,
+    check_fp8_tensor,
     check_high_precision,
-    check_out_dtype,
-    check_scalar,
-    check_tensor,
-    is_fp8,
+    check_quantize_args,
 )
 from transformer_engine.plugin.core import Reject
 
@@ -57,7 +56,6 @@ from ._common import (
     _scale_inv_store,
     _tile_offsets,
     cdiv,
-    check_2d,
     device_guard,
     fp8_format,
     fp8_outputs,
@@ -74,8 +72,7 @@ __all__ = [
 
 _BLOCK = 8192  # elements per program of the 1-D kernels (32 per thread at 8 warps; measured best, benchmarks/sweep_fp8_casts.py)
 _TILE = 64  # square tile of fp8_transpose
-# tile (rows, columns) of _cast_transpose_kernel; benchmarks/sweep_fp8_casts.py, H200, 2026-11-22, 8192 x 8192 bf16
-# at 4 warps: 128 x 64 gives cast_transpose 0.90 of copy, q_t alone 0.91, with dbias 0.82 (64 x 64: 0.89 / 0.88 / 0.70)
+# tile (rows, columns) of _cast_transpose_kernel at 4 warps: the best of benchmarks/sweep_fp8_casts.py for all three ops
 _CT_TILE_M, _CT_TILE_N = 128, 64
 
 
@@ -235,13 +232,6 @@ def _transpose_kernel(
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
-def _check_scale_args(x, scale, fp8_dtype, amax_out) -> None:
-    check_high_precision(x)
-    check_scalar(scale, "scale")
-    check_fp8_dtype(fp8_dtype)
-    check_amax_out(amax_out, x)
-
-
 def _launch_quantize(x: torch.Tensor, scale, fp8_dtype, write_q: bool, amax_out=None):
     """Run ``_quantize_kernel`` on x (any shape); returns the Fp8Outputs (q unused without write_q)."""
     x_flat = x.contiguous().view(-1)
@@ -272,7 +262,7 @@ def quantize(x, scale, fp8_dtype, amax_out=None):
     Raises:
         TypeError: x is not a high-precision float tensor. ValueError: bad scale or fp8_dtype.
     """
-    _check_scale_args(x, scale, fp8_dtype, amax_out)
+    check_quantize_args(x, scale, fp8_dtype, amax_out)
     out = _launch_quantize(x, scale, fp8_dtype, write_q=True, amax_out=amax_out)
     return out.q, out.scale_inv, out.amax
 
@@ -312,11 +302,7 @@ def dequantize(q, scale_inv, out_dtype):
     Raises:
         TypeError: q is not FP8. ValueError: scale_inv is not one element or out_dtype not a float dtype.
     """
-    check_tensor(q, "q")
-    if not is_fp8(q):
-        raise TypeError(f"q has dtype {q.dtype}; it must be torch.float8_e4m3fn or torch.float8_e5m2")
-    check_scalar(scale_inv, "scale_inv")
-    check_out_dtype(out_dtype)
+    check_dequantize_args(q, scale_inv, out_dtype)
     codes = q.contiguous().view(torch.uint8).view(-1)
     x = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     fmt = fp8_format(q.dtype)
@@ -337,7 +323,7 @@ def _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias: bool, rowwise: 
         written); partials is float32 [cdiv(M, _CT_TILE_M), N], row t holding the column sums of tile
         row t, with ``dbias``; None without.
     """
-    _check_scale_args(x, scale, fp8_dtype, amax_out)
+    check_quantize_args(x, scale, fp8_dtype, amax_out)
     check_2d(x, "x")
     x = rows_contiguous(x)
     m, n = x.shape
@@ -351,7 +337,7 @@ def _launch_cast_transpose(x, scale, fp8_dtype, amax_out, dbias: bool, rowwise: 
             BLOCK_M=_CT_TILE_M, BLOCK_N=_CT_TILE_N, DBIAS=write_partials, num_warps=4, WRITE_Q=rowwise,
             # float32 x: Triton 3.6 on sm_90 writes a wrong q_t for full tiles when the tile's codes (or values) are
             # transposed in registers and q is stored too (the gpu test); a second, transposed load of the tile (from
-            # cache) is right: 8192 x 4096 in 89 us on an H100 (71 us with the wrong in-register transpose)
+            # cache) is right, at some cost in speed
             LOAD_TRANSPOSED=x.dtype == torch.float32, **out.fmt.constexprs(hw_fp8_cast(x.device)),
         )  # fmt: skip
     return out, q_t, partials
@@ -414,9 +400,7 @@ def fp8_transpose(q):
     Raises:
         TypeError: q is not FP8. ValueError: q is not 2-D.
     """
-    check_tensor(q, "q")
-    if not is_fp8(q):
-        raise TypeError(f"q has dtype {q.dtype}; it must be torch.float8_e4m3fn or torch.float8_e5m2")
+    check_fp8_tensor(q, "q")
     check_2d(q, "q")
     codes = rows_contiguous(q).view(torch.uint8)
     m, n = codes.shape
@@ -457,7 +441,6 @@ SUPPORTS = {
     "dequantize": _scale_inv_on_device,
 }
 # under torch.compile the cast with its bias gradient stays this kernel, traced as it is (Inductor launches
-# it): the reference's amax (a row reduction) and column sums of one tensor, fused by Inductor with the
-# activation gradient before them, became one persistent kernel of 0.72 ms at [8192, 4096] on an H100
-# (torch 2.11), ten times this kernel's time; as a custom op each call pays the dispatcher's host time
+# it): Inductor's fusion of the reference's amax and column sums with the activation gradient before them is
+# much slower; as a custom op each call pays the dispatcher's host time
 UNDER_COMPILE = {"cast_transpose_dbias": "trace"}

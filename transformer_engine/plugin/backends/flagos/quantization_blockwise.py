@@ -27,28 +27,25 @@ import struct
 import torch
 
 from transformer_engine.plugin.backends._checks import check_amax_epsilon, check_dbias_dtype
-from transformer_engine.plugin.backends._fp8 import check_fp8_dtype, check_high_precision
+from transformer_engine.plugin.backends._fp8 import check_2d, check_fp8_dtype, check_high_precision
 from transformer_engine.plugin.core import Reject
 
 from ._blockwise import _cast_transpose_blockwise_kernel, _quantize_blockwise_kernel
 from ._column_sums import column_sums
-from ._common import INTERPRET, cdiv, check_2d, device_guard, fp8_format, hw_fp8_cast, next_power_of_2, num_programs_hint, rows_contiguous
+from ._common import INTERPRET, cdiv, device_guard, fp8_format, hw_fp8_cast, next_power_of_2, num_programs_hint, rows_contiguous
 
 __all__ = ["quantize_blockwise", "cast_transpose_blockwise", "cast_transpose_blockwise_dbias"]
 
 _BLOCK_LENS = frozenset(16 << k for k in range(5))  # block lengths of the blockwise kernels: 16 ... 256
-# Launch settings of the blockwise casts, swept on the H200 by benchmarks/sweep_fp8_casts.py --kernels blockwise.
+# Launch settings of the blockwise casts: the best of benchmarks/sweep_fp8_casts.py --kernels blockwise.
 # num_warps = tile elements / (32 * PER_THREAD), a power of two clamped to [2, 16].
 _BLOCKWISE_TILE = 16384  # elements per program of the B x B quantize (128 x 128 tiles: one tile)
 _BLOCKWISE_PER_THREAD = 64  # values per thread of the B x B quantize (8 warps at 16K)
-# 1 x B quantize (2026-11-22, second sweep): one block per row (2-D tile, no [R, G, B] view) 0.98-1.01 of copy at
-# [16384, 4096] / [8192, 16384]; 512-column rows (the earlier choice) 0.79-0.81
+# 1 x B quantize: one block per row (2-D tile, no [R, G, B] view) beat wider rows
 _BLOCKWISE_ROW = 128  # columns per program of the 1 x B quantize (one block: no 3-D row view)
 _BLOCKWISE_ROW_TILE = 4096  # elements per program of the 1 x B quantize (rows = this / _BLOCKWISE_ROW)
 _BLOCKWISE_ROW_PER_THREAD = 32  # values per thread of the 1 x B quantize (4 warps)
-# cast_transpose_blockwise (same sweep): split, the column kernel on [128, 64] tiles at 2 warps, 4 persistent programs
-# per SM: 0.55-0.57 of copy for the whole op (column kernel alone 0.71-0.73); fused 128 x 128 at 4 warps, one
-# program per tile, was 0.47 before its loop loaded the next tile ahead (then it spills: 0.05; 8 warps 0.38-0.40)
+# cast_transpose_blockwise: split (a persistent column kernel next to the 1 x B quantize) beat the fused kernel
 _CT_BLOCKWISE_SPLIT = True  # True: two launches, the 1 x B quantize (q) and a column kernel (q_t); False: one fused read
 _CT_BLOCKWISE_COL_TILE = 64  # split: columns per program of the column kernel (B x this tile)
 _CT_BLOCKWISE_TILE_N = 128  # fused (not split): columns per program (B x this tile, at least B; above B: 3-D row view)
@@ -95,10 +92,9 @@ def _column_major_scales(blocks: int, rows: int, device) -> torch.Tensor:
 
 
 def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax_epsilon):
-    """Block-scaled FP8 cast, one scale per ``block_rows x block_cols`` tile: q = cast_fp8(clip(T * scale_T)).
+    """Block-scaled FP8 cast, one scale per ``block_rows x block_cols`` tile (the math: plugin/catalog/quantization.py),
+    bit-identical to the reference backend; 1 x B and B x B tiles only (B a power of two in [16, 256]).
 
-    scale_T = fp8_max / max(max |T|, eps) (1 when that is 0 or not finite, float32 max on overflow),
-    rounded down to a power of two with ``power_2_scale``; bit-identical to the reference backend.
     1 x B tiles: a program quantizes W = _BLOCKWISE_ROW columns (fewer for a narrow x) of
     _BLOCKWISE_ROW_TILE / W rows, wide rows for long contiguous runs; B x B tiles: as many side by
     side as fill _BLOCKWISE_TILE values (at least one). B x B tiles of a column-major x (x = w^T, e.g.
@@ -187,7 +183,7 @@ def cast_transpose_blockwise(x, fp8_dtype, block_len, power_2_scale, amax_epsilo
     Split (the default, _CT_BLOCKWISE_SPLIT): quantize_blockwise gives (q, scale_inv), then a kernel
     quantizes the columns of [B, _CT_BLOCKWISE_COL_TILE] tiles of x (x read twice, both passes
     streaming). Fused: one kernel loads [B, _CT_BLOCKWISE_TILE_N] tiles once and quantizes their rows
-    and their columns (measured slower on the H200: its registers spill; kept for other GPUs' sweeps).
+    and their columns (slower where its registers spill; kept for other GPUs' sweeps).
     The tile kernel is persistent (_CT_BLOCKWISE_PROGRAMS_PER_SM programs per SM, each loading its next
     tile before it quantizes the current one). The columns' codes are transposed as 8-bit codes
     (16-bit x) or the values are transposed first (float32 x on the GPU). Bit-identical to the

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from transformer_engine.plugin.backends._checks import check_rope
 from transformer_engine.plugin.core import Reject
 
 from ._common import device_guard, next_power_of_2
@@ -96,22 +97,20 @@ def _rope_kernel(
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(t, freqs, tensor_format, start_positions) -> None:
-    if tensor_format not in ("sbhd", "bshd", "thd"):
-        raise ValueError(f"tensor_format={tensor_format!r} is not one of sbhd, bshd, thd")
-    if t.dim() != 4:
-        raise ValueError(f"tensor_format={tensor_format!r} needs a 4-D tensor, got shape {tuple(t.shape)}")
-    d_rot = freqs.shape[-1]
-    if freqs.dim() != 4 or tuple(freqs.shape[1:3]) != (1, 1) or d_rot % 2 or d_rot > t.shape[-1]:
-        raise ValueError(f"freqs must be [s, 1, 1, d_rot] with an even d_rot <= head dim {t.shape[-1]}, got {tuple(freqs.shape)}")
+def _check(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank) -> None:
+    """The catalog's checks, then this kernel's limits (``_fits`` declines those calls before they get here)."""
+    check_rope(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    if tensor_format not in _FORMATS or cp_size != 1:
+        raise NotImplementedError(f"flagos fused_rope: tensor_format={tensor_format!r}, cp_size={cp_size}: the kernel "
+                                  "handles sbhd and bshd without context parallelism; use another backend for this call")
     seq = t.shape[0] if tensor_format == "sbhd" else t.shape[1]
     if start_positions is None and seq > freqs.shape[0]:
         raise ValueError(f"position {seq - 1} is past the {freqs.shape[0]} rows of freqs; pass longer freqs")
 
 
-def _rope(t, freqs, tensor_format, interleaved, start_positions, backward: bool):
+def _rope(t, freqs, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank, backward: bool):
     """Launch ``_rope_kernel`` over the (token, batch) pairs of t."""
-    _check(t, freqs, tensor_format, start_positions)
+    _check(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     if t.stride(-1) != 1:
         t = t.contiguous()
     seq_dim, batch_dim = (0, 1) if tensor_format == "sbhd" else (1, 0)
@@ -135,23 +134,20 @@ def _rope(t, freqs, tensor_format, interleaved, start_positions, backward: bool)
 
 
 def fused_rope_forward(t, freqs, tensor_format="sbhd", interleaved=False, start_positions=None, cu_seqlens=None, cp_size=1, cp_rank=0):
-    """out = t c + R(t) s on the first d_rot features of each head (see the module docstring).
+    """out = rope(t, freqs) (plugin/catalog/rope.py) on the first d_rot features of each head.
 
-    Args:
-        t: [s, b, h, d] ("sbhd") or [b, s, h, d] ("bshd").
-        freqs: float32 [s_max, 1, 1, d_rot] angles, d_rot even and <= d.
-        tensor_format: "sbhd" or "bshd" ("thd" is declined to the reference).
-        interleaved: rotate adjacent pairs instead of halves.
-        start_positions: optional int [b], position offset of each sequence.
-        cu_seqlens, cp_size, cp_rank: packed / context-parallel settings (declined unless unused).
+    This kernel's limits: "sbhd" and "bshd" only, without context parallelism (cp_size 1); packed
+    sequences ("thd", t [t, h, d] with cu_seqlens) and cp_size > 1 are declined by ``SUPPORTS`` and
+    run on the reference. A position past the rows of freqs (through start_positions) gives NaN.
 
     Returns:
         Tensor with t's shape and dtype.
 
     Raises:
-        ValueError: bad format, shapes, or freqs too short.
+        ValueError: an argument the catalog's checks reject (``check_rope``), or freqs too short.
+        NotImplementedError: tensor_format "thd" or cp_size > 1 (this kernel's limits).
     """
-    return _rope(t, freqs, tensor_format, interleaved, start_positions, backward=False)
+    return _rope(t, freqs, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank, backward=False)
 
 
 def fused_rope_backward(grad_out, freqs, tensor_format="sbhd", interleaved=False, start_positions=None, cu_seqlens=None, cp_size=1, cp_rank=0):
@@ -161,9 +157,9 @@ def fused_rope_backward(grad_out, freqs, tensor_format="sbhd", interleaved=False
         Tensor with grad_out's shape and dtype.
 
     Raises:
-        ValueError: as :func:`fused_rope_forward`.
+        ValueError / NotImplementedError: as :func:`fused_rope_forward`.
     """
-    return _rope(grad_out, freqs, tensor_format, interleaved, start_positions, backward=True)
+    return _rope(grad_out, freqs, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank, backward=True)
 
 
 def _fits(t, freqs, tensor_format="sbhd", interleaved=False, start_positions=None, cu_seqlens=None, cp_size=1, cp_rank=0):

@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_engine.plugin.backends._checks import check_softmax_input, check_softmax_mask
-from transformer_engine.plugin.backends._fp8 import check_high_precision
+from transformer_engine.plugin.backends._checks import check_softmax_bwd, check_softmax_input, check_softmax_mask
 from transformer_engine.plugin.core import Reject
 
 from ._common import MAX_FUSED_SIZE, cdiv, device_guard, row_block, rows_view, warps_for
@@ -127,10 +126,7 @@ def _forward(x, scale, mask_kind: str, mask=None, causal_offset: int = 0):
 
 def _backward(dy, y, scale):
     """dx = scale * y * (dy - sum(dy * y)) in float32, in dy's dtype."""
-    check_high_precision(dy, "dy")
-    check_high_precision(y, "y")
-    if dy.shape != y.shape:
-        raise ValueError(f"dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}; they must match")
+    check_softmax_bwd(dy, y)
     dy_rows, y_rows = rows_view(dy), rows_view(y)
     r, sk = dy_rows.shape
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)

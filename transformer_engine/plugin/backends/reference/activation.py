@@ -21,11 +21,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from transformer_engine.plugin.backends._activation_ops import (
-    ACTIVATION_OP_NAMES, activation_ops, check_activation, check_in_place, module_getattr,
-)
+from transformer_engine.plugin.backends._activation_ops import ACTIVATION_OP_NAMES, activation_ops, check_in_place, module_getattr
+from transformer_engine.plugin.backends._checks import check_activation_dy, check_activation_input, check_activation_quantize
 
-from .._fp8 import check_amax_out, check_fp8_dtype, check_high_precision, quantize_fp32, scalar_f32
+from .._fp8 import check_high_precision, quantize_fp32
 
 __all__ = [*ACTIVATION_OP_NAMES, "activation_quantize", "dactivation_"]
 
@@ -88,21 +87,13 @@ _PLAIN = {"gelu": _GELU, "qgelu": _QGELU, "relu": _RELU, "srelu": _SRELU, "silu"
 _GATED = {"glu": _SIGMOID, "geglu": _GELU, "qgeglu": _QGELU, "reglu": _RELU, "sreglu": _SRELU, "swiglu": _SILU}
 
 
-def _halves(x: torch.Tensor, op: str):
-    """(a, b): the two halves of x's last dim; ValueError when it is odd."""
-    if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"{op} splits x's last dim in two halves [a, b], but x has shape {tuple(x.shape)}; it must be even")
+def _halves(x: torch.Tensor):
+    """(a, b): the two halves of x's last dim (checked even by ``check_activation_input``)."""
     return x.chunk(2, dim=-1)
 
 
-def _check_dy(dy, shape, op: str) -> None:
-    check_high_precision(dy, "dy")
-    if tuple(dy.shape) != tuple(shape):
-        raise ValueError(f"{op}: dy has shape {tuple(dy.shape)} but must be {tuple(shape)} (the forward output's)")
-
-
 def _clamped_parts(x_f32, limit, alpha):
-    a, b = _halves(x_f32, "clamped_swiglu")
+    a, b = _halves(x_f32)
     a_c, b_c = a.clamp(max=limit), b.clamp(-limit, limit)
     return a, b, a_c, b_c, torch.sigmoid(alpha * a_c)
 
@@ -112,7 +103,7 @@ def _forward_f32(op: str, x_f32: torch.Tensor, limit: float, alpha: float) -> to
     if op in _PLAIN:
         return _PLAIN[op].fn(x_f32)
     if op in _GATED:
-        a, b = _halves(x_f32, op)
+        a, b = _halves(x_f32)
         return _GATED[op].fn(a) * b
     _, _, a_c, b_c, s = _clamped_parts(x_f32, limit, alpha)
     return a_c * s * (b_c + 1.0)
@@ -123,7 +114,7 @@ def _backward_f32(op: str, dy: torch.Tensor, x_f32: torch.Tensor, limit: float, 
     if op in _PLAIN:
         return dy * _PLAIN[op].grad(x_f32)
     if op in _GATED:
-        a, b = _halves(x_f32, op)
+        a, b = _halves(x_f32)
         act = _GATED[op]
         return torch.cat([dy * b * act.grad(a), dy * act.fn(a)], dim=-1)
     a, b, a_c, b_c, s = _clamped_parts(x_f32, limit, alpha)
@@ -132,16 +123,13 @@ def _backward_f32(op: str, dy: torch.Tensor, x_f32: torch.Tensor, limit: float, 
 
 
 def _forward(op: str, x, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
-    check_high_precision(x)
-    if op not in _PLAIN:
-        _halves(x, op)
+    check_activation_input(x, op, op not in _PLAIN)
     return _forward_f32(op, x.float(), limit, alpha).to(x.dtype)
 
 
 def _backward(op: str, dy, x, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
-    check_high_precision(x)
-    out_shape = x.shape if op in _PLAIN else (*x.shape[:-1], _halves(x, op)[0].shape[-1])
-    _check_dy(dy, out_shape, op)
+    check_activation_input(x, op, op not in _PLAIN)
+    check_activation_dy(dy, x, op, op not in _PLAIN)
     return _backward_f32(op, dy.float(), x.float(), limit, alpha).to(x.dtype)
 
 
@@ -158,12 +146,8 @@ def activation_quantize(x, activation, fp8_scale, fp8_dtype, limit=7.0, alpha=1.
     Raises:
         ValueError: unknown activation, bad scale or fp8_dtype, or the activation's own input errors.
     """
-    check_activation(activation, limit, alpha)
-    check_high_precision(x)
-    scale_f32 = scalar_f32(fp8_scale, "fp8_scale")
-    check_fp8_dtype(fp8_dtype)
-    check_amax_out(amax_out, x)
-    return quantize_fp32(_forward_f32(activation, x.float(), limit, alpha), scale_f32, fp8_dtype, amax_out)
+    check_activation_quantize(x, activation, activation not in _PLAIN, fp8_scale, fp8_dtype, limit, alpha, amax_out)
+    return quantize_fp32(_forward_f32(activation, x.float(), limit, alpha), fp8_scale, fp8_dtype, amax_out)
 
 
 def dactivation_(dy, x, activation, limit=7.0, alpha=1.702):

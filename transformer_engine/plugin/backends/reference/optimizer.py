@@ -18,7 +18,7 @@ SGD (PyTorch semantics):
 
 import torch
 
-from transformer_engine.plugin.backends._checks import check_tensor_lists
+from transformer_engine.plugin.backends._checks import check_multi_tensor_adam, check_tensor_lists
 
 __all__ = ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_adam", "multi_tensor_sgd"]
 
@@ -51,6 +51,9 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
         noop_flag: int32 [1], set to 1 on a non-finite input; the outputs are written regardless.
         tensor_lists: [inputs, outputs].
         scale: float multiplier.
+
+    Raises:
+        ValueError: wrong list structure or non-contiguous tensors.
     """
     check_tensor_lists("multi_tensor_scale", tensor_lists, ("inputs", "outputs"))
     for src, dst in zip(*tensor_lists):
@@ -70,6 +73,9 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
 
     Returns:
         (total float32 [1], per-tensor norms float32 [n] if per_tensor else an empty float32 tensor).
+
+    Raises:
+        ValueError: wrong list structure or non-contiguous tensors.
     """
     check_tensor_lists("multi_tensor_l2norm", tensor_lists, ("tensors",))
     device = noop_flag.device
@@ -93,13 +99,9 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         bias_correction: divide m and v by (1 - beta^step).
 
     Raises:
-        ValueError: wrong list structure, mode not 0/1, or step < 1 with bias correction.
+        ValueError: wrong list structure, mode not 0/1, step < 1 with bias correction, non-contiguous tensors.
     """
-    check_tensor_lists("multi_tensor_adam", tensor_lists, ("grads", "params", "exp_avgs", "exp_avg_sqs"))
-    if mode not in (0, 1):
-        raise ValueError(f"multi_tensor_adam: mode={mode} must be 0 (L2 / Adam) or 1 (decoupled / AdamW)")
-    if bias_correction and step < 1:
-        raise ValueError(f"multi_tensor_adam: step={step} must be >= 1 when bias_correction is on")
+    check_multi_tensor_adam(tensor_lists, step, mode, bias_correction)
     if _skip(noop_flag):
         return
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
@@ -132,7 +134,7 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum
         scale: multiplier of the gradient (e.g. 1 / loss scale).
 
     Raises:
-        ValueError: wrong list structure.
+        ValueError: wrong list structure or non-contiguous tensors.
     """
     check_tensor_lists("multi_tensor_sgd", tensor_lists, ("grads", "params", "momentum_buffers"))
     if _skip(noop_flag):

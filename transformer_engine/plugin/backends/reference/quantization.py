@@ -27,13 +27,15 @@ from transformer_engine.plugin.backends._checks import (
 
 from .._fp8 import (
     amax_finite,
-    check_amax_out,
+    check_2d,
+    check_dequantize_args,
     check_fp8_dtype,
+    check_fp8_tensor,
     check_high_precision,
     check_out_dtype,
+    check_quantize_args,
     check_tensor,
     fp8_max_of,
-    is_fp8,
     quantize_fp32,
     saturating_cast,
     scalar_f32,
@@ -61,17 +63,6 @@ __all__ = [
 ]
 
 
-def _check_fp8_tensor(q, name: str) -> None:
-    check_tensor(q, name)
-    if not is_fp8(q):
-        raise TypeError(f"{name} has dtype {q.dtype}; it must be torch.float8_e4m3fn or torch.float8_e5m2")
-
-
-def _check_2d(t: torch.Tensor, name: str) -> None:
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [M, N], got shape {tuple(t.shape)}; reshape it to 2-D first")
-
-
 def quantize(x, scale, fp8_dtype, amax_out=None):
     """Per-tensor saturating cast to FP8: q = cast_fp8(clip(x * scale, -fp8_max, fp8_max)).
 
@@ -89,11 +80,8 @@ def quantize(x, scale, fp8_dtype, amax_out=None):
     Raises:
         TypeError: x is not a high-precision float tensor. ValueError: bad scale, fp8_dtype or amax_out.
     """
-    check_high_precision(x)
-    scale_f32 = scalar_f32(scale, "scale")
-    check_fp8_dtype(fp8_dtype)
-    check_amax_out(amax_out, x)
-    return quantize_fp32(x.float(), scale_f32, fp8_dtype, amax_out)
+    check_quantize_args(x, scale, fp8_dtype, amax_out)
+    return quantize_fp32(x.float(), scale, fp8_dtype, amax_out)
 
 
 def dequantize(q, scale_inv, out_dtype):
@@ -102,9 +90,8 @@ def dequantize(q, scale_inv, out_dtype):
     Raises:
         TypeError: q is not FP8. ValueError: scale_inv is not one element or out_dtype is not a float dtype.
     """
-    _check_fp8_tensor(q, "q")
+    check_dequantize_args(q, scale_inv, out_dtype)
     scale_inv_f32 = scalar_f32(scale_inv, "scale_inv")
-    check_out_dtype(out_dtype)
     return (q.float() * scale_inv_f32).to(out_dtype)
 
 
@@ -115,7 +102,7 @@ def cast_transpose(x, scale, fp8_dtype, amax_out=None):
         (q [M, N], q_t [N, M], scale_inv, amax) as in :func:`quantize`.
     """
     check_high_precision(x)
-    _check_2d(x, "x")
+    check_2d(x, "x")
     q, scale_inv, amax = quantize(x, scale, fp8_dtype, amax_out)
     return q, q.t().contiguous(), scale_inv, amax
 
@@ -153,8 +140,8 @@ def _column_sums(x: torch.Tensor, dbias_dtype) -> torch.Tensor:
 
 def fp8_transpose(q):
     """Contiguous transpose of a 2-D FP8 tensor, no rescaling: q_t[j, i] = q[i, j]."""
-    _check_fp8_tensor(q, "q")
-    _check_2d(q, "q")
+    check_fp8_tensor(q, "q")
+    check_2d(q, "q")
     return q.t().contiguous()
 
 
@@ -237,7 +224,7 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
         epsilon or fp8_dtype.
     """
     check_high_precision(x)
-    _check_2d(x, "x")
+    check_2d(x, "x")
     check_fp8_dtype(fp8_dtype)
     _check_block_args(block_rows, block_cols, amax_epsilon)
     tiles = _tiles(x.float(), block_rows, block_cols)
@@ -333,8 +320,8 @@ def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
         TypeError: q is not FP8. ValueError: q not 2-D, scale_inv of the wrong shape, bad block sizes
         or out_dtype.
     """
-    _check_fp8_tensor(q, "q")
-    _check_2d(q, "q")
+    check_fp8_tensor(q, "q")
+    check_2d(q, "q")
     _check_block_args(block_rows, block_cols)
     check_tensor(scale_inv, "scale_inv")
     check_out_dtype(out_dtype)
@@ -350,18 +337,8 @@ def dequantize_blockwise(q, scale_inv, block_rows, block_cols, out_dtype):
 
 
 def delayed_scaling_update(amax_history, scale, fp8_max, margin, amax_compute_algo) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One delayed-scaling step for N tensors: s_new = (fp8_max / amax) / 2^margin, then roll the history.
-
-    amax = max over the L rows of H ("max") or H[0] ("most_recent"), read before the roll; s_new keeps
-    the old s where amax is not finite or <= 0; an infinite s_new becomes float32 max;
-    H_new = roll(H, -1, dim 0) with row 0 zeroed.
-
-    Args:
-        amax_history: H [L, N]; row 0 holds this step's amaxes.
-        scale: s [N].
-        fp8_max: float, or float32 tensor of 1 or N elements.
-        margin: float.
-        amax_compute_algo: "max" or "most_recent".
+    """One delayed-scaling step for N tensors, as plugin/catalog/quantization.py states it: s_new =
+    (fp8_max / amax) / 2^margin, then the history rolled; fp8_max may also be a tensor of 1 or N elements.
 
     Returns:
         (H_new [L, N], s_new [N]), new float32 tensors.

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["fused_rope_forward", "fused_rope_backward"]
+from transformer_engine.plugin.backends._checks import check_rope
 
-_FORMATS = ("sbhd", "bshd", "thd")
+__all__ = ["fused_rope_forward", "fused_rope_backward"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,26 +36,6 @@ class _RopeArgs:
     cu_seqlens: Optional[torch.Tensor]
     cp_size: int
     cp_rank: int
-
-
-def _check(t, freqs, args: _RopeArgs) -> None:
-    tensor_format, cp_size, cp_rank = args.tensor_format, args.cp_size, args.cp_rank
-    if tensor_format not in _FORMATS:
-        raise ValueError(f"tensor_format={tensor_format!r} is not one of {', '.join(_FORMATS)}")
-    want_dim = 3 if tensor_format == "thd" else 4
-    if t.dim() != want_dim:
-        raise ValueError(f"tensor_format={tensor_format!r} needs a {want_dim}-D tensor, got shape {tuple(t.shape)}")
-    d_rot = freqs.shape[-1]
-    if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1) or d_rot % 2 or d_rot > t.shape[-1]:
-        raise ValueError(
-            f"freqs must be [s, 1, 1, d_rot] with an even d_rot <= head dim {t.shape[-1]}, got {tuple(freqs.shape)}"
-        )
-    if tensor_format == "thd" and args.cu_seqlens is None:
-        raise ValueError("tensor_format='thd' needs cu_seqlens (int32 [b + 1])")
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_size={cp_size}, cp_rank={cp_rank}: need cp_size >= 1 and 0 <= cp_rank < cp_size")
-    if cp_size > 1 and args.start_positions is not None:
-        raise ValueError("start_positions is not supported with cp_size > 1 (inference only); pass None")
 
 
 def _local_positions(length: int, cp_size: int, cp_rank: int, device) -> torch.Tensor:
@@ -114,7 +94,7 @@ def _rotate_half(x, interleaved: bool):
 
 def _rope(t, freqs, args: _RopeArgs, inverse: bool):
     """out = x c + R(x) s (forward) or dy c - R(dy s) (backward) on the first d_rot features."""
-    _check(t, freqs, args)
+    check_rope(t, freqs, args.tensor_format, args.start_positions, args.cu_seqlens, args.cp_size, args.cp_rank)
     angles = _angles(t, freqs, args)
     cos, sin = torch.cos(angles), torch.sin(angles)
     d_rot = freqs.shape[-1]

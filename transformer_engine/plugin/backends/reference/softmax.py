@@ -17,9 +17,7 @@ from typing import Optional
 
 import torch
 
-from transformer_engine.plugin.backends._checks import check_softmax_input, check_softmax_mask
-
-from .._fp8 import check_high_precision
+from transformer_engine.plugin.backends._checks import check_softmax_bwd, check_softmax_input, check_softmax_mask
 
 __all__ = [
     "scaled_softmax_forward",
@@ -54,10 +52,7 @@ def _causal_mask(sq: int, sk: int, offset: int, device) -> torch.Tensor:
 
 def _softmax_backward(dy, y, scale) -> torch.Tensor:
     """dx = scale * y * (dy - sum(dy * y, -1)) in float32, cast to dy's dtype."""
-    check_high_precision(dy, "dy")
-    check_high_precision(y, "y")
-    if dy.shape != y.shape:
-        raise ValueError(f"dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}; they must match")
+    check_softmax_bwd(dy, y)
     dy_f32, y_f32 = dy.float(), y.float()
     dx = float(scale) * y_f32 * (dy_f32 - (dy_f32 * y_f32).sum(dim=-1, keepdim=True))
     return dx.to(dy.dtype)
