@@ -7,7 +7,7 @@ accepted values of the attention and linear options (each defined where it is us
 import torch.distributed
 
 from ..plugin.catalog.attention import BIAS_TYPES as AttnBiasTypes
-from .attention._masks import ATTN_MASK_TYPES as AttnMaskTypes
+from .attention import ATTN_MASK_TYPES as AttnMaskTypes
 from .quantization.mxfp8_tensor import MXFP8_BLOCK as MXFP8_BLOCK_SCALING_SIZE
 from .tensor.dtype import TE_DType, TE_DType_To_Torch
 

@@ -22,8 +22,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from ._dropout import bias_dropout_add
-from .attention import MultiheadAttention
-from .attention._checks import check_heads, head_size
+from .attention import MultiheadAttention, check_heads, head_size
 from .module._checks import check_eps, check_probability, check_sizes
 from .module import LayerNorm, LayerNormMLP, RMSNorm
 from .module.base import default_device, resolve_params_dtype

@@ -19,18 +19,33 @@ For one sequence and head, with scores S = softmax_scale * Q K^T (s_q x s_kv):
 - dropout: P' = P * M / (1 - dropout_p) with M ~ Bernoulli(1 - dropout_p) from the device's
   default generator; O = P' V.
 ``fused_attn_fwd`` returns (O, ctx): ctx is opaque and backend-specific (e.g. the log-sum-exp and
-the dropout state); ``fused_attn_bwd`` must run on the backend that produced ctx.
+the dropout state); ``fused_attn_bwd`` must run on the backend that produced ctx. Each implementation of
+``fused_attn_bwd`` (and ``attention_block_bwd``) therefore declines, through its ``supports`` predicate, a ctx
+its own forward did not make: a plain ``ops.fused_attn_bwd(...)`` call then reaches the implementation that made
+the ctx whatever the policy's order (a declined call is passed on, also under ``TE_FL_STRICT=1``).
+
+Layouts are checked the same way on every backend: :func:`attention_layout_error` (a reason, or None) and
+:func:`check_attention_layout` (raises it as ValueError).
 
 Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): a zero batch gives empty results; NaN and inf in q, k or v propagate as in the
 float32 formula (a fully masked row stays 0); q, k, v and dout may have any strides.
 """
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from transformer_engine.plugin.core.catalog import declare
 
-__all__ = ["AttentionConfig", "attention_block_bwd", "attention_block_fwd", "attention_max_logit", "fused_attn_fwd", "fused_attn_bwd"]
+__all__ = [
+    "AttentionConfig",
+    "attention_block_bwd",
+    "attention_block_fwd",
+    "attention_layout_error",
+    "attention_max_logit",
+    "check_attention_layout",
+    "fused_attn_fwd",
+    "fused_attn_bwd",
+]
 
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -87,6 +102,42 @@ def _check(name: str, value: str, allowed: Tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
 
 
+def attention_layout_error(q, k, v, config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None) -> Optional[str]:
+    """Why q, k, v (and the sequence offsets) do not have the layout of ``config.qkv_format``, or None.
+
+    The rules of the module docstring, the same for every backend (a call that breaks one is an error
+    everywhere, not a case for another backend): "bshd" q [b, s_q, h, d_qk], k [b, s_kv, h_kv, d_qk],
+    v [b, s_kv, h_kv, d_v] and no ``cu_seqlens``; "thd" 3-D q, k, v and both ``cu_seqlens`` 1-D of one
+    shape [b + 1]; h a multiple of h_kv. Reads only shapes (no torch import, no device sync).
+    """
+    thd = config.qkv_format == "thd"
+    rank = 3 if thd else 4
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.dim() != rank or k.dim() != rank or v.dim() != rank:
+        return f"qkv_format={config.qkv_format!r} needs {rank}-D q, k, v; got {shapes}"
+    if k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1]:
+        return f"{shapes}: k and v need the same tokens and heads, and q and k the same head dim"
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if kv_heads == 0 or heads % kv_heads:
+        return f"{shapes}: the query heads ({heads}) must be a multiple of the kv heads ({kv_heads})"
+    if not thd:
+        if q.shape[0] != k.shape[0]:
+            return f"{shapes}: q and k need the same batch"
+        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            return "cu_seqlens_q / cu_seqlens_kv are for qkv_format='thd'; a padded bshd batch passes its padding as attn_mask"
+        return None
+    if cu_seqlens_q is None or cu_seqlens_kv is None or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_kv.shape:
+        return "qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv, both int32 [b + 1]"
+    return None
+
+
+def check_attention_layout(q, k, v, config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None) -> None:
+    """Raise :func:`attention_layout_error`'s reason as a ValueError (nothing when the layout is right)."""
+    error = attention_layout_error(q, k, v, config, cu_seqlens_q, cu_seqlens_kv)
+    if error:
+        raise ValueError(error)
+
+
 @declare
 def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
     """O = dropout(softmax(S)) V for the settings in ``config`` (see the module docstring).
@@ -105,6 +156,14 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
     dalpha_h = -sum_i exp(alpha_h - lse_i) * D_i for "learnable".
     dout has out's shape and any strides (an sbhd layer passes a transposed view, not a copy).
     Returns: (dq, dk, dv, dbias or None, dsoftmax_offset or None).
+
+    ``ctx`` is what some backend's ``fused_attn_fwd`` returned, and only that backend can read it: every
+    implementation (in-tree or out-of-tree) must register a ``supports`` predicate that declines (returns a
+    falsy value, e.g. ``Reject("ctx was not made by <backend> fused_attn_fwd")``) any ctx its own forward did
+    not produce, e.g. by its type. Callers then just call ``ops.fused_attn_bwd``: the dispatcher passes a
+    declined call to the next candidate (under any policy order, ``TE_FL_STRICT=1`` included), so it reaches
+    the implementation that made the ctx. An implementation without such a predicate would be handed foreign
+    contexts and fail on them.
     """
 
 
@@ -133,6 +192,7 @@ def attention_block_bwd(dout, q, k, v, out, lse, ctx, config, attn_mask=None, at
     group), dB = dS summed to attn_bias's shape: this block's share of the whole attention's gradients
     (the ring sums them). With the block's own out and lse: ``fused_attn_bwd``'s gradients.
     Returns: (dq, dk, dv in their inputs' dtypes, dbias float32 in attn_bias's shape or None).
+    As for ``fused_attn_bwd``, an implementation must decline (``supports``) a ctx its own forward did not make.
     """
 
 

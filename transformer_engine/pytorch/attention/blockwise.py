@@ -70,7 +70,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dks, dvs = None, [], []
         for (keys, mask_type), ctx_b in zip(ctx.blocks, ctx.contexts):
-            dq_b, dk_b, dv_b, _ = ops.attention_block_bwd(dout, q, k[:, keys], v[:, keys], out=out, lse=lse, ctx=ctx_b,
+            dq_b, dk_b, dv_b, _ = ops.attention_block_bwd(dout, q=q, k=k[:, keys], v=v[:, keys], out=out, lse=lse, ctx=ctx_b,
                                                           config=block_config(ctx.settings, mask_type))
             dq = dq_b.float() if dq is None else dq.add_(dq_b)
             dks.append(dk_b)

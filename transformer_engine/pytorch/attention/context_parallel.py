@@ -347,7 +347,7 @@ def _all_gather_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: A
 def _all_gather_packed(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, softmax_offset) -> torch.Tensor:
     """Packed sequences ([1, t, h, d]): K and V gathered into the whole packed batch, each local query chunk attending
     its sequence's keys up to its last real query (:meth:`PackedSequences.chunk_call`, checked before the gather)."""
-    call, rows = settings.packed.chunk_call(cp.rank, cp.size, settings.causal, settings.window_size, q.device)
+    call, rows = settings.packed.chunk_call(cp.rank, cp.size, causal=settings.causal, window=settings.window_size, device=q.device)
     natural = settings.packed.natural_order(cp.size, kv=True, device=q.device)
     k_full, v_full = (gather_from_sequence_parallel_region(x[0], cp.group).index_select(0, natural) for x in (k, v))
     return attend(q[0], k_full.index_select(0, rows), v_full.index_select(0, rows), softmax_offset, call)[None]
@@ -385,13 +385,13 @@ def _heads_to_sequence(x: torch.Tensor, cp: CPGroup, packed: Optional[PackedSequ
     gathered = received.movedim(0, 1).flatten(1, 2)
     if packed is None:
         return _to_natural(gathered, size)
-    return gathered.index_select(1, packed.natural_order(size, kv, x.device))
+    return gathered.index_select(1, packed.natural_order(size, kv=kv, device=x.device))
 
 
 def _sequence_to_heads(x: torch.Tensor, cp: CPGroup, packed: Optional[PackedSequences]) -> torch.Tensor:
     """The inverse of :func:`_heads_to_sequence` (of the query side)."""
     size = cp.size
-    gathered = _to_gathered(x, size) if packed is None else x.index_select(1, packed.natural_rows(size, False, x.device))
+    gathered = _to_gathered(x, size) if packed is None else x.index_select(1, packed.natural_rows(size, kv=False, device=x.device))
     parts = gathered.unflatten(1, (size, -1)).movedim(1, 0)  # [P, b, 2L, h/P, d]
     received = _AllToAll.apply(parts, cp.group)  # [P, b, 2L, h/P, d]: head group p from rank p
     return received.movedim(0, 2).flatten(2, 3)
@@ -403,7 +403,7 @@ def _a2a_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, 
     if softmax_offset is not None:
         softmax_offset = softmax_offset.chunk(cp.size)[cp.rank]
     if packed is not None:  # the whole packed batch of this rank's heads
-        out = attend(q_full[0], k_full[0], v_full[0], softmax_offset, packed.whole_call(settings.causal, settings.window_size, q.device))
+        out = attend(q_full[0], k_full[0], v_full[0], softmax_offset, packed.whole_call(causal=settings.causal, window=settings.window_size, device=q.device))
         return _sequence_to_heads(out[None], cp, packed)
     config = AttentionConfig(
         softmax_scale=settings.softmax_scale,
@@ -448,7 +448,7 @@ def _hierarchical_attention(q, k, v, settings: CPAttention, cp: CPGroup) -> torc
     a2a, p2p = cp.hierarchy()
     packed, orders, inverse = settings.packed, (None, None), None
     if packed is not None:  # the ring's masks read the coarse layout's tokens from the same offsets (rank p of P / A)
-        orders = tuple(packed.coarse_order(cp.size, a2a.size, p2p.rank, kv, q.device) for kv in (False, True))
+        orders = tuple(packed.coarse_order(cp.size, a2a.size, p2p.rank, kv=kv, device=q.device) for kv in (False, True))
         inverse = packed.coarse_inverse(cp.size, a2a.size, p2p.rank, q.device)
     q_c, k_c, v_c = (_heads_to_coarse(x, a2a, orders[x is not q]) for x in (q, k, v))
     return _coarse_to_heads(RingAttention.apply(q_c, k_c, v_c, None, settings, p2p), a2a, inverse)

@@ -135,7 +135,7 @@ class PackedSequences:
         """int64 [t]: the row of the whole packed batch (TE's padded layout) of each token ``rank`` of ``size`` holds."""
         def make() -> torch.Tensor:
             starts = _offsets(self.padded_kv if kv else self.padded_q, device).long()
-            tokens = self.tokens(rank, size, kv, device)
+            tokens = self.tokens(rank, size, kv=kv, device=device)
             return starts[tokens.seq] + tokens.pos
 
         return self._memoized(("rows", rank, size, kv, device), make)
@@ -144,18 +144,18 @@ class PackedSequences:
         """int64 [P t]: :meth:`rows` of every rank in gathered order (rank 0's tokens, then rank 1's, ...);
         ``x_gathered = x_packed[rows]``."""
         return self._memoized(("natural_rows", size, kv, device),
-                              lambda: torch.cat([self.rows(rank, size, kv, device) for rank in range(size)]))
+                              lambda: torch.cat([self.rows(rank, size, kv=kv, device=device) for rank in range(size)]))
 
     def natural_order(self, size: int, kv: bool, device) -> torch.Tensor:
         """int64 [P t]: the inverse permutation of :meth:`natural_rows`, ``x_packed = x_gathered[order]``."""
-        return self._memoized(("natural_order", size, kv, device), lambda: self.natural_rows(size, kv, device).argsort())
+        return self._memoized(("natural_order", size, kv, device), lambda: self.natural_rows(size, kv=kv, device=device).argsort())
 
     def coarse_order(self, size: int, a2a_size: int, p2p_rank: int, kv: bool, device) -> torch.Tensor:
         """int64 [A t]: for "a2a+p2p", where the tokens of ranks p A .. p A + A - 1 (of ``size``), side by side, go to
         make the tokens of rank p of size / A: the same rows of the packed batch, in that rank's order."""
         def make() -> torch.Tensor:
-            members = torch.cat([self.rows(p2p_rank * a2a_size + a, size, kv, device) for a in range(a2a_size)])
-            coarse = self.rows(p2p_rank, size // a2a_size, kv, device)
+            members = torch.cat([self.rows(p2p_rank * a2a_size + a, size, kv=kv, device=device) for a in range(a2a_size)])
+            coarse = self.rows(p2p_rank, size // a2a_size, kv=kv, device=device)
             return members.argsort()[coarse.argsort().argsort()]
 
         return self._memoized(("coarse_order", size, a2a_size, p2p_rank, kv, device), make)
@@ -164,7 +164,7 @@ class PackedSequences:
         """int64 [A t]: the inverse permutation of the queries' :meth:`coarse_order` (the way back to the members'
         tokens side by side)."""
         return self._memoized(("coarse_inverse", size, a2a_size, p2p_rank, device),
-                              lambda: self.coarse_order(size, a2a_size, p2p_rank, False, device).argsort())
+                              lambda: self.coarse_order(size, a2a_size, p2p_rank, kv=False, device=device).argsort())
 
     def mask_type(self, causal: bool) -> str:
         """The thd mask type of the whole batch."""
@@ -177,7 +177,7 @@ class PackedSequences:
         def make() -> PackedCall:
             cu_q, cu_kv, cu_q_padded, cu_kv_padded = (_offsets(lengths, device) for lengths in
                                                       (self.lengths_q, self.lengths_kv, self.padded_q, self.padded_kv))
-            return PackedCall(cu_q, cu_kv, cu_q_padded, cu_kv_padded, self.mask_type(causal), tuple(window))
+            return PackedCall(cu_q, cu_kv, cu_q_padded, cu_kv_padded, self.mask_type(causal=causal), tuple(window))
 
         return self._memoized(("whole_call", causal, tuple(window), device), make)
 

@@ -72,7 +72,8 @@ def _blocks(step: int, ring: _Ring, settings: CPAttention, s_q: int, s_kv: int, 
     every_q, every_kv = slice(0, s_q), slice(0, s_kv)
     src = (ring.rank - step) % ring.size
     if settings.packed is not None:
-        hidden = packed_hidden(settings.packed, ring.rank, src, ring.size, settings.causal, settings.window_size, device)
+        hidden = packed_hidden(settings.packed, ring.rank, src, ring.size, causal=settings.causal, window_size=settings.window_size,
+                               device=device)
         return every_q, every_kv, "no_mask", hidden
     if settings.windowed:
         return every_q, every_kv, "no_mask", _window_hidden(settings, ring, src, s_q, device)
@@ -160,7 +161,7 @@ def _ring_backward(dout, q, k, v, bias, out, lse, contexts, settings: CPAttentio
         rows, cols, mask_type, hidden = _blocks(step, ring, settings, s_q, s_kv, q.device)
         block_bias, columns = _bias_block(bias, settings, ring, step, rows, cols, s_kv, q.device)
         dq_b, dk_b, dv_b, dbias_b = ops.attention_block_bwd(
-            dout[:, rows], q[:, rows], k_blk[:, cols], v_blk[:, cols], out=out[:, rows], lse=lse[..., rows], ctx=contexts[step],
+            dout[:, rows], q=q[:, rows], k=k_blk[:, cols], v=v_blk[:, cols], out=out[:, rows], lse=lse[..., rows], ctx=contexts[step],
             config=block_config(settings, mask_type, block_bias), attn_mask=hidden, attn_bias=block_bias,
         )
         dq[:, rows] += dq_b

@@ -8,8 +8,9 @@ with the mask, window, bias and softmax variants of ``plugin/catalog/attention.p
 normalises TE's arguments (formats sbhd / bshd / thd, mask types, padding masks, windows, ALiBi,
 KV caching) into one ``AttentionConfig`` call (see :mod:`._masks` and :mod:`._layout`); one
 autograd Function runs the forward op on whichever backend the dispatcher picks and the backward
-op on that same backend, which owns the opaque context. The attention math stays in the inputs'
-precision (no FP8 attention yet).
+op through the dispatcher too: only the backend that made the forward's opaque context accepts it
+(every other one declines it, see ``fused_attn_bwd`` in the catalog), whatever the policy says when
+the backward runs. The attention math stays in the inputs' precision (no FP8 attention yet).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from transformer_engine.plugin import get_default_manager, ops
 from transformer_engine.plugin.catalog.attention import AttentionConfig
+from transformer_engine.plugin.core import ArgKey
 
 from ..distributed import checkpoint
 from ..module.base import default_device
@@ -48,26 +50,27 @@ class _Extras:
 
 
 class _FusedAttnFunc(torch.autograd.Function):
-    """O = fused_attn_fwd(q, k, v, ...); the backward runs fused_attn_bwd on the forward's backend."""
+    """O = fused_attn_fwd(q, k, v, ...); the backward's fused_attn_bwd reaches the forward's backend, the only
+    one that accepts the forward's context."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig):
-        (out, attn_ctx), impl = ops.fused_attn_fwd.traced(
-            q, k, v, config, extras.attn_mask, attn_bias, softmax_offset,
-            extras.alibi_slopes, extras.cu_seqlens_q, extras.cu_seqlens_kv,
+        out, attn_ctx = ops.fused_attn_fwd(
+            q, k, v, config=config, attn_mask=extras.attn_mask, attn_bias=attn_bias, softmax_offset=softmax_offset,
+            alibi_slopes=extras.alibi_slopes, cu_seqlens_q=extras.cu_seqlens_q, cu_seqlens_kv=extras.cu_seqlens_kv,
         )
         ctx.save_for_backward(q, k, v, out, attn_bias, softmax_offset)
-        ctx.extras, ctx.config, ctx.impl_id, ctx.attn_ctx = extras, config, impl.impl_id, attn_ctx
+        ctx.extras, ctx.config, ctx.attn_ctx = extras, config, attn_ctx
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, attn_bias, softmax_offset = ctx.saved_tensors
         extras = ctx.extras
-        dq, dk, dv, dbias, doffset = get_default_manager().call_impl(
-            "fused_attn_bwd", ctx.impl_id, dout, q, k, v, out, ctx.attn_ctx, ctx.config,  # backends take any strides
-            extras.attn_mask, attn_bias, softmax_offset, extras.alibi_slopes,
-            extras.cu_seqlens_q, extras.cu_seqlens_kv,
+        dq, dk, dv, dbias, doffset = ops.fused_attn_bwd(
+            dout, q=q, k=k, v=v, out=out, ctx=ctx.attn_ctx, config=ctx.config,  # backends take any strides
+            attn_mask=extras.attn_mask, attn_bias=attn_bias, softmax_offset=softmax_offset, alibi_slopes=extras.alibi_slopes,
+            cu_seqlens_q=extras.cu_seqlens_q, cu_seqlens_kv=extras.cu_seqlens_kv,
         )
         needs = ctx.needs_input_grad
         return dq, dk, dv, dbias if needs[3] else None, doffset if needs[4] else None, None, None
@@ -80,6 +83,23 @@ def _attend(q, k, v, attn_bias, softmax_offset, extras: _Extras, config: Attenti
         if torch.compiler.is_compiling() and _sdpa_expresses(attn_bias, softmax_offset, extras, config):
             return _traced_sdpa(q, k, v, config)
         return _FusedAttnFunc.apply(q, k, v, attn_bias, softmax_offset, extras, config)
+
+
+def _compiled_op(name: str, device: torch.device) -> Callable:
+    """What a traced call of catalog op ``name`` runs when the op has no custom op (an AttentionConfig argument):
+    the dispatch layer's compiled form of the op for ``device`` (``OpManager.compiled_form``, the implementations
+    ``torch.compile`` may trace in the policy's order, e.g. the reference backend's tensor ops), taken now because
+    the choice does not trace; when none of them accepts the call, the op itself (a graph break)."""
+    device = torch.device(device)
+    chain = get_default_manager().compiled_form(name, ArgKey(device.type, device.index, None))
+
+    def traced(*args, **kwargs):
+        for supports, fn in chain:
+            if supports is None or supports(*args, **kwargs):
+                return fn(*args, **kwargs)
+        return getattr(ops, name)(*args, **kwargs)
+
+    return traced
 
 
 def _sdpa_expresses(attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig) -> bool:
@@ -282,8 +302,8 @@ class DotProductAttention(torch.nn.Module):
         super().__init__()
         self.return_max_logit = bool(return_max_logit)
         #: what torch.compile traces for ``ops.attention_max_logit`` (whose AttentionConfig argument gives it no custom
-        #: op): the reference backend's tensor ops, looked up here (the lookup itself does not trace)
-        self._traced_max_logit = get_default_manager().reference_impl("attention_max_logit").fn if return_max_logit else None
+        #: op): the op's compiled form (the reference backend's tensor ops), chosen here (the choice itself does not trace)
+        self._traced_max_logit = _compiled_op("attention_max_logit", default_device()) if return_max_logit else None
         self.qkv_format = qkv_format
         self.attn_mask_type = _masks.canonical_mask_type(attn_mask_type)
         self.window_size = _masks.check_set_window_size(self.attn_mask_type, window_size)
@@ -336,7 +356,7 @@ class DotProductAttention(torch.nn.Module):
             mask_type = _inference_mask_type(mask_type)
         window = _masks.check_set_window_size(mask_type, self.window_size if window_size is None else window_size)
         brd = self.bottom_right_diagonal if bottom_right_diagonal is None else bottom_right_diagonal
-        return _masks.MaskSpec(mask_type, window, _masks.resolve_bottom_right(mask_type, brd))
+        return _masks.MaskSpec(mask_type, window, _masks.resolve_bottom_right(mask_type, bottom_right_diagonal=brd))
 
     def _check_heads(self, q, k, v) -> None:
         heads_q = self.num_attention_heads // self.tp_size
@@ -410,7 +430,7 @@ class DotProductAttention(torch.nn.Module):
         if fmt not in _layout.FORMATS:
             raise ValueError(f"qkv_format={fmt!r} is not one of {', '.join(_layout.FORMATS)}")
         self._check_heads(q, k, v)
-        spec = self._mask_spec(attn_mask_type, window_size, bottom_right_diagonal, inference_params is not None)
+        spec = self._mask_spec(attn_mask_type, window_size, bottom_right_diagonal, inference=inference_params is not None)
         cp = self._cp_group_settings is not None and self._cp_group_settings.size > 1
         if self.return_max_logit and (cp or inference_params is not None):
             raise NotImplementedError("DotProductAttention(return_max_logit=True) with context parallelism or KV caching "
@@ -418,12 +438,13 @@ class DotProductAttention(torch.nn.Module):
         seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         if cp:
             bias_type = "alibi" if alibi_slopes is not None else core_attention_bias_type
-            return self._cp_forward(q, k, v, fmt, spec, seqs, bias_type, core_attention_bias, inference_params is not None,
-                                    checkpoint_core_attention)
+            return self._cp_forward(q, k, v, fmt, spec, seqs, bias_type, core_attention_bias,
+                                    inference=inference_params is not None, checkpointed=checkpoint_core_attention)
         problem = self._problem(q, k, v, fmt, spec, attention_mask, seqs, inference_params)
         bias = _Bias.resolve(core_attention_bias_type, core_attention_bias, alibi_slopes, q.shape[-2], q.device)
         user_mask = attention_mask if spec.mask_type == "arbitrary" else None
-        plan = _masks.plan_masks(spec, problem.s_q, problem.s_kv, problem.padding, user_mask, bias.slopes, problem.thd, q.device)
+        plan = _masks.plan_masks(spec, s_q=problem.s_q, s_kv=problem.s_kv, padding=problem.padding, user_mask=user_mask,
+                                 alibi_slopes=bias.slopes, thd=problem.thd, device=q.device)
         config, attn_bias, extras = self._op_call(plan, bias, problem)
         args = (problem.q, problem.k, problem.v, attn_bias, self.softmax_offset, extras, config, self._rng_ctx(config.dropout_p))
         if checkpoint_core_attention:
@@ -461,8 +482,8 @@ class DotProductAttention(torch.nn.Module):
         if bias_type != "no_bias":
             bias_tensor = _Bias.resolve(bias_type, bias_tensor, None, q.shape[-2], q.device).tensor
             _cp.check_cp_bias(bias_tensor, problem.q, problem.k, group.size)
-        settings = _cp.CPAttention("causal" in spec.mask_type, spec.window_size, self.softmax_scale, dropout_p, self.softmax_type,
-                                   packed=packed, bias_type=bias_type)
+        settings = _cp.CPAttention(causal="causal" in spec.mask_type, window_size=spec.window_size, softmax_scale=self.softmax_scale,
+                                   dropout_p=dropout_p, softmax_type=self.softmax_type, packed=packed, bias_type=bias_type)
         rng_ctx = self._rng_ctx(dropout_p)
 
         def attend(qc, kc, vc, softmax_offset, config):
@@ -482,7 +503,8 @@ class DotProductAttention(torch.nn.Module):
         seqs = _Sequences(call.cu_q, call.cu_kv, call.cu_q_padded, call.cu_kv_padded)
         spec = _masks.MaskSpec(call.mask_type, call.window, call.mask_type.endswith("bottom_right"))
         problem = _thd_problem(q, k, v, seqs)
-        plan = _masks.plan_masks(spec, problem.s_q, problem.s_kv, problem.padding, None, None, True, q.device)
+        plan = _masks.plan_masks(spec, s_q=problem.s_q, s_kv=problem.s_kv, padding=problem.padding, user_mask=None,
+                                 alibi_slopes=None, thd=True, device=q.device)
         config, attn_bias, extras = self._op_call(plan, _Bias("no_bias", None, None), problem)
         out = _attend(problem.q, problem.k, problem.v, attn_bias, softmax_offset, extras, config, rng_ctx)
         return problem.restore(out).unflatten(-1, (q.shape[1], -1))

@@ -128,7 +128,7 @@ def _unfused(t, freqs, positions: torch.Tensor, interleaved: bool) -> torch.Tens
     cos, sin = torch.cos(angles).to(t.dtype), torch.sin(angles).to(t.dtype)
     d_rot = freqs.shape[-1]
     x, x_pass = t[..., :d_rot], t[..., d_rot:]
-    return torch.cat((x * cos + _rotate_half(x, interleaved) * sin, x_pass), dim=-1)
+    return torch.cat((x * cos + _rotate_half(x, interleaved=interleaved) * sin, x_pass), dim=-1)
 
 
 def _positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank) -> torch.Tensor:
@@ -196,6 +196,6 @@ def apply_rotary_pos_emb(
     if positions.numel() and int(positions.max()) >= freqs.shape[0]:
         raise ValueError(f"position {int(positions.max())} is past the {freqs.shape[0]} rows of freqs; pass longer freqs")
     if tensor_format != "thd":
-        return _unfused(t, freqs, positions, interleaved)
+        return _unfused(t, freqs, positions, interleaved=interleaved)
     n = positions.shape[0]  # rows after the last packed sequence pass through unchanged
-    return torch.cat((_unfused(t[:n], freqs, positions, interleaved), t[n:]))
+    return torch.cat((_unfused(t[:n], freqs, positions, interleaved=interleaved), t[n:]))

@@ -180,7 +180,7 @@ def test_supports_accepts_and_rejects_layouts(device):
     supports = flagos.SUPPORTS["fused_attn_fwd"]
     config = AttentionConfig(softmax_scale=0.125, mask_type="causal")
     assert supports(q, k, v, config) is True
-    assert supports(q, k[..., :32], v[..., :32], config).reason.startswith("k ")
+    assert "q and k the same head dim" in supports(q, k[..., :32], v[..., :32], config).reason
     assert "d_qk == d_v" in supports(q, k, v[..., :32], config).reason
     assert "multiple" in supports(q, k[:, :, :1].expand(2, 8, 3, 64), v[:, :, :1].expand(2, 8, 3, 64), config).reason
     thd = dataclasses.replace(config, qkv_format="thd")
@@ -194,6 +194,44 @@ def test_supports_accepts_and_rejects_layouts(device):
     assert not flagos.SUPPORTS["fused_attn_bwd"](q, q, k, v, q, object(), config)
     with pytest.raises(TypeError, match="FlashAttnCtx"):
         flagos.fused_attn_bwd(q, q, k, v, q, object(), config)
+
+
+@pytest.mark.parametrize("shapes, fmt, cu", [
+    (((2, 8, 4, 64), (2, 8, 2, 64), (2, 8, 2, 64)), "thd", False),  # 4-D for thd
+    (((2, 8, 4, 64), (2, 8, 2, 32), (2, 8, 2, 32)), "bshd", False),  # k's head dim
+    (((2, 8, 3, 64), (2, 8, 2, 64), (2, 8, 2, 64)), "bshd", False),  # 3 query heads over 2 kv heads
+    (((2, 8, 4, 64), (1, 8, 2, 64), (1, 8, 2, 64)), "bshd", False),  # batch
+    (((2, 8, 4, 64), (2, 8, 2, 64), (2, 8, 2, 64)), "bshd", True),  # cu_seqlens for bshd
+    (((8, 4, 64), (8, 2, 64), (8, 2, 64)), "thd", False),  # no cu_seqlens for thd
+])
+def test_layout_errors_are_the_catalogs_and_the_references(shapes, fmt, cu, device):
+    """One layout check for every backend (the catalog's): flagos declines with its reason and raises it as the
+    reference does, word for word."""
+    from transformer_engine.plugin.catalog.attention import attention_layout_error
+
+    q, k, v = (torch.zeros(shape, dtype=torch.bfloat16, device=device) for shape in shapes)
+    config = AttentionConfig(softmax_scale=0.125, qkv_format=fmt)
+    cu_seqlens = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    offsets = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens) if cu else {}
+    error = attention_layout_error(q, k, v, config, **offsets)
+    assert error
+    assert flagos.SUPPORTS["fused_attn_fwd"](q, k, v, config, **offsets).reason == error
+    for backend in (flagos, reference):
+        with pytest.raises(ValueError) as raised:
+            backend.fused_attn_fwd(q, k, v, config, **offsets)
+        assert str(raised.value) == error
+
+
+def test_int64_offsets_are_declined_and_run_by_the_reference(device):
+    """The kernels read int32 offsets: int64 ones are a case for another backend (not a layout error)."""
+    case = Case((5, 3), (5, 3), 2, 2, 16, torch.float16, "causal", qkv_format="thd")
+    q, k, v, (cu_q, cu_kv) = _inputs(case, device)
+    verdict = flagos.SUPPORTS["fused_attn_fwd"](q, k, v, case.config(), cu_seqlens_q=cu_q.long(), cu_seqlens_kv=cu_kv.long())
+    assert not verdict and "int32" in verdict.reason
+    with pytest.raises(NotImplementedError, match="int32"):
+        flagos.fused_attn_fwd(q, k, v, case.config(), cu_seqlens_q=cu_q.long(), cu_seqlens_kv=cu_kv.long())
+    out, _ = reference.fused_attn_fwd(q, k, v, case.config(), cu_seqlens_q=cu_q.long(), cu_seqlens_kv=cu_kv.long())
+    assert out.shape == q.shape
 
 
 def test_autotune_pruning_predicate(monkeypatch):

@@ -280,3 +280,102 @@ def test_invalid_inputs_raise_before_work():
     out, ctx = fused_attn_fwd(q, k, v, AttentionConfig(softmax_scale=1.0))
     with pytest.raises(ValueError, match="same config"):
         fused_attn_bwd(out, q, k, v, out, ctx, AttentionConfig(softmax_scale=0.5))
+
+
+# -- the catalog's shared layout check, and the backward's ctx rule ---------------------------------
+@pytest.mark.parametrize("shapes, config, cu, words", [
+    (((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8)), dict(qkv_format="thd"), None, "needs 3-D q, k, v"),
+    (((1, 4, 2, 8), (1, 5, 2, 8), (1, 4, 2, 8)), {}, None, "k and v need the same tokens and heads"),
+    (((1, 4, 2, 8), (1, 4, 2, 4), (1, 4, 2, 4)), {}, None, "q and k the same head dim"),
+    (((1, 4, 3, 8), (1, 4, 2, 8), (1, 4, 2, 8)), {}, None, "the query heads (3) must be a multiple of the kv heads (2)"),
+    (((2, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8)), {}, None, "q and k need the same batch"),
+    (((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8)), {}, (2, 2), "are for qkv_format='thd'"),
+    (((4, 2, 8), (4, 2, 8), (4, 2, 8)), dict(qkv_format="thd"), None, "needs cu_seqlens_q and cu_seqlens_kv"),
+    (((4, 2, 8), (4, 2, 8), (4, 2, 8)), dict(qkv_format="thd"), (2, 3), "needs cu_seqlens_q and cu_seqlens_kv"),
+])
+def test_layout_errors_are_the_catalogs_shared_messages(shapes, config, cu, words):
+    from transformer_engine.plugin.catalog.attention import attention_layout_error
+
+    q, k, v = (randn(*shape) for shape in shapes)
+    config = AttentionConfig(softmax_scale=1.0, **config)
+    cu_q = cu_kv = None
+    if cu is not None:
+        cu_q, cu_kv = (torch.tensor([0, 4] + [4] * (n - 2), dtype=torch.int32) for n in cu)
+    error = attention_layout_error(q, k, v, config, cu_q, cu_kv)
+    assert error is not None and words in error
+    with pytest.raises(ValueError) as raised:
+        fused_attn_fwd(q, k, v, config, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+    assert str(raised.value) == error
+
+
+def test_thd_offsets_of_any_integer_dtype_are_accepted():
+    """The shared check reads shapes only: int64 offsets run here (the flagos kernels decline them, so this runs them)."""
+    q, k, v = (randn(7, 2, 8) for _ in range(3))
+    config = AttentionConfig(softmax_scale=0.5, qkv_format="thd")
+    cu = torch.tensor([0, 3, 7])
+    out64, _ = fused_attn_fwd(q, k, v, config, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    out32, _ = fused_attn_fwd(q, k, v, config, cu_seqlens_q=cu.int(), cu_seqlens_kv=cu.int())
+    torch.testing.assert_close(out64, out32, rtol=0, atol=0)
+
+
+def test_backward_declines_a_ctx_another_backend_made():
+    from transformer_engine.plugin.backends.reference.attention import SUPPORTS
+
+    config = AttentionConfig(softmax_scale=0.5)
+    q, k, v = _inputs(1, 4, 4, 2, 2, 8, 8)
+    out, ctx = fused_attn_fwd(q, k, v, config)
+    supports = SUPPORTS["fused_attn_bwd"]
+    assert supports(out, q, k, v, out, ctx, config) is True
+    verdict = supports(out, q, k, v, out, object(), config)
+    assert not verdict and "reference fused_attn_fwd" in verdict.reason
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_backward_dispatch_reaches_the_backend_that_made_the_ctx(strict):
+    """A manager with the reference and a fake flagos backend: the fake's forward context, under a policy that puts the
+    reference first (strict or not), goes to the fake's backward: the reference declines it, which is no error."""
+    from transformer_engine.plugin.backends._registration import impls_from_modules
+    from transformer_engine.plugin.backends.reference import attention as reference
+    from transformer_engine.plugin.core import (BackendImplKind, Capabilities, OpImpl, OpManager, OpRegistry, Reject,
+                                                with_preference, with_strict_mode)
+
+    class FakeCtx:
+        def __init__(self, inner):
+            self.inner = inner
+
+    calls = []
+
+    def fake_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None,
+                 cu_seqlens_kv=None):
+        calls.append("fwd")
+        out, ctx = reference.fused_attn_fwd(q, k, v, config)
+        return out, FakeCtx(ctx)
+
+    def fake_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None,
+                 cu_seqlens_q=None, cu_seqlens_kv=None):
+        calls.append("bwd")
+        return reference.fused_attn_bwd(dout, q, k, v, out, ctx.inner, config)
+
+    def fake_supports_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None,
+                          alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+        return True if isinstance(ctx, FakeCtx) else Reject("not my ctx")
+
+    registry = OpRegistry()
+    registry.register_many(impls_from_modules([reference], "reference.torch", BackendImplKind.REFERENCE, Capabilities()))
+    registry.register_many([OpImpl("fused_attn_fwd", "flagos.fake", BackendImplKind.DEFAULT, fake_fwd),
+                            OpImpl("fused_attn_bwd", "flagos.fake", BackendImplKind.DEFAULT, fake_bwd, supports=fake_supports_bwd)])
+    manager = OpManager(registry, load_builtins=False, discover=False)
+    config = AttentionConfig(softmax_scale=0.5, mask_type="causal")
+    q, k, v = _inputs(1, 5, 5, 2, 1, 8, 8)
+    out, ctx = manager.call("fused_attn_fwd", q, k, v, config)  # the default order: flagos first
+    dout = randn(*out.shape)
+    with with_preference("reference"), with_strict_mode(strict):
+        got = manager.call("fused_attn_bwd", dout, q, k, v, out, ctx, config)
+    assert calls == ["fwd", "bwd"]
+    want = fused_attn_bwd(dout, q, k, v, out, ctx.inner, config)
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _, ref_ctx = fused_attn_fwd(q, k, v, config)
+    with with_preference("flagos"), with_strict_mode(strict):  # and the converse: the fake passes a reference ctx on
+        manager.call("fused_attn_bwd", dout, q, k, v, out, ref_ctx, config)
+    assert calls == ["fwd", "bwd"]

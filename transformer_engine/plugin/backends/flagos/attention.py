@@ -25,7 +25,9 @@ short sequence's end return at once).
 ``ctx`` is a :class:`FlashAttnCtx` holding lse2 (fp32, [b, h, s_q] or [h, t_q]) and the longest
 sequence lengths. Declined (``SUPPORTS``), so another backend runs them: attention masks, biases,
 ALiBi, dropout, off-by-one / learnable softmax, fp32 inputs, head dims other than 16, 32, 64, 128,
-d_qk != d_v; on CPU unless ``TRITON_INTERPRET=1``.
+d_qk != d_v, cu_seqlens other than int32; on CPU unless ``TRITON_INTERPRET=1``; in the backward, a ctx
+that is not this forward's. Layout errors (the catalog's ``check_attention_layout``) are errors on
+every backend.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from transformer_engine.plugin.catalog.attention import attention_layout_error, check_attention_layout
 from transformer_engine.plugin.core import Reject
 
 from ._attention_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel, _attn_fwd_kernel
@@ -221,8 +224,9 @@ def _bwd_preprocess(out, dout, cu_seqlens_q, geom: _Geometry, lse2: torch.Tensor
 
 
 # -- what this backend declines -----------------------------------------------------------------
-def _feature_gap(q, k, v, config, extras, cu_seqlens_q) -> Optional[str]:
-    """Settings this kernel does not implement (another backend runs them), or None."""
+def _feature_gap(q, k, v, config, extras, cu_seqlens_q, cu_seqlens_kv) -> Optional[str]:
+    """Settings this kernel does not implement (another backend runs them), or None; the layout is checked
+    first (:func:`~transformer_engine.plugin.catalog.attention.attention_layout_error`)."""
     if q.device.type != "cuda" and not (q.device.type == "cpu" and INTERPRET):
         return f"needs a CUDA device (or TRITON_INTERPRET=1 on CPU), got {q.device.type}"
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -236,43 +240,24 @@ def _feature_gap(q, k, v, config, extras, cu_seqlens_q) -> Optional[str]:
     d_qk, d_v = q.shape[-1], v.shape[-1]
     if d_qk != d_v or d_qk not in HEAD_DIMS:
         return f"head dims d_qk={d_qk}, d_v={d_v}: needs d_qk == d_v in {HEAD_DIMS}"
+    if cu_seqlens_q is not None and (cu_seqlens_q.dtype != torch.int32 or cu_seqlens_kv.dtype != torch.int32):
+        return f"cu_seqlens of dtype {cu_seqlens_q.dtype} / {cu_seqlens_kv.dtype}: the kernels read int32 offsets"
     batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
     if batch * q.shape[-2] > _MAX_GRID_Y:
         return f"batch x heads = {batch * q.shape[-2]} exceeds the launch grid's {_MAX_GRID_Y} rows"
     return None
 
 
-def _layout_error(q, k, v, config, cu_seqlens_q, cu_seqlens_kv) -> Optional[str]:
-    """Inconsistent shapes for ``config.qkv_format`` (an error on any backend), or None."""
-    rank = 4 if config.qkv_format == "bshd" else 3
-    if not q.dim() == k.dim() == v.dim() == rank:
-        return f"qkv_format {config.qkv_format!r} needs {rank}-D q, k, v, got {q.dim()}, {k.dim()}, {v.dim()}"
-    if k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1]:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q {tuple(q.shape)}"
-    if q.shape[-2] % k.shape[-2]:
-        return f"{q.shape[-2]} query heads are not a multiple of {k.shape[-2]} kv heads"
-    if config.qkv_format == "bshd":
-        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-            return "cu_seqlens are for qkv_format 'thd'; bshd padding needs attn_mask"
-        return None if q.shape[0] == k.shape[0] else f"batch {q.shape[0]} of q differs from {k.shape[0]} of k"
-    if cu_seqlens_q is None or cu_seqlens_kv is None:
-        return "qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv"
-    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_kv.dtype != torch.int32 or cu_seqlens_q.shape != cu_seqlens_kv.shape:
-        return "cu_seqlens_q and cu_seqlens_kv must be int32 tensors of one shape [b + 1]"
-    return None
-
-
 def _raise_if_unsupported(q, k, v, config, extras, cu_seqlens_q, cu_seqlens_kv) -> None:
-    error = _layout_error(q, k, v, config, cu_seqlens_q, cu_seqlens_kv)
-    if error:
-        raise ValueError(f"flagos attention: {error}")
-    gap = _feature_gap(q, k, v, config, extras, cu_seqlens_q)
+    check_attention_layout(q, k, v, config, cu_seqlens_q, cu_seqlens_kv)
+    gap = _feature_gap(q, k, v, config, extras, cu_seqlens_q, cu_seqlens_kv)
     if gap:
         raise NotImplementedError(f"flagos attention: {gap}; use another backend for this call")
 
 
 def _verdict(q, k, v, config, extras, cu_seqlens_q, cu_seqlens_kv):
-    reason = _layout_error(q, k, v, config, cu_seqlens_q, cu_seqlens_kv) or _feature_gap(q, k, v, config, extras, cu_seqlens_q)
+    reason = attention_layout_error(q, k, v, config, cu_seqlens_q, cu_seqlens_kv) or _feature_gap(
+        q, k, v, config, extras, cu_seqlens_q, cu_seqlens_kv)
     return Reject(reason) if reason else True
 
 

@@ -12,7 +12,8 @@ Backward (VJP), with dP' = dO V^T, dP = dP' M / (1 - p), D_i = sum_j P_ij dP_ij 
 "thd" runs each packed sequence (cu_seqlens[i]:cu_seqlens[i+1]) as a batch of one; its attn_mask and
 attn_bias are read as padded [b, h, max_seqlen_q, max_seqlen_kv] tensors (the top-left s_q x s_kv
 block of entry i belongs to sequence i); rows outside every sequence get zero output and gradients.
-The forward keeps only the dropout masks in ctx; the backward recomputes P (``out`` is not needed).
+The forward keeps only the dropout masks in ctx; the backward recomputes P (``out`` is not needed) and
+declines (``SUPPORTS``) a ctx another backend's forward made, so that the dispatcher passes it on to that backend.
 """
 
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from transformer_engine.plugin.catalog.attention import AttentionConfig
+from transformer_engine.plugin.catalog.attention import AttentionConfig, check_attention_layout
+from transformer_engine.plugin.core import Reject
 
 from .misc import dropout_bwd, dropout_fwd
 
@@ -75,23 +77,11 @@ class _SegmentGrads:
 
 
 def _check_qkv(q, k, v, config, cu_seqlens_q, cu_seqlens_kv) -> Tuple[int, int, int, int]:
-    """Validate the layouts; return the (padded) score shape (b, h, s_q, s_kv)."""
-    thd = config.qkv_format == "thd"
-    rank = 3 if thd else 4
-    if q.dim() != rank or k.dim() != rank or v.dim() != rank:
-        raise ValueError(
-            f"qkv_format={config.qkv_format!r} needs {rank}-D q, k, v; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    h, h_kv = q.shape[-2], k.shape[-2]
-    if k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1] or h % h_kv or (not thd and q.shape[0] != k.shape[0]):
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v need the same tokens and heads, "
-            "q and k the same head dim (and batch), and the query heads must be a multiple of the kv heads"
-        )
-    if not thd:
+    """Validate the layouts (the catalog's shared check); return the (padded) score shape (b, h, s_q, s_kv)."""
+    check_attention_layout(q, k, v, config, cu_seqlens_q, cu_seqlens_kv)
+    h = q.shape[-2]
+    if config.qkv_format == "bshd":
         return q.shape[0], h, q.shape[1], k.shape[1]
-    if cu_seqlens_q is None or cu_seqlens_kv is None or cu_seqlens_q.shape != cu_seqlens_kv.shape or cu_seqlens_q.dim() != 1:
-        raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv, both int32 [b + 1]")
     max_q = config.max_seqlen_q or int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     max_kv = config.max_seqlen_kv or int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max())
     return cu_seqlens_q.shape[0] - 1, h, max_q, max_kv
@@ -341,6 +331,14 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
         None if dbias is None else dbias.reshape(attn_bias.shape).to(attn_bias.dtype),
         None if dalpha is None else dalpha.reshape(softmax_offset.shape).to(softmax_offset.dtype),
     )
+
+
+def _supports_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+    """Only a ctx made by this backend's :func:`fused_attn_fwd` (the catalog's rule: the backward runs where the ctx was made)."""
+    return True if isinstance(ctx, _AttentionCtx) else Reject("ctx was not made by the reference fused_attn_fwd")
+
+
+SUPPORTS = {"fused_attn_bwd": _supports_bwd}
 
 
 def attention_max_logit(q, k, config, attn_mask=None, attn_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):

@@ -12,6 +12,7 @@ The forward keeps its dropout mask in ctx (the reference ``fused_attn_fwd``'s ct
 import torch
 
 from transformer_engine.plugin.backends._checks import check_attention_block_config
+from transformer_engine.plugin.core import Reject
 
 from .attention import _AttentionCtx, _Segment, _check_qkv, _probs, _qkv_heads, _reduce_to, _score_operands, _scores
 from .misc import dropout_bwd, dropout_fwd
@@ -68,3 +69,12 @@ def attention_block_bwd(dout, q, k, v, out, lse, ctx, config, attn_mask=None, at
     dv = (p_drop.transpose(-1, -2) @ do).unflatten(1, (h_kv, -1)).sum(dim=2)
     dbias = None if attn_bias is None else _reduce_to(ds, operands.attn_bias.shape).reshape(attn_bias.shape)
     return dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype), dbias
+
+
+def _supports_bwd(dout, q, k, v, out, lse, ctx, config, attn_mask=None, attn_bias=None):
+    """Only a ctx made by this backend's :func:`attention_block_fwd` (the catalog's rule: the backward runs where the
+    ctx was made)."""
+    return True if isinstance(ctx, _AttentionCtx) else Reject("ctx was not made by the reference attention_block_fwd")
+
+
+SUPPORTS = {"attention_block_bwd": _supports_bwd}
