@@ -89,6 +89,28 @@ def test_json_policy_follows_the_environment(capsys, monkeypatch):
     assert policy["environment"]["TE_FL_PER_OP"] == "gemm=vendor:CUDA"
 
 
+def test_settings_list_every_declared_variable_and_the_policy_only_te_fl_ones(capsys, monkeypatch):
+    from transformer_engine.common.env import VARIABLES
+
+    monkeypatch.setenv("TE_FL_PER_OP", "gemm=reference")
+    monkeypatch.setenv("NVTE_NVFP4_4OVER6_ERR_MODE", "MSE")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reset_global_policy()
+    info = _info_json(capsys, "--op", "gemm")
+    settings = {row["name"]: row for row in info["settings"]}
+    assert [row["name"] for row in info["settings"]][: len(VARIABLES)] == [v.name for v in VARIABLES]
+    assert settings["NVTE_NVFP4_4OVER6_ERR_MODE"]["value"] == "MSE" and settings["TRITON_INTERPRET"]["value"] == "0"
+    assert settings["NVTE_NVFP4_4OVER6"]["value"] is None and settings["NVTE_NVFP4_4OVER6"]["default"] == "none"
+    environment = info["policy"]["environment"]
+    assert environment["TE_FL_PER_OP"] == "gemm=reference"
+    assert all(name.startswith(("TE_FL_", "TEFL_")) for name in environment), environment
+    assert main(["info", "--op", "gemm"]) == 0
+    out = capsys.readouterr().out
+    for var in VARIABLES:
+        assert var.name in out
+    assert "[cli only]" in next(line for line in out.splitlines() if "XDG_CACHE_HOME" in line)
+
+
 def test_op_filter_and_unknown_op(capsys):
     info = _info_json(capsys, "--op", "gemm", "--op", "relu")
     assert set(info["dispatch"]["cpu"]) == {"gemm", "relu"}

@@ -18,12 +18,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from transformer_engine.common.env import read as read_env
+
 __all__ = ["add_arguments", "default_out", "run"]
 
 
 def default_out() -> Path:
     """``$XDG_CACHE_HOME/te-fl/demo``, or ``~/.cache/te-fl/demo``: outside the repository."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = read_env("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "te-fl" / "demo"
 
 

@@ -2,8 +2,9 @@
 
 Prints: the TE-FL, Python, PyTorch and Triton versions; the devices (CPU, and each CUDA GPU with its
 compute capability); which FP8 recipes can run and why not; the backends and plugins that were
-loaded, with their load errors; the active selection policy; every ``TE_FL_*`` setting declared in
-the variable registry (value or default, meaning; unknown ones flagged); and, for the CPU and (when present)
+loaded, with their load errors; the active selection policy; every environment variable declared in
+the registry (``transformer_engine.common.env``: the ``TE_FL_*`` settings, the ``NVTE_*`` recipe defaults,
+``TRITON_INTERPRET``, ...; value or default, meaning; unknown ``TE_FL_*`` ones flagged); and, for the CPU and (when present)
 the first CUDA GPU, the per-op dispatch table: the implementation chosen and why each other one was
 passed over. ``--json`` prints the same information as JSON. Tables use ``rich`` when it is
 installed, plain text otherwise.
@@ -15,10 +16,11 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
 import platform
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from transformer_engine.common.env import NAMESPACES, describe
 
 __all__ = ["add_arguments", "run", "collect"]
 
@@ -135,15 +137,19 @@ def _policy() -> Dict[str, Any]:
         "per_op": {op: list(tokens) for op, tokens in policy.per_op_order},
         "allow_vendors": sorted(policy.allow_vendors) if policy.allow_vendors is not None else None,
         "deny_vendors": sorted(policy.deny_vendors),
-        "environment": {row["set_as"]: row["value"] for row in _settings() if row["set_as"]},
+        "environment": {row["set_as"]: row["value"] for row in _settings() if row["set_as"] and _is_te_fl(row["name"])},
     }
 
 
 def _settings() -> List[Dict[str, Any]]:
-    """Every declared ``TE_FL_*`` variable (value, default, meaning), then the unknown ones that are set."""
-    from transformer_engine.plugin.core.envvars import describe
+    """Every declared variable (value, default, meaning): TE-FL's ``TE_FL_*`` ones, NVIDIA TE's ``NVTE_*`` recipe
+    defaults and the other programs' ones TE-FL reads (``TRITON_INTERPRET``, ...); then the unknown ``TE_FL_*`` ones set."""
+    return describe()
 
-    return describe(os.environ)
+
+def _is_te_fl(name: str) -> bool:
+    """A variable of TE-FL's own namespace (what the selection policy reads, or an unknown name in it)."""
+    return name.upper().startswith(NAMESPACES)
 
 
 def _dispatch(manager, devices: List[Dict[str, Any]], op_names: Optional[Sequence[str]]) -> Dict[str, Any]:

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
+
+from ..env import read_choice, read_switch
 
 __all__ = [
     "CustomRecipe",
@@ -137,12 +138,11 @@ class QParams:
     fp4_2d_quantization: bool = False
 
 
-def _env_flag(name: str) -> bool:
-    return os.getenv(name, "0") == "1"
-
-
+# The NVTE_* defaults below are declared in transformer_engine.common.env (type, default, meaning) and read
+# when a recipe is made, by NVIDIA TE's rules: a switch (read_switch) is on exactly when it is "1"; a choice
+# (read_choice: the value as set, else the declared default) is checked by __post_init__.
 def _env_backward_override() -> Optional[str]:
-    return os.getenv("NVTE_BACKWARD_OVERRIDE") or None
+    return read_choice("NVTE_BACKWARD_OVERRIDE") or None
 
 
 def _fail(cls_name: str, message: str, exc: type = ValueError):
@@ -279,7 +279,7 @@ class Float8CurrentScaling(Recipe):
         backward_override: None, "high_precision" or "dequantized" (env ``NVTE_BACKWARD_OVERRIDE``).
     """
 
-    use_power_2_scales: bool = field(default_factory=lambda: _env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"))
+    use_power_2_scales: bool = field(default_factory=lambda: read_switch("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"))
     fp8_format: Format = Format.HYBRID
     fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
     fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
@@ -328,7 +328,7 @@ class Float8BlockScaling(Recipe):
     The two operands of one GEMM cannot both use 2-D tiles; every GEMM uses split accumulation.
     """
 
-    use_f32_scales: bool = field(default_factory=lambda: _env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
+    use_f32_scales: bool = field(default_factory=lambda: read_switch("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
     fp8_format: Format = Format.E4M3
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
@@ -379,15 +379,15 @@ class NVFP4BlockScaling(Recipe):
     uses the bound 256 instead of 448 (NVIDIA TE's default: all of them); it means nothing without 4over6.
     """
 
-    disable_rht: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_RHT"))
+    disable_rht: bool = field(default_factory=lambda: read_switch("NVTE_NVFP4_DISABLE_RHT"))
     disable_stochastic_rounding: bool = field(
-        default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
+        default_factory=lambda: read_switch("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
     )
-    disable_2d_quantization: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
-    row_scaled_activation: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_ROW_SCALED_ACTIVATION"))
-    nvfp4_4over6: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6", "none"))
-    nvfp4_4over6_e4m3_use_256: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_E4M3_USE_256", "all"))
-    nvfp4_4over6_err_mode: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_ERR_MODE", "MAE"))
+    disable_2d_quantization: bool = field(default_factory=lambda: read_switch("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
+    row_scaled_activation: bool = field(default_factory=lambda: read_switch("NVTE_NVFP4_ROW_SCALED_ACTIVATION"))
+    nvfp4_4over6: str = field(default_factory=lambda: read_choice("NVTE_NVFP4_4OVER6"))
+    nvfp4_4over6_e4m3_use_256: str = field(default_factory=lambda: read_choice("NVTE_NVFP4_4OVER6_E4M3_USE_256"))
+    nvfp4_4over6_err_mode: str = field(default_factory=lambda: read_choice("NVTE_NVFP4_4OVER6_ERR_MODE"))
     fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
@@ -403,7 +403,7 @@ class NVFP4BlockScaling(Recipe):
         _check_choice(self, "nvfp4_4over6", _NVFP4_4OVER6_TARGETS)
         _check_choice(self, "nvfp4_4over6_e4m3_use_256", _NVFP4_4OVER6_TARGETS)
         _check_choice(self, "nvfp4_4over6_err_mode", _NVFP4_4OVER6_ERR_MODES)
-        if self.nvfp4_4over6 != "none" and _env_flag("NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH"):
+        if self.nvfp4_4over6 != "none" and read_switch("NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH"):
             warnings.warn("NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH=1 is not implemented in TransformerEngine-FL: 4over6 picks each "
                           "block's candidate by the float32 error (NVIDIA TE's default), not TE's fp16 fast-math one", stacklevel=3)
         if self.fp8_dpa or self.fp8_mha:

@@ -1,7 +1,10 @@
 """The one loader of the ``TE_FL_*`` environment variables. Bad values warn; nothing here raises.
 
-The variables are declared in :mod:`.envvars` (the registry: names, meanings, aliases, the
-unknown-variable check and the once-per-process warnings); this module validates their values.
+The variables are declared in :mod:`transformer_engine.common.env` (re-exported by :mod:`.envvars`: the
+registry of names, types, meanings and aliases, its typed readers, the unknown-variable check and the
+once-per-process warnings); this module validates the dispatch variables' values. The typed readers
+other layers use are re-exported here: :func:`read_flag` (a ``TE_FL_*`` 0/1 switch, e.g.
+``TE_FL_FP8_EMULATION``) and :func:`triton_interpret` (Triton's ``TRITON_INTERPRET``, by Triton's own rule).
 
 | variable | values |
 |---|---|
@@ -19,19 +22,19 @@ unknown-variable check and the once-per-process warnings); this module validates
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 
+from transformer_engine.common.env import parse_flag, read_flag, triton_interpret
+
 from .envvars import PolicyConfigWarning, check_environment, config_warning, lookup, read
 
-__all__ = ["EnvConfig", "load_env", "read_flag", "parse_per_op", "parse_token", "PolicyConfigWarning", "KIND_TOKENS"]
+__all__ = ["EnvConfig", "load_env", "read_flag", "triton_interpret", "parse_per_op", "parse_token", "PolicyConfigWarning",
+           "KIND_TOKENS"]
 
 KIND_TOKENS = ("flagos", "vendor", "reference")
 ONLY_TOKEN = "only"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 _LOG_LEVELS = {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -107,21 +110,9 @@ def _vendor_set(text: str) -> FrozenSet[str]:
     return frozenset(v.strip().lower() for v in text.split(",") if v.strip())
 
 
-def _flag(name: str, value: Optional[str], default: bool) -> bool:
-    if value is None:
-        return default
-    low = value.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    _warn(f"TE-FL: ignoring {name}={value!r}: expected 1 or 0")
-    return default
-
-
 def load_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
     """Read and validate every dispatch variable once (unknown ``TE_FL_*`` names warn, see :mod:`.envvars`)."""
-    env = os.environ if environ is None else environ
+    env = environ  # None: the readers of transformer_engine.common.env read the process environment
     check_environment(env)
     prefer = _prefer(env)
     allow_text = read("TE_FL_ALLOW_VENDORS", env)
@@ -133,18 +124,18 @@ def load_env(environ: Optional[Mapping[str, str]] = None) -> EnvConfig:
     modules = tuple(m.strip() for m in (read("TE_FL_PLUGIN_MODULES", env) or "").split(",") if m.strip())
     return EnvConfig(
         prefer=prefer,
-        strict=_flag("TE_FL_STRICT", read("TE_FL_STRICT", env), default=False),
+        strict=read_flag("TE_FL_STRICT", env),
         allow_vendors=allow,
         deny_vendors=_vendor_set(read("TE_FL_DENY_VENDORS", env) or ""),
         per_op=parse_per_op(read("TE_FL_PER_OP", env) or ""),
         plugin_modules=modules,
         log_level=level,
         log_level_set=level_set,
-        skip_cuda=_flag("TE_FL_SKIP_CUDA", read("TE_FL_SKIP_CUDA", env), default=False),
+        skip_cuda=read_flag("TE_FL_SKIP_CUDA", env),
     )
 
 
-def _prefer(env: Mapping[str, str]) -> str:
+def _prefer(env: Optional[Mapping[str, str]]) -> str:
     """``TE_FL_PREFER``, else upstream's legacy ``TE_FL_PREFER_VENDOR`` (1 = vendor, 0 = flagos), else flagos."""
     prefer_text = read("TE_FL_PREFER", env)
     legacy_text = read("TE_FL_PREFER_VENDOR", env)
@@ -154,7 +145,7 @@ def _prefer(env: Mapping[str, str]) -> str:
         prefer = ""
     if legacy_text is None:
         return prefer or "flagos"
-    legacy = "vendor" if _flag("TE_FL_PREFER_VENDOR", legacy_text, default=False) else "flagos"
+    legacy = "vendor" if parse_flag("TE_FL_PREFER_VENDOR", legacy_text, default=False) else "flagos"
     if prefer:
         if prefer != legacy:
             _warn(f"TE-FL: TE_FL_PREFER_VENDOR={legacy_text!r} is ignored because TE_FL_PREFER={prefer_text!r} is set")
@@ -162,7 +153,7 @@ def _prefer(env: Mapping[str, str]) -> str:
     return legacy
 
 
-def _log_level(env: Mapping[str, str]) -> Tuple[int, bool]:
+def _log_level(env: Optional[Mapping[str, str]]) -> Tuple[int, bool]:
     """(level, whether one was set) from ``TE_FL_LOG_LEVEL`` or its deprecated alias ``TEFL_LOG_LEVEL``."""
     text, name = lookup("TE_FL_LOG_LEVEL", env)
     level_name = (text or "").strip().upper()
@@ -172,11 +163,3 @@ def _log_level(env: Mapping[str, str]) -> Tuple[int, bool]:
         _warn(f"TE-FL: ignoring {name}={text!r}: expected one of {sorted(_LOG_LEVELS)}")
         return logging.WARNING, False
     return getattr(logging, level_name), True
-
-
-def read_flag(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
-    """A declared 0/1 variable (``TE_FL_STRICT``, ``TE_FL_FP8_EMULATION``): True for 1/true/yes/on.
-
-    Any other non-empty value warns (once) and counts as 0.
-    """
-    return _flag(name, read(name, environ), default=False)

@@ -20,11 +20,11 @@ its generated code (the launch path of ``_launch`` steps aside while Dynamo trac
 
 import importlib.util
 import logging
-import os
 
 import triton  # noqa: F401  (ImportError here disables the backend, by design)
 
 from transformer_engine.plugin.backends._registration import impls_from_modules, register_torch_capability_probe
+from transformer_engine.plugin.core.config import triton_interpret
 from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
 
 from . import activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, quantization_blockwise, quantization_grouped, rope, softmax
@@ -46,9 +46,9 @@ def _modules():
 
 
 def capabilities() -> Capabilities:
-    """{"cuda"}, plus "cpu" when TRITON_INTERPRET=1 (kernels run in Triton's interpreter)."""
+    """{"cuda"}, plus "cpu" when TRITON_INTERPRET is on (kernels run in Triton's interpreter)."""
     devices = {"cuda"}
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if triton_interpret():
         devices.add("cpu")
     return Capabilities(device_types=frozenset(devices))
 

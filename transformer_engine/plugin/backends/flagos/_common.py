@@ -20,7 +20,6 @@ int32 buffer that the launcher returns viewed as float32.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -30,6 +29,7 @@ import triton.language as tl
 
 from transformer_engine.plugin.backends._device import cuda_properties
 from transformer_engine.plugin.backends._fp8 import check_fp8_dtype
+from transformer_engine.plugin.core.config import triton_interpret
 
 __all__ = [
     "INTERPRET",
@@ -49,9 +49,9 @@ __all__ = [
     "warps_for",
 ]
 
-#: True when this module was imported with TRITON_INTERPRET=1: every kernel then runs in Triton's
-#: CPU interpreter, so launches must take the emulated FP8 casts.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: True when this module was imported with TRITON_INTERPRET on (Triton's rule: 1 / true / yes / on): every kernel
+#: then runs in Triton's CPU interpreter, so launches must take the emulated FP8 casts.
+INTERPRET = triton_interpret()
 
 
 def cdiv(a: int, b: int) -> int:
