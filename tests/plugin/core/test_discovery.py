@@ -9,7 +9,8 @@ import pytest
 
 from tests.plugin.core._plugin_fakes import FakeTensor, make_impl, relu_impl
 from transformer_engine.plugin.core import ENTRY_POINT_GROUP, OpManager, OpRegistry
-from transformer_engine.plugin.core.discovery import BUILTIN_BACKENDS, load_builtin_backends, load_hook, load_plugins
+from transformer_engine.plugin.builtin import BUILTIN_BACKENDS
+from transformer_engine.plugin.core.discovery import load_builtin_backends, load_hook, load_plugins
 
 REPO = Path(__file__).resolve().parents[3]
 X = FakeTensor()

@@ -19,7 +19,7 @@ from transformer_engine.plugin.core import (
     with_preference,
     with_strict_mode,
 )
-from transformer_engine.plugin.core.policy import DEFAULT_ORDERS
+from transformer_engine.plugin.core.policy import DEFAULT_ORDERS, check_measured_per_op
 
 
 # -- construction ------------------------------------------------------------------------------
@@ -263,13 +263,32 @@ def test_many_threads_read_and_override_concurrently():
     assert errors == []
 
 
-def test_measured_per_op_puts_vendor_first_for_attention_under_the_default_preference():
-    from transformer_engine.plugin.core.policy import MEASURED_PER_OP
-
-    assert MEASURED_PER_OP["fused_attn_fwd"] == ("vendor",)
+def test_a_measured_order_puts_its_tokens_first_under_the_default_preference():
+    measured = {"fused_attn_fwd": ("vendor",)}
     default = SelectionPolicy()
-    assert default.order_for("fused_attn_fwd") == (("vendor", "flagos", "reference"), False)
-    assert default.order_for("gemm") == (("flagos", "vendor", "reference"), False)
+    assert default.order_for("fused_attn_fwd", measured) == (("vendor", "flagos", "reference"), False)
+    assert default.order_for("gemm", measured) == (("flagos", "vendor", "reference"), False)
+    assert default.order_for("fused_attn_fwd") == (("flagos", "vendor", "reference"), False)  # none declared
     # a user per-op entry or another preference replaces it
-    assert SelectionPolicy(per_op_order={"fused_attn_fwd": "flagos"}).order_for("fused_attn_fwd")[0][0] == "flagos"
-    assert SelectionPolicy(prefer="reference").order_for("fused_attn_fwd")[0][0] == "reference"
+    assert SelectionPolicy(per_op_order={"fused_attn_fwd": "flagos"}).order_for("fused_attn_fwd", measured)[0][0] == "flagos"
+    assert SelectionPolicy(prefer="reference").order_for("fused_attn_fwd", measured)[0][0] == "reference"
+    assert SelectionPolicy(prefer="vendor").order_for("fused_attn_fwd", {"fused_attn_fwd": ("reference",)})[0][0] == "vendor"
+
+
+def test_the_cuda_backend_declares_its_measured_attention_order():
+    """The H200 measurement (cuDNN attention ahead of the flagos kernel) is the vendor backend's data."""
+    from transformer_engine.plugin.backends.vendor import cuda
+
+    orders = check_measured_per_op(cuda.TE_FL_MEASURED_PER_OP)
+    assert orders == {"fused_attn_fwd": ("vendor",), "fused_attn_bwd": ("vendor",)}
+
+
+def test_measured_orders_are_checked():
+    assert check_measured_per_op({"gemm": "Vendor:ACME|reference", "relu": ["flagos"]}) == {
+        "gemm": ("vendor:acme", "reference"), "relu": ("flagos",)}
+    with pytest.raises(TypeError):
+        check_measured_per_op([("gemm", "vendor")])
+    with pytest.raises(ValueError, match="may not end with 'only'"):
+        check_measured_per_op({"gemm": "vendor|only"})
+    with pytest.warns(PolicyConfigWarning), pytest.raises(ValueError, match="invalid per-op order"):
+        check_measured_per_op({"gemm": "fastest"})

@@ -1,4 +1,7 @@
-"""Loading backends: the in-tree ones, entry-point plugins and ``TE_FL_PLUGIN_MODULES``.
+"""Loading backends: the host's built-in ones, entry-point plugins and ``TE_FL_PLUGIN_MODULES``.
+
+The core names no backend: the built-in ones are those the bootstrap hook lists (:func:`builtin_provider`:
+the ``builtin`` module beside the core package, or a provider registered with :func:`set_builtin_provider`).
 
 A plugin is a callable ``hook(registry)`` or an object (usually a module) with ``te_fl_register`` or
 ``register``. The hook receives a staging registry: what it registers is committed atomically
@@ -7,21 +10,42 @@ when it returns, and nothing at all if it raises. Every load is recorded in a
 plugin can never break ``import transformer_engine``.
 
 An optional ``TE_FL_PLUGIN_API_VERSION`` attribute on the plugin is checked against
-:data:`PLUGIN_API_VERSION` (same major version required).
+:data:`PLUGIN_API_VERSION` (same major version required). An optional ``TE_FL_MEASURED_PER_OP``
+attribute (:data:`MEASURED_PER_OP_ATTR`), ``{op: tokens}``, declares the ops for which the plugin's
+backend was measured faster than the default kind: it is stored with the plugin's impls (per registry,
+:func:`measured_per_op`), and under the default preference the policy tries those tokens first
+(:meth:`~.policy.SelectionPolicy.order_for`).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple
 
-from .config import load_env
+from .config import EnvConfig, load_env
+from .policy import check_measured_per_op
 
-__all__ = ["PluginRecord", "load_plugins", "load_builtin_backends", "load_hook", "ENTRY_POINT_GROUP", "PLUGIN_API_VERSION", "BUILTIN_BACKENDS"]
+__all__ = [
+    "PluginRecord",
+    "load_plugins",
+    "load_builtin_backends",
+    "load_hook",
+    "builtin_provider",
+    "set_builtin_provider",
+    "measured_per_op",
+    "forget_measured_per_op",
+    "ENTRY_POINT_GROUP",
+    "PLUGIN_API_VERSION",
+    "BOOTSTRAP_HOOK",
+    "MEASURED_PER_OP_ATTR",
+]
 
 logger = logging.getLogger("transformer_engine.plugin")
 
@@ -29,11 +53,18 @@ ENTRY_POINT_GROUP = "te_fl.plugin"
 _SOURCE_NAMES = {"env": "TE_FL_PLUGIN_MODULES", "entry_point": "entry-point"}
 _TRACEBACK_HINT = "Set TE_FL_LOG_LEVEL=DEBUG to log the traceback; `te-fl info` lists every plugin's status"
 PLUGIN_API_VERSION = (1, 0)
-BUILTIN_BACKENDS: Tuple[str, ...] = (
-    "transformer_engine.plugin.backends.reference",
-    "transformer_engine.plugin.backends.flagos",
-    "transformer_engine.plugin.backends.vendor.cuda",
-)
+#: The bootstrap hook: the module beside the core package (``<package of the core>.builtin``) whose
+#: ``builtin_backends(cfg)`` lists the host's built-in backends (see :func:`builtin_provider`).
+BOOTSTRAP_HOOK = "builtin"
+#: The plugin attribute that declares measured per-op orders (see the module docstring).
+MEASURED_PER_OP_ATTR = "TE_FL_MEASURED_PER_OP"
+
+#: A provider of built-in backends: ``provider(cfg) -> ((module, why skipped or None), ...)``.
+BuiltinProvider = Callable[[EnvConfig], Iterable[Tuple[str, Optional[str]]]]
+_builtin_provider: Optional[BuiltinProvider] = None
+_NO_ORDERS: Mapping[str, Tuple[str, ...]] = MappingProxyType({})
+_measured: "weakref.WeakKeyDictionary[Any, Mapping[str, Tuple[str, ...]]]" = weakref.WeakKeyDictionary()
+_measured_lock = threading.Lock()
 
 
 @dataclass
@@ -89,9 +120,17 @@ def load_hook(registry, hook: Any, name: str, source: str) -> PluginRecord:
             fn = getattr(hook, "te_fl_register", None) or getattr(hook, "register", None)
         if fn is None:
             raise TypeError(f"plugin {name!r} is neither callable nor has te_fl_register/register")
+        declared = _declared_orders(hook, name)  # checked before anything is registered
         staging = _StagingRegistry(registry)
         fn(staging)
-        registry._register_pairs(staging.staged)  # all of the hook's impls, or none
+        # the orders first, so that a plan built for the new impls sees them; both, or neither
+        previous = _add_measured(registry, declared) if declared else None
+        try:
+            registry._register_pairs(staging.staged)  # all of the hook's impls, or none
+        except Exception:
+            if declared:
+                _restore_measured(registry, previous)
+            raise
         impls = [impl for impl, _override in staging.staged]
         record = PluginRecord(name, source, ok=True, error=None, impl_ids=sorted({i.impl_id for i in impls}), ops=len(impls))
         logger.info("TE-FL: loaded %s %s (%d impls)", source, name, len(impls))
@@ -116,6 +155,50 @@ def _check_api_version(hook: Any, name: str) -> None:
         raise RuntimeError(f"plugin {name!r} targets plugin API {version}, this TE-FL provides {PLUGIN_API_VERSION[0]}.x")
 
 
+def _declared_orders(hook: Any, name: str) -> Mapping[str, Tuple[str, ...]]:
+    table = getattr(hook, MEASURED_PER_OP_ATTR, None)
+    if table is None:
+        return _NO_ORDERS
+    try:
+        return check_measured_per_op(table)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"plugin {name!r}: {MEASURED_PER_OP_ATTR}: {exc}") from None
+
+
+def _add_measured(registry, declared: Mapping[str, Tuple[str, ...]]) -> Optional[Mapping[str, Tuple[str, ...]]]:
+    """Merge ``declared`` into ``registry``'s orders (a later declaration of an op wins); returns the old ones."""
+    with _measured_lock:
+        previous = _measured.get(registry)
+        _measured[registry] = MappingProxyType({**(previous or {}), **declared})  # replaced whole, never mutated
+        return previous
+
+
+def _restore_measured(registry, previous: Optional[Mapping[str, Tuple[str, ...]]]) -> None:
+    with _measured_lock:
+        if previous is None:
+            _measured.pop(registry, None)
+        else:
+            _measured[registry] = previous
+
+
+def measured_per_op(registry) -> Mapping[str, Tuple[str, ...]]:
+    """``{op: tokens}`` that the plugins loaded into ``registry`` declared in ``TE_FL_MEASURED_PER_OP`` (read-only)."""
+    try:
+        return _measured.get(registry, _NO_ORDERS)
+    except TypeError:  # a registry that cannot be weakly referenced never had orders stored
+        return _NO_ORDERS
+
+
+def forget_measured_per_op(registry) -> None:
+    """Drop ``registry``'s declared orders (its impls were cleared)."""
+    _restore_measured(registry, None)
+
+
+def _reinit_lock_after_fork() -> None:
+    global _measured_lock
+    _measured_lock = threading.Lock()
+
+
 def _import_and_load(registry, module_name: str, source: str) -> PluginRecord:
     try:
         module = importlib.import_module(module_name)
@@ -130,19 +213,46 @@ def _import_and_load(registry, module_name: str, source: str) -> PluginRecord:
     return load_hook(registry, module, module_name, source)
 
 
-_CUDA_BACKEND = "transformer_engine.plugin.backends.vendor.cuda"
+def set_builtin_provider(provider: Optional[BuiltinProvider]) -> Optional[BuiltinProvider]:
+    """Make ``provider`` list the built-in backends (None: the bootstrap hook again); returns the previous one.
 
-
-def load_builtin_backends(registry, skip_cuda: bool = False) -> List[PluginRecord]:
-    """Register the in-tree backends; one that cannot load (no torch, no triton) is recorded.
-
-    With ``skip_cuda`` (``TE_FL_SKIP_CUDA=1``) the CUDA vendor backend is not loaded and its record says so.
+    ``provider(cfg)`` gets the validated environment (:class:`~.config.EnvConfig`) and returns
+    ``((module, why it is skipped, or None), ...)``, in load order.
     """
+    global _builtin_provider
+    previous, _builtin_provider = _builtin_provider, provider
+    return previous
+
+
+def builtin_provider() -> BuiltinProvider:
+    """The provider of the built-in backends: the one set by :func:`set_builtin_provider`, else the bootstrap
+    hook's ``builtin_backends`` (module :data:`BOOTSTRAP_HOOK` beside the core package).
+
+    Raises:
+        ImportError, AttributeError: no provider was set and the hook is missing.
+    """
+    provider = _builtin_provider
+    if provider is None:
+        provider = importlib.import_module(f"..{BOOTSTRAP_HOOK}", __package__).builtin_backends
+    return provider
+
+
+def load_builtin_backends(registry, cfg: Optional[EnvConfig] = None, provider: Optional[BuiltinProvider] = None) -> List[PluginRecord]:
+    """Register the built-in backends that ``provider`` (by default :func:`builtin_provider`) lists for the
+    environment ``cfg`` (by default :func:`~.config.load_env`); one that cannot load (no torch, no triton),
+    or that the provider skips (its record says why), is recorded, and so is a missing provider."""
+    cfg = load_env() if cfg is None else cfg
+    try:
+        backends = list((provider or builtin_provider())(cfg))
+    except Exception as exc:  # noqa: BLE001 - like a backend that cannot load: recorded, never raised
+        name = f"{__package__.rpartition('.')[0]}.{BOOTSTRAP_HOOK}"
+        logger.info("TE-FL: no builtin backends: %s: %s", type(exc).__name__, exc)
+        return [PluginRecord(name, "builtin", ok=False, error=f"{type(exc).__name__}: {exc}")]
     records = []
-    for name in BUILTIN_BACKENDS:
-        if skip_cuda and name == _CUDA_BACKEND:
-            logger.info("TE-FL: builtin backend %s skipped: TE_FL_SKIP_CUDA=1", name)
-            records.append(PluginRecord(name, "builtin", ok=False, error="skipped: TE_FL_SKIP_CUDA=1"))
+    for name, skipped in backends:
+        if skipped:
+            logger.info("TE-FL: builtin backend %s skipped: %s", name, skipped)
+            records.append(PluginRecord(name, "builtin", ok=False, error=f"skipped: {skipped}"))
             continue
         records.append(_import_and_load(registry, name, "builtin"))
     return records
@@ -169,3 +279,10 @@ def load_plugins(registry, env_modules: Optional[Tuple[str, ...]] = None) -> Lis
     modules = load_env().plugin_modules if env_modules is None else env_modules
     records += [_import_and_load(registry, name, "env") for name in modules]
     return records
+
+
+def __getattr__(name: str):
+    """``BUILTIN_BACKENDS``: the modules of the built-in backends, as the bootstrap hook lists them."""
+    if name == "BUILTIN_BACKENDS":
+        return tuple(module for module, _skipped in builtin_provider()(EnvConfig()))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,12 +4,15 @@ Selection for one call of op ``o`` whose key argument has device/dtype ``k`` und
 
 1. candidates = impls of ``o`` that pass the vendor filter of ``p`` and whose static
    :class:`~.types.Capabilities` accept ``k`` (device type, dtype, compute capability);
-2. ordered by ``p``'s token order for ``o``, then priority (high first), then impl_id;
+2. ordered by ``p``'s token order for ``o`` (which reads the measured orders the loaded backends declared,
+   :func:`.discovery.measured_per_op`), then priority (high first), then impl_id;
 3. that ordered list is cached per (``p``'s fingerprint, registry epoch, device, dtype): a *plan*;
 4. at call time the first candidate whose ``supports(*args, **kwargs)`` predicate accepts (or that
    has none) runs. If it raises and ``p.strict`` is off and the op is not in-place, the next
    candidate runs and a warning is issued once per (op, impl, exception type). The plan is never
-   changed by a failure, so one bad call never demotes an op for later calls.
+   changed by a failure, so one bad call never demotes an op for later calls. One candidate runner
+   (:meth:`OpManager._runner`) does this walk for every caller; a plan whose head has no predicate
+   calls the head directly and the runner only after it raised.
 
 The cached path (:mod:`._dispatch`) costs a policy read, an identity check and one dict lookup on
 top of the impl call (see ``benchmarks/bench_dispatch.py`` and docs/performance.md).
@@ -27,13 +30,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import catalog as _catalog
 from . import devices as _devices
+from . import discovery as _discovery
 from . import policy as _policy
 from ._dispatch import OpCache, Plan
 from .catalog import OpSpec, get_spec, list_specs
 from .config import KIND_TOKENS, load_env
 from .envvars import closest_name, config_warning, configure_logging
 from .devices import arg_key, compute_capability
-from .discovery import PluginRecord, load_builtin_backends, load_plugins
+from .discovery import PluginRecord, forget_measured_per_op, load_builtin_backends, load_plugins, measured_per_op
 from .registry import OpRegistry
 from .types import ArgKey, BackendImplKind, OpImpl
 
@@ -93,7 +97,8 @@ class OpManager:
 
     Args:
         registry: the registry to read; a new one by default.
-        load_builtins: register the in-tree backends (reference, flagos, vendor) on first use.
+        load_builtins: register the built-in backends on first use (those the bootstrap hook lists, see
+            :func:`.discovery.builtin_provider`).
         discover: load out-of-tree plugins (entry points ``te_fl.plugin`` and ``TE_FL_PLUGIN_MODULES``)
             on first use.
     """
@@ -122,7 +127,7 @@ class OpManager:
                 configure_logging(cfg.log_level)
             records: List[PluginRecord] = []
             if self._load_builtins:
-                records += load_builtin_backends(self.registry, skip_cuda=cfg.skip_cuda)
+                records += load_builtin_backends(self.registry, cfg)
             if self._discover:
                 records += load_plugins(self.registry, cfg.plugin_modules)
             self.plugin_records = records
@@ -135,6 +140,7 @@ class OpManager:
         """Forget everything registered and discovered, then initialise again on next use."""
         with self._init_lock:
             self.registry.clear()
+            forget_measured_per_op(self.registry)
             self._initialized = False
             self.plugin_records = []
             self.clear_cache()
@@ -166,7 +172,7 @@ class OpManager:
             if not reason and not impl.is_available():
                 reason = "not available here (its fn._is_available() returned False or raised)"
             (rejected.append((impl, reason)) if reason else eligible.append(impl))
-        tokens, exclusive = policy.order_for(op_name)
+        tokens, exclusive = policy.order_for(op_name, measured_per_op(self.registry))
         ordered: List[OpImpl] = []
         for token in tokens:
             group = [i for i in eligible if _matches(token, i) and i not in ordered]
@@ -184,81 +190,62 @@ class OpManager:
             message = _no_impl_message(spec.name, key, rejected)
             return Plan((), strict, _raiser(NoImplementationError, message), None)
         candidates = tuple(candidates)
-        run_rest = self._make_runner(spec, candidates, strict, rejected)
         head = candidates[0]
-        if head.supports is not None:  # the head call checks the predicate and handles fallback itself
-            return Plan(candidates, strict, self._make_head_call(spec, head, strict, run_rest), None)
+        if head.supports is not None:  # each call asks the head's predicate: the candidate runner runs it
+            return Plan(candidates, strict, self._runner(spec.name, candidates, strict, rejected), None)
         if strict or len(candidates) == 1:
             return Plan(candidates, strict, head.fn, None)
+        rest = candidates[1:]
 
         def recover(exc: Exception, args: tuple, kwargs: dict) -> Any:
-            self._note_failure(spec.name, head, exc)
-            return run_rest(args, kwargs, exc, [])
+            self._note_failure(spec.name, head, exc, 4)
+            # the error path: a runner of the other candidates that raises the head's error if none returns
+            return self._runner(spec.name, rest, strict, rejected, first_error=exc, stacklevel=5)(*args, **kwargs)
 
         return Plan(candidates, strict, head.fn, recover)
 
-    def _make_head_call(self, spec: OpSpec, head: OpImpl, strict: bool, run_rest: Callable) -> Callable:
-        """The plan's ``first`` for a head with a predicate: the head when it accepts, else ``run_rest``.
+    def _runner(self, op_name: str, impls: Sequence[OpImpl], strict: bool, rejected=(), *, with_impl: bool = False,
+                first_error: Optional[BaseException] = None, stacklevel: int = 4) -> Callable:
+        """``run(*args, **kwargs)``: the manager's one candidate runner. It returns the result (``(result, impl)``
+        ``with_impl``) of the first of ``impls`` whose predicate accepts the call and that returns.
 
-        ``run_rest`` also takes over when the head raises and ``strict`` is off (a warning, as for any
-        failed candidate).
+        Unless ``strict``, an impl that raises is noted (a warning at ``stacklevel`` for the call's frame)
+        and the next one tried; ``first_error`` (an earlier impl's exception, or None) or else the first such
+        exception is raised when none returns; when none accepts, :class:`NoImplementationError` names the
+        refusals (``rejected`` by the policy, then those of the predicates).
+
+        A plan whose head has a predicate calls its runner on every call: the impls' predicates and
+        functions are read once here, so the call costs the loop and the impl calls only.
         """
-        supports, fn, name = head.supports, head.fn, spec.name
+        steps = tuple([(impl, impl.supports, impl.fn) for impl in impls])
+        note_failure = self._note_failure
 
-        def call(*args, **kwargs):
-            verdict = supports(*args, **kwargs)
-            if not verdict:
-                return run_rest(args, kwargs, None, [(head, _decline_reason(verdict))])
-            if strict:
-                return fn(*args, **kwargs)
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - fallback is the documented behaviour
-                self._note_failure(name, head, exc)
-                return run_rest(args, kwargs, exc, [])
+        def run(*args, **kwargs):
+            error, declined = first_error, None
+            for impl, supports, fn in steps:
+                if supports is not None:
+                    verdict = supports(*args, **kwargs)
+                    if not verdict:
+                        declined = [] if declined is None else declined
+                        declined.append((impl, _decline_reason(verdict)))
+                        continue
+                if strict:
+                    result = fn(*args, **kwargs)
+                else:
+                    try:
+                        result = fn(*args, **kwargs)
+                    except Exception as exc:  # noqa: BLE001 - fallback is the documented behaviour
+                        note_failure(op_name, impl, exc, stacklevel)
+                        error = error or exc
+                        continue
+                return (result, impl) if with_impl else result
+            if error is not None:
+                raise error
+            raise NoImplementationError(_no_impl_message(op_name, None, list(rejected) + (declined or [])))
 
-        return call
+        return run
 
-    def _make_runner(self, spec: OpSpec, candidates: Tuple[OpImpl, ...], strict: bool, rejected) -> Callable:
-        """``run_rest(args, kwargs, first_error, declined)``: the result of the candidates after the head, tried
-        in order by :meth:`_first_result` (the policy's ``rejected`` named in its error)."""
-        rest = candidates[1:]
-
-        def run_rest(args, kwargs, first_error: Optional[BaseException], declined: List[Tuple[OpImpl, str]]):
-            return self._first_result(spec.name, rest, strict, args, kwargs, first_error, declined, rejected)[0]
-
-        return run_rest
-
-    def _first_result(self, op_name: str, impls: Sequence[OpImpl], strict: bool, args: tuple, kwargs: dict,
-                      first_error: Optional[BaseException] = None, declined: Optional[List[Tuple[OpImpl, str]]] = None,
-                      rejected=()) -> Tuple[Any, OpImpl]:
-        """(result, impl): the first of ``impls`` whose predicate accepts the call and that returns: the one
-        candidate runner of the manager (fallback, :meth:`call_traced`).
-
-        Unless ``strict``, an impl that raises is noted (a warning) and the next one tried; ``first_error``
-        (an earlier impl's exception, or None) or else the first such exception is raised when none returns;
-        when none accepts, :class:`NoImplementationError` names the refusals (``rejected`` by the policy and
-        ``declined`` by predicates, a list that collects them).
-        """
-        declined = [] if declined is None else declined
-        for impl in impls:
-            if impl.supports is not None:
-                verdict = impl.supports(*args, **kwargs)
-                if not verdict:
-                    declined.append((impl, _decline_reason(verdict)))
-                    continue
-            if strict:
-                return impl.fn(*args, **kwargs), impl
-            try:
-                return impl.fn(*args, **kwargs), impl
-            except Exception as exc:  # noqa: BLE001 - fallback is the documented behaviour
-                self._note_failure(op_name, impl, exc)
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        raise NoImplementationError(_no_impl_message(op_name, None, list(rejected) + declined))
-
-    def _note_failure(self, op_name: str, impl: OpImpl, exc: BaseException) -> None:
+    def _note_failure(self, op_name: str, impl: OpImpl, exc: BaseException, stacklevel: int) -> None:
         key = (op_name, impl.impl_id, type(exc))
         if key in self._warned:
             return
@@ -268,7 +255,7 @@ class OpManager:
             "trying the next implementation for this call. Set TE_FL_STRICT=1 to raise instead."
         )
         logger.warning(message)
-        warnings.warn(message, FallbackWarning, stacklevel=4)
+        warnings.warn(message, FallbackWarning, stacklevel=stacklevel)
 
     def _plan_for(self, op_name: str, args: Sequence, kwargs: Dict) -> Plan:
         self.dispatcher(op_name)  # creates the op's cache on first use
@@ -319,7 +306,7 @@ class OpManager:
         opaque, backend-specific context for its backward).
         """
         plan = self._plan_for(op_name, args, kwargs)
-        return self._first_result(op_name, plan.candidates, plan.strict, args, kwargs)
+        return self._runner(op_name, plan.candidates, plan.strict, with_impl=True)(*args, **kwargs)
 
     def compiled_form(self, op_name: str, key: ArgKey) -> Tuple[Tuple[Optional[Callable], Callable], ...]:
         """What ``torch.compile`` traces for a call of ``op_name`` whose key argument is described by ``key``:
@@ -500,6 +487,7 @@ def _after_fork_in_child() -> None:
     _default_lock = threading.Lock()
     _catalog._reinit_lock_after_fork()
     _policy._reinit_lock_after_fork()
+    _discovery._reinit_lock_after_fork()
     _devices._reinit_after_fork()
     for manager in list(_live_managers):
         manager._after_fork_in_child()

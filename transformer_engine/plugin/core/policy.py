@@ -7,8 +7,9 @@ implementation's exception propagates; otherwise the next candidate is tried.
 
 Order of candidates for an op: the per-op tokens (if any), then the default order of ``prefer``
 (flagos -> vendor -> reference for ``prefer="flagos"``), unless the per-op list ends with ``only``.
-Under the default preference, ops listed in :data:`MEASURED_PER_OP` (where the vendor library was
-measured faster than the flagos kernel) start with the vendor.
+Under the default preference, an op for which a loaded backend declared a measured order (its
+``TE_FL_MEASURED_PER_OP``, where it was measured faster than the flagos kernel; see :mod:`.discovery`)
+starts with that order's tokens: the policy reads the declarations it is given, and names no backend.
 Inside one token, higher priority first, then impl_id ascending.
 """
 
@@ -18,6 +19,7 @@ import contextlib
 import contextvars
 import threading
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Dict, FrozenSet, Iterator, Mapping, Optional, Tuple
 
 from .config import KIND_TOKENS, ONLY_TOKEN, load_env, parse_token
@@ -33,15 +35,10 @@ __all__ = [
     "with_allowed_vendors",
     "with_denied_vendors",
     "DEFAULT_ORDERS",
+    "check_measured_per_op",
 ]
 
-# Ops whose flagos kernel was measured slower than the vendor library on the H200 (docs/performance.md):
-# under the default preference the vendor goes first for them (then the default order). A per-op
-# entry of TE_FL_PER_OP, or TE_FL_PREFER=vendor/reference, replaces this.
-MEASURED_PER_OP: Dict[str, Tuple[str, ...]] = {
-    "fused_attn_fwd": ("vendor",),  # fwd+bwd cuDNN 403 TFLOP/s vs flagos 301 (b4 s2048 h32 d128 causal, H200)
-    "fused_attn_bwd": ("vendor",),
-}
+_NO_MEASURED: Mapping[str, Tuple[str, ...]] = MappingProxyType({})
 
 DEFAULT_ORDERS: Dict[str, Tuple[str, ...]] = {
     "flagos": ("flagos", "vendor", "reference"),
@@ -94,8 +91,12 @@ class SelectionPolicy:
         cfg = load_env(environ)
         return cls(cfg.prefer, cfg.strict, cfg.per_op, cfg.allow_vendors, cfg.deny_vendors)
 
-    def order_for(self, op_name: str) -> Tuple[Tuple[str, ...], bool]:
-        """(tokens in order, exclusive?) for one op."""
+    def order_for(self, op_name: str, measured: Mapping[str, Tuple[str, ...]] = _NO_MEASURED) -> Tuple[Tuple[str, ...], bool]:
+        """(tokens in order, exclusive?) for one op.
+
+        ``measured``: ``{op: tokens}`` the loaded backends declared (:func:`.discovery.measured_per_op`):
+        under the default preference, and without a per-op entry for the op, its tokens go first.
+        """
         for op, tokens in self.per_op_order:
             if op == op_name:
                 exclusive = tokens[-1] == ONLY_TOKEN
@@ -104,8 +105,8 @@ class SelectionPolicy:
                     return named, True
                 rest = tuple(t for t in DEFAULT_ORDERS[self.prefer] if t not in named)
                 return named + rest, False
-        if self.prefer == "flagos" and op_name in MEASURED_PER_OP:
-            named = MEASURED_PER_OP[op_name]
+        if self.prefer == "flagos" and op_name in measured:
+            named = measured[op_name]
             return named + tuple(t for t in DEFAULT_ORDERS[self.prefer] if t not in named), False
         return DEFAULT_ORDERS[self.prefer], False
 
@@ -116,6 +117,24 @@ class SelectionPolicy:
         if self.allow_vendors is not None and vendor not in self.allow_vendors:
             return f"vendor {vendor!r} is not in the allow list {sorted(self.allow_vendors)}"
         return None
+
+
+def check_measured_per_op(table: Mapping) -> Dict[str, Tuple[str, ...]]:
+    """A backend's ``TE_FL_MEASURED_PER_OP``, checked and normalised: ``{op: (token, ...)}``.
+
+    Tokens are those of ``TE_FL_PER_OP`` (a ``"a|b"`` string or a sequence), without a final ``only``:
+    a measurement orders the candidates, it excludes none.
+
+    Raises:
+        TypeError: ``table`` is not a mapping. ValueError: an invalid token, or ``only``.
+    """
+    if not isinstance(table, Mapping):
+        raise TypeError(f"expected a dict op -> tokens, got {type(table).__name__}")
+    orders = dict(_normalise_per_op(table))
+    exclusive = sorted(op for op, tokens in orders.items() if tokens[-1] == ONLY_TOKEN)
+    if exclusive:
+        raise ValueError(f"a measured order may not end with {ONLY_TOKEN!r} (ops {exclusive})")
+    return orders
 
 
 def _normalise_per_op(items) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:

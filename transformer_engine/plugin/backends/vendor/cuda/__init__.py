@@ -22,7 +22,16 @@ VENDOR = "cuda"
 PRIORITY = 100
 _FAMILIES = ("gemm", "gemm_grouped", "attention", "attention_block")
 
-__all__ = ["register", "IMPL_ID", "VENDOR"]
+#: Ops where this backend was measured faster than the flagos kernel on the H200 (docs/performance.md):
+#: under the default preference the policy tries the vendor kind first for them (then the default order).
+#: The plugin loader stores it with this backend's impls (core/discovery.py); an entry of TE_FL_PER_OP,
+#: or TE_FL_PREFER=vendor/reference, replaces it.
+TE_FL_MEASURED_PER_OP = {
+    "fused_attn_fwd": ("vendor",),  # fwd+bwd cuDNN 403 TFLOP/s vs flagos 301 (b4 s2048 h32 d128 causal, H200)
+    "fused_attn_bwd": ("vendor",),
+}
+
+__all__ = ["register", "IMPL_ID", "VENDOR", "TE_FL_MEASURED_PER_OP"]
 
 
 def _family_modules():
