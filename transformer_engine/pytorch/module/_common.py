@@ -69,8 +69,8 @@ def quantize_operand(quantizer, x: torch.Tensor, gather: Callable, gathered: boo
     quantizer that cannot gather its casts (``gathers_quantized``) casts the gathered tensor.
     """
     if gathered and not quantizer.gathers_quantized:
-        return quantizer.quantize(gather(x), columnwise)
-    x_op = gather(quantizer.quantize(x, columnwise and not gathered))
+        return quantizer.quantize(gather(x), columnwise=columnwise)
+    x_op = gather(quantizer.quantize(x, columnwise=columnwise and not gathered))
     return x_op.with_transpose() if columnwise and gathered and isinstance(x_op, Float8Tensor) else x_op
 
 
@@ -109,7 +109,7 @@ def grad_output_operand(quantizer, dy: torch.Tensor, comm, need_dw: bool, db_dty
     comm, need_dw = comm.for_grad_cast(quantizer), need_dw and not gather_dy
     if need_dw and db_dtype is not None and quantizer.fuses_dbias and not comm.gathers_grad_output:
         return (*quantizer.quantize_with_dbias(dy, torch.float32 if reduces_db else db_dtype), gather_dy)
-    dy_op = quantize_operand(quantizer, dy, comm.gather_grad_output, comm.gathers_grad_output, need_dw)
+    dy_op = quantize_operand(quantizer, dy, comm.gather_grad_output, gathered=comm.gathers_grad_output, columnwise=need_dw)
     return dy_op, None if db_dtype is None else bias_grad(dy, db_dtype, keep_float32=reduces_db), gather_dy
 
 

@@ -53,9 +53,9 @@ def gemm(a: Operand, b: Operand, *, trans_a=False, trans_b=False, bias=None, out
          accumulate=False, split_accumulator=True) -> torch.Tensor:
     """ops.gemm on operands that may be FP8: D = op(a) @ op(b) + bias, in the TN layout where the operands allow."""
     if isinstance(a, Float8BlockwiseTensor) or isinstance(b, Float8BlockwiseTensor):
-        return _gemm_blockwise(a, b, trans_a, trans_b, bias, out_dtype, out, accumulate)
-    a_data, trans_a, a_scale_inv = _stored(a, trans_a, want_trans=False)
-    b_data, trans_b, b_scale_inv = _stored(b, trans_b, want_trans=True)
+        return _gemm_blockwise(a, b, trans_a=trans_a, trans_b=trans_b, bias=bias, out_dtype=out_dtype, out=out, accumulate=accumulate)
+    a_data, trans_a, a_scale_inv = _stored(a, trans=trans_a, want_trans=False)
+    b_data, trans_b, b_scale_inv = _stored(b, trans=trans_b, want_trans=True)
     return ops.gemm(a_data, b_data, bias=bias, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, trans_a=trans_a, trans_b=trans_b,
                     out_dtype=out_dtype, out=out, accumulate=accumulate, use_split_accumulator=split_accumulator)
 
@@ -100,9 +100,9 @@ def fprop_with_comm(x: Operand, w: Operand, bias: Optional[torch.Tensor], out_dt
     its transpose (``columnwise``), which a cast of the shard could not provide.
     """
     def block(rows: Operand, out: Optional[torch.Tensor], block_bias: Optional[torch.Tensor] = comm.gemm_bias(bias)) -> torch.Tensor:
-        return fprop(rows, w, block_bias, out_dtype, split_accumulator, out)
+        return fprop(rows, w, block_bias, out_dtype, split_accumulator=split_accumulator, out=out)
 
-    y, x = comm.forward_gemm(x, block, w.shape[0], out_dtype, bias, gather)
+    y, x = comm.forward_gemm(x, block, w.shape[0], out_dtype, bias, gather=gather)
     if gather and columnwise and isinstance(x, Float8Tensor):
         x = x.with_transpose()
     return y, x
@@ -153,7 +153,7 @@ def _delayed_wgrad(dy: Operand, x: Operand, target: WgradTarget, split_accumulat
     """A queued wgrad: dW = dy^T @ x into main_grad, or added to the weight parameters' ``.grad`` (split along dim 0
     as they are), as autograd would have added it."""
     with torch.no_grad(), no_torch_autocast(target.params[0].device):
-        dw = _wgrad(dy, x, target, split_accumulator)
+        dw = _wgrad(dy, x, target, split_accumulator=split_accumulator)
     if target.main_grad_params:
         return
     with torch.no_grad():
@@ -203,22 +203,22 @@ def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTransp
             w = w.materialize() if isinstance(w, DeferredTranspose) else w
 
             def block(rows: Operand, out: Optional[torch.Tensor], bias=None) -> torch.Tensor:
-                return dgrad(rows, w, dx_dtype, split_accumulator[1], out)
+                return dgrad(rows, w, dx_dtype, split_accumulator=split_accumulator[1], out=out)
 
-            dx, dy_op = comm.dgrad_gemm(dy_op, block, w.shape[1], dx_dtype, gather_dy)  # comm
+            dx, dy_op = comm.dgrad_gemm(dy_op, block, w.shape[1], dx_dtype, gather=gather_dy)  # comm
         else:
             dy_op = comm.gather_grad_output(dy_op)  # comm
         if gather_dy and need_dw and isinstance(dy_op, Float8Tensor):
             dy_op = dy_op.with_transpose()
     dw = None
     if need_dw and target.delayed is not None:  # queued: dy and x live until backward_dw
-        target.delayed.put(functools.partial(_delayed_wgrad, dy_op, x, target, split_accumulator[2]))
+        target.delayed.put(functools.partial(_delayed_wgrad, dy_op, x, target, split_accumulator=split_accumulator[2]))
         dw = _main_grad_placeholder(target.main_grad_params) if target.main_grad_params else None
     elif need_dw:
-        dw = _wgrad(dy_op, x, target, split_accumulator[2])
+        dw = _wgrad(dy_op, x, target, split_accumulator=split_accumulator[2])
     if release_wgrad_operands and target.delayed is None:
         release(x)
         release(dy_op, transpose_only=True)
     if need_dx and dx is None:
-        dx = comm.reduce_grad_input(dgrad(dy_op, w, dx_dtype, split_accumulator[1]))  # comm
+        dx = comm.reduce_grad_input(dgrad(dy_op, w, dx_dtype, split_accumulator=split_accumulator[1]))  # comm
     return dx, dw

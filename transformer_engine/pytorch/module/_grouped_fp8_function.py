@@ -48,7 +48,7 @@ class DelayedSplits:
         roles = FWD_ROLES if self.role in FWD_ROLES else BWD_ROLES
         first, state = slot(0, self.role), self.state
         scale, amax_slots = state.scale[first::len(roles)], state.amax_history[0, first::len(roles)]  # strided [G] views
-        q, q_t, scale_inv, _ = ops.cast_transpose_grouped(x, m_splits, scale, state.fp8_dtype, amax_out=amax_slots)
+        q, q_t, scale_inv, _ = ops.cast_transpose_grouped(x, m_splits, scale=scale, fp8_dtype=state.fp8_dtype, amax_out=amax_slots)
         return q, q_t, scale_inv
 
 
@@ -63,7 +63,8 @@ class CurrentSplits:
         fp8_dtype, qparams = self.quantizer.fp8_dtype, self.quantizer.qparams
         scale, amax = ops.current_scale_grouped(x, m_splits, fp8_dtype, amax_epsilon=qparams.amax_epsilon,
                                                 power_2_scale=qparams.power_2_scale)
-        q, q_t, scale_inv, _ = ops.cast_transpose_grouped(x, m_splits, scale, fp8_dtype, amax_out=amax)  # amax holds max|x_g| already
+        # amax holds max|x_g| already
+        q, q_t, scale_inv, _ = ops.cast_transpose_grouped(x, m_splits, scale=scale, fp8_dtype=fp8_dtype, amax_out=amax)
         return q, q_t, scale_inv
 
 

@@ -83,7 +83,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 need_dw = weights[i].requires_grad and q.for_training
                 x_op = quantize_operand(q.gemms[i].input, x_i, _no_gather, gathered=False, columnwise=need_dw and not keep_input)
                 w_op = cast(args.weight_operands[i], args.dtype)
-                ys.append(fprop(x_op, w_op, cast(biases[i], args.dtype), args.dtype, q.split_accumulator[0]))
+                ys.append(fprop(x_op, w_op, cast(biases[i], args.dtype), args.dtype, split_accumulator=q.split_accumulator[0]))
                 x_ops.append((x_i if keep_input else for_backward(x_op)) if need_dw else None)
                 w_ops.append(for_backward(w_op) if inp.requires_grad and q.for_training else None)
             save(ctx, *x_ops, *w_ops)
@@ -105,7 +105,8 @@ class GroupedLinearFunction(torch.autograd.Function):
         with no_torch_autocast(dy.device), backward_batch(args.wgrads[0].delayed if args.wgrads else None):
             for i, dy_i in enumerate(_row_splits(cast(rows_of(dy), args.dtype), args.m_splits)):
                 db_dtype = ctx.bias_dtypes[i] if need_b[i] else None
-                dy_op, db, _ = grad_output_operand(q.gemms[i].grad_output, dy_i, NO_COMM, need_w[i], db_dtype, amaxes)
+                dy_op, db, _ = grad_output_operand(q.gemms[i].grad_output, dy_i, NO_COMM, need_dw=need_w[i], db_dtype=db_dtype,
+                                                   amaxes=amaxes)
                 if operands[i] is not None and args.save_original_input and q.gemms[i].input.is_fp8:
                     operands[i] = q.gemms[i].input.quantize_transposed(operands[i])
                 dx_i, dw = linear_backward(dy_op, operands[i], operands[n + i], (need_dx, need_w[i]), args.wgrads[i],

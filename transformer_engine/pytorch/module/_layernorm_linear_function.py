@@ -52,10 +52,10 @@ def norm_then_quantize(x, gamma, beta, norm: NormConfig, quantizer, dtype, retur
     so (column + SP). ``columnwise``: the wgrad GEMM reads the operand's transpose."""
     gather_first = comm.gathers_input and not quantizer.gathers_quantized
     if not (return_hp or gather_first):
-        ln_op, stats = norm_forward(x, gamma, beta, norm, quantizer, dtype, columnwise and not comm.gathers_input)
+        ln_op, stats = norm_forward(x, gamma, beta, norm, quantizer, dtype, columnwise=columnwise and not comm.gathers_input)
         return comm.gather_input(ln_op), None, stats  # comm
     ln_out, stats = norm_forward(x, gamma, beta, norm, IDENTITY, dtype)
-    ln_op = quantize_operand(quantizer, ln_out, comm.gather_input, comm.gathers_input, columnwise)  # comm
+    ln_op = quantize_operand(quantizer, ln_out, comm.gather_input, gathered=comm.gathers_input, columnwise=columnwise)  # comm
     return ln_op, ln_out, stats
 
 
@@ -72,12 +72,12 @@ class LayerNormLinearFunction(torch.autograd.Function):
             quantizer = q.gemms[0].input
             gather = comm.pipelines_gather(quantizer)
             ln_op, ln_out, stats = norm_then_quantize(
-                x, gamma, cast(ln_bias, dtype), args.norm, quantizer, dtype, args.return_layernorm_output,
-                need_dw and not gather, comm.for_cast(quantizer),
+                x, gamma, cast(ln_bias, dtype), args.norm, quantizer, dtype, return_hp=args.return_layernorm_output,
+                columnwise=need_dw and not gather, comm=comm.for_cast(quantizer),
             )
             w_op = cast(args.weight_operand, dtype)
-            y, ln_op = fprop_with_comm(ln_op, w_op, cast(bias, dtype), dtype, q.split_accumulator[0], comm, gather,  # comm
-                                       columnwise=need_dw)
+            y, ln_op = fprop_with_comm(ln_op, w_op, cast(bias, dtype), dtype, split_accumulator=q.split_accumulator[0],  # comm
+                                       comm=comm, gather=gather, columnwise=need_dw)
             save(ctx, x, gamma, for_backward(ln_op) if need_dw else None, for_backward(w_op) if q.for_training else None, *stats)
         ctx.args = without_operands(args, "weight_operand")
         ctx.meta = (inp.shape, inp.dtype, ln_weight.dtype, None if ln_bias is None else ln_bias.dtype, None if bias is None else bias.dtype)
@@ -93,8 +93,8 @@ class LayerNormLinearFunction(torch.autograd.Function):
         with no_torch_autocast(dy.device), backward_batch(args.wgrad.delayed):
             dy_hp = cast(rows_of(dy), args.dtype)
             need_dw, need_db = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, bias_dtype if need_db else None,
-                                                        amaxes)  # comm
+            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw=need_dw,  # comm
+                                                        db_dtype=bias_dtype if need_db else None, amaxes=amaxes)
             need = (any(ctx.needs_input_grad[:3]), need_dw)
             d_ln, dw = linear_backward(dy_op, ln_op, w_op, need, args.wgrad, q.split_accumulator, args.dtype,
                                        release_wgrad_operands=backward_frees_graph(), comm=comm, gather_dy=gather_dy)  # comm

@@ -67,14 +67,14 @@ class LayerNormMLPFunction(torch.autograd.Function):
         with no_torch_autocast(inp.device):
             gather = comm1.pipelines_gather(g1.input)
             ln_op, ln_out, stats = norm_then_quantize(
-                x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, args.return_layernorm_output,
-                need_dw1 and not gather, comm1.for_cast(g1.input),
+                x, gamma, cast(ln_bias, dtype), args.norm, g1.input, dtype, return_hp=args.return_layernorm_output,
+                columnwise=need_dw1 and not gather, comm=comm1.for_cast(g1.input),
             )
             w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
-            h, ln_op = fprop_with_comm(ln_op, w1, cast(fc1_bias, dtype), dtype, q.split_accumulator[0], comm1,
+            h, ln_op = fprop_with_comm(ln_op, w1, cast(fc1_bias, dtype), dtype, split_accumulator=q.split_accumulator[0], comm=comm1,
                                        gather=gather, columnwise=need_dw1)
-            a_op, _ = g2.input.produce(args.activation.producer(h), need_dw2)
-            y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, q.split_accumulator[0], comm2,
+            a_op, _ = g2.input.produce(args.activation.producer(h), columnwise=need_dw2)
+            y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, split_accumulator=q.split_accumulator[0], comm=comm2,
                                    gather=False, columnwise=False)
             w1_t, w2_t = (for_backward(w) if q.for_training else None for w in (w1, w2))
             if args.checkpoint and q.for_training:  # recomputed in backward from the norm's input (see the module docstring)
@@ -102,14 +102,16 @@ class LayerNormMLPFunction(torch.autograd.Function):
             if args.checkpoint:
                 ln_op, h, a_op = _recompute(x, gamma, beta, w1_fprop, b1, args, ctx.recompute)
             dy_hp = cast(rows_of(dy), dtype)
-            dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, needs[5], b2_dtype if needs[6] else None, amaxes)  # comm
+            dy_op, db2, gather_dy = grad_output_operand(g2.grad_output, dy_hp, comm2, need_dw=needs[5],  # comm
+                                                        db_dtype=b2_dtype if needs[6] else None, amaxes=amaxes)
             da, dw2 = linear_backward(dy_op, a_op, w2, (True, needs[5]), args.fc2_wgrad, q.split_accumulator, dtype,
                                       release_wgrad_operands=frees_graph, comm=comm2, gather_dy=gather_dy)  # comm
             db2 = comm2.reduce_bias_grad(db2)  # comm
             del dy_op, dy_hp
             dh = args.activation.backward(da, h, overwrite_h=frees_graph)
             del da
-            dh_op, db1, gather_dh = grad_output_operand(g1.grad_output, dh, comm1, needs[3], b1_dtype if needs[4] else None, amaxes)  # comm
+            dh_op, db1, gather_dh = grad_output_operand(g1.grad_output, dh, comm1, need_dw=needs[3],  # comm
+                                                        db_dtype=b1_dtype if needs[4] else None, amaxes=amaxes)
             if frees_graph and dh_op is not dh:  # dh is cast: h's storage goes (the saved h would keep it)
                 release(dh, owned=True)
             del dh
@@ -131,9 +133,9 @@ def _recompute(x, gamma, beta, w1, b1, args: LayerNormMLPArgs, recompute):
     fprop and the activation's cast again, with forward's scales (no tensor parallelism: the module refuses it)."""
     quantizer1, quantizer2, need_dw1, need_dw2 = recompute
     dtype, comm1 = args.dtype, args.fc1_comm
-    ln_op, _, _ = norm_then_quantize(x, gamma, beta, args.norm, quantizer1, dtype, args.return_layernorm_output, need_dw1,
-                                     comm1.for_cast(quantizer1))
-    h, ln_op = fprop_with_comm(ln_op, w1, b1, dtype, args.quantization.split_accumulator[0], comm1, gather=False,
-                               columnwise=need_dw1)
-    a_op, _ = quantizer2.produce(args.activation.producer(h), need_dw2)
+    ln_op, _, _ = norm_then_quantize(x, gamma, beta, args.norm, quantizer1, dtype, return_hp=args.return_layernorm_output,
+                                     columnwise=need_dw1, comm=comm1.for_cast(quantizer1))
+    h, ln_op = fprop_with_comm(ln_op, w1, b1, dtype, split_accumulator=args.quantization.split_accumulator[0], comm=comm1,
+                               gather=False, columnwise=need_dw1)
+    a_op, _ = quantizer2.produce(args.activation.producer(h), columnwise=need_dw2)
     return for_backward(ln_op) if need_dw1 else None, h, for_backward(a_op) if need_dw2 else None

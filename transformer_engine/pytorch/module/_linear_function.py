@@ -65,11 +65,11 @@ class LinearFunction(torch.autograd.Function):
             quantizer = q.gemms[0].input
             keep_input = args.save_original_input and quantizer.is_fp8  # backward casts x^T from x
             gather, cast_comm = comm.pipelines_gather(quantizer), comm.for_cast(quantizer)
-            x_op = quantize_operand(quantizer, cast(x, args.dtype), cast_comm.gather_input, cast_comm.gathers_input,  # comm
-                                    need_dw and not gather and not keep_input)
+            x_op = quantize_operand(quantizer, cast(x, args.dtype), cast_comm.gather_input, gathered=cast_comm.gathers_input,  # comm
+                                    columnwise=need_dw and not gather and not keep_input)
             w_op = cast(args.weight_operand, args.dtype)
-            y, x_op = fprop_with_comm(x_op, w_op, cast(bias, args.dtype), args.dtype, q.split_accumulator[0], comm, gather,  # comm
-                                      columnwise=need_dw and not keep_input)
+            y, x_op = fprop_with_comm(x_op, w_op, cast(bias, args.dtype), args.dtype, split_accumulator=q.split_accumulator[0],  # comm
+                                      comm=comm, gather=gather, columnwise=need_dw and not keep_input)
             saved_x = (x if keep_input else for_backward(x_op)) if need_dw else None
             save(ctx, saved_x, for_backward(w_op) if inp.requires_grad and q.for_training else None)
         ctx.args = without_operands(args, "weight_operand")
@@ -87,8 +87,8 @@ class LinearFunction(torch.autograd.Function):
                 x_op = q.gemms[0].input.quantize_transposed(cast(x_op, args.dtype))
             dy_hp = cast(rows_of(dy), args.dtype)
             need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw, ctx.bias_dtype if need_db else None,
-                                                        amaxes)  # comm
+            dy_op, db, gather_dy = grad_output_operand(q.gemms[0].grad_output, dy_hp, comm, need_dw=need_dw,  # comm
+                                                        db_dtype=ctx.bias_dtype if need_db else None, amaxes=amaxes)
             dx, dw = linear_backward(dy_op, x_op, w_op, (need_dx, need_dw), args.wgrad, q.split_accumulator, args.dtype,
                                      release_wgrad_operands=backward_frees_graph(), comm=comm, gather_dy=gather_dy)  # comm
             db = comm.reduce_bias_grad(db)  # comm

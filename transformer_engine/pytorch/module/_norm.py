@@ -69,7 +69,7 @@ def norm_forward(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tens
         )
         return y, scale_inv, amax, (rstd,)
 
-    return quantizer.produce(run, columnwise)
+    return quantizer.produce(run, columnwise=columnwise)
 
 
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, stats: Tuple[torch.Tensor, ...], gamma: torch.Tensor,

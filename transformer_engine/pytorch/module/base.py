@@ -39,7 +39,7 @@ from ..quantization.quantizer import IDENTITY, Quantizer
 from ..quantization.recipe_state import RecipeState, reserve_delayed_tensors, reserved_fit
 from ..quantization.roles import BWD_ROLES, FWD_ROLES, Role, slot
 from ..tensor.quantized_tensor import QuantizedTensor
-from ..parallel.linear_comm import LinearComm, linear_comm
+from ..parallel.linear_comm import NO_COMM, LinearComm, linear_comm, share_scales
 from ..parallel.tensor_parallel import ParallelConfig, initialize
 from . import _extra_state
 from ._common import Operand
@@ -127,11 +127,18 @@ def resolve_params_dtype(params_dtype: Optional[torch.dtype], dtype: Optional[to
     return params_dtype or dtype or torch.get_default_dtype()
 
 
+def _named_shape(what: str, tensor: torch.Tensor) -> Tuple[str, torch.Size]:
+    """(what, tensor.shape): an operand as :func:`check_fp8_shape` takes it."""
+    return what, tensor.shape
+
+
 def te_outputs(result, bias, return_bias: bool, return_layernorm_output: bool):
-    """TE's return convention: out, then bias if asked, then ln_out if asked (a bare tensor when alone)."""
-    out, ln_out = result if return_layernorm_output else (result, None)
-    items = [out] + ([bias] if return_bias else []) + ([ln_out] if return_layernorm_output else [])
-    return items[0] if len(items) == 1 else tuple(items)
+    """TE's return convention: out, then bias if asked, then ln_out if asked (a bare tensor when alone); ``result`` is
+    out, or (out, ln_out) with ``return_layernorm_output``."""
+    if not return_layernorm_output:
+        return (result, bias) if return_bias else result
+    out, ln_out = result
+    return (out, bias, ln_out) if return_bias else (out, ln_out)
 
 
 class TransformerEngineBaseModule(torch.nn.Module):
@@ -258,7 +265,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 param._high_precision_init_val = values.detach().to("cpu", copy=True)
             return
         quantizer = weight_param_quantizer(recipe, self._slot_quantizers["scaling_fwd"][index], self.fp8_meta, index)
-        setattr(self, name, quantize_param(param, quantizer, self._keep_init_val))
+        setattr(self, name, quantize_param(param, quantizer, preserve_init_val=self._keep_init_val))
 
     def _materialize(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=default_device()),
@@ -271,7 +278,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def _delay_wgrads(self, delay: bool, names: Iterable[str]) -> None:
         """TE's ``delay_wgrad_compute``: backward queues this module's wgrads for :meth:`backward_dw` (see
         :mod:`._wgrad_store`); its GEMM parameters ``names`` get ``skip_backward_post_hook`` (their gradients come later)."""
-        self.wgrad_store = WeightGradStore(delay)
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute=delay)
         for name in names if delay else ():
             getattr(self, name).skip_backward_post_hook = True
 
@@ -308,27 +315,63 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.wgrad_accumulation_and_reduce_hooks.append(wgrad_accumulation_and_reduce_hook)
 
     # ----------------------------------------------------------------------------- forward checks
-    def _activation_dtype(self, inp: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype:
-        """The compute dtype: torch.autocast's dtype when it is on, else the parameters' (which ``inp`` must have)."""
+    def _check_input(self, inp: torch.Tensor, param_dtype: torch.dtype, features: int, what: str = "in_features") -> torch.dtype:
+        """Check the input before any work and return the compute dtype: torch.autocast's dtype when it is on, else the
+        parameters' (which ``inp`` must have).
+
+        Raises:
+            TypeError: ``inp`` is not a floating-point tensor, or (outside torch.autocast) not of ``param_dtype``.
+            ValueError: its last dimension is not ``features`` (named ``what`` in the message).
+        """
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"{type(self).__name__} expects a torch.Tensor input, got {type(inp).__name__}")
         if not inp.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a floating-point input, got dtype {inp.dtype}")
         if torch.is_autocast_enabled(inp.device.type):
-            return torch.get_autocast_dtype(inp.device.type)
-        if inp.dtype != param_dtype:
+            act_dtype = torch.get_autocast_dtype(inp.device.type)
+        elif inp.dtype != param_dtype:
             raise TypeError(
                 f"{type(self).__name__}: the input dtype {inp.dtype} differs from the parameter dtype {param_dtype}; "
                 f"cast the input to {param_dtype}, convert the module with .to({inp.dtype}), or run under torch.autocast"
             )
-        return param_dtype
-
-    def _check_features(self, inp: torch.Tensor, features: int, what: str = "in_features") -> None:
+        else:
+            act_dtype = param_dtype
         if inp.dim() < 1 or inp.shape[-1] != features:
             raise ValueError(
                 f"{type(self).__name__} expects the last dimension of its input to be {what}={features}, "
                 f"got input shape {tuple(inp.shape)}"
             )
+        return act_dtype
+
+    #: the GEMM operands a linear forward checks under TE's FP8 shape rule, as the errors name them: the input, then the
+    #: weight of each GEMM (see :meth:`_linear_prelude`)
+    _FP8_OPERANDS: Tuple[str, ...] = ("input", "weight")
+    #: the communication of each GEMM without tensor parallelism
+    _NO_COMMS: Tuple[LinearComm, ...] = (NO_COMM,)
+
+    def _gemm_comms(self) -> Tuple[LinearComm, ...]:
+        """The tensor-parallel communication of each GEMM (a linear split by ``parallel_mode``; LayerNormMLP has two)."""
+        return (self._comm(self.parallel.parallel_mode),)
+
+    def _linear_prelude(self, operands: Tuple[torch.Tensor, ...], features: int, what: str = "in_features",
+                        saved_input_of: Optional[str] = None) -> Tuple[torch.dtype, Tuple[LinearComm, ...], ForwardQuantization]:
+        """What a linear module's forward does before its Function, in this order: the input checks (:meth:`_check_input`),
+        each GEMM's communication (:meth:`_gemm_comms`), this call's quantization (:meth:`_prepare_quantization`, with TE's
+        FP8 shape rule for ``operands``: the input, then each GEMM's weight), where the module keeps its input for backward
+        (``saved_input_of``: its name) the check that the input's cast allows it (:func:`check_saved_input`), and the scale
+        each GEMM's communication shares (``share_scales``; the weight quantizers stay as they are).
+
+        Returns:
+            (activation dtype, the comms in GEMM order, the quantization of this call with the shared scales).
+        """
+        inp = operands[0]
+        act_dtype = self._check_input(inp, operands[1].dtype, features, what)
+        split = self.parallel.tp_size > 1  # else no GEMM communicates (``linear_comm``), nor shares a scale
+        comms = self._gemm_comms() if split else self._NO_COMMS
+        q = self._prepare_quantization(inp.device, map(_named_shape, self._FP8_OPERANDS, operands))  # shapes read under FP8 only
+        if saved_input_of is not None:
+            check_saved_input(saved_input_of, q.gemms[0].input)
+        return act_dtype, comms, share_scales(q, *comms) if split else q
 
     # ----------------------------------------------------------------------------- quantization
     def _check_recipe_match(self, recipe) -> None:

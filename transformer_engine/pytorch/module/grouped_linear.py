@@ -128,7 +128,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.save_original_input = save_original_input
         if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
             raise TypeError(f"use_grouped_tensor must be a bool or None, got {type(use_grouped_tensor).__name__}")
-        self.parallel = ParallelConfig(tp_group, tp_size, sequence_parallel, parallel_mode, ub_name=ub_name)
+        self.parallel = ParallelConfig(tp_group, tp_size, sequence_parallel=sequence_parallel, parallel_mode=parallel_mode, ub_name=ub_name)
         if self.tp_size > 1 and bias:
             raise ValueError(
                 f"GroupedLinear does not support a bias with tp_size={self.tp_size} (the tensor-parallel communication "
@@ -142,7 +142,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         device = default_device(device)
         self._add_params(init_method or default_init_method, device)
         self.reset_parameters(defer_init=device.type == "meta")
-        self._delay_wgrads(delay_wgrad_compute, self._weight_names + (self._bias_names if bias else ()))
+        self._delay_wgrads(delay=delay_wgrad_compute, names=self._weight_names + (self._bias_names if bias else ()))
 
     def _add_params(self, init_method: Callable, device: torch.device) -> None:
         """Register ``weight{i}`` [out, in] and ``bias{i}`` [out] (or None) for each GEMM; the weights are slices of one
@@ -219,8 +219,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         """y_i = x_i W_i^T + b_i for the row splits x_i of ``inp``; returns y, or (y, [b_i]) with ``return_bias``."""
         weights = [getattr(self, name) for name in self._weight_names]
         biases = [getattr(self, name) for name in self._bias_names]
-        act_dtype = self._activation_dtype(inp, weights[0].dtype)
-        self._check_features(inp, self.in_features)
+        act_dtype = self._check_input(inp, weights[0].dtype, self.in_features)
         splits = self._check_splits(inp, m_splits)
         _check_buffer("out", out, inp, (inp.shape[0], self.out_features), act_dtype)
         _check_buffer("dgrad_out", dgrad_out, inp, (inp.shape[0], self.in_features), inp.dtype)
@@ -231,16 +230,16 @@ class GroupedLinear(TransformerEngineBaseModule):
         casters = self._split_casters(q, splits, weights, out, dgrad_out)
         if casters is not None:
             inputs, weight_casts, grad_outputs = casters
-            args = GroupedFp8Args(dtype=act_dtype, m_splits=splits, weights=self._fp8_weights(weight_casts, weights, is_first_microbatch),
-                                  inputs=inputs, grad_outputs=grad_outputs, split_accumulator=q.split_accumulator,
-                                  backward_update=q.backward_update)
+            fp8_weights = self._fp8_weights(weight_casts, weights, is_first_microbatch=is_first_microbatch)
+            args = GroupedFp8Args(dtype=act_dtype, m_splits=splits, weights=fp8_weights, inputs=inputs, grad_outputs=grad_outputs,
+                                  split_accumulator=q.split_accumulator, backward_update=q.backward_update)
             out = apply_without_torch_autocast(GroupedFp8Function, inp.device, inp, args, *weights, *biases)
             return self._with_bias(out, act_dtype)
         args = GroupedLinearArgs(
             dtype=act_dtype,
             quantization=q,
             m_splits=splits,
-            weight_operands=tuple(self._weight_operand(name, w, g.weight, is_first_microbatch)
+            weight_operands=tuple(self._weight_operand(name, w, g.weight, is_first_microbatch=is_first_microbatch)
                                   for name, w, g in zip(self._weight_names, weights, q.gemms)),
             wgrads=tuple(self._wgrad_target(w.dtype, (w,)) for w in weights),
             save_original_input=self.save_original_input,

@@ -38,7 +38,7 @@ class _Normalization(TransformerEngineBaseModule):
         check_eps(type(self).__name__, eps)
         self.eps, self.zero_centered_gamma = float(eps), zero_centered_gamma
         self.parallel = ParallelConfig(sequence_parallel=bool(sequence_parallel))
-        self.norm = NormConfig(self._KIND, self.eps, zero_centered_gamma)
+        self.norm = NormConfig(self._KIND, self.eps, zero_centered_gamma=zero_centered_gamma)
         if params_dtype is not None:
             warnings.warn("params_dtype is deprecated; use dtype", DeprecationWarning, stacklevel=3)
         device = default_device(kwargs.get("device"))

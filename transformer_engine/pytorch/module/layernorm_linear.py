@@ -6,14 +6,12 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ..parallel.comm import gather_from_sequence_parallel_region
-from ..parallel.linear_comm import share_scales
 from ._common import apply_without_torch_autocast, cast
 from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
-from ._checks import check_eps, check_sizes
-from ._norm import NormConfig
+from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs
+from ._checks import check_sizes
 from ._params import add_linear_params, add_norm_params
-from .base import ParallelConfig, TransformerEngineBaseModule, default_device, resolve_params_dtype, te_outputs
+from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype
 
 __all__ = ["LayerNormLinear"]
 
@@ -79,21 +77,19 @@ class LayerNormLinear(TransformerEngineBaseModule):
         name: Optional[str] = None,
     ):
         check_sizes("LayerNormLinear", in_features=in_features, out_features=out_features)
-        check_eps("LayerNormLinear", eps)
-        NormConfig(normalization, eps, zero_centered_gamma)  # an unknown normalization raises here, before any work
+        # a bad eps or an unknown normalization raises here, before any work
+        norm = checked_norm("LayerNormLinear", normalization, eps, zero_centered_gamma=zero_centered_gamma)
         super().__init__(1, get_rng_state_tracker, None, name)
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.return_layernorm_output, self.return_layernorm_output_gathered = return_layernorm_output, return_layernorm_output_gathered
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.parallel = ParallelConfig(
-            tp_group, tp_size, sequence_parallel, parallel_mode, symmetric_ar_type, ub_name=ub_name,
-            comm_overlap=ParallelConfig.switched_on(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
-                                                    ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
-                                                    ub_bulk_dgrad=ub_bulk_dgrad),
+        self.parallel = linear_parallel_config(
+            tp_group, tp_size, sequence_parallel=sequence_parallel, parallel_mode=parallel_mode, symmetric_ar_type=symmetric_ar_type,
+            ub_name=ub_name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
         )
-        self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
-        self.norm = NormConfig(normalization, eps, zero_centered_gamma)
+        keep_norm(self, norm)
         device = default_device(device)
         self.params_dtype = resolve_params_dtype(params_dtype, None)
         if parallel_mode == "row" and self.tp_size > 1:
@@ -107,20 +103,18 @@ class LayerNormLinear(TransformerEngineBaseModule):
             dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=self.tp_size,
         )
         self.reset_parameters(defer_init=device.type == "meta")
-        self._delay_wgrads(delay_wgrad_compute, self.layout.weight_names + self.layout.bias_names)
+        self._delay_wgrads(delay=delay_wgrad_compute, names=self.layout.weight_names + self.layout.bias_names)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
         """out = norm(inp) W^T + b; returns out[, bias][, ln_out] (TE's order)."""
         weight, bias = self.layout.weight(self), self.layout.bias(self)
-        act_dtype = self._activation_dtype(inp, weight.dtype)
-        self._check_features(inp, self.in_features)
-        comm = self._comm(self.parallel_mode)  # tensor parallelism: what the Function communicates
-        q = self._prepare_quantization(inp.device, [("input", inp.shape), ("weight", weight.shape)])
+        # comm: tensor parallelism, what the Function communicates
+        act_dtype, (comm,), q = self._linear_prelude((inp, weight), self.in_features)
         args = LayerNormLinearArgs(
             dtype=act_dtype,
-            quantization=share_scales(q, comm),
-            weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
+            quantization=q,
+            weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
             wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
             norm=self.norm,
             return_layernorm_output=self.return_layernorm_output,
@@ -130,8 +124,5 @@ class LayerNormLinear(TransformerEngineBaseModule):
             LayerNormLinearFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, weight,
             None if self.return_bias else bias, args,
         )
-        if self.return_layernorm_output and self.return_layernorm_output_gathered and comm.sequence_parallel:
-            result = (result[0], gather_from_sequence_parallel_region(result[1], comm.group))  # comm
-        return te_outputs(result, comm.deferred_bias(cast(bias, act_dtype)), return_bias=self.return_bias,
-                          return_layernorm_output=self.return_layernorm_output)
+        return norm_linear_outputs(self, result, comm.deferred_bias(cast(bias, act_dtype)), comm)
 

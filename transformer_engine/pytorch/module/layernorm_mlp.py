@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from ..parallel.comm import gather_from_sequence_parallel_region
-from ..parallel.linear_comm import share_scales
+from ..parallel.linear_comm import NO_COMM, LinearComm
 from ._activation import ActivationConfig
 from ._common import apply_without_torch_autocast, cast
 from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
-from ._checks import check_eps, check_sizes
-from ._norm import NormConfig
+from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs
+from ._checks import check_sizes
 from ._params import add_linear_params, add_norm_params
-from .base import ParallelConfig, TransformerEngineBaseModule, default_device, resolve_params_dtype, te_outputs
+from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype
 
 __all__ = ["LayerNormMLP"]
 
@@ -91,28 +90,26 @@ class LayerNormMLP(TransformerEngineBaseModule):
         checkpoint: bool = False,
     ):
         check_sizes("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
-        check_eps("LayerNormMLP", eps)
-        NormConfig(normalization, eps, zero_centered_gamma)  # an unknown normalization raises here, before any work
-        ActivationConfig.create(activation, activation_params)  # so does an unknown activation
+        # a bad eps or an unknown normalization raises here, before any work
+        norm = checked_norm("LayerNormMLP", normalization, eps, zero_centered_gamma=zero_centered_gamma)
+        activation_config = ActivationConfig.create(activation, activation_params)  # so does an unknown activation
         super().__init__(2, get_rng_state_tracker, None, name)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.activation = ActivationConfig.create(activation, activation_params)
+        self.activation = activation_config
         self.use_bias, self.return_bias = bias, return_bias
         self.return_layernorm_output, self.return_layernorm_output_gathered = return_layernorm_output, return_layernorm_output_gathered
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.set_parallel_mode, self.seq_length, self.micro_batch_size = set_parallel_mode, seq_length, micro_batch_size
-        self.parallel = ParallelConfig(
-            tp_group, tp_size, sequence_parallel, None, symmetric_ar_type,
-            comm_overlap=ParallelConfig.switched_on(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
-                                                    ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                                                    ub_bulk_wgrad=ub_bulk_wgrad),
+        self.parallel = linear_parallel_config(
+            tp_group, tp_size, sequence_parallel=sequence_parallel, parallel_mode=None, symmetric_ar_type=symmetric_ar_type,
+            ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
         )
         if checkpoint and (self.tp_size > 1 or sequence_parallel):
             raise NotImplementedError("LayerNormMLP(checkpoint=True) with tensor or sequence parallelism is not implemented yet "
                                       "(the recomputation would redo fc1's communication); leave checkpoint False there")
         self.checkpoint = checkpoint
-        self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
-        self.norm = NormConfig(normalization, eps, zero_centered_gamma)
+        keep_norm(self, norm)
         device = default_device(device)
         self.params_dtype = resolve_params_dtype(params_dtype, None)
         common = dict(bias=bias, dtype=self.params_dtype, device=device, tp_size=self.tp_size)
@@ -123,21 +120,27 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.fc2 = add_linear_params(self, "fc2_", ffn_hidden_size, hidden_size, init_method=output_layer_init_method,
                                      parallel_mode="row" if set_parallel_mode else None, fp8_gemm=1, **common)
         self.reset_parameters(defer_init=device.type == "meta")
-        self._delay_wgrads(delay_wgrad_compute, [*self.fc1.weight_names, *self.fc1.bias_names, *self.fc2.weight_names, *self.fc2.bias_names])
+        self._delay_wgrads(delay=delay_wgrad_compute,
+                           names=[*self.fc1.weight_names, *self.fc1.bias_names, *self.fc2.weight_names, *self.fc2.bias_names])
+
+    _FP8_OPERANDS = ("input", "fc1_weight", "fc2_weight")
+    _NO_COMMS = (NO_COMM, NO_COMM)
+
+    def _gemm_comms(self) -> Tuple[LinearComm, LinearComm]:
+        """fc1 column-parallel, fc2 row-parallel with ``set_parallel_mode``; else neither communicates."""
+        split = self.set_parallel_mode
+        return self._comm("column" if split else None), self._comm("row" if split else None)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """out = fc2(act(fc1(norm(inp)))); returns out[, fc2_bias][, ln_out] (TE's order)."""
         w1, w2 = self.fc1.weight(self), self.fc2.weight(self)
-        act_dtype = self._activation_dtype(inp, w1.dtype)
-        self._check_features(inp, self.hidden_size, "hidden_size")
-        split = self.set_parallel_mode  # tensor parallelism: what the Function communicates
-        fc1_comm, fc2_comm = self._comm("column" if split else None), self._comm("row" if split else None)
-        q = self._prepare_quantization(inp.device, [("input", inp.shape), ("fc1_weight", w1.shape), ("fc2_weight", w2.shape)])
+        # comms: tensor parallelism, what the Function communicates
+        act_dtype, (fc1_comm, fc2_comm), q = self._linear_prelude((inp, w1, w2), self.hidden_size, what="hidden_size")
         args = LayerNormMLPArgs(
             dtype=act_dtype,
-            quantization=share_scales(q, fc1_comm, fc2_comm),
-            fc1_operand=self._weight_operand("fc1_weight", w1, q.gemms[0].weight, is_first_microbatch),
-            fc2_operand=self._weight_operand("fc2_weight", w2, q.gemms[1].weight, is_first_microbatch),
+            quantization=q,
+            fc1_operand=self._weight_operand("fc1_weight", w1, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
+            fc2_operand=self._weight_operand("fc2_weight", w2, q.gemms[1].weight, is_first_microbatch=is_first_microbatch),
             fc1_wgrad=self._wgrad_target(w1.dtype, self.fc1.weight_params(self)),
             fc2_wgrad=self._wgrad_target(w2.dtype, self.fc2.weight_params(self)),
             norm=self.norm,
@@ -152,7 +155,4 @@ class LayerNormMLP(TransformerEngineBaseModule):
             LayerNormMLPFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, w1, self.fc1.bias(self), w2,
             None if self.return_bias else b2, args,
         )
-        if self.return_layernorm_output and self.return_layernorm_output_gathered and fc1_comm.sequence_parallel:
-            result = (result[0], gather_from_sequence_parallel_region(result[1], fc1_comm.group))  # comm
-        return te_outputs(result, fc2_comm.deferred_bias(cast(b2, act_dtype)), return_bias=self.return_bias,
-                          return_layernorm_output=self.return_layernorm_output)
+        return norm_linear_outputs(self, result, fc2_comm.deferred_bias(cast(b2, act_dtype)), fc1_comm)

@@ -6,12 +6,12 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ..parallel.linear_comm import share_scales
 from ._common import apply_without_torch_autocast, cast
 from ._linear_function import LinearArgs, LinearFunction
+from ._linear_setup import linear_parallel_config
 from ._checks import check_sizes
 from ._params import add_linear_params
-from .base import ParallelConfig, TransformerEngineBaseModule, check_saved_input, default_device, resolve_params_dtype, te_outputs
+from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype, te_outputs
 
 __all__ = ["Linear"]
 
@@ -101,11 +101,10 @@ class Linear(TransformerEngineBaseModule):
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.parallel = ParallelConfig(
-            tp_group, tp_size, sequence_parallel, parallel_mode, symmetric_ar_type, ub_name=ub_name,
-            comm_overlap=ParallelConfig.switched_on(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
-                                                    ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                                                    ub_bulk_wgrad=ub_bulk_wgrad),
+        self.parallel = linear_parallel_config(
+            tp_group, tp_size, sequence_parallel=sequence_parallel, parallel_mode=parallel_mode, symmetric_ar_type=symmetric_ar_type,
+            ub_name=ub_name, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
         )
         device = default_device(device)
         self.params_dtype = resolve_params_dtype(params_dtype, dtype)
@@ -114,22 +113,19 @@ class Linear(TransformerEngineBaseModule):
             dtype=self.params_dtype, device=device, parallel_mode=parallel_mode, tp_size=self.tp_size,
         )
         self.reset_parameters(defer_init=device.type == "meta")
-        self._delay_wgrads(delay_wgrad_compute, self.layout.weight_names + self.layout.bias_names)
+        self._delay_wgrads(delay=delay_wgrad_compute, names=self.layout.weight_names + self.layout.bias_names)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
         """y = inp W^T + b over the last dim; returns y, or (y, bias) with ``return_bias``."""
         weight, bias = self.layout.weight(self), self.layout.bias(self)
-        act_dtype = self._activation_dtype(inp, weight.dtype)
-        self._check_features(inp, self.layout.in_features)
-        comm = self._comm(self.parallel_mode)  # tensor parallelism: what the Function communicates
-        q = self._prepare_quantization(inp.device, [("input", inp.shape), ("weight", weight.shape)])
-        if self.save_original_input:
-            check_saved_input("Linear", q.gemms[0].input)
+        # comm: tensor parallelism, what the Function communicates
+        act_dtype, (comm,), q = self._linear_prelude((inp, weight), self.layout.in_features,
+                                                     saved_input_of="Linear" if self.save_original_input else None)
         args = LinearArgs(
             dtype=act_dtype,
-            quantization=share_scales(q, comm),
-            weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch),
+            quantization=q,
+            weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
             wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
             comm=comm,
             save_original_input=self.save_original_input,
