@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from transformer_engine.common.recipe import Recipe
 
 from ..quantization.quantizer import IDENTITY, Quantizer
-from ..quantization.recipe_state import RecipeState
+from ..quantization.recipe_state import ALL_SPLIT, RecipeState, SplitAccumulator
 from ..quantization.roles import BWD_ROLES, FWD_ROLES, slot
 
 __all__ = ["ForwardQuantization", "GemmQuantizers", "ensure_states", "high_precision", "install_states", "new_fp8_meta"]
@@ -53,7 +53,7 @@ class ForwardQuantization:
 
     Attributes:
         gemms: quantizers per GEMM.
-        split_accumulator: ``use_split_accumulator`` of the (fprop, dgrad, wgrad) GEMMs.
+        split_accumulator: ``use_split_accumulator`` of the fprop, dgrad and wgrad GEMMs.
         backward_update: run at the end of this module's backward with the backward's list of traced
             grad-cast amaxes (the delayed-scaling update of the gradients' scales), or None.
         for_training: grad mode was on: the casts also write the copies that backward reads (x^T);
@@ -61,7 +61,7 @@ class ForwardQuantization:
     """
 
     gemms: Tuple[GemmQuantizers, ...]
-    split_accumulator: Tuple[bool, bool, bool] = (True, True, True)
+    split_accumulator: SplitAccumulator = ALL_SPLIT
     backward_update: Optional[Callable[..., None]] = None
     for_training: bool = True
 

@@ -34,6 +34,7 @@ from ..quantization.float8_blockwise_tensor import Float8BlockwiseTensor
 from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 from ..quantization.mxfp8_tensor import MXFP8Tensor
 from ..quantization.nvfp4_tensor import NVFP4Tensor
+from ..quantization.recipe_state import SplitAccumulator
 from ._common import Operand, no_torch_autocast, release
 from ._wgrad_store import WeightGradStore
 
@@ -174,7 +175,7 @@ def _main_grad_placeholder(params) -> Optional[torch.Tensor]:
 
 
 def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTranspose], need: Tuple[bool, bool],
-                    target: WgradTarget, split_accumulator: Tuple[bool, bool, bool], dx_dtype: torch.dtype,
+                    target: WgradTarget, split_accumulator: SplitAccumulator, dx_dtype: torch.dtype,
                     release_wgrad_operands: bool = False, comm: LinearComm = NO_COMM, gather_dy: bool = False):
     """(dx, dW) of y = x @ W^T + b; each is None when ``need`` (dx, dW) says so (db comes with dy's cast).
 
@@ -190,7 +191,7 @@ def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTransp
         x, w: the forward operands saved for backward.
         need: which of dx, dW are needed.
         target: where dW goes.
-        split_accumulator: of the (fprop, dgrad, wgrad) GEMMs.
+        split_accumulator: of the fprop, dgrad and wgrad GEMMs.
         dx_dtype: dtype of dx (the activation dtype).
         release_wgrad_operands: free those copies once wgrad has read them (a backward that frees its graph, see ``release``).
         comm: the linear's tensor-parallel communication.
@@ -203,7 +204,7 @@ def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTransp
             w = w.materialize() if isinstance(w, DeferredTranspose) else w
 
             def block(rows: Operand, out: Optional[torch.Tensor], bias=None) -> torch.Tensor:
-                return dgrad(rows, w, dx_dtype, split_accumulator=split_accumulator[1], out=out)
+                return dgrad(rows, w, dx_dtype, split_accumulator=split_accumulator.dgrad, out=out)
 
             dx, dy_op = comm.dgrad_gemm(dy_op, block, w.shape[1], dx_dtype, gather=gather_dy)  # comm
         else:
@@ -212,13 +213,13 @@ def linear_backward(dy_op: Operand, x: Operand, w: Union[Operand, DeferredTransp
             dy_op = dy_op.with_transpose()
     dw = None
     if need_dw and target.delayed is not None:  # queued: dy and x live until backward_dw
-        target.delayed.put(functools.partial(_delayed_wgrad, dy_op, x, target, split_accumulator=split_accumulator[2]))
+        target.delayed.put(functools.partial(_delayed_wgrad, dy_op, x, target, split_accumulator=split_accumulator.wgrad))
         dw = _main_grad_placeholder(target.main_grad_params) if target.main_grad_params else None
     elif need_dw:
-        dw = _wgrad(dy_op, x, target, split_accumulator=split_accumulator[2])
+        dw = _wgrad(dy_op, x, target, split_accumulator=split_accumulator.wgrad)
     if release_wgrad_operands and target.delayed is None:
         release(x)
         release(dy_op, transpose_only=True)
     if need_dx and dx is None:
-        dx = comm.reduce_grad_input(dgrad(dy_op, w, dx_dtype, split_accumulator=split_accumulator[1]))  # comm
+        dx = comm.reduce_grad_input(dgrad(dy_op, w, dx_dtype, split_accumulator=split_accumulator.dgrad))  # comm
     return dx, dw

@@ -27,6 +27,7 @@ import torch
 from transformer_engine.plugin import ops
 
 from ..quantization.quantizer import Float8CurrentScalingQuantizer
+from ..quantization.recipe_state import SplitAccumulator
 from ..quantization.roles import BWD_ROLES, FWD_ROLES, Role, slot
 from ._common import cast, no_torch_autocast, rows_of, unflatten
 
@@ -90,7 +91,7 @@ class GroupedFp8Args:
         m_splits: rows of each split (multiples of 16, summing to the input's rows).
         weights: the weights in FP8 (:func:`cast_weights`, or the module's cache of them).
         inputs, grad_outputs: the casts of x's and dy's splits.
-        split_accumulator: ``use_split_accumulator`` of the (fprop, dgrad, wgrad) GEMMs.
+        split_accumulator: ``use_split_accumulator`` of the fprop, dgrad and wgrad GEMMs.
         backward_update: the update of the gradients' scales, run at the end of backward, or None.
     """
 
@@ -99,7 +100,7 @@ class GroupedFp8Args:
     weights: GroupedFp8Weights
     inputs: SplitCaster
     grad_outputs: SplitCaster
-    split_accumulator: Tuple[bool, bool, bool]
+    split_accumulator: SplitAccumulator
     backward_update: Optional[Callable[..., None]] = None
 
 
@@ -137,7 +138,7 @@ class GroupedFp8Function(torch.autograd.Function):
             q_x, x_t, x_scale_inv = args.inputs.cast(cast(rows_of(inp), args.dtype), args.m_splits)
             bias = None if biases[0] is None else torch.stack([cast(b.detach(), args.dtype) for b in biases])
             y = ops.gemm_grouped(q_x, w.q, args.m_splits, a_scale_inv=x_scale_inv, b_scale_inv=w.scale_inv,
-                                 out_dtype=args.dtype, bias=bias, use_split_accumulator=args.split_accumulator[0])
+                                 out_dtype=args.dtype, bias=bias, use_split_accumulator=args.split_accumulator.fprop)
         ctx.save_for_backward(x_t, x_scale_inv, w.q_t, w.scale_inv)
         ctx.args, ctx.inp_meta = dataclasses.replace(args, weights=None), (inp.shape, inp.dtype)
         ctx.param_dtypes = tuple(p.dtype if p is not None else None for p in params)
@@ -155,13 +156,13 @@ class GroupedFp8Function(torch.autograd.Function):
             q_dy, dy_t, dy_scale_inv = args.grad_outputs.cast(dy, args.m_splits)
             if any(need_w):
                 dw = ops.gemm_grouped_wgrad(dy_t, x_t, args.m_splits, a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv,
-                                            out_dtype=ctx.param_dtypes[0], use_split_accumulator=args.split_accumulator[2])
+                                            out_dtype=ctx.param_dtypes[0], use_split_accumulator=args.split_accumulator.wgrad)
                 dws = [part if need else None for part, need in zip(dw.unbind(0), need_w)]
             if need_dx:
                 k, n = w_t.shape[0], w_t.shape[1] // groups
                 w_t_splits = w_t.view(k, groups, n).permute(1, 0, 2)  # [G, K, N]: W_g^T, rows strided by G N
                 dx = ops.gemm_grouped(q_dy, w_t_splits, args.m_splits, a_scale_inv=dy_scale_inv, b_scale_inv=w_scale_inv,
-                                      out_dtype=args.dtype, use_split_accumulator=args.split_accumulator[1])
+                                      out_dtype=args.dtype, use_split_accumulator=args.split_accumulator.dgrad)
                 dx = cast(dx.view(*inp_shape), inp_dtype)
             if any(need_b):
                 db = ops.column_sums_grouped(dy, args.m_splits, out_dtype=ctx.param_dtypes[groups])

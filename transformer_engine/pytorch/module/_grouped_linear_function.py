@@ -83,7 +83,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 need_dw = weights[i].requires_grad and q.for_training
                 x_op = quantize_operand(q.gemms[i].input, x_i, _no_gather, gathered=False, columnwise=need_dw and not keep_input)
                 w_op = cast(args.weight_operands[i], args.dtype)
-                ys.append(fprop(x_op, w_op, cast(biases[i], args.dtype), args.dtype, split_accumulator=q.split_accumulator[0]))
+                ys.append(fprop(x_op, w_op, cast(biases[i], args.dtype), args.dtype, split_accumulator=q.split_accumulator.fprop))
                 x_ops.append((x_i if keep_input else for_backward(x_op)) if need_dw else None)
                 w_ops.append(for_backward(w_op) if inp.requires_grad and q.for_training else None)
             save(ctx, *x_ops, *w_ops)

@@ -76,7 +76,7 @@ class LayerNormLinearFunction(torch.autograd.Function):
                 columnwise=need_dw and not gather, comm=comm.for_cast(quantizer),
             )
             w_op = cast(args.weight_operand, dtype)
-            y, ln_op = fprop_with_comm(ln_op, w_op, cast(bias, dtype), dtype, split_accumulator=q.split_accumulator[0],  # comm
+            y, ln_op = fprop_with_comm(ln_op, w_op, cast(bias, dtype), dtype, split_accumulator=q.split_accumulator.fprop,  # comm
                                        comm=comm, gather=gather, columnwise=need_dw)
             save(ctx, x, gamma, for_backward(ln_op) if need_dw else None, for_backward(w_op) if q.for_training else None, *stats)
         ctx.args = without_operands(args, "weight_operand")

@@ -71,10 +71,10 @@ class LayerNormMLPFunction(torch.autograd.Function):
                 columnwise=need_dw1 and not gather, comm=comm1.for_cast(g1.input),
             )
             w1, w2 = cast(args.fc1_operand, dtype), cast(args.fc2_operand, dtype)
-            h, ln_op = fprop_with_comm(ln_op, w1, cast(fc1_bias, dtype), dtype, split_accumulator=q.split_accumulator[0], comm=comm1,
+            h, ln_op = fprop_with_comm(ln_op, w1, cast(fc1_bias, dtype), dtype, split_accumulator=q.split_accumulator.fprop, comm=comm1,
                                        gather=gather, columnwise=need_dw1)
             a_op, _ = g2.input.produce(args.activation.producer(h), columnwise=need_dw2)
-            y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, split_accumulator=q.split_accumulator[0], comm=comm2,
+            y, _ = fprop_with_comm(a_op, w2, cast(fc2_bias, dtype), dtype, split_accumulator=q.split_accumulator.fprop, comm=comm2,
                                    gather=False, columnwise=False)
             w1_t, w2_t = (for_backward(w) if q.for_training else None for w in (w1, w2))
             if args.checkpoint and q.for_training:  # recomputed in backward from the norm's input (see the module docstring)
@@ -135,7 +135,7 @@ def _recompute(x, gamma, beta, w1, b1, args: LayerNormMLPArgs, recompute):
     dtype, comm1 = args.dtype, args.fc1_comm
     ln_op, _, _ = norm_then_quantize(x, gamma, beta, args.norm, quantizer1, dtype, return_hp=args.return_layernorm_output,
                                      columnwise=need_dw1, comm=comm1.for_cast(quantizer1))
-    h, ln_op = fprop_with_comm(ln_op, w1, b1, dtype, split_accumulator=args.quantization.split_accumulator[0], comm=comm1,
+    h, ln_op = fprop_with_comm(ln_op, w1, b1, dtype, split_accumulator=args.quantization.split_accumulator.fprop, comm=comm1,
                                gather=False, columnwise=need_dw1)
     a_op, _ = quantizer2.produce(args.activation.producer(h), columnwise=need_dw2)
     return for_backward(ln_op) if need_dw1 else None, h, for_backward(a_op) if need_dw2 else None

@@ -68,7 +68,7 @@ class LinearFunction(torch.autograd.Function):
             x_op = quantize_operand(quantizer, cast(x, args.dtype), cast_comm.gather_input, gathered=cast_comm.gathers_input,  # comm
                                     columnwise=need_dw and not gather and not keep_input)
             w_op = cast(args.weight_operand, args.dtype)
-            y, x_op = fprop_with_comm(x_op, w_op, cast(bias, args.dtype), args.dtype, split_accumulator=q.split_accumulator[0],  # comm
+            y, x_op = fprop_with_comm(x_op, w_op, cast(bias, args.dtype), args.dtype, split_accumulator=q.split_accumulator.fprop,  # comm
                                       comm=comm, gather=gather, columnwise=need_dw and not keep_input)
             saved_x = (x if keep_input else for_backward(x_op)) if need_dw else None
             save(ctx, saved_x, for_backward(w_op) if inp.requires_grad and q.for_training else None)

@@ -20,8 +20,9 @@ quantizers hold (``CustomRecipe.qfactory``).
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -57,8 +58,25 @@ __all__ = [
     "MXFP8BlockScalingRecipeState",
     "NVFP4BlockScalingRecipeState",
     "RecipeState",
+    "SplitAccumulator",
     "check_recipe_implemented",
 ]
+
+
+class SplitAccumulator(NamedTuple):
+    """``use_split_accumulator`` of a linear layer's three GEMMs (the recipes' ``fp8_gemm_fprop`` / ``_dgrad`` / ``_wgrad``)."""
+
+    fprop: bool
+    dgrad: bool
+    wgrad: bool
+
+
+#: every GEMM with the exact accumulation
+ALL_SPLIT = SplitAccumulator(fprop=True, dgrad=True, wgrad=True)
+#: TE's defaults: the fprop GEMM with the fast accumulation, dgrad and wgrad exact
+FAST_FPROP = SplitAccumulator(fprop=False, dgrad=True, wgrad=True)
+#: each combination of the three flags as one SplitAccumulator, made here rather than per forward call
+_SPLITS = {flags: SplitAccumulator(*flags) for flags in itertools.product((False, True), repeat=3)}
 
 _IMPLEMENTED = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, CustomRecipe)
 _MODES = ("forward", "backward")
@@ -153,8 +171,8 @@ class RecipeState:
         return Float8CurrentScalingRecipeState(recipe, mode, n)
 
     @property
-    def split_accumulator(self) -> Tuple[bool, bool, bool]:
-        """``use_split_accumulator`` of the (fprop, dgrad, wgrad) GEMMs."""
+    def split_accumulator(self) -> SplitAccumulator:
+        """``use_split_accumulator`` of the fprop, dgrad and wgrad GEMMs."""
         raise NotImplementedError
 
     def make_quantizers(self) -> List[Quantizer]:
@@ -224,8 +242,8 @@ class DelayedScalingRecipeState(RecipeState):
         return fp8_max(self.fp8_dtype)
 
     @property
-    def split_accumulator(self) -> Tuple[bool, bool, bool]:
-        return (False, True, True)
+    def split_accumulator(self) -> SplitAccumulator:
+        return FAST_FPROP
 
     def adjust_amax_history_length(self, length: int) -> None:
         """Resize the history in place to ``length`` rows: keep the first rows, or pad with zeros at the end."""
@@ -268,9 +286,10 @@ class Float8CurrentScalingRecipeState(RecipeState):
     """Current scaling: no tensors; each slot's quantizer uses the recipe's QParams for its role."""
 
     @property
-    def split_accumulator(self) -> Tuple[bool, bool, bool]:
+    def split_accumulator(self) -> SplitAccumulator:
         r = self.recipe
-        return (r.fp8_gemm_fprop.use_split_accumulator, r.fp8_gemm_dgrad.use_split_accumulator, r.fp8_gemm_wgrad.use_split_accumulator)
+        flags = (r.fp8_gemm_fprop.use_split_accumulator, r.fp8_gemm_dgrad.use_split_accumulator, r.fp8_gemm_wgrad.use_split_accumulator)
+        return _SPLITS.get(flags) or SplitAccumulator(*flags)
 
     def _qparams(self, index: int):
         if self.mode == "backward":
@@ -287,8 +306,8 @@ class Float8BlockScalingRecipeState(RecipeState):
     """Block scaling: no tensors; each slot's quantizer uses its role's tile (``*_block_scaling_dim``) and QParams."""
 
     @property
-    def split_accumulator(self) -> Tuple[bool, bool, bool]:
-        return (True, True, True)  # enforced by the recipe
+    def split_accumulator(self) -> SplitAccumulator:
+        return ALL_SPLIT  # enforced by the recipe
 
     def _block_dim_and_qparams(self, index: int):
         r = self.recipe
@@ -306,8 +325,8 @@ class MXFP8BlockScalingRecipeState(RecipeState):
     """MXFP8: no tensors; every slot casts blocks of 32 with E8M0 scales, E4M3 (backward E5M2 under HYBRID)."""
 
     @property
-    def split_accumulator(self) -> Tuple[bool, bool, bool]:
-        return (True, True, True)  # MXFP8 GEMMs accumulate in float32 (emulated: a float32 GEMM)
+    def split_accumulator(self) -> SplitAccumulator:
+        return ALL_SPLIT  # MXFP8 GEMMs accumulate in float32 (emulated: a float32 GEMM)
 
     def make_quantizers(self) -> List[Quantizer]:
         return [MXFP8Quantizer(self.fp8_dtype) for _ in range(self.num_quantizers)]
@@ -324,8 +343,8 @@ class NVFP4BlockScalingRecipeState(RecipeState):
     """
 
     @property
-    def split_accumulator(self) -> Tuple[bool, bool, bool]:
-        return (True, True, True)  # emulated: a float32 GEMM
+    def split_accumulator(self) -> SplitAccumulator:
+        return ALL_SPLIT  # emulated: a float32 GEMM
 
     def _qparams(self, index: int):
         if self.mode == "backward":
@@ -378,8 +397,8 @@ class CustomRecipeState(RecipeState):
     factory_quantizers: Tuple = ()
 
     @property
-    def split_accumulator(self) -> Tuple[bool, bool, bool]:
-        return (False, True, True)  # TE's defaults where a recipe names none
+    def split_accumulator(self) -> SplitAccumulator:
+        return FAST_FPROP  # TE's defaults where a recipe names none
 
     def make_quantizers(self) -> List[Quantizer]:
         roles = _CUSTOM_ROLES[self.mode]
