@@ -66,3 +66,8 @@ def three_kinds(**fail) -> OpManager:
         make_impl("vendor.acme"),
         make_impl("reference.torch"),
     )
+
+
+def explained_order(manager, op: str = "relu", x=None) -> list:
+    """The impl ids ``manager.explain`` would try for ``op`` on ``x`` (a cpu float32 FakeTensor by default), in order."""
+    return [d.impl_id for d in manager.explain(op, FakeTensor() if x is None else x) if d.status != "rejected"]

@@ -1,4 +1,7 @@
-"""Isolation for the dispatch-core tests: no TE_FL_* variable leaks in, no policy or op leaks out."""
+"""Isolation for the dispatch-core tests: no TE_FL_* variable leaks in, no policy or op leaks out; ``site``, a
+temporary import directory for plugin modules."""
+
+import sys
 
 import pytest
 
@@ -50,3 +53,14 @@ def fake_gpu_probe():
     with devices._lock:
         devices._probes.pop("tefltestgpu", None)
         devices._probe_cache.clear()
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A temporary directory on sys.path; ``tefl_test_*`` modules imported from it are forgotten afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        if name.startswith("tefl_test_"):
+            del sys.modules[name]

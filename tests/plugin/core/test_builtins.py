@@ -5,7 +5,6 @@ The core names no in-tree backend and carries no measurement: the list of built-
 declares the ops it was measured faster at in its ``TE_FL_MEASURED_PER_OP``, stored with its impls.
 """
 
-import sys
 import textwrap
 from pathlib import Path
 
@@ -52,17 +51,6 @@ def provider():
     previous = set_builtin_provider(None)
     yield
     set_builtin_provider(previous)
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    """A temporary directory on sys.path; ``tefl_test_*`` modules imported from it are forgotten afterwards."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before = set(sys.modules)
-    yield tmp_path
-    for name in set(sys.modules) - before:
-        if name.startswith("tefl_test_"):
-            del sys.modules[name]
 
 
 def _write_backend(root: Path, name: str, impl_id: str) -> None:

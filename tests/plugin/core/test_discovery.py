@@ -48,17 +48,6 @@ def _install_distribution(root: Path, dist: str, entry_points: dict) -> None:
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
 
 
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    """A temporary site directory on sys.path; modules imported from it are forgotten afterwards."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before = set(sys.modules)
-    yield tmp_path
-    for name in set(sys.modules) - before:
-        if name.startswith("tefl_test_"):
-            del sys.modules[name]
-
-
 def _manager() -> OpManager:
     return OpManager(OpRegistry(), load_builtins=False, discover=True)
 

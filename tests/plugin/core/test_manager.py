@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from tests.plugin.core._plugin_fakes import FakeTensor, make_impl, make_manager, relu_impl, three_kinds
+from tests.plugin.core._plugin_fakes import FakeTensor, explained_order, make_impl, make_manager, relu_impl, three_kinds
 from transformer_engine.plugin._ops import OpNamespace
 from transformer_engine.plugin.core import (
     Capabilities,
@@ -25,10 +25,6 @@ from transformer_engine.plugin.core import (
 X = FakeTensor()
 
 
-def _order(manager, op="relu", x=X):
-    return [d.impl_id for d in manager.explain(op, x) if d.status != "rejected"]
-
-
 # -- ordering and priority ---------------------------------------------------------------------
 @pytest.mark.parametrize(
     "prefer, order",
@@ -41,7 +37,7 @@ def _order(manager, op="relu", x=X):
 def test_prefer_orders_the_kinds(prefer, order):
     manager = three_kinds()
     with with_preference(prefer):
-        assert _order(manager) == order
+        assert explained_order(manager) == order
         assert manager.call("relu", X) == order[0]
 
 
@@ -57,7 +53,7 @@ def test_priority_orders_inside_a_kind_then_impl_id():
         make_impl("vendor.c", priority=300),
     )
     with with_preference("vendor"):
-        assert _order(manager) == ["vendor.c", "vendor.a", "vendor.b"]
+        assert explained_order(manager) == ["vendor.c", "vendor.a", "vendor.b"]
 
 
 def test_a_plugin_takes_over_an_op_by_priority():
@@ -65,7 +61,7 @@ def test_a_plugin_takes_over_an_op_by_priority():
     assert manager.call("relu", X) == "flagos.triton"
     manager.registry.register(make_impl("flagos.myplugin", priority=200))
     assert manager.call("relu", X) == "flagos.myplugin"
-    assert _order(manager)[:2] == ["flagos.myplugin", "flagos.triton"]
+    assert explained_order(manager)[:2] == ["flagos.myplugin", "flagos.triton"]
 
 
 @pytest.mark.parametrize("per_op", ["relu=impl:vendor.acme", "relu=vendor:ACME", "relu = Vendor:acme "])
@@ -75,7 +71,7 @@ def test_a_plugin_takes_over_an_op_through_te_fl_per_op(monkeypatch, per_op):
     monkeypatch.setenv("TE_FL_PER_OP", per_op)
     reset_global_policy()
     assert manager.call("relu", X) == "vendor.acme"
-    assert _order(manager) == ["vendor.acme", "flagos.triton", "reference.torch"]
+    assert explained_order(manager) == ["vendor.acme", "flagos.triton", "reference.torch"]
 
 
 def test_vendor_names_match_case_insensitively():
@@ -89,7 +85,7 @@ def test_vendor_names_match_case_insensitively():
 def test_per_op_order_keeps_the_default_order_as_tail():
     manager = three_kinds()
     with policy_context(SelectionPolicy(per_op_order={"relu": "reference"})):
-        assert _order(manager) == ["reference.torch", "flagos.triton", "vendor.acme"]
+        assert explained_order(manager) == ["reference.torch", "flagos.triton", "vendor.acme"]
 
 
 def test_only_marker_excludes_the_rest_with_a_reason():

@@ -21,10 +21,6 @@ from transformer_engine.plugin.core.types import ArgKey
 X = FakeTensor()
 
 
-def _order(manager, op="relu", x=X):
-    return [d.impl_id for d in manager.explain(op, x) if d.status != "rejected"]
-
-
 # -- caching and invalidation ------------------------------------------------------------------
 def test_plans_are_cached_per_key():
     probes = []
