@@ -162,7 +162,8 @@ def _shared_cpu() -> list:
 
 def _start(tree: Path, groups, backend: str) -> Tuple[subprocess.Popen, str, list]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT / "benchmarks")]), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", "--groups", ",".join(groups), "--backend", backend, *_shared_cpu()], env=env,
+    proc = subprocess.Popen([sys.executable, __file__, "--worker", "--groups", ",".join(groups), "--backend", backend, *_shared_cpu()],
+                            env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("READY "):

@@ -80,7 +80,8 @@ def _plugin_runner(problem: Problem, tensors, impl_id: Optional[str], backend: s
         with backend_policy(backend):
             if impl_id is None:
                 return ops.fused_attn_fwd.traced(q, k, v, config)
-            return manager.call_impl("fused_attn_fwd", impl_id, q, k, v, config), manager.registry.get_implementation("fused_attn_fwd", impl_id)
+            return manager.call_impl("fused_attn_fwd", impl_id, q, k, v, config), manager.registry.get_implementation("fused_attn_fwd",
+                                                                                                                      impl_id)
 
     (out, ctx), impl = forward()
 

@@ -204,7 +204,8 @@ def _report(s: CPShape, cp: int, rows: List[Dict], dtype: torch.dtype, args) -> 
         print_table(f"{MODULES[module]} fwd+bwd ({shape}, causal, {str(dtype).removeprefix('torch.')}): "
                     f"1 GPU vs CP={cp} ({args.dist_backend}, median of {args.iters})",
                     ["seq", "comm type", "1 GPU ms", f"CP={cp} ms", "efficiency", "peak GiB per rank (max)", "note"], table)
-    write_json(args.json, {"shape": dataclasses.asdict(s), "cp": cp, "dist_backend": args.dist_backend, "dtype": str(dtype), "recipe": args.recipe,
+    write_json(args.json,
+               {"shape": dataclasses.asdict(s), "cp": cp, "dist_backend": args.dist_backend, "dtype": str(dtype), "recipe": args.recipe,
                            "warmup": args.warmup, "iters": args.iters, "rows": rows})
 
 

@@ -107,7 +107,8 @@ def norm_cases(m: int = 16384, h: int = 4096) -> List[Case]:
     eps, scale = 1e-5, torch.tensor([2.0], device="cuda")
 
     def make_fwd():
-        return torch.randn(m, h, device="cuda", dtype=BF16), torch.randn(h, device="cuda", dtype=BF16), torch.randn(h, device="cuda", dtype=BF16)
+        return torch.randn(m, h, device="cuda", dtype=BF16), torch.randn(h, device="cuda", dtype=BF16), torch.randn(h, device="cuda",
+                                                                                                                    dtype=BF16)
 
     def make_bwd():
         x, w, b = make_fwd()

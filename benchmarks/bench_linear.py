@@ -115,7 +115,8 @@ def _rows(args, fp8: bool) -> Tuple[List[dict], List[Callable[[], object]]]:
             try:
                 ms = time_fn(fn, warmup=args.warmup, iters=args.iters)
             except Exception as exc:  # noqa: BLE001 - one failing provider must not hide the others
-                rows.append({"dtype": "fp8" if fp8 else "bf16", "gemm": product.name, "provider": name, "error": f"{type(exc).__name__}: {exc}"[:120]})
+                rows.append({"dtype": "fp8" if fp8 else "bf16", "gemm": product.name, "provider": name,
+                             "error": f"{type(exc).__name__}: {exc}"[:120]})
                 continue
             raw_ms = raw_ms or ms
             rows.append({"dtype": "fp8" if fp8 else "bf16", "gemm": product.name, "provider": name, "ms": ms,
@@ -244,7 +245,8 @@ def main() -> None:
         ["dtype", "gemm", "provider", "ms", "TFLOP/s", "vs raw", "b2b ms", "vs raw b2b", "vs sum of GEMM rows"],
         [[r["dtype"], r["gemm"], r["provider"],
           *((f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{r['vs_raw']:.3f}") if "ms" in r else (r["error"], "-", "-")),
-          *((f"{r['ms_back_to_back']:.3f}", f"{r['vs_raw_back_to_back']:.3f}", f"{r['vs_raw_sum']:.3f}") if "ms_back_to_back" in r else ("-", "-", "-"))]
+          *((f"{r['ms_back_to_back']:.3f}", f"{r['vs_raw_back_to_back']:.3f}",
+             f"{r['vs_raw_sum']:.3f}") if "ms_back_to_back" in r else ("-", "-", "-"))]
          for r in rows],
     )
     write_json(args.json, {"benchmark": "linear_gemm", "shape": {"m": args.m, "n": args.n, "k": args.k}, "results": rows})

@@ -76,7 +76,8 @@ def main() -> None:
         runs = times[(kind, name)]
         ms = statistics.median(runs)
         tbs = ideal_bytes(m, h, sum(p.numel() // h for p in module.parameters()), dtype) / ms / 1e9
-        rows.append(dict(norm=kind, module=name, ms=ms, ms_min=min(runs), ms_max=max(runs), runs_ms=runs, tb_s=tbs, vs_te=tbs / TE_TBS[kind]))
+        rows.append(dict(norm=kind, module=name, ms=ms, ms_min=min(runs), ms_max=max(runs), runs_ms=runs, tb_s=tbs,
+                         vs_te=tbs / TE_TBS[kind]))
     print_table(
         f"norm modules fwd+bwd [{m}, {h}] bf16 (ideal bytes / median of {args.repeats} timings; NVIDIA TE per PERF.md, "
         f"target {TARGET}x TE)",

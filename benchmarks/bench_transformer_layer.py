@@ -156,7 +156,8 @@ def main() -> None:
         "te.TransformerLayer bf16": lambda: (_te_layer(te, s, device), none),
     }
     fp8_recipes = {
-        "te.TransformerLayer FP8 delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
+        "te.TransformerLayer FP8 delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
+                                                                 amax_compute_algo="max"),
         "te.TransformerLayer FP8 current": recipe.Float8CurrentScaling(),
         "te.TransformerLayer FP8 block": recipe.Float8BlockScaling(),
         "te.TransformerLayer MXFP8 (emulated)": recipe.MXFP8BlockScaling(),

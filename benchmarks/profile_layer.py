@@ -212,7 +212,7 @@ def peak_breakdown(step: Callable) -> Tuple[int, str, Counter]:
 def _allocating_line(frames) -> str:
     ours = [f for f in frames if "transformer_engine/" in f["filename"] or "benchmarks/" in f["filename"]]
     frame = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
-    return f"{frame['filename'].rsplit('/', 2)[-1] if 'benchmarks/' in frame['filename'] else frame['filename'].split('transformer_engine/')[-1]}:{frame['line']} {frame['name']}"
+    return f"{frame['filename'].rsplit('/', 2)[-1] if 'benchmarks/' in frame['filename'] else frame['filename'].split('transformer_engine/')[-1]}:{frame['line']} {frame['name']}"  # noqa: E501
 
 
 def _our_callers(event, depth: int = 3):

@@ -130,7 +130,8 @@ def test_text_report_shows_every_section(capsys):
 
 
 def _describe_chosen(device):
-    return {op: next((d.impl_id for d in rows if d.status == "selected"), None) for op, rows in get_default_manager().describe(device).items()}
+    return {op: next((d.impl_id for d in rows if d.status == "selected"), None) for op,
+            rows in get_default_manager().describe(device).items()}
 
 
 def test_plain_text_without_rich(capsys, monkeypatch):

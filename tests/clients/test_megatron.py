@@ -1,7 +1,8 @@
 """Megatron-Core (megatron-core from PyPI, unchanged) as a client: its GPT built from the Transformer Engine
 layer spec runs on our package.
 
-On the CPU with gloo ranks (and on GPUs with nccl ranks, ``gpu`` tests): the TE-spec GPT computes the loss of the same GPT built from Megatron's local
+On the CPU with gloo ranks (and on GPUs with nccl ranks, ``gpu`` tests): the TE-spec GPT computes the loss of the same GPT built from
+Megatron's local
 (non-TE) spec holding the same weights, trains alongside it, trains under FP8 (emulated), and at tensor
 parallelism 2 computes what it computes on one rank. (Megatron's local core attention allocates its
 buffers on CUDA, so on the CPU the local spec takes the TE core attention: the comparison covers the linear

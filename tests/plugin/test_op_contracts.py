@@ -269,7 +269,8 @@ case("multi_tensor_scale", "unequal_lengths", lambda: (64, _flag(), [[rnd(3)], [
 case("multi_tensor_l2norm", "empty_lists", lambda: (64, _flag(), [[]]))
 case("multi_tensor_l2norm", "nonfinite", lambda: (64, _flag(), [[nonfinite(9), rnd(0)]]), per_tensor=True)
 case("multi_tensor_adam", "empty_tensor", lambda: (64, _flag(), _adam_lists([rnd(0), rnd(5)]), 1e-3, 0.9, 0.99, 1e-8, 1, 1, True, 0.0))
-case("multi_tensor_adam", "nonfinite_grad", lambda: (64, _flag(), [[nonfinite(5)], [rnd(5)], [rnd(5)], [rnd(5).abs()]], 1e-3, 0.9, 0.99, 1e-8, 1, 1, True, 0.0))
+case("multi_tensor_adam", "nonfinite_grad",
+     lambda: (64, _flag(), [[nonfinite(5)], [rnd(5)], [rnd(5)], [rnd(5).abs()]], 1e-3, 0.9, 0.99, 1e-8, 1, 1, True, 0.0))
 case("multi_tensor_sgd", "empty_tensor", lambda: (64, _flag(), [[rnd(0)], [rnd(0)], [rnd(0)]], 0.0, 0.9, 0.0, 0.1, False, True, False, 1.0))
 
 
@@ -283,12 +284,16 @@ for op in ("fused_rope_forward", "fused_rope_backward"):
     case(op, "noncontiguous", lambda: (rnd(2, 4, 2, 8).transpose(0, 1), _freqs(4, 8)))
 
 _CFG = AttentionConfig(softmax_scale=0.5, mask_type="causal")
-case("fused_attn_fwd", "empty_batch", lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
+case("fused_attn_fwd", "empty_batch",
+     lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
 case("fused_attn_fwd", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(3)) + (_CFG,))
-case("attention_block_fwd", "empty_batch", lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
-case("attention_block_fwd", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(3)) + (_CFG,))
+case("attention_block_fwd", "empty_batch",
+     lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
+case("attention_block_fwd", "noncontiguous",
+     lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(3)) + (_CFG,))
 case("attention_max_logit", "empty_batch", lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
-case("attention_max_logit", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(2)) + (_CFG,))
+case("attention_max_logit", "noncontiguous",
+     lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(2)) + (_CFG,))
 
 case("gemm", "empty_m", lambda: (rnd(0, 4), rnd(4, 3)))
 case("gemm", "empty_k_bias", lambda: (rnd(2, 0), rnd(0, 3), rnd(3)))
@@ -415,7 +420,8 @@ def _assert_same_tensor(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
         return
     a64, b64 = a.float().double(), b.float().double()
     assert torch.equal(torch.isnan(a64), torch.isnan(b64)), f"{where}: NaN positions differ"
-    assert torch.equal(torch.isposinf(a64), torch.isposinf(b64)) and torch.equal(torch.isneginf(a64), torch.isneginf(b64)), f"{where}: inf positions differ"
+    assert torch.equal(torch.isposinf(a64), torch.isposinf(b64)) and torch.equal(torch.isneginf(a64),
+                                                                                 torch.isneginf(b64)), f"{where}: inf positions differ"
     finite = torch.isfinite(a64) & torch.isfinite(b64)
     tol = dtype_tols(a.dtype if a.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32)
     if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # one FP8 step apart at most (rounding ties)
@@ -429,7 +435,8 @@ _PARAMS = [pytest.param(op, name, make, kwargs, id=f"{op}-{name}") for op, cases
 
 def test_every_op_has_edge_cases():
     """New catalog ops get edge cases here (attention backward reuses the forward's ctx: covered by its tier)."""
-    missing = {spec.name for spec in list_specs()} - set(CASES) - {"fused_attn_bwd", "attention_block_bwd", "gemm_blockwise", "dactivation_",
+    missing = {spec.name for spec in list_specs()} - set(CASES) - {"fused_attn_bwd", "attention_block_bwd", "gemm_blockwise",
+                                                                   "dactivation_",
                                                                    "delayed_scaling_update_"}
     assert not missing, f"catalog ops without edge cases: {sorted(missing)}"
 

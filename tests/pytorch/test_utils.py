@@ -21,7 +21,8 @@ def test_normal_initializers_draw_with_the_stated_std():
 
 
 def test_integer_helpers_check_their_arguments():
-    assert utils.divide(12, 4) == 3 and utils.round_up_to_nearest_multiple(33, 32) == 64 and utils.round_up_to_nearest_multiple(64, 32) == 64
+    assert utils.divide(12, 4) == 3 and utils.round_up_to_nearest_multiple(33, 32) == 64 and utils.round_up_to_nearest_multiple(64,
+                                                                                                                                32) == 64
     with pytest.raises(ValueError, match="13 is not divisible by 4"):
         utils.divide(13, 4)
     with pytest.raises(ValueError, match="zero"):

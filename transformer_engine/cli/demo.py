@@ -6,7 +6,8 @@ tree; each run replaces the files there. A second high-precision run with anothe
 the default on CPU and GPU) measures the seed-to-seed spread that FP8's loss gap is judged against.
 On CPU the default (size ``tiny``, 200 steps, three runs) takes under a minute; on a GPU the
 default size is ``large`` (hidden 4096, where FP8's GEMMs pay off in eager mode; both runs eager).
-matplotlib (for the plot) is checked before any training; ``--no-plot`` skips the plot. Ctrl-C stops training and still writes what was measured.
+matplotlib (for the plot) is checked before any training; ``--no-plot`` skips the plot. Ctrl-C stops training and still writes what was
+measured.
 """
 
 from __future__ import annotations

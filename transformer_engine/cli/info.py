@@ -107,7 +107,8 @@ def _devices() -> List[Dict[str, Any]]:
         return devices
     for index in range(count):
         major, minor = torch.cuda.get_device_capability(index)
-        devices.append({"type": "cuda", "index": index, "name": torch.cuda.get_device_name(index), "compute_capability": f"{major}.{minor}"})
+        devices.append({"type": "cuda", "index": index, "name": torch.cuda.get_device_name(index),
+                        "compute_capability": f"{major}.{minor}"})
     return devices
 
 
@@ -199,7 +200,8 @@ def _sections(info: Dict[str, Any]) -> List[_Section]:
         _Section("Settings (environment)", ("variable", "value", "meaning"), [_setting_row(row) for row in info["settings"]]),
     ]
     for device, table in info["dispatch"].items():
-        sections.append(_Section(f"Dispatch on {device}", ("op", "runs", "passed over"), [_dispatch_row(op, entry) for op, entry in table.items()]))
+        sections.append(_Section(f"Dispatch on {device}", ("op", "runs", "passed over"),
+                                 [_dispatch_row(op, entry) for op, entry in table.items()]))
     return sections
 
 
@@ -207,7 +209,8 @@ def _policy_rows(policy: Dict[str, Any]) -> List[Tuple[str, str]]:
     per_op = "; ".join(f"{op}={'|'.join(tokens)}" for op, tokens in policy["per_op"].items())
     rows = [
         ("prefer", policy["prefer"]),
-        ("strict", "yes: an implementation's error propagates" if policy["strict"] else "no: an error falls back to the next implementation"),
+        ("strict",
+         "yes: an implementation's error propagates" if policy["strict"] else "no: an error falls back to the next implementation"),
         ("per-op order", per_op or "none"),
         ("allowed vendors", "all" if policy["allow_vendors"] is None else ", ".join(policy["allow_vendors"]) or "none"),
         ("denied vendors", ", ".join(policy["deny_vendors"]) or "none"),

@@ -38,7 +38,7 @@ Example:
     True
     >>> read_flag("TE_FL_STRICT", {"TE_FL_STRICT": "yes"})
     True
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

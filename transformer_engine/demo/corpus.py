@@ -81,7 +81,8 @@ class CharCorpus:
         """Generate both splits; the alphabet is the sorted set of characters the grammar can emit."""
         train_text = generate_text(train_chars, seed)
         valid_text = generate_text(valid_chars, seed + 1_000_003)
-        alphabet = "".join(sorted(set(" .,") | {c for rules in _GRAMMAR.values() for _, body in rules for w in body if w not in _GRAMMAR for c in w}))
+        alphabet = "".join(sorted(set(" .,") | {c for rules in _GRAMMAR.values() for _,
+                                                body in rules for w in body if w not in _GRAMMAR for c in w}))
         index = {c: i for i, c in enumerate(alphabet)}
         return cls([index[c] for c in train_text], [index[c] for c in valid_text], alphabet)
 

@@ -13,7 +13,8 @@ Rules:
   Layers 0 .. num_layers - 1 offload; the last ones keep their tensors on the GPU, since backward needs
   them first.
 - Offloaded: each tensor saved for backward inside ``context`` (``torch.autograd.graph.saved_tensors_hooks``)
-  during a forward pass (not a recomputation inside backward) that lives on a CUDA device, holds at least ``_MIN_BYTES`` (a smaller one saves less memory than its two
+  during a forward pass (not a recomputation inside backward) that lives on a CUDA device, holds at least ``_MIN_BYTES`` (a smaller one
+  saves less memory than its two
   copies cost in launches) and is neither a parameter nor a view of one (weights stay where they are).
 - Forward: at ``sync`` after layer k its tensors are copied to pinned host memory on a side stream; their
   GPU memory goes back to PyTorch's allocator once that copy is done (``record_stream``), if nothing else

@@ -53,7 +53,8 @@ from .module.base import first_microbatch
 from .quantization.autocast import autocast, isolated_stack
 from .quantization.delayed_update import hold_plans
 
-__all__ = ["is_graph_capturing", "make_graphed_callables", "restore_fp8_tensors", "save_fp8_tensors", "set_capture_end", "set_capture_start"]
+__all__ = ["is_graph_capturing", "make_graphed_callables", "restore_fp8_tensors", "save_fp8_tensors", "set_capture_end",
+           "set_capture_start"]
 
 #: TE's deprecated argument names and the names that replace them.
 _ALIASES = {

@@ -280,7 +280,8 @@ class TransformerLayer(torch.nn.Module):
                       alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill)
         attn = self.self_attention(
             x, attention_mask=attention_mask, attn_mask_type=_pick(self_attn_mask_type, self.self_attn_mask_type),
-            window_size=_pick(window_size, self.window_size), bottom_right_diagonal=_pick(bottom_right_diagonal, self.bottom_right_diagonal),
+            window_size=_pick(window_size, self.window_size),
+                                   bottom_right_diagonal=_pick(bottom_right_diagonal, self.bottom_right_diagonal),
             inference_params=inference_params, rotary_pos_emb=rotary_pos_emb, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, pad_between_seqs=pad_between_seqs, **shared,

@@ -120,7 +120,8 @@ def test_check_impl_accepts_equal_and_rejects_different_signatures():
     def swapped(x, dy):
         return dy
 
-    with pytest.raises(CatalogError, match=r"reference.torch: the impl of op 'dgelu' has signature \(x, dy\), but the catalog declares dgelu\(dy, x\)"):
+    with pytest.raises(CatalogError,
+                       match=r"reference.torch: the impl of op 'dgelu' has signature \(x, dy\), but the catalog declares dgelu\(dy, x\)"):
         spec.check_impl(swapped, "reference.torch")
 
 

@@ -25,7 +25,8 @@ def test_load_env_reads_os_environ_when_given_nothing(monkeypatch):
 # -- TE_FL_PREFER ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "value, expected",
-    [("flagos", "flagos"), ("vendor", "vendor"), ("reference", "reference"), ("  VENDOR ", "vendor"), ("Reference", "reference"), ("", "flagos")],
+    [("flagos", "flagos"), ("vendor", "vendor"), ("reference", "reference"), ("  VENDOR ", "vendor"), ("Reference", "reference"),
+     ("", "flagos")],
 )
 def test_prefer_accepts_the_three_kinds_in_any_case(value, expected, recwarn):
     assert load_env({"TE_FL_PREFER": value}).prefer == expected
@@ -155,7 +156,8 @@ def test_plugin_modules_comma_list():
     assert load_env({"TE_FL_PLUGIN_MODULES": " pkg_a , pkg.b,, c "}).plugin_modules == ("pkg_a", "pkg.b", "c")
 
 
-@pytest.mark.parametrize("name, level", [("debug", logging.DEBUG), ("INFO", logging.INFO), (" Error ", logging.ERROR), ("", logging.WARNING)])
+@pytest.mark.parametrize("name, level",
+                         [("debug", logging.DEBUG), ("INFO", logging.INFO), (" Error ", logging.ERROR), ("", logging.WARNING)])
 def test_log_level_names(name, level):
     assert load_env({"TE_FL_LOG_LEVEL": name}).log_level == level
 

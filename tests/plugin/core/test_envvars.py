@@ -71,7 +71,8 @@ def test_unknown_variable_warns_naming_the_closest_known_one(name, guess):
 
 
 def test_unknown_variable_without_a_close_match_lists_the_known_ones():
-    with pytest.warns(PolicyConfigWarning, match=r"unknown environment variable TE_FL_ZZZZZZZZZZZZZZZ is ignored; known variables: TE_FL_PREFER, "):
+    with pytest.warns(PolicyConfigWarning,
+                      match=r"unknown environment variable TE_FL_ZZZZZZZZZZZZZZZ is ignored; known variables: TE_FL_PREFER, "):
         check_environment({"TE_FL_ZZZZZZZZZZZZZZZ": "1"})
 
 
@@ -126,7 +127,8 @@ def test_lookup_reports_which_name_was_set():
 
 def _run(code: str, **env):
     full = {"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True, timeout=300,
+                          cwd=str(REPO))
 
 
 _INIT = """
@@ -244,7 +246,8 @@ def test_deny_vendors_naming_a_kind_warns_naming_vendors_and_the_way_to_exclude_
 def test_allow_vendors_naming_a_kind_warns(monkeypatch):
     found = _init_with_registered_vendor(monkeypatch, TE_FL_ALLOW_VENDORS="flagos")
     assert len(found) == 1
-    assert str(found[0].message).startswith("TE-FL: TE_FL_ALLOW_VENDORS names 'flagos', a backend kind, not a vendor, so it allows no vendor by that name")
+    assert str(found[0].message).startswith("TE-FL: TE_FL_ALLOW_VENDORS names 'flagos', a backend kind, not a vendor, "
+                                            "so it allows no vendor by that name")
 
 
 def test_near_miss_of_a_registered_vendor_warns_but_an_absent_vendor_is_silent(monkeypatch):

@@ -171,7 +171,9 @@ def test_no_implementation_error_names_every_reason():
         make_impl("vendor.acme", supports=lambda x: Reject("odd sizes unsupported")),
     )
     with with_denied_vendors("acme"):
-        with pytest.raises(NoImplementationError, match=r"(?s)op 'relu' can run for cpu / float32.*flagos.triton: device 'cpu'.*vendor.acme: vendor 'acme' is denied"):
+        with pytest.raises(NoImplementationError,
+                           match=r"(?s)op 'relu' can run for cpu / float32.*flagos.triton: device 'cpu'.*"
+                                 r"vendor.acme: vendor 'acme' is denied"):
             manager.call("relu", X)
     with pytest.raises(NoImplementationError, match=r"(?s)flagos.triton: device.*vendor.acme: odd sizes unsupported"):
         manager.call("relu", X)
@@ -228,7 +230,8 @@ def test_strict_zero_means_fallback(monkeypatch):
 
 
 def test_strict_mode_with_a_supports_predicate_still_skips_declined_impls():
-    manager = make_manager(make_impl("flagos.triton", supports=lambda x: False), make_impl("reference.torch", relu_impl("r", always_fail=True)))
+    manager = make_manager(make_impl("flagos.triton", supports=lambda x: False),
+                           make_impl("reference.torch", relu_impl("r", always_fail=True)))
     with with_strict_mode(), pytest.raises(RuntimeError, match="r cannot do this"):
         manager.call("relu", X)
 
@@ -254,7 +257,8 @@ def test_a_head_with_a_predicate_that_accepts_then_raises_falls_back_unless_stri
 
 
 def test_a_lone_head_with_a_predicate_raises_its_own_error_or_its_reason():
-    manager = make_manager(make_impl("flagos.triton", relu_impl("flagos.triton", fail_on_bad=True), supports=lambda x: x.dtype == "float32" or Reject("float32 only")))
+    manager = make_manager(make_impl("flagos.triton", relu_impl("flagos.triton", fail_on_bad=True),
+                                     supports=lambda x: x.dtype == "float32" or Reject("float32 only")))
     with pytest.warns(FallbackWarning), pytest.raises(RuntimeError, match="flagos.triton cannot do this"):
         manager.call("relu", FakeTensor(bad=True))
     with pytest.raises(NoImplementationError, match="flagos.triton: float32 only"):

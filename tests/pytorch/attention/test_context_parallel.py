@@ -203,7 +203,8 @@ def test_sliding_window(ranks, comm_type, mask, window):
 
 
 def check_dropout(mask: str, comm_type: str = "p2p"):
-    """``comm_type`` ("p2p"; "all_gather", whose causal second chunk runs as two blocks) with attention dropout: repeatable under torch.manual_seed, not the output without dropout, and its
+    """``comm_type`` ("p2p"; "all_gather", whose causal second chunk runs as two blocks) with attention dropout: repeatable under
+    torch.manual_seed, not the output without dropout, and its
     backward is the derivative of its forward with the same masks (directional central differences of
     <dO, out> along random directions of q, k, v; float32 ring math, eps = 1e-2: agreement to ~1e-3 relative,
     while a backward with other masks or without them is off by O(1)).
@@ -339,7 +340,8 @@ def check_errors():
     cases = [
         (TypeError, "pair \\[a2a_group, p2p_group\\]", lambda: dpa("a2a+p2p")),
         (NotImplementedError, "windows with causal masks only", lambda: dpa("all_gather", qkv_format="thd", attn_mask_type="padding",
-                                                                             window_size=(2, 2))(q[0], kv[0], kv[0], **_offsets([4 * size], [4 * size], dev))),
+                                                                             window_size=(2, 2))(q[0], kv[0], kv[0],
+                                                                                                 **_offsets([4 * size], [4 * size], dev))),
         (ValueError, "cu_seqlens_q_padded", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], cu_seqlens_q=_cu([4], dev),
                                                                          cu_seqlens_kv=_cu([4], dev))),
         (ValueError, "multiple of 2 \\* cp_size", lambda: dpa(qkv_format="thd")(q[0], kv[0], kv[0], **_offsets([3], [6], dev))),

@@ -193,7 +193,8 @@ def test_fused_non_interleaved_qkv_under_tensor_parallelism_holds_each_ranks_hea
     assert not hasattr(plain.qkv.weight, "partition_sections")
 
 
-@pytest.mark.parametrize("groups,sizes,dim", [((4, 3), (1, 1, 1), -2), ((2, 4), (2, 1, 1), -2), ((4, 2), (2, 1, 1), -3), ((3, 2), (1, 1), -2)])
+@pytest.mark.parametrize("groups,sizes,dim",
+                         [((4, 3), (1, 1, 1), -2), ((2, 4), (2, 1, 1), -2), ((4, 2), (2, 1, 1), -3), ((3, 2), (1, 1), -2)])
 def test_split_heads_matches_autograd_split(groups, sizes, dim):
     """The q/k/v views and the one-concatenation backward equal view + split + reshape under autograd,
     also when a part gets no gradient (it contributes zeros)."""

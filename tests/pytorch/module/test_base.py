@@ -11,7 +11,8 @@ import torch
 
 import transformer_engine.pytorch as te
 from tests.utils import randn
-from transformer_engine.common.recipe import CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, NVFP4BlockScaling
+from transformer_engine.common.recipe import CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, \
+    NVFP4BlockScaling
 from transformer_engine.pytorch.tensor import DType, Float8CurrentScalingQuantizer
 from transformer_engine.pytorch.module.base import first_microbatch
 
@@ -290,11 +291,13 @@ def test_extra_state_is_te_s_checkpoint_format_both_ways():
     ours = pickle.loads(layer.get_extra_state().numpy().tobytes())
     assert ours["recipe"] == RECIPE and ours["extra_fp8_variables"]["num_gemms"] == 2
     meta = layer.fp8_meta
-    assert torch.equal(ours["scale_fwd"], meta["scaling_fwd"].scale) and torch.equal(ours["amax_history_bwd"], meta["scaling_bwd"].amax_history)
+    assert torch.equal(ours["scale_fwd"], meta["scaling_fwd"].scale) and torch.equal(ours["amax_history_bwd"],
+                                                                                     meta["scaling_bwd"].amax_history)
 
     theirs = _te_state(RECIPE, 6, 4, 2, torch.Generator().manual_seed(0))
     fresh = te.LayerNormMLP(32, 64, activation="swiglu")
-    fresh.load_state_dict({**{k: v for k, v in layer.state_dict().items() if k != "_extra_state"}, "_extra_state": _as_bytes_tensor(theirs)})
+    fresh.load_state_dict({**{k: v for k, v in layer.state_dict().items() if k != "_extra_state"},
+                           "_extra_state": _as_bytes_tensor(theirs)})
     state = fresh.fp8_meta["scaling_fwd"]
     assert torch.equal(state.scale, theirs["scale_fwd"]) and torch.equal(state.amax_history, theirs["amax_history_fwd"])
     assert torch.equal(state.scale_inv, 1 / theirs["scale_fwd"])

@@ -54,7 +54,8 @@ def test_return_bias_and_layernorm_output():
     assert layer.bias.grad is None  # the returned bias was not used in the loss
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()],
+                         ids=["delayed", "current", "block"])
 @pytest.mark.parametrize("return_ln", [False, True])
 def test_layernorm_linear_fp8_sqnr(recipe, return_ln):
     layer, ref = _pair("RMSNorm", torch.float32, out_features=32, return_layernorm_output=return_ln)

@@ -62,7 +62,8 @@ def test_return_bias_and_layernorm_output():
     assert fc2_bias is not None and torch.equal(fc2_bias, mlp.fc2_bias)
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()],
+                         ids=["delayed", "current", "block"])
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])
 def test_layernorm_mlp_fp8_sqnr(recipe, act):
     mlp, ref = _pair(act, ffn=48)

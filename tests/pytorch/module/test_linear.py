@@ -167,7 +167,8 @@ def test_noncontiguous_input_gives_identical_results():
 
 def test_parameters_split_matches_one_weight():
     split = te.Linear(16, 24, parameters_split={"query": 8, "key": 8, "value": 8})
-    assert [n for n, _ in split.named_parameters()] == ["query_weight", "query_bias", "key_weight", "key_bias", "value_weight", "value_bias"]
+    assert [n for n, _ in split.named_parameters()] == ["query_weight", "query_bias", "key_weight", "key_bias", "value_weight",
+                                                        "value_bias"]
     whole = te.Linear(16, 24)
     with torch.no_grad():
         whole.weight.copy_(torch.cat([split.query_weight, split.key_weight, split.value_weight]))

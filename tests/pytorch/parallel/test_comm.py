@@ -58,7 +58,8 @@ def check_autograd_regions() -> None:
         "copy": (comm.copy_to_tensor_parallel_region, xs[0], xs[0], gs[r], sum(gs)),
         "reduce": (comm.reduce_from_tensor_parallel_region, xs[r], sum(xs), gs[0], gs[0]),
         "gather_seq": (comm.gather_from_sequence_parallel_region, xs[r], torch.cat(xs), us[r], sum(us).chunk(p)[r]),
-        "reduce_scatter_seq": (comm.reduce_scatter_to_sequence_parallel_region, xs[r], sum(xs).chunk(p)[r], gs[r][: 2], torch.cat([g[:2] for g in gs])),
+        "reduce_scatter_seq": (comm.reduce_scatter_to_sequence_parallel_region, xs[r], sum(xs).chunk(p)[r], gs[r][: 2],
+                               torch.cat([g[:2] for g in gs])),
         "scatter_seq": (comm.scatter_to_sequence_parallel_region, xs[0], xs[0].chunk(p)[r], gs[r][:2], torch.cat([g[:2] for g in gs])),
         "gather_tp": (comm.gather_from_tensor_parallel_region, xs[r], torch.cat(xs, dim=-1), torch.cat(gs, dim=-1), gs[r]),
     }

@@ -66,7 +66,8 @@ def _bytes(tensors):
         elif isinstance(t, (Float8BlockwiseQTensor, MXFP8Tensor)):
             inner = [t._rowwise_data, t._rowwise_scale_inv, t._columnwise_data, t._columnwise_scale_inv]
         elif isinstance(t, NVFP4Tensor):
-            inner = [t._rowwise_data, t._rowwise_scale_inv, t._amax_rowwise, t._columnwise_data, t._columnwise_scale_inv, t._amax_columnwise]
+            inner = [t._rowwise_data, t._rowwise_scale_inv, t._amax_rowwise, t._columnwise_data, t._columnwise_scale_inv,
+                     t._amax_columnwise]
         for s in inner:
             if s is not None:
                 storages[s.untyped_storage().data_ptr()] = s.untyped_storage().nbytes()

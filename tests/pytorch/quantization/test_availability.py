@@ -80,7 +80,8 @@ def test_emulation_switch_parsing(monkeypatch):
         assert not availability.fp8_emulation_requested()
 
 
-@pytest.mark.parametrize("encoded,expected", [(91000, (9, 10, 0)), (90100, (9, 1, 0)), (8902, (8, 9, 2)), (8600, (8, 6, 0)), (None, (0, 0, 0))])
+@pytest.mark.parametrize("encoded,expected",
+                         [(91000, (9, 10, 0)), (90100, (9, 1, 0)), (8902, (8, 9, 2)), (8600, (8, 6, 0)), (None, (0, 0, 0))])
 def test_cudnn_version_decodes_both_encodings(monkeypatch, encoded, expected):
     """cuDNN 9 encodes major * 10000, cuDNN 8 major * 1000 (NVIDIA TE's get_cudnn_version reads the same)."""
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: encoded is not None)

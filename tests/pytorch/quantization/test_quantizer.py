@@ -115,7 +115,8 @@ def test_quantize_with_dbias_is_the_columnwise_cast_plus_the_column_sums(recipe)
         quantizer, other = IDENTITY, IDENTITY
     else:
         state = RecipeState.create(recipe, mode="backward", num_gemms=1, device="cpu")
-        quantizer, other = state.make_quantizers()[0], RecipeState.create(recipe, mode="backward", num_gemms=1, device="cpu").make_quantizers()[0]
+        quantizer, other = state.make_quantizers()[0], RecipeState.create(recipe, mode="backward", num_gemms=1,
+                                                                          device="cpu").make_quantizers()[0]
     operand, dbias = quantizer.quantize_with_dbias(x)
     expected = other.quantize(x, columnwise=True)
     torch.testing.assert_close(dbias, x.float().sum(dim=0), rtol=1e-5, atol=1e-5)

@@ -130,7 +130,8 @@ def test_bad_arguments_are_named():
         _quantizer(2, rowwise=False, columnwise=False)(torch.ones(128, 128))
     data = torch.zeros(128, 256, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"rowwise_scale_inv must be float32 of shape \(1, 2\)"):
-        Float8BlockwiseQTensor((128, 256), torch.float32, rowwise_data=data, rowwise_scale_inv=torch.ones(1, 1), fp8_dtype=DType.kFloat8E4M3)
+        Float8BlockwiseQTensor((128, 256), torch.float32, rowwise_data=data, rowwise_scale_inv=torch.ones(1, 1),
+                               fp8_dtype=DType.kFloat8E4M3)
     with pytest.raises(ValueError, match="needs rowwise_data, columnwise_data or both"):
         Float8BlockwiseQTensor((128, 256), torch.float32, rowwise_data=None, rowwise_scale_inv=None, fp8_dtype=DType.kFloat8E4M3)
     with pytest.raises(ValueError, match="holds 2-D tiles"):

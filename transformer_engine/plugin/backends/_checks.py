@@ -512,4 +512,5 @@ def check_attention_block_config(config) -> None:
     if config.softmax_type != "vanilla":
         raise ValueError(f"attention blocks take softmax_type='vanilla', got {config.softmax_type!r}")
     if config.bias_type not in ("no_bias", "post_scale_bias"):
-        raise ValueError(f"attention blocks take bias_type 'no_bias' or 'post_scale_bias' (a pre-scale bias scaled first), got {config.bias_type!r}")
+        raise ValueError("attention blocks take bias_type 'no_bias' or 'post_scale_bias' (a pre-scale bias scaled first), "
+                         f"got {config.bias_type!r}")

@@ -147,7 +147,8 @@ def clamped_dswiglu(dy: Tensor, x: Tensor, limit: float = 7.0, alpha: float = 1.
 
 
 @declare(mutates=("amax_out",))
-def activation_quantize(x: Tensor, activation: str, fp8_scale: Tensor, fp8_dtype: dtype, limit: float = 7.0, alpha: float = 1.702, amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def activation_quantize(x: Tensor, activation: str, fp8_scale: Tensor, fp8_dtype: dtype, limit: float = 7.0, alpha: float = 1.702,
+                        amax_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """y = act(x) for ``activation`` (one of the twelve forward op names above), quantized per tensor.
 
     Returns: (q, scale_inv, amax) as ``quantize(act(x), fp8_scale, fp8_dtype, amax_out)``; ``limit``

@@ -27,7 +27,8 @@ the ctx whatever the policy's order (a declined call is passed on, also under ``
 Layouts are checked the same way on every backend: :func:`attention_layout_error` (a reason, or None) and
 :func:`check_attention_layout` (raises it as ValueError).
 
-Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): a zero batch gives empty results; NaN and inf in q, k or v propagate as in the
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): a zero batch gives empty results; NaN
+and inf in q, k or v propagate as in the
 float32 formula (a fully masked row stays 0); q, k, v and dout may have any strides.
 """
 
@@ -139,7 +140,8 @@ def check_attention_layout(q, k, v, config: AttentionConfig, cu_seqlens_q=None, 
 
 
 @declare
-def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None,
+                   cu_seqlens_kv=None):
     """O = dropout(softmax(S)) V for the settings in ``config`` (see the module docstring).
 
     Returns: (out in q's layout and dtype with d_v features, ctx for ``fused_attn_bwd``).
@@ -147,7 +149,8 @@ def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offs
 
 
 @declare
-def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None,
+                   cu_seqlens_q=None, cu_seqlens_kv=None):
     """Gradients of ``fused_attn_fwd`` given dO.
 
     With D_i = sum_j dO_i O_i: dP' = dO V^T, dS = P * (dP' * M / (1 - p) - D) (M the dropout mask),

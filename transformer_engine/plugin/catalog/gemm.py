@@ -1,6 +1,7 @@
 """Matrix multiplication with optional FP8 operands.
 
-Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): M = 0 or N = 0 give an empty D; K = 0 gives D = bias (or zeros, or ``out``
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): M = 0 or N = 0 give an empty D; K = 0
+gives D = bias (or zeros, or ``out``
 unchanged with ``accumulate``); NaN and inf propagate as in a float32 matmul; operands may have any
 strides (a transposed view is read as it is).
 """
@@ -13,7 +14,9 @@ from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
 @declare(mutates=("out",))
-def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, a_scale_inv: Optional[Tensor] = None, b_scale_inv: Optional[Tensor] = None, trans_a: bool = False, trans_b: bool = False, out_dtype: Optional[dtype] = None, out: Optional[Tensor] = None, accumulate: bool = False, use_split_accumulator: bool = True) -> Tensor:
+def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, a_scale_inv: Optional[Tensor] = None, b_scale_inv: Optional[Tensor] = None,
+         trans_a: bool = False, trans_b: bool = False, out_dtype: Optional[dtype] = None, out: Optional[Tensor] = None,
+         accumulate: bool = False, use_split_accumulator: bool = True) -> Tensor:
     """D = op(a) @ op(b) + bias, with op(t) = t^T when its ``trans_*`` flag is set; row-major 2-D operands.
 
     FP8 operands carry their per-tensor ``*_scale_inv``: D = (a_s * a_scale_inv) @ (b_s * b_scale_inv).
@@ -28,7 +31,8 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, a_scale_inv: Optio
 
 
 @declare(mutates=("out",))
-def gemm_blockwise(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, a_block: Tuple[int, int], b_block: Tuple[int, int], out_dtype: dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+def gemm_blockwise(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, a_block: Tuple[int, int], b_block: Tuple[int, int],
+                   out_dtype: dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """D = A @ B^T + bias on block-scaled FP8 operands (Float8BlockScaling), both read along K ("TN").
 
     A[i, k] = a[i, k] * a_scale_inv[i // a_block[0], k // a_block[1]] and likewise B from b;
@@ -44,7 +48,9 @@ def gemm_blockwise(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tenso
 
 
 @declare
-def gemm_grouped(a: Tensor, b: Tensor, m_splits: Tuple[int, ...], a_scale_inv: Optional[Tensor] = None, b_scale_inv: Optional[Tensor] = None, out_dtype: Optional[dtype] = None, bias: Optional[Tensor] = None, use_split_accumulator: bool = True) -> Tensor:
+def gemm_grouped(a: Tensor, b: Tensor, m_splits: Tuple[int, ...], a_scale_inv: Optional[Tensor] = None,
+                 b_scale_inv: Optional[Tensor] = None, out_dtype: Optional[dtype] = None, bias: Optional[Tensor] = None,
+                 use_split_accumulator: bool = True) -> Tensor:
     """G GEMMs over the row splits of a: D[rows of g] = a_g @ b[g]^T + bias[g] (``gemm(a_g, b[g], trans_b=True)`` each).
 
     a: [M, K] split into G row blocks by ``m_splits`` (non-negative, summing to M); b: [G, N, K] (each b[g] a 2-D
@@ -57,7 +63,9 @@ def gemm_grouped(a: Tensor, b: Tensor, m_splits: Tuple[int, ...], a_scale_inv: O
 
 
 @declare
-def gemm_grouped_wgrad(a_t: Tensor, b_t: Tensor, m_splits: Tuple[int, ...], a_scale_inv: Optional[Tensor] = None, b_scale_inv: Optional[Tensor] = None, out_dtype: Optional[dtype] = None, use_split_accumulator: bool = True) -> Tensor:
+def gemm_grouped_wgrad(a_t: Tensor, b_t: Tensor, m_splits: Tuple[int, ...], a_scale_inv: Optional[Tensor] = None,
+                       b_scale_inv: Optional[Tensor] = None, out_dtype: Optional[dtype] = None,
+                       use_split_accumulator: bool = True) -> Tensor:
     """G GEMMs over column splits that share K: D[g] = a_t[:, cols of g] @ b_t[:, cols of g]^T.
 
     a_t: [N, M], b_t: [K, M], their columns split into G blocks by ``m_splits`` (non-negative, summing to M); an

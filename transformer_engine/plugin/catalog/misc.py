@@ -68,7 +68,8 @@ def cross_entropy_fwd(logits: Tensor, target: Tensor, label_smoothing: float = 0
 
 
 @declare
-def cross_entropy_bwd(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100) -> Tensor:
+def cross_entropy_bwd(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, label_smoothing: float = 0.0,
+                      ignore_index: int = -100) -> Tensor:
     """dz_j = grad_loss * (softmax(z)_j - (1 - eps) [j == t] - eps / V), 0 for ignored rows, NaN for the
     rows of out-of-range targets.
 

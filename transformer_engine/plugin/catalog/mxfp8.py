@@ -31,7 +31,8 @@ from transformer_engine.plugin.core.catalog import Tensor, declare, dtype
 
 
 @declare
-def quantize_mxfp8(x: Tensor, fp8_dtype: dtype, rowwise: bool, columnwise: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def quantize_mxfp8(x: Tensor, fp8_dtype: dtype, rowwise: bool, columnwise: bool) -> Tuple[Optional[Tensor], Optional[Tensor],
+                                                                                          Optional[Tensor], Optional[Tensor]]:
     """MXFP8 cast of a 2-D tensor into its row-wise and/or column-wise copies (math in the module docstring).
 
     (data, scale) = blocks of 32 along the rows of x,  (data_t, scale_t) = blocks of 32 along the rows of x^T
@@ -51,7 +52,8 @@ def dequantize_mxfp8(q: Tensor, scale_e8m0: Tensor, out_dtype: dtype) -> Tensor:
 
 
 @declare(mutates=("out",))
-def gemm_mxfp8(a: Tensor, b: Tensor, a_scale_e8m0: Tensor, b_scale_e8m0: Tensor, out_dtype: dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+def gemm_mxfp8(a: Tensor, b: Tensor, a_scale_e8m0: Tensor, b_scale_e8m0: Tensor, out_dtype: dtype, bias: Optional[Tensor] = None,
+               out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """D = A @ B^T + bias on MXFP8 operands, both read along K ("TN").
 
     A = dequantize_mxfp8(a, a_scale_e8m0), B = dequantize_mxfp8(b, b_scale_e8m0); the product accumulates

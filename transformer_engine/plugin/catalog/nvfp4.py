@@ -105,7 +105,13 @@ def check_four_over_six(four_over_six: Optional[str], e4m3_max, *, rht: bool, st
 
 
 @declare
-def quantize_nvfp4(x: Tensor, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic_rounding: bool, seed: Optional[Tensor] = None, four_over_six: Optional[str] = None, e4m3_max: int = 448) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def quantize_nvfp4(x: Tensor, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic_rounding: bool,
+                   seed: Optional[Tensor] = None, four_over_six: Optional[str] = None, e4m3_max: int = 448) -> Tuple[Optional[Tensor],
+                                                                                                                     Optional[Tensor],
+                                                                                                                     Optional[Tensor],
+                                                                                                                     Optional[Tensor],
+                                                                                                                     Optional[Tensor],
+                                                                                                                     Optional[Tensor]]:
     """NVFP4 cast of a 2-D tensor into its row-wise and/or column-wise copies (math in the module docstring).
 
     (data, scale, amax) = blocks of 16 along the rows of x; (data_t, scale_t, amax_t) = blocks of 16
@@ -137,7 +143,9 @@ def dequantize_nvfp4(q: Tensor, scale: Tensor, amax: Tensor, out_dtype: dtype, e
 
 
 @declare(mutates=("out",))
-def gemm_nvfp4(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, a_amax: Tensor, b_amax: Tensor, out_dtype: dtype, bias: Optional[Tensor] = None, out: Optional[Tensor] = None, accumulate: bool = False, a_e4m3_max: int = 448, b_e4m3_max: int = 448) -> Tensor:
+def gemm_nvfp4(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, a_amax: Tensor, b_amax: Tensor, out_dtype: dtype,
+               bias: Optional[Tensor] = None, out: Optional[Tensor] = None, accumulate: bool = False, a_e4m3_max: int = 448,
+               b_e4m3_max: int = 448) -> Tensor:
     """D = A @ B^T + bias on NVFP4 operands, both read along K ("TN").
 
     A = dequantize_nvfp4(a, a_scale, a_amax, e4m3_max=a_e4m3_max), B likewise with b's; the product

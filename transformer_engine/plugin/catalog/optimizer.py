@@ -4,7 +4,8 @@ Each takes ``chunk_size`` (a launch granularity hint), ``noop_flag`` (int32 [1];
 non-finite value is seen, and when it is already non-zero the update ops do nothing) and
 ``tensor_lists`` (lists of equal length, one tensor per parameter).
 
-Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): empty lists and empty tensors are fine (nothing to do; the l2norm of nothing is 0);
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): empty lists and empty tensors are fine
+(nothing to do; the l2norm of nothing is 0);
 lists of unequal lengths, tensors of one parameter with unequal sizes, and non-contiguous tensors raise
 ValueError (as TE's multi_tensor_apply, the kernels walk raw addresses); a NaN or inf input sets
 noop_flag and is otherwise processed by the formula (the update ops then skip the next calls).
@@ -39,7 +40,8 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
 
 
 @declare(key="tensor_lists", inplace=True)
-def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum, dampening, lr, nesterov, first_run, wd_after_momentum, scale):
+def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum, dampening, lr, nesterov, first_run, wd_after_momentum,
+                     scale):
     """tensor_lists = [grads, params, momentum_buffers]; one SGD step (PyTorch's SGD semantics).
 
     g = scale * g (+ wd p unless wd_after_momentum); buf = g if first_run else momentum buf +

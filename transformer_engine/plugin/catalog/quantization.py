@@ -134,7 +134,8 @@ def current_scale_grouped(x: Tensor, m_splits: Tuple[int, ...], fp8_dtype: dtype
 
 
 @declare
-def quantize_blockwise(x: Tensor, fp8_dtype: dtype, block_rows: int, block_cols: int, power_2_scale: bool, amax_epsilon: float) -> Tuple[Tensor, Tensor]:
+def quantize_blockwise(x: Tensor, fp8_dtype: dtype, block_rows: int, block_cols: int, power_2_scale: bool,
+                       amax_epsilon: float) -> Tuple[Tensor, Tensor]:
     """Block-scaled FP8 cast of a 2-D tensor: one scale per ``block_rows x block_cols`` tile.
 
     For each tile T: a = max(max|T|, amax_epsilon); scale = fp8_max / a (1 if a == 0 or not finite);
@@ -148,7 +149,8 @@ def quantize_blockwise(x: Tensor, fp8_dtype: dtype, block_rows: int, block_cols:
 
 
 @declare
-def cast_transpose_blockwise(x: Tensor, fp8_dtype: dtype, block_len: int, power_2_scale: bool, amax_epsilon: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def cast_transpose_blockwise(x: Tensor, fp8_dtype: dtype, block_len: int, power_2_scale: bool,
+                             amax_epsilon: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """1 x ``block_len`` block-scaled FP8 casts of x along both dimensions, from one read of x.
 
     (q, scale_inv) = quantize_blockwise(x, fp8_dtype, 1, block_len, power_2_scale, amax_epsilon)

@@ -10,7 +10,8 @@ The backward applies the inverse rotation (s -> -s) to the output gradient.
 boundary); ``cp_size``/``cp_rank`` select this rank's chunks under context parallelism (sequence
 split into 2 * cp_size chunks, rank r holding chunks r and 2 * cp_size - 1 - r).
 
-Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): empty tensors (zero batch or heads) give empty results; NaN and inf propagate
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): empty tensors (zero batch or heads)
+give empty results; NaN and inf propagate
 through the rotation as in float32 math; t may have any strides (an sbhd view of a bshd tensor).
 """
 
@@ -22,10 +23,14 @@ from transformer_engine.plugin.core.catalog import Tensor, declare
 
 
 @declare
-def fused_rope_forward(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", interleaved: bool = False, start_positions: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
+def fused_rope_forward(t: Tensor, freqs: Tensor, tensor_format: str = "sbhd", interleaved: bool = False,
+                       start_positions: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None, cp_size: int = 1,
+                       cp_rank: int = 0) -> Tensor:
     """out = rope(t, freqs); same shape and dtype as t."""
 
 
 @declare
-def fused_rope_backward(grad_out: Tensor, freqs: Tensor, tensor_format: str = "sbhd", interleaved: bool = False, start_positions: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
+def fused_rope_backward(grad_out: Tensor, freqs: Tensor, tensor_format: str = "sbhd", interleaved: bool = False,
+                        start_positions: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None, cp_size: int = 1,
+                        cp_rank: int = 0) -> Tensor:
     """grad_t = rope^-1(grad_out, freqs)."""

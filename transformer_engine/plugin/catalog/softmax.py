@@ -6,7 +6,8 @@ m is 0 (scaled), -10000 where ``mask`` is true (masked; mask [b or 1, 1, sq, sk]
 or -inf above the diagonal (upper-triangular, top-left aligned; aligned-causal is bottom-right
 aligned: position j is masked for row i when j > i + sk - sq). Fully masked rows give zeros.
 
-Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): empty tensors (a zero batch) give empty results; x must be float32 / bfloat16 /
+Edge cases (every backend; tests/plugin/test_op_contracts.py checks each on every backend available): empty tensors (a zero batch) give
+empty results; x must be float32 / bfloat16 /
 float16 (TypeError otherwise) with the stated number of dims (ValueError); a NaN or +inf score
 makes its whole row NaN (as torch.softmax: no NaN is hidden); inputs may have any strides.
 """

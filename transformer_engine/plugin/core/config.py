@@ -17,7 +17,7 @@ other layers use are re-exported here: :func:`read_flag` (a ``TE_FL_*`` 0/1 swit
 | ``TE_FL_PER_OP`` | ``op=tok|tok;op2=tok``, tokens ``flagos``, ``vendor``, ``reference``, ``vendor:<name>``, ``impl:<id>``; a final ``only`` makes the list exclusive |
 | ``TE_FL_PLUGIN_MODULES`` | comma list of importable modules with a ``register(registry)`` hook |
 | ``TE_FL_LOG_LEVEL`` | ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``; ``TEFL_LOG_LEVEL`` is its deprecated alias |
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

@@ -160,7 +160,8 @@ class OpManager:
                 config_warning(f"TE-FL: TE_FL_PER_OP names unknown op {op!r}; it is ignored{hint}", UserWarning)
 
     # -- selection ----------------------------------------------------------------------------
-    def rank(self, op_name: str, key: ArgKey, policy: Optional[_policy.SelectionPolicy] = None) -> Tuple[List[OpImpl], List[Tuple[OpImpl, str]]]:
+    def rank(self, op_name: str, key: ArgKey, policy: Optional[_policy.SelectionPolicy] = None) -> Tuple[List[OpImpl],
+                                                                                                         List[Tuple[OpImpl, str]]]:
         """(candidates in call order, [(impl, reason)] passed over) for a key argument described by ``key``."""
         self.ensure_initialized()
         policy = policy or _policy.get_policy()
@@ -371,7 +372,8 @@ class OpManager:
         lines += [f"  {d.impl_id}: {d.reason}" for d in self.explain(op_name, *args, **kwargs)]
         return "\n".join(lines)
 
-    def describe(self, device_type: str = "cpu", dtype: Optional[str] = None, device_index: Optional[int] = None) -> Dict[str, List[Decision]]:
+    def describe(self, device_type: str = "cpu", dtype: Optional[str] = None, device_index: Optional[int] = None) -> Dict[str,
+                                                                                                                          List[Decision]]:
         """Static dispatch table: for every declared op, the decisions for a key argument on ``device_type``.
 
         Runtime ``supports`` predicates cannot be evaluated without arguments: candidates with one

@@ -403,7 +403,8 @@ def _a2a_attention(q, k, v, settings: CPAttention, cp: CPGroup, attend: Attend, 
     if softmax_offset is not None:
         softmax_offset = softmax_offset.chunk(cp.size)[cp.rank]
     if packed is not None:  # the whole packed batch of this rank's heads
-        out = attend(q_full[0], k_full[0], v_full[0], softmax_offset, packed.whole_call(causal=settings.causal, window=settings.window_size, device=q.device))
+        out = attend(q_full[0], k_full[0], v_full[0], softmax_offset,
+                     packed.whole_call(causal=settings.causal, window=settings.window_size, device=q.device))
         return _sequence_to_heads(out[None], cp, packed)
     config = AttentionConfig(
         softmax_scale=settings.softmax_scale,

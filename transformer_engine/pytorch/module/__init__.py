@@ -13,4 +13,5 @@ from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .rmsnorm import RMSNorm
 
-__all__ = ["Fp8Padding", "Fp8Unpadding", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "TransformerEngineBaseModule"]
+__all__ = ["Fp8Padding", "Fp8Unpadding", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm",
+           "TransformerEngineBaseModule"]

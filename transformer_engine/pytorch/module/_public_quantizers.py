@@ -13,7 +13,7 @@ a quantized tensor); here each is made from the internal one, on the first acces
 | MXFP8BlockScaling | ``MXFP8Quantizer`` |
 | NVFP4BlockScaling | ``NVFP4Quantizer`` of the slot's RHT, tiles, stochastic rounding and 4over6 |
 | CustomRecipe | the quantizer ``qfactory`` returned for the slot's role |
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ class WeightGradStore:
             RuntimeError: none is queued (``backward_dw`` called more often than backward ran).
         """
         if not self._batches:
-            rank = f" (rank {torch.distributed.get_rank()})" if torch.distributed.is_available() and torch.distributed.is_initialized() else ""
+            rank = f" (rank {torch.distributed.get_rank()})" if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                else ""
             raise RuntimeError(f"backward_dw(): no delayed weight gradient is queued{rank}; each backward queues one batch, "
                                "and backward_dw runs one")
         for compute in self._batches.popleft():

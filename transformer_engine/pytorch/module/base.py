@@ -407,7 +407,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return ForwardQuantization(GemmQuantizers.from_slots(observers, [IDENTITY] * bwd_state.num_quantizers, n))
         gemms = self._fp8_gemms
         if torch.compiler.is_compiling() and config.recipe.delayed():  # one kept scale copy per traced call
-            gemms = GemmQuantizers.from_slots(fwd_state.traced_quantizers(forward_amax_buffer(fwd_state)), self._slot_quantizers["scaling_bwd"], n)
+            gemms = GemmQuantizers.from_slots(fwd_state.traced_quantizers(forward_amax_buffer(fwd_state)),
+                                              self._slot_quantizers["scaling_bwd"], n)
         return ForwardQuantization(
             gemms=gemms,
             split_accumulator=fwd_state.split_accumulator,
@@ -529,7 +530,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
         states = [RecipeState.create(loaded.recipe, mode=m, num_gemms=n, device=device) for m in ("forward", "backward")]
         for state, tensors in zip(states, (loaded.scaling_fwd, loaded.scaling_bwd)):
             if tensors["amax_history"].shape[1] != state.num_quantizers:
-                raise ValueError(f"the _extra_state has {tensors['amax_history'].shape[1]} {state.mode} slots, expected {state.num_quantizers}")
+                raise ValueError(f"the _extra_state has {tensors['amax_history'].shape[1]} {state.mode} slots, "
+                                 f"expected {state.num_quantizers}")
             for key, value in tensors.items():
                 setattr(state, key, value.to(device))
         install_states(self.fp8_meta, self._slot_quantizers, *states)

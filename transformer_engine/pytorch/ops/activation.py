@@ -114,7 +114,8 @@ class _Activation(BasicOperation):
                              f"{'' if self._interleave is None else f' of {self._interleave}-blocks'}; got shape {tuple(x.shape)}")
         on = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
-        return apply_without_torch_autocast(_ActivationFunction, x.device, x, _ActivationArgs(self._act, dtype, self._interleave, self._cache_quantizer))
+        return apply_without_torch_autocast(_ActivationFunction, x.device, x,
+                                            _ActivationArgs(self._act, dtype, self._interleave, self._cache_quantizer))
 
 
 class GELU(_Activation):

@@ -8,8 +8,10 @@ Step t of a group (counted per group, from 1), gradient g, weight p (the paramet
                                         (m_hat = m, v_hat = v with bias_correction=False)
 With ``master_weights`` the step runs on an fp32 copy of each parameter and the parameter (bf16, fp16)
 is that copy rounded; states kept in fp16 or FP8 (``master_weight_dtype``, ``exp_avg_dtype``,
-``exp_avg_sq_dtype``; :mod:`._scaled_state`) are taken to float32 for the step and stored back with a new scale; an FP8 parameter (a ``QuantizedTensor``, e.g. from ``quantized_model_init``) is
-that copy re-quantized in place (``param.copy_(master)``), which needs ``master_weights``. ``capturable`` keeps lr and t on the device and reads a torch GradScaler's scale
+``exp_avg_sq_dtype``; :mod:`._scaled_state`) are taken to float32 for the step and stored back with a new scale; an FP8 parameter (a
+``QuantizedTensor``, e.g. from ``quantized_model_init``) is
+that copy re-quantized in place (``param.copy_(master)``), which needs ``master_weights``. ``capturable`` keeps lr and t on the device and
+reads a torch GradScaler's scale
 and found-inf flag there (no host synchronisation): g = g / scale, and when found_inf is set nothing
 changes and t does not advance.
 """

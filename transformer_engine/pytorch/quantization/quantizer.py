@@ -33,7 +33,7 @@ The recipe picks the quantizer class:
 | :class:`NVFP4Quantizer` | NVFP4BlockScaling | E4M3 scale of each block of 16 (or 16 x 16 tile) times a per-tensor one from amax (``ops.quantize_nvfp4``) |
 | :class:`FixedScaleQuantizer` | (a weight cast again in backward) | the scale forward used (a copy once saved for backward); records no amax |
 | :class:`AmaxObserver` | calibration (``autocast(calibrating=True)``) | none: records amax, stays high precision |
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

@@ -108,7 +108,8 @@ class Float8BlockQuantizer(Quantizer):
         if block_scaling_dim not in (1, 2):
             raise ValueError(f"block_scaling_dim={block_scaling_dim!r} must be 1 (1 x 128 tiles) or 2 (128 x 128 tiles)")
         if not isinstance(amax_epsilon, (int, float)) or isinstance(amax_epsilon, bool) or not 0.0 <= amax_epsilon < math.inf:
-            raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a finite float >= 0 (the smallest amax a tile's scale is computed from)")
+            raise ValueError(f"amax_epsilon={amax_epsilon!r} must be a finite float >= 0 "
+                             "(the smallest amax a tile's scale is computed from)")
         if all_gather_usage and block_scaling_dim != 1:
             raise ValueError("Float8BlockQuantizer(all_gather_usage=True) takes block_scaling_dim=1: the compact format "
                              "applies to 1 x 128 tiles (as in NVIDIA TE; 128 x 128 tiles are GEMM-ready either way)")
@@ -336,7 +337,8 @@ def _check_blocks(shape: torch.Size, is_2d: bool, data, scale_inv, data_t, scale
         if values is None:
             continue
         if values.shape != want:
-            raise ValueError(f"{name}_data has shape {tuple(values.shape)}; a Float8BlockwiseQTensor of shape {tuple(shape)} needs {tuple(want)}")
+            raise ValueError(f"{name}_data has shape {tuple(values.shape)}; "
+                             f"a Float8BlockwiseQTensor of shape {tuple(shape)} needs {tuple(want)}")
         if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != grid:
             got = f"{scales.dtype} {tuple(scales.shape)}" if isinstance(scales, torch.Tensor) else type(scales).__name__
             tile = "128 x 1" if compact and name == "columnwise" else "128 x 128" if is_2d else "1 x 128"

@@ -408,7 +408,8 @@ class Float8Tensor(QuantizedTensor):
         if invalid:
             self._transpose = None
         elif self._transpose is None:
-            raise ValueError("_transpose_invalid = False, but this Float8Tensor has no transposed copy; call update_usage(columnwise_usage=True)")
+            raise ValueError("_transpose_invalid = False, but this Float8Tensor has no transposed copy; "
+                             "call update_usage(columnwise_usage=True)")
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

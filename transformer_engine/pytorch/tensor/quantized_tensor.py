@@ -83,7 +83,8 @@ class Quantizer(abc.ABC):
             raise TypeError(f"{type(self).__name__} can only update a {self._tensor_type().__name__}, got {type(dst).__name__}")
         check_high_precision(src)
         if src.shape != dst.shape:
-            raise ValueError(f"cannot quantize a tensor of shape {tuple(src.shape)} into a {type(dst).__name__} of shape {tuple(dst.shape)}")
+            raise ValueError(f"cannot quantize a tensor of shape {tuple(src.shape)} "
+                             f"into a {type(dst).__name__} of shape {tuple(dst.shape)}")
         if noop_flag is None:
             return self._update_quantized(src, dst)
         if not isinstance(noop_flag, torch.Tensor) or noop_flag.numel() != 1:

@@ -119,7 +119,8 @@ CPU_CASES += [
 ]
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.qkv_format}-{c.mask_type}-w{c.window}-{c.dtype}-d{c.head_dim}-h{c.heads}:{c.kv_heads}")
+@pytest.mark.parametrize("case", CPU_CASES,
+                         ids=lambda c: f"{c.qkv_format}-{c.mask_type}-w{c.window}-{c.dtype}-d{c.head_dim}-h{c.heads}:{c.kv_heads}")
 def test_matches_reference(case, device):
     _check_against_reference(case, device)
 
@@ -137,7 +138,8 @@ def test_thd_rows_outside_sequences_are_zero(device):
     q, k, v, (cu_q, cu_kv) = _inputs(case, device)
     q, k, v = (torch.cat([t, torch.randn_like(t[:3])]) for t in (q, k, v))
     out, ctx = flagos.fused_attn_fwd(q, k, v, case.config(), cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
-    dq, dk, dv, _, _ = flagos.fused_attn_bwd(torch.randn_like(out), q, k, v, out, ctx, case.config(), cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+    dq, dk, dv, _, _ = flagos.fused_attn_bwd(torch.randn_like(out), q, k, v, out, ctx, case.config(), cu_seqlens_q=cu_q,
+                                             cu_seqlens_kv=cu_kv)
     for t in (out, dq, dk, dv):
         assert t[17:].abs().max() == 0
         assert t[:17].abs().max() > 0

@@ -284,7 +284,8 @@ def test_broadcast_grad_strided_logits_custom_ignore_index(device):
     loss, lse = fm.cross_entropy_fwd(logits, target, 0.0, 7)
     assert_close(loss, ref.cross_entropy_fwd(logits, target, 0.0, 7)[0], reduction=True)
     grad = torch.ones(1, device=device).expand(3)  # the mean-reduction gradient, stride 0
-    assert_close(fm.cross_entropy_bwd(grad, logits, target, lse, 0.0, 7), ref.cross_entropy_bwd(grad, logits, target, lse, 0.0, 7), reduction=True)
+    assert_close(fm.cross_entropy_bwd(grad, logits, target, lse, 0.0, 7), ref.cross_entropy_bwd(grad, logits, target, lse, 0.0, 7),
+                 reduction=True)
 
 
 def test_out_of_range_target_gives_nan(device):
@@ -299,7 +300,8 @@ def test_errors_and_supports(device):
     with pytest.raises(TypeError, match="integer"):
         fm.cross_entropy_fwd(logits, torch.zeros(2, device=device))
     with pytest.raises(ValueError, match="lse"):
-        fm.cross_entropy_bwd(torch.ones(2, device=device), logits, torch.zeros(2, dtype=torch.long, device=device), torch.ones(3, device=device))
+        fm.cross_entropy_bwd(torch.ones(2, device=device), logits, torch.zeros(2, dtype=torch.long, device=device),
+                             torch.ones(3, device=device))
     if device == "cuda":
         verdict = fm.SUPPORTS["cross_entropy_fwd"](logits, torch.zeros(2, dtype=torch.long))
         assert not verdict and "cpu" in verdict.reason

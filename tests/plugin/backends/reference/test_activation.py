@@ -119,7 +119,8 @@ def _forward64(name, x):
 
 @pytest.mark.parametrize(
     "dtype, fp8_dtype",
-    [(torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2), (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2)],
+    [(torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2), (torch.bfloat16, torch.float8_e4m3fn),
+     (torch.float16, torch.float8_e5m2)],
 )
 @pytest.mark.parametrize("name", FORWARD_NAMES)
 def test_activation_quantize(name, dtype, fp8_dtype):

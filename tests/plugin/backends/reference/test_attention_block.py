@@ -29,7 +29,8 @@ def _qkv(b=2, s_q=6, s_kv=10, h=4, h_kv=2, d=8, dtype=torch.float32, device="cpu
 
 def merge_blocks(fwd, q, k, v, config, cut: int, bias=None):
     """(out, lse, ctxs) of ``fwd`` over keys [0, cut) and [cut, s_kv) merged: lse = logaddexp, O = sum exp(lse_i - lse) O_i."""
-    parts = [(slice(0, cut), None if bias is None else bias[..., :cut]), (slice(cut, k.shape[1]), None if bias is None else bias[..., cut:])]
+    parts = [(slice(0, cut), None if bias is None else bias[..., :cut]),
+             (slice(cut, k.shape[1]), None if bias is None else bias[..., cut:])]
     results = [fwd(q, k[:, keys], v[:, keys], config, attn_bias=part_bias) for keys, part_bias in parts]
     lse = torch.logaddexp(results[0][1], results[1][1])
     out = sum(o.float() * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l, _ in results)
@@ -44,7 +45,8 @@ def check_split_keys(fwd, bwd, q, k, v, config, cut: int, tol, bias=None):
     want, whole_ctx = fused_attn_fwd(q.float(), k.float(), v.float(), whole_config, attn_bias=bias)
     torch.testing.assert_close(out.float(), want, **tol)
     dq, dk, dv, dbias, _ = fused_attn_bwd(dout.float(), q.float(), k.float(), v.float(), want, whole_ctx, whole_config, attn_bias=bias)
-    shares = [bwd(dout, q, k[:, keys], v[:, keys], out, lse, ctx, config, attn_bias=part_bias) for (keys, part_bias), ctx in zip(parts, ctxs)]
+    shares = [bwd(dout, q, k[:, keys], v[:, keys], out, lse, ctx, config, attn_bias=part_bias) for (keys, part_bias),
+              ctx in zip(parts, ctxs)]
     torch.testing.assert_close((shares[0][0].float() + shares[1][0].float()), dq, **tol)
     torch.testing.assert_close(torch.cat([s[1] for s in shares], dim=1).float(), dk, **tol)
     torch.testing.assert_close(torch.cat([s[2] for s in shares], dim=1).float(), dv, **tol)

@@ -168,11 +168,16 @@ def test_gemm_blockwise_matches_the_dequantized_product(m, k, n, a_block, b_bloc
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: gemm_blockwise(randn(4, 8), _block(4, 8, (1, 4))[0], torch.ones(4, 2), torch.ones(4, 2), (1, 4), (1, 4), torch.float32), TypeError, "must be FP8"),
-        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 3), torch.ones(4, 2), (1, 4), (1, 4), torch.float32), ValueError, "scale_inv has shape"),
-        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 2), 4, (1, 4), torch.float32), ValueError, "a_block=4"),
-        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 12, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 3), (1, 4), (1, 4), torch.float32), ValueError, "inner dimensions"),
-        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 2), (1, 4), (1, 4), torch.float32, accumulate=True), ValueError, "out is None"),
+        (lambda: gemm_blockwise(randn(4, 8), _block(4, 8, (1, 4))[0], torch.ones(4, 2), torch.ones(4, 2), (1, 4), (1, 4), torch.float32),
+         TypeError, "must be FP8"),
+        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 3), torch.ones(4, 2), (1, 4), (1, 4),
+                                torch.float32), ValueError, "scale_inv has shape"),
+        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 2), 4, (1, 4),
+                                torch.float32), ValueError, "a_block=4"),
+        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 12, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 3), (1, 4), (1, 4),
+                                torch.float32), ValueError, "inner dimensions"),
+        (lambda: gemm_blockwise(*_block(4, 8, (1, 4))[:1], *_block(4, 8, (1, 4))[:1], torch.ones(4, 2), torch.ones(4, 2), (1, 4), (1, 4),
+                                torch.float32, accumulate=True), ValueError, "out is None"),
     ],
 )
 def test_gemm_blockwise_errors(call, error, match):

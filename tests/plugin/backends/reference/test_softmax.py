@@ -86,7 +86,8 @@ def _variants(x):
     sq, sk = x.shape[-2:]
     return [
         (lambda t: torch.softmax(t * SCALE, -1), lambda t: ref.scaled_softmax_forward(t, SCALE), ref.scaled_softmax_backward),
-        (lambda t: _masked64(t, mask, SCALE), lambda t: ref.scaled_masked_softmax_forward(t, mask, SCALE), ref.scaled_masked_softmax_backward),
+        (lambda t: _masked64(t, mask, SCALE), lambda t: ref.scaled_masked_softmax_forward(t, mask, SCALE),
+         ref.scaled_masked_softmax_backward),
         (
             lambda t: _prefix_softmax64(t.flatten(0, 1), SCALE, lambda i: i + 1).reshape(t.shape),
             lambda t: ref.scaled_upper_triang_masked_softmax_forward(t.flatten(0, 1), SCALE).reshape(t.shape),
@@ -131,8 +132,10 @@ def test_backward_half_precision(variant, dtype):
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: ref.scaled_masked_softmax_forward(randn(2, 3, 4), torch.zeros(2, 1, 3, 4, dtype=torch.bool), 1.0), ValueError, r"\[b, h, sq, sk\]"),
-        (lambda: ref.scaled_masked_softmax_forward(randn(2, 3, 4, 5), torch.zeros(2, 3, 4, 5, dtype=torch.bool), 1.0), ValueError, r"\[2 or 1, 1, 4, 5\]"),
+        (lambda: ref.scaled_masked_softmax_forward(randn(2, 3, 4), torch.zeros(2, 1, 3, 4, dtype=torch.bool), 1.0), ValueError,
+         r"\[b, h, sq, sk\]"),
+        (lambda: ref.scaled_masked_softmax_forward(randn(2, 3, 4, 5), torch.zeros(2, 3, 4, 5, dtype=torch.bool), 1.0), ValueError,
+         r"\[2 or 1, 1, 4, 5\]"),
         (lambda: ref.scaled_masked_softmax_forward(randn(2, 3, 4, 5), torch.zeros(2, 1, 4, 5), 1.0), ValueError, "torch.bool"),
         (lambda: ref.scaled_upper_triang_masked_softmax_forward(randn(2, 3, 4, 5), 1.0), ValueError, r"\[b\*h, sq, sk\]"),
         (lambda: ref.scaled_aligned_causal_masked_softmax_forward(randn(3, 4, 5), 1.0), ValueError, r"\[b, h, sq, sk\]"),

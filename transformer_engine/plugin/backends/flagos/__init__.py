@@ -27,7 +27,8 @@ from transformer_engine.plugin.backends._registration import impls_from_modules,
 from transformer_engine.plugin.core.config import triton_interpret
 from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
 
-from . import activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, quantization_blockwise, quantization_grouped, rope, softmax
+from . import activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, \
+    quantization_blockwise, quantization_grouped, rope, softmax
 
 IMPL_ID = "flagos.triton"
 
@@ -36,7 +37,8 @@ __all__ = ["register", "IMPL_ID", "capabilities"]
 
 def _modules():
     """The kernel modules to register; attention joins when its module exists."""
-    modules = [activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, quantization_blockwise, quantization_grouped, rope, softmax]
+    modules = [activation, delayed_scaling, misc, mxfp8, normalization, nvfp4, nvfp4_gemm, optimizer, quantization, quantization_blockwise,
+               quantization_grouped, rope, softmax]
     if importlib.util.find_spec(f"{__name__}.attention") is not None:
         try:
             modules.append(importlib.import_module(f"{__name__}.attention"))

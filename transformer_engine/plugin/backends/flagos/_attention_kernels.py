@@ -172,7 +172,8 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                      rows, lo_off, hi_off, seqlen_k, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_N, True, dot_t, HAS_LO, HAS_HI)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                     rows, lo_off, hi_off, seqlen_k, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_N, False, dot_t, HAS_LO, HAS_HI)
+                                     rows, lo_off, hi_off, seqlen_k, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_N, False, dot_t, HAS_LO,
+                                     HAS_HI)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                      rows, lo_off, hi_off, seqlen_k, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_N, True, dot_t, HAS_LO, HAS_HI)
     empty = l_i == 0.0
@@ -301,11 +302,14 @@ def _attn_bwd_dkdv_kernel(
         l_base = LSE + _head_offset(off_b, off_h, q_start, stride_lb, stride_lh, 1, IS_VARLEN)
         d_base = DELTA + _head_offset(off_b, off_h, q_start, stride_lb, stride_lh, 1, IS_VARLEN)
         dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_qd, stride_ds, stride_dd,
-                                       cols, lo_off, hi_off, seqlen_q, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_M, True, dot_t, HAS_LO, HAS_HI)
+                                       cols, lo_off, hi_off, seqlen_q, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_M, True, dot_t, HAS_LO,
+                                       HAS_HI)
         dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_qd, stride_ds, stride_dd,
-                                       cols, lo_off, hi_off, seqlen_q, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_M, False, dot_t, HAS_LO, HAS_HI)
+                                       cols, lo_off, hi_off, seqlen_q, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_M, False, dot_t, HAS_LO,
+                                       HAS_HI)
         dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_qd, stride_ds, stride_dd,
-                                       cols, lo_off, hi_off, seqlen_q, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_M, True, dot_t, HAS_LO, HAS_HI)
+                                       cols, lo_off, hi_off, seqlen_q, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_M, True, dot_t, HAS_LO,
+                                       HAS_HI)
     dk = dk * sm_scale
     dk_base = DK + _head_offset(off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks, IS_VARLEN)
     dv_base = DV + _head_offset(off_b, off_hk, k_start, stride_dvb, stride_dvh, stride_dvs, IS_VARLEN)

@@ -140,7 +140,8 @@ def _stat_strides(stats: torch.Tensor, geom: _Geometry) -> Tuple[int, int]:
     return (0, stats.stride(0)) if geom.varlen else (stats.stride(0), stats.stride(1))
 
 
-def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None,
+                   cu_seqlens_kv=None):
     """O = softmax(softmax_scale Q K^T + band mask) V by the flash-attention forward kernel.
 
     Args: as in plugin/catalog/attention.py (the optional tensors must be None, bar cu_seqlens for thd).
@@ -173,7 +174,8 @@ def _scalars(geom: _Geometry, config) -> tuple:
     return (geom.seqlen_q, geom.seqlen_kv, geom.heads, geom.group, float(config.softmax_scale)) + _Band.of(config).window()
 
 
-def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None,
+                   cu_seqlens_q=None, cu_seqlens_kv=None):
     """(dQ, dK, dV) of the flash-attention forward: preprocess D, then dK/dV per key block, dQ per query block.
 
     Args: as in plugin/catalog/attention.py; ``ctx`` is the forward's :class:`FlashAttnCtx`.
@@ -186,7 +188,8 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
         ValueError / NotImplementedError: as :func:`fused_attn_fwd`.
     """
     if not isinstance(ctx, FlashAttnCtx):
-        raise TypeError(f"ctx is a {type(ctx).__name__}, not the FlashAttnCtx of flagos fused_attn_fwd: run the backward on the forward's backend")
+        raise TypeError(f"ctx is a {type(ctx).__name__}, not the FlashAttnCtx of flagos fused_attn_fwd: "
+                        "run the backward on the forward's backend")
     _raise_if_unsupported(q, k, v, config, (attn_mask, attn_bias, softmax_offset, alibi_slopes), cu_seqlens_q, cu_seqlens_kv)
     geom = _geometry(q, k, config, cu_seqlens_q, cu_seqlens_kv, (ctx.max_seqlen_q, ctx.max_seqlen_kv))
     delta = _bwd_preprocess(out, dout, cu_seqlens_q, geom, ctx.lse2)
@@ -236,7 +239,8 @@ def _feature_gap(q, k, v, config, extras, cu_seqlens_q, cu_seqlens_kv) -> Option
     if given:
         return f"{', '.join(given)} not supported"
     if config.bias_type != "no_bias" or config.softmax_type != "vanilla" or config.dropout_p > 0.0:
-        return f"bias_type={config.bias_type!r}, softmax_type={config.softmax_type!r}, dropout_p={config.dropout_p}: only no_bias, vanilla, 0"
+        return f"bias_type={config.bias_type!r}, softmax_type={config.softmax_type!r}, dropout_p={config.dropout_p}: " \
+            "only no_bias, vanilla, 0"
     d_qk, d_v = q.shape[-1], v.shape[-1]
     if d_qk != d_v or d_qk not in HEAD_DIMS:
         return f"head dims d_qk={d_qk}, d_v={d_v}: needs d_qk == d_v in {HEAD_DIMS}"
@@ -261,11 +265,13 @@ def _verdict(q, k, v, config, extras, cu_seqlens_q, cu_seqlens_kv):
     return Reject(reason) if reason else True
 
 
-def _supports_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def _supports_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None,
+                  cu_seqlens_kv=None):
     return _verdict(q, k, v, config, (attn_mask, attn_bias, softmax_offset, alibi_slopes), cu_seqlens_q, cu_seqlens_kv)
 
 
-def _supports_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def _supports_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None,
+                  cu_seqlens_q=None, cu_seqlens_kv=None):
     if not isinstance(ctx, FlashAttnCtx):
         return Reject("ctx does not come from the flagos forward")
     return _verdict(q, k, v, config, (attn_mask, attn_bias, softmax_offset, alibi_slopes), cu_seqlens_q, cu_seqlens_kv)

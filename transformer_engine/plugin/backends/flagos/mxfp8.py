@@ -17,7 +17,8 @@ multiplier's NaN case of the reference is not needed here.
 
 Why the bits match the reference: the maxima and the E8M0 rounding are integer arithmetic; the products are
 single float32 multiplications with subnormals kept (Triton's float32 multiply does not flush them, and no
-add follows, so nothing fuses into an FMA); the FP8 cast is ``_fp8_encode`` (torch's saturating RNE cast; the sign of a NaN is kept as torch keeps it);
+add follows, so nothing fuses into an FMA); the FP8 cast is ``_fp8_encode`` (torch's saturating RNE cast; the sign of a NaN is kept as torch
+keeps it);
 bfloat16 inputs are widened on their bits (``_to_float32``) and a bfloat16 ``dequantize_mxfp8`` output is
 rounded on its bits (``_store_rounded``), alike on the GPU and in the interpreter.
 

@@ -132,7 +132,8 @@ def quantize_blockwise(x, fp8_dtype, block_rows, block_cols, power_2_scale, amax
     return q, scale_inv
 
 
-def _launch_quantize_blockwise(x, q, scale_inv, square: bool, block_len: int, power_2_scale, eps_bits: int, transposed: bool = False) -> None:
+def _launch_quantize_blockwise(x, q, scale_inv, square: bool, block_len: int, power_2_scale, eps_bits: int,
+                               transposed: bool = False) -> None:
     """Run _quantize_blockwise_kernel on x [M, N] (unit column stride) into q [M, N] and scale_inv.
 
     scale_inv as quantize_blockwise returns it (storage [cdiv(N, B), M] for 1 x B, [cdiv(M, B), cdiv(N, B)]

@@ -255,7 +255,8 @@ def _segment_bwd(dout, q, k, v, seg: _Segment, config, operands: _Operands, keep
     )
 
 
-def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None,
+                   cu_seqlens_kv=None):
     """O = dropout(softmax(S)) V for the settings in ``config`` (see the module docstring).
 
     Args:
@@ -290,7 +291,8 @@ def _reduce_to(g, shape) -> torch.Tensor:
     return g.sum(dim=dims, keepdim=True) if dims else g
 
 
-def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None,
+                   cu_seqlens_q=None, cu_seqlens_kv=None):
     """Gradients of :func:`fused_attn_fwd` given dO (see the module docstring for the VJP).
 
     Args:
@@ -333,7 +335,8 @@ def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=No
     )
 
 
-def _supports_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def _supports_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None,
+                  cu_seqlens_q=None, cu_seqlens_kv=None):
     """Only a ctx made by this backend's :func:`fused_attn_fwd` (the catalog's rule: the backward runs where the ctx was made)."""
     return True if isinstance(ctx, _AttentionCtx) else Reject("ctx was not made by the reference fused_attn_fwd")
 

@@ -54,7 +54,8 @@ def _check_shapes(a_op: torch.Tensor, b_op: torch.Tensor, bias, out, shapes: str
     return m, n
 
 
-def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
+def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False,
+         use_split_accumulator=True):
     """D = op(a) @ op(b) + bias (+ out when ``accumulate``), accumulated in float32.
 
     Args:

@@ -3,7 +3,8 @@
 Dropout, with keep mask m ~ Bernoulli(1 - p) drawn from the default generator of x's device:
     forward   y = x * m / (1 - p)
     backward  dx = dy * m / (1 - p)
-(p = 1 keeps nothing and gives zeros; a dropped element is exactly 0 even where x is NaN or inf.) Bias-dropout-add, bias b [H] broadcast over the rows:
+(p = 1 keeps nothing and gives zeros; a dropped element is exactly 0 even where x is NaN or inf.) Bias-dropout-add, bias b [H] broadcast
+over the rows:
     forward   out = r + (x + b) * m / (1 - p)
     backward  dx = dout * m / (1 - p) (dropout_bwd), db = sum over rows of dx (dropout_bwd_dbias), dr = dout
 

@@ -121,7 +121,8 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         param.copy_(p)
 
 
-def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum, dampening, lr, nesterov, first_run, wd_after_momentum, scale):
+def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum, dampening, lr, nesterov, first_run, wd_after_momentum,
+                     scale):
     """One SGD step with PyTorch's semantics, in place; nothing happens when noop_flag != 0.
 
     Args:

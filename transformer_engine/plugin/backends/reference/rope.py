@@ -128,7 +128,8 @@ def fused_rope_forward(t, freqs, tensor_format="sbhd", interleaved=False, start_
     return _rope(t, freqs, args, inverse=False)
 
 
-def fused_rope_backward(grad_out, freqs, tensor_format="sbhd", interleaved=False, start_positions=None, cu_seqlens=None, cp_size=1, cp_rank=0):
+def fused_rope_backward(grad_out, freqs, tensor_format="sbhd", interleaved=False, start_positions=None, cu_seqlens=None, cp_size=1,
+                        cp_rank=0):
     """grad_t = grad_out c - R(grad_out s): the transpose of :func:`fused_rope_forward`.
 
     Args and Raises: as :func:`fused_rope_forward`, with ``grad_out`` in place of ``t``.

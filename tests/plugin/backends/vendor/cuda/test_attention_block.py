@@ -1,6 +1,7 @@
 """vendor.cuda attention blocks (PyTorch's cuDNN and FlashAttention-2 SDPA kernels).
 
-On CPU: what the SUPPORTS predicate declines and why, and which kernel runs a block. On a GPU, for each kernel, bf16 against the reference backend's float32
+On CPU: what the SUPPORTS predicate declines and why, and which kernel runs a block. On a GPU, for each kernel, bf16 against the reference
+backend's float32
 math on the same inputs: the block's O and lse, blocks over split keys merged and their backward shares summed
 (against the reference fused attention, GQA, both head dims the ring meets), the causal diagonal block, and the
 dropout identity sum(dV * V) = sum(dO * O) with the forward's mask regenerated. Tolerance: bf16 keeps 8 bits, so

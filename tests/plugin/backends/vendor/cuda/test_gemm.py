@@ -217,7 +217,8 @@ def test_high_precision_matches_reference(m, k, n, dtype, bias_dtype, trans_a, t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("dtype, out_dtype",
+                         [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)])
 def test_high_precision_out_dtype(dtype, out_dtype):
     """wgrad into fp32 (cuBLAS writes fp32 from bf16 inputs, no bf16 rounding first)."""
     a, b, bias = randn(64, 33, dtype=dtype, device="cuda"), randn(64, 48, dtype=dtype, device="cuda"), randn(48, device="cuda")
@@ -246,7 +247,9 @@ def test_fp8_matches_reference(pair, out_dtype, trans_a, trans_b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bias_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("bias_dtype, out_dtype",
+                         [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+                          (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 def test_fp8_bias(bias_dtype, out_dtype):
     """Epilogue bias (bias dtype == out dtype) and the fp32 tail for the rest."""
     a, a_scale_inv = _fp8((33, 32), E4M3)
@@ -265,7 +268,8 @@ def test_accumulate_and_out(fp8, out_dtype):
     if fp8:
         (dy, dy_si), (x, x_si) = _fp8((64, 48), E5M2), _fp8((64, 32), E4M3)
     else:
-        (dy, dy_si), (x, x_si) = (randn(64, 48, dtype=torch.bfloat16, device="cuda"), None), (randn(64, 32, dtype=torch.bfloat16, device="cuda"), None)
+        (dy, dy_si), (x, x_si) = (randn(64, 48, dtype=torch.bfloat16, device="cuda"),
+                                  None), (randn(64, 32, dtype=torch.bfloat16, device="cuda"), None)
     args = dict(a_scale_inv=dy_si, b_scale_inv=x_si, trans_a=True, out_dtype=out_dtype)
     start = randn(48, 32, dtype=out_dtype, device="cuda")
     out, expected = start.clone(), start.clone()

@@ -229,7 +229,8 @@ def _plan(call: _Call, device: _Device, kernels: Tuple[_Kernel, ...] = _KERNELS)
     raise ValueError(f"no SDPA kernel among {[k.name for k in kernels]} runs this call: {passed_over}")
 
 
-def _supports_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def _supports_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None,
+                  cu_seqlens_kv=None):
     """True, or a Reject naming the argument SDPA cannot take (another backend then runs the call)."""
     if config.qkv_format != "bshd":
         return Reject("qkv_format='thd' (packed sequences): the SDPA kernels take padded bshd batches")
@@ -249,7 +250,8 @@ def _supports_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offse
     return True
 
 
-def _supports_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def _supports_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None,
+                  cu_seqlens_q=None, cu_seqlens_kv=None):
     """Only a ctx made by this backend's forward."""
     return True if isinstance(ctx, SdpaCtx) else Reject("ctx was not made by the vendor.cuda fused_attn_fwd")
 
@@ -342,7 +344,8 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
 
 
-def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None,
+                   cu_seqlens_kv=None):
     """O = dropout(softmax(S)) V on an SDPA kernel (see the module docstring for which one).
 
     Args:
@@ -388,7 +391,8 @@ def _forward(q, k, v, config: AttentionConfig, attn_mask, attn_bias, plan: _Plan
     return out, SdpaCtx(plan.kernel, config, plan.is_causal, saved, bias, dead)
 
 
-def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
+def fused_attn_bwd(dout, q, k, v, out, ctx, config, attn_mask=None, attn_bias=None, softmax_offset=None, alibi_slopes=None,
+                   cu_seqlens_q=None, cu_seqlens_kv=None):
     """Gradients of :func:`fused_attn_fwd` on the kernel that ran it.
 
     Args:

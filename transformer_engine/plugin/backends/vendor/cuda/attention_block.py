@@ -113,7 +113,8 @@ def attention_block_bwd(dout, q, k, v, out, lse, ctx, config, attn_mask=None, at
     doh, p, is_causal, scale = _in_layout_of(_to_heads(dout), outh), config.dropout_p, config.mask_type != "no_mask", config.softmax_scale
     if ctx.kernel == "cudnn":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            doh, qh, kh, vh, outh, lse.contiguous().unsqueeze(-1), seed, offset, None, cum_q, cum_k, max_q, max_k, p, is_causal, scale=scale,
+            doh, qh, kh, vh, outh, lse.contiguous().unsqueeze(-1), seed, offset, None, cum_q, cum_k, max_q, max_k, p, is_causal,
+                                                                                 scale=scale,
         )
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(

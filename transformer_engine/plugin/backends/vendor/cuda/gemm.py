@@ -41,7 +41,8 @@ FP8_MIN_CAPABILITY = (8, 9)
 _ALIGN = 16  # cuBLASLt FP8: K, N, leading dimensions and base pointers in multiples of 16 (bytes = elements)
 
 
-def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
+def gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False,
+         use_split_accumulator=True):
     """D = op(a) @ op(b) + bias on cuBLAS(Lt); FP8 operands through ``torch._scaled_mm``.
 
     Args: as in plugin/catalog/gemm.py.
@@ -62,7 +63,8 @@ def _require(verdict, op: str) -> None:
         raise NotImplementedError(f"vendor.cuda {op}: {verdict.reason}; use the reference backend for this call")
 
 
-def _gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
+def _gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False,
+          use_split_accumulator=True):
     """:func:`gemm` on arguments ``_supports_gemm`` accepted (the dispatcher's entry, ``DISPATCHED``)."""
     x, y = _operands(a, b, trans_a, trans_b)
     dtype = _result_dtype(a, out_dtype, out)
@@ -172,7 +174,8 @@ def _op_shape(shape: torch.Size, trans: bool) -> Tuple[int, int]:
     return (cols, rows) if trans else (rows, cols)
 
 
-def _supports_gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None, accumulate=False, use_split_accumulator=True):
+def _supports_gemm(a, b, bias=None, a_scale_inv=None, b_scale_inv=None, trans_a=False, trans_b=False, out_dtype=None, out=None,
+                   accumulate=False, use_split_accumulator=True):
     """True, or a Reject saying why this backend declines the call: device, shapes, then dtypes.
 
     The dispatcher runs it before every call (then calls ``_gemm``), a direct call of :func:`gemm`
