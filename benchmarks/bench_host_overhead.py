@@ -88,8 +88,10 @@ def building_blocks(device: str, fp8) -> dict:
         "ops.cast_transpose": lambda: ops.cast_transpose(x, scale, e4m3),
         "Float8Quantizer.quantize (+ amax record)": lambda: quantizer.quantize(x),
         "torch.mm bf16": lambda: torch.mm(x, w.t()),
-        "ops.gemm bf16": lambda: ops.gemm(x, w, None, None, None, False, True, None, None, False, True),
-        "ops.gemm FP8": lambda: ops.gemm(q, wq, None, scale, scale, False, True, torch.bfloat16, None, False, True),
+        "ops.gemm bf16": lambda: ops.gemm(x, w, None, None, None, trans_a=False, trans_b=True, out_dtype=None, out=None,
+                                          accumulate=False, use_split_accumulator=True),
+        "ops.gemm FP8": lambda: ops.gemm(q, wq, None, scale, scale, trans_a=False, trans_b=True, out_dtype=torch.bfloat16, out=None,
+                                         accumulate=False, use_split_accumulator=True),
         "delayed-scaling update of one module state": lambda: reduce_and_update([state], fp8),
         "te.autocast enter + exit": lambda: te.autocast(recipe=fp8).__enter__().__exit__(None, None, None),
     }

@@ -25,6 +25,7 @@ reference's (relative L2 error, FP8 outputs dequantized), so a fast wrong kernel
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -79,8 +80,6 @@ def _nbytes(*tensors_or_counts) -> int:
 
 
 def _backends(family: str):
-    import importlib
-
     flagos = importlib.import_module(f"transformer_engine.plugin.backends.flagos.{family}")
     reference = importlib.import_module(f"transformer_engine.plugin.backends.reference.{family}")
     return flagos, reference
@@ -127,8 +126,8 @@ def norm_cases(m: int = 16384, h: int = 4096) -> List[Case]:
             "flagos": lambda x, w, b: fn.layernorm_fwd(x, w, b, eps), "reference": lambda x, w, b: ref.layernorm_fwd(x, w, b, eps),
             "torch": lambda x, w, b: F.layer_norm(x, (h,), w, b, eps)}),
         Case("layernorm_fwd+fp8", shape, io_fp8, make_fwd, {
-            "flagos": lambda x, w, b: fn.layernorm_fwd(x, w, b, eps, False, scale, E4M3),
-            "reference": lambda x, w, b: ref.layernorm_fwd(x, w, b, eps, False, scale, E4M3),
+            "flagos": lambda x, w, b: fn.layernorm_fwd(x, w, b, eps, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=E4M3),
+            "reference": lambda x, w, b: ref.layernorm_fwd(x, w, b, eps, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=E4M3),
             "torch": lambda x, w, b: _torch_quantize(F.layer_norm(x, (h,), w, b, eps), scale)}),
         Case("layernorm_bwd", shape, io_bwd, make_bwd, {
             "flagos": fn.layernorm_bwd, "reference": ref.layernorm_bwd, "torch": ln_bwd_torch}),
@@ -136,8 +135,8 @@ def norm_cases(m: int = 16384, h: int = 4096) -> List[Case]:
             "flagos": lambda x, w, b: fn.rmsnorm_fwd(x, w, eps), "reference": lambda x, w, b: ref.rmsnorm_fwd(x, w, eps),
             "torch": lambda x, w, b: F.rms_norm(x, (h,), w, eps)}),
         Case("rmsnorm_fwd+fp8", shape, io_fp8 - _nbytes((h, BF16), (m, torch.float32)), make_fwd, {
-            "flagos": lambda x, w, b: fn.rmsnorm_fwd(x, w, eps, False, scale, E4M3),
-            "reference": lambda x, w, b: ref.rmsnorm_fwd(x, w, eps, False, scale, E4M3),
+            "flagos": lambda x, w, b: fn.rmsnorm_fwd(x, w, eps, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=E4M3),
+            "reference": lambda x, w, b: ref.rmsnorm_fwd(x, w, eps, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=E4M3),
             "torch": lambda x, w, b: _torch_quantize(F.rms_norm(x, (h,), w, eps), scale)}),
         Case("rmsnorm_bwd", shape, io_bwd - _nbytes((h, BF16), (m, torch.float32)), make_bwd, {
             "flagos": lambda dy, x, mean, rstd, w: fn.rmsnorm_bwd(dy, x, rstd, w),
@@ -180,6 +179,7 @@ def activation_cases(m: int = 8192, f: int = 8192) -> List[Case]:
 def quantization_cases(m: int = 16384, n: int = 4096) -> List[Case]:
     """Per-tensor FP8 casts of a [16384, 4096] bf16 tensor."""
     fq, ref = _backends("quantization")
+    fqb = importlib.import_module("transformer_engine.plugin.backends.flagos.quantization_blockwise")  # flagos: a module of their own
     scale = torch.tensor([2.0], device="cuda")
     make_x = lambda: (torch.randn(m, n, device="cuda", dtype=BF16),)  # noqa: E731
     make_q = lambda: (torch.randn(m, n, device="cuda").to(E4M3),)  # noqa: E731
@@ -204,11 +204,11 @@ def quantization_cases(m: int = 16384, n: int = 4096) -> List[Case]:
         Case("compute_amax", shape + " bf16", _nbytes((mn, BF16)), make_x, {
             "flagos": fq.compute_amax, "reference": ref.compute_amax, "torch": lambda x: x.abs().amax()}),
         Case("quantize_blockwise(1x128)", shape + " bf16", _nbytes((mn, BF16), (mn, E4M3), (mn // 128, F32)), make_x, {
-            "flagos": lambda x: fq.quantize_blockwise(x, E4M3, 1, 128, True, 0.0),
-            "reference": lambda x: ref.quantize_blockwise(x, E4M3, 1, 128, True, 0.0)}),
+            "flagos": lambda x: fqb.quantize_blockwise(x, E4M3, 1, 128, power_2_scale=True, amax_epsilon=0.0),
+            "reference": lambda x: ref.quantize_blockwise(x, E4M3, 1, 128, power_2_scale=True, amax_epsilon=0.0)}),
         Case("cast_transpose_blockwise(128)", shape + " bf16", _nbytes((mn, BF16), (2 * mn, E4M3), (2 * mn // 128, F32)), make_x, {
-            "flagos": lambda x: fq.cast_transpose_blockwise(x, E4M3, 128, True, 0.0),
-            "reference": lambda x: ref.cast_transpose_blockwise(x, E4M3, 128, True, 0.0)}),
+            "flagos": lambda x: fqb.cast_transpose_blockwise(x, E4M3, 128, power_2_scale=True, amax_epsilon=0.0),
+            "reference": lambda x: ref.cast_transpose_blockwise(x, E4M3, 128, power_2_scale=True, amax_epsilon=0.0)}),
     ]  # fmt: skip
 
 
@@ -289,8 +289,8 @@ def optimizer_cases() -> List[Case]:
                  "torch": lambda i, o: torch._foreach_mul(i, 0.5)}),
         Case("multi_tensor_l2norm", f"{len(sizes)} tensors, {numel / 1e6:.0f}M fp32", _nbytes((numel, torch.float32)),
              lambda: make_lists(1), {
-                 "flagos": lambda t: fo.multi_tensor_l2norm(65536, flag, [t], True),
-                 "reference": lambda t: ref.multi_tensor_l2norm(65536, flag, [t], True),
+                 "flagos": lambda t: fo.multi_tensor_l2norm(65536, flag, [t], per_tensor=True),
+                 "reference": lambda t: ref.multi_tensor_l2norm(65536, flag, [t], per_tensor=True),
                  "torch": lambda t: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(t)))}),
     ]  # fmt: skip
 
@@ -329,7 +329,7 @@ def dropout_cases(m: int = 8192, h: int = 4096, p: float = 0.1) -> List[Case]:
     return [
         Case("dropout_fwd", shape, _nbytes((2 * mh, BF16), mask_bytes), make_x, {
             "flagos": lambda x: fm.dropout_fwd(x, p), "reference": lambda x: ref.dropout_fwd(x, p),
-            "torch": lambda x: torch.ops.aten.native_dropout(x, p, True)}, expected=dropout_formula),
+            "torch": lambda x: torch.ops.aten.native_dropout(x, p, train=True)}, expected=dropout_formula),
         Case("dropout_bwd", shape, _nbytes((2 * mh, BF16), mask_bytes), make_bwd, {
             "flagos": lambda dy, keep, packed: fm.dropout_bwd(dy, packed, p),
             "reference": lambda dy, keep, packed: ref.dropout_bwd(dy, packed, p),

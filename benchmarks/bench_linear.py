@@ -49,9 +49,9 @@ class Product:
 
 
 PRODUCTS = (
-    Product("fprop", ("x", "w"), False, True, False),
-    Product("dgrad", ("dy", "w"), False, False, True),
-    Product("wgrad", ("dy", "x"), True, False, True),
+    Product("fprop", ("x", "w"), trans_a=False, trans_b=True, split_accumulator=False),
+    Product("dgrad", ("dy", "w"), trans_a=False, trans_b=False, split_accumulator=True),
+    Product("wgrad", ("dy", "x"), trans_a=True, trans_b=False, split_accumulator=True),
 )
 
 

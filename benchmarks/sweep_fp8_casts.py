@@ -37,7 +37,7 @@ B = 128  # block length of the blockwise section (Float8BlockScaling)
 
 
 def _fmt():
-    return fp8_format(E4M3).constexprs(True)
+    return fp8_format(E4M3).constexprs(hw_cast=True)
 
 
 def sweep_quantize(x, scale, q, scale_inv, amax):
@@ -107,7 +107,7 @@ def sweep_cast_transpose_blockwise(x, q, s, q_t, s_t, columns_only=False):
 
         def run(split=split, tile_n=tile_n, warps=warps, grid=grid):
             if split and not columns_only:  # the 1 x 128 quantize as cast_transpose_blockwise launches it
-                fb._launch_quantize_blockwise(x, q.view(E4M3), s.t(), False, B, True, 0)
+                fb._launch_quantize_blockwise(x, q.view(E4M3), s.t(), square=False, block_len=B, power_2_scale=True, eps_bits=0)
             fb._cast_transpose_blockwise_kernel[grid](
                 x, q, s, q_t, s_t, s_t, m, n, x.stride(0), 0, TILE_N=tile_n, B=B, ROWS=not split, DBIAS=False, TRANSPOSE_CODES=True,
                 POW2=True, num_warps=warps, **_fmt())
@@ -126,8 +126,8 @@ def _blockwise_cases(x):
     u8 = dict(device="cuda", dtype=torch.uint8)
     q, q_t = torch.empty(m, n, **u8), torch.empty(n, m, **u8)
     s, s_t = torch.empty(n // B, m, device="cuda"), torch.empty(m // B, n, device="cuda")
-    q_ref, s_ref = ref.quantize_blockwise(x, E4M3, 1, B, True, 0.0)
-    qt_ref, st_ref = ref.quantize_blockwise(x.t(), E4M3, 1, B, True, 0.0)
+    q_ref, s_ref = ref.quantize_blockwise(x, E4M3, 1, B, power_2_scale=True, amax_epsilon=0.0)
+    qt_ref, st_ref = ref.quantize_blockwise(x.t(), E4M3, 1, B, power_2_scale=True, amax_epsilon=0.0)
     same = lambda codes, scales, c_ref, s_ref: torch.equal(codes, c_ref.view(torch.uint8)) and torch.equal(scales.t(), s_ref)  # noqa: E731
     return [
         ("quantize_blockwise(1x128)", 3 * m * n + 4 * m * n // B, sweep_quantize_blockwise(x, q, s),
@@ -167,8 +167,8 @@ def _ops_whole(x):
         "quantize_transposed": lambda: fq.quantize_transposed(x, scale, E4M3),
         "cast_transpose_dbias": lambda: fq.cast_transpose_dbias(x, scale, E4M3),
         "fp8_transpose": lambda: fq.fp8_transpose(q),
-        "quantize_blockwise(1x128)": lambda: fb.quantize_blockwise(x, E4M3, 1, B, True, 0.0),
-        "cast_transpose_blockwise(128)": lambda: fb.cast_transpose_blockwise(x, E4M3, B, True, 0.0),
+        "quantize_blockwise(1x128)": lambda: fb.quantize_blockwise(x, E4M3, 1, B, power_2_scale=True, amax_epsilon=0.0),
+        "cast_transpose_blockwise(128)": lambda: fb.cast_transpose_blockwise(x, E4M3, B, power_2_scale=True, amax_epsilon=0.0),
     }
 
 

@@ -161,8 +161,8 @@ def _norm_cases() -> Dict[str, Callable[[], object]]:
     x, w, stat, scale = _t(m, h), _t(h), _t(m, dtype=torch.float32), _t(1, dtype=torch.float32)
     return {
         "layernorm_fwd": lambda: n.layernorm_fwd(x, w, w, 1e-5),
-        "layernorm_fwd+fp8": lambda: n.layernorm_fwd(x, w, w, 1e-5, False, scale, e4m3),
-        "rmsnorm_fwd+fp8 e5m2": lambda: n.rmsnorm_fwd(x, w, 1e-5, True, scale, torch.float8_e5m2),
+        "layernorm_fwd+fp8": lambda: n.layernorm_fwd(x, w, w, 1e-5, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=e4m3),
+        "rmsnorm_fwd+fp8 e5m2": lambda: n.rmsnorm_fwd(x, w, 1e-5, zero_centered_gamma=True, fp8_scale=scale, fp8_dtype=torch.float8_e5m2),
         "layernorm_bwd": lambda: n.layernorm_bwd(x, x, stat, stat, w),
         "rmsnorm_bwd": lambda: n.rmsnorm_bwd(x, x, stat, w),
     }
@@ -196,8 +196,9 @@ def _quantization_cases() -> Dict[str, Callable[[], object]]:
         "compute_amax": lambda: q.compute_amax(x),
         "cast_transpose": lambda: q.cast_transpose(x, scale, torch.float8_e4m3fn),
         "fp8_transpose": lambda: q.fp8_transpose(_t(m, n, dtype=torch.float8_e4m3fn)),
-        "quantize_blockwise(1x128)": lambda: qb.quantize_blockwise(x, torch.float8_e4m3fn, 1, 128, True, 0.0),
-        "cast_transpose_blockwise(128)": lambda: qb.cast_transpose_blockwise(x, torch.float8_e4m3fn, 128, True, 0.0),
+        "quantize_blockwise(1x128)": lambda: qb.quantize_blockwise(x, torch.float8_e4m3fn, 1, 128, power_2_scale=True, amax_epsilon=0.0),
+        "cast_transpose_blockwise(128)": lambda: qb.cast_transpose_blockwise(x, torch.float8_e4m3fn, 128, power_2_scale=True,
+                                                                             amax_epsilon=0.0),
     }
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         cases[f"quantize {str(fp8)[-6:]}"] = lambda fp8=fp8: q.quantize(x, scale, fp8)
@@ -226,7 +227,7 @@ def _misc_cases() -> Dict[str, Callable[[], object]]:
     z, target, per_row = _t(8192, 32768), _t(8192, dtype=torch.int64), _t(8192, dtype=torch.float32)
     return {
         "fused_rope_forward": lambda: rope.fused_rope_forward(t, freqs),
-        "fused_rope_forward interleaved": lambda: rope.fused_rope_forward(t, freqs, "sbhd", True),
+        "fused_rope_forward interleaved": lambda: rope.fused_rope_forward(t, freqs, "sbhd", interleaved=True),
         "fused_rope_backward": lambda: rope.fused_rope_backward(t, freqs),
         "cross_entropy_fwd": lambda: misc.cross_entropy_fwd(z, target),
         "cross_entropy_bwd": lambda: misc.cross_entropy_bwd(per_row, z, target, per_row),
@@ -240,9 +241,10 @@ def _optimizer_cases() -> Dict[str, Callable[[], object]]:
     lists = [[_t(*sz, dtype=torch.float32) for sz in sizes] for _ in range(4)]
     flag = _t(1, dtype=torch.int32)
     return {
-        "multi_tensor_adam": lambda: o.multi_tensor_adam(65536, flag, lists, 1e-3, 0.9, 0.999, 1e-8, 5, 1, True, 0.01),
+        "multi_tensor_adam": lambda: o.multi_tensor_adam(65536, flag, lists, 1e-3, 0.9, 0.999, 1e-8, 5, 1, bias_correction=True,
+                                                         weight_decay=0.01),
         "multi_tensor_scale": lambda: o.multi_tensor_scale(65536, flag, lists[:2], 0.5),
-        "multi_tensor_l2norm": lambda: o.multi_tensor_l2norm(65536, flag, lists[:1], True),
+        "multi_tensor_l2norm": lambda: o.multi_tensor_l2norm(65536, flag, lists[:1], per_tensor=True),
     }
 
 

@@ -139,7 +139,7 @@ def compare(layers: Dict[str, torch.nn.Module], x: torch.Tensor, fp8: bool = Fal
     """{name: (output, input grad, {basic parameter name: grad})} for each layer (TE layers in FP8 if asked)."""
     results = {}
     for name, layer in layers.items():
-        inp = x.detach().clone().requires_grad_(True)
+        inp = x.detach().clone().requires_grad_(requires_grad=True)
         with te.autocast(enabled=fp8 and name != "basic", recipe=DelayedScaling()):
             out = layer(inp)
         out.backward(torch.ones_like(out))

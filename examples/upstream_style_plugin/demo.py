@@ -36,7 +36,7 @@ def _loaded() -> bool:
 
 def _run_block(norm, x):
     """SwiGLU(RMSNorm(x)): output and the gradients of x and of the norm's weight."""
-    x = x.detach().requires_grad_(True)
+    x = x.detach().requires_grad_(requires_grad=True)
     norm.weight.grad = None
     y = te.ops.SwiGLU()(norm(x))
     y.backward(torch.ones_like(y))

@@ -42,7 +42,7 @@ def _reset_accelerate() -> None:
     """Accelerate keeps its state in process-wide singletons; each run starts from a clean one."""
     from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(True)
+    AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
 

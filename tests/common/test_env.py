@@ -63,7 +63,7 @@ def test_the_plugin_modules_re_export_the_same_objects():
     from transformer_engine.plugin.core import config, envvars
 
     assert envvars.VARIABLES is OWN_VARIABLES and envvars.EnvVar is env.EnvVar
-    for name in ("lookup", "read", "closest", "closest_name", "check_environment", "config_warning", "describe", "_reset_warnings"):
+    for name in ("lookup", "read", "closest", "closest_name", "check_environment", "config_warning", "describe", "reset_warnings"):
         assert getattr(envvars, name) is getattr(env, name), name
     assert config.read_flag is read_flag and config.triton_interpret is triton_interpret
     assert core_warning is PolicyConfigWarning is envvars.PolicyConfigWarning is config.PolicyConfigWarning
@@ -143,10 +143,10 @@ def test_a_flag_reads_te_fl_spellings(value, on, recwarn):
 
 
 def test_a_flag_with_another_value_warns_once_and_is_off():
-    env._reset_warnings()
+    env.reset_warnings()
     with pytest.warns(PolicyConfigWarning, match=r"ignoring TE_FL_FP8_EMULATION='maybe': expected 1 or 0"):
         assert read_flag("TE_FL_FP8_EMULATION", {"TE_FL_FP8_EMULATION": "maybe"}) is False
-    env._reset_warnings()
+    env.reset_warnings()
 
 
 def test_a_choice_is_its_value_or_the_declared_default():

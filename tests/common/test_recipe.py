@@ -47,7 +47,8 @@ def test_delayed_scaling_defaults():
 def test_current_scaling_defaults():
     r = Float8CurrentScaling()
     assert r.fp8_format == Format.HYBRID and r.use_power_2_scales is False
-    assert r.fp8_gemm_fprop == MMParams(False) and r.fp8_gemm_dgrad == MMParams(True) and r.fp8_gemm_wgrad == MMParams(True)
+    assert r.fp8_gemm_fprop == MMParams(use_split_accumulator=False) and r.fp8_gemm_dgrad == MMParams(use_split_accumulator=True) \
+        and r.fp8_gemm_wgrad == MMParams(use_split_accumulator=True)
     assert r.fp8_quant_fwd_inp == QParams(power_2_scale=False, amax_epsilon=0.0)
     assert "fp8_quant_fwd_inp" not in [f.name for f in dataclasses.fields(r)]
 
@@ -114,7 +115,7 @@ def test_other_validation():
     with pytest.raises(ValueError, match="both use 2-D"):
         Float8BlockScaling(x_block_scaling_dim=2)
     with pytest.raises(ValueError, match="fp8_gemm_fprop"):
-        Float8BlockScaling(fp8_gemm_fprop=MMParams(False))
+        Float8BlockScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=False))
     with pytest.raises(ValueError, match="nvfp4_4over6"):
         NVFP4BlockScaling(nvfp4_4over6="some")
 

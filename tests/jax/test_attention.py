@@ -45,7 +45,7 @@ def _qkv():
 def _run(qkv, bias=None, descriptor=None, bias_type=AttnBiasType.NO_BIAS, mask_type=AttnMaskType.NO_MASK,
          layout=QKVLayout.BSHD_BSHD_BSHD, softmax=AttnSoftmaxType.VANILLA_SOFTMAX, window=None, offset=None):
     fn = jax.jit(lambda qkv, bias, descriptor, offset: fused_attn(
-        qkv, bias, descriptor, None, bias_type, mask_type, layout, softmax, SCALE, 0.0, False,
+        qkv, bias, descriptor, None, bias_type, mask_type, layout, softmax, SCALE, 0.0, is_training=False,
         window_size=window, softmax_offset=offset))
     return fn(qkv, bias, descriptor, offset)
 
@@ -130,17 +130,17 @@ def test_dropout_and_errors():
     run = jax.jit(lambda qkv, seed, training: fused_attn(
         qkv, None, None, seed, AttnBiasType.NO_BIAS, AttnMaskType.NO_MASK, QKVLayout.BSHD_BSHD_BSHD,
         AttnSoftmaxType.VANILLA_SOFTMAX, SCALE, 0.5, training), static_argnums=2)
-    assert_allclose(run((q, k, v), seed, False), _np_attention(q, k, v), jnp.float32)
-    dropped = np.asarray(run((q, k, v), seed, True))
+    assert_allclose(run((q, k, v), seed, training=False), _np_attention(q, k, v), jnp.float32)
+    dropped = np.asarray(run((q, k, v), seed, training=True))
     assert np.all(np.isfinite(dropped)) and not np.allclose(dropped, _np_attention(q, k, v), atol=1e-3)
     args = (None, None, None, AttnBiasType.NO_BIAS, AttnMaskType.NO_MASK, QKVLayout.BSHD_BSHD_BSHD,
             AttnSoftmaxType.VANILLA_SOFTMAX, SCALE)
     with pytest.raises(ValueError, match="PRNG key"):
-        fused_attn((q, k, v), *args, 0.1, True)
+        fused_attn((q, k, v), *args, 0.1, is_training=True)
     with pytest.raises(ValueError, match=r"must be \(b, s, h, d\)"):
-        fused_attn((q, k[:, :, :, :4], v), *args, 0.0, False)
+        fused_attn((q, k[:, :, :, :4], v), *args, 0.0, is_training=False)
     with pytest.raises(ValueError, match="needs a sequence_descriptor"):
         fused_attn((q, k, v), None, None, None, AttnBiasType.NO_BIAS, AttnMaskType.PADDING_MASK,
-                   QKVLayout.BSHD_BSHD_BSHD, AttnSoftmaxType.VANILLA_SOFTMAX, SCALE, 0.0, False)
+                   QKVLayout.BSHD_BSHD_BSHD, AttnSoftmaxType.VANILLA_SOFTMAX, SCALE, 0.0, is_training=False)
     with pytest.raises(ValueError, match="unknown AttnMaskType"):
         canonicalize_attn_mask_type("diagonal")

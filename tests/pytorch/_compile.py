@@ -70,7 +70,7 @@ def _train(step, module, xs, loss=lambda y: y.float().square().mean(), lr=0.01):
     opt = torch.optim.SGD(params, lr=lr) if params else None
     outs = []
     for x in xs:
-        x = x.clone().requires_grad_(True)
+        x = x.clone().requires_grad_(requires_grad=True)
         y = step(x)
         loss(y).backward()
         if opt is not None:

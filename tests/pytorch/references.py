@@ -77,7 +77,7 @@ class TorchLayerNormMLP(torch.nn.Module):
     def __init__(self, kind, hidden, ffn, act, eps=1e-5, bias=True, dtype=torch.float32, limit=7.0, alpha=1.702):
         super().__init__()
         gated = act in _GATES or act == "clamped_swiglu"
-        self.norm = TorchNorm(kind, hidden, eps, False, dtype)
+        self.norm = TorchNorm(kind, hidden, eps, zero_centered_gamma=False, dtype=dtype)
         self.fc1 = torch.nn.Linear(hidden, ffn * (2 if gated else 1), bias=bias, dtype=dtype)
         self.fc2 = torch.nn.Linear(ffn, hidden, bias=bias, dtype=dtype)
         self.act, self.limit, self.alpha = act, limit, alpha
@@ -109,7 +109,7 @@ def grads_by_te_name(ref: torch.nn.Module, te_module: torch.nn.Module, linear_pr
 
 def forward_backward(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, **kwargs):
     """(output, input grad, {parameter name: grad}) of one forward and backward with output grad ``dy``."""
-    x = x.detach().clone().requires_grad_(True)
+    x = x.detach().clone().requires_grad_(requires_grad=True)
     out = module(x, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
     out.backward(dy)

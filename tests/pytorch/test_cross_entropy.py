@@ -43,7 +43,7 @@ def _torch_loss(z, t, eps, reduce_loss, ignore_idx=IGNORE):
 
 def _loss_and_grad(fn, z, t, eps, reduce_loss, grad_seed=7):
     """fn's loss and d(sum(loss * w)) / dz for fixed random weights w (a non-trivial upstream gradient)."""
-    z = z.detach().clone().requires_grad_(True)
+    z = z.detach().clone().requires_grad_(requires_grad=True)
     loss = fn(z, t, eps, reduce_loss)
     w = torch.rand(loss.shape, generator=torch.Generator().manual_seed(grad_seed)) + 0.5
     (loss * w).sum().backward()
@@ -74,13 +74,13 @@ def test_matches_torch(dtype, shape, eps, reduce_loss):
 def test_ignore_idx_in_vocab_range_and_all_ignored():
     z, t = _case((9,), 11, torch.float32, seed=3, ignored=0)
     t[::2] = 4  # a real class used as the ignore index
-    loss, grad = _loss_and_grad(lambda *a: parallel_cross_entropy(*a, ignore_idx=4), z, t, 0.0, False)
-    ref_loss, ref_grad = _loss_and_grad(lambda *a: _torch_loss(*a, ignore_idx=4), z, t, 0.0, False)
+    loss, grad = _loss_and_grad(lambda *a: parallel_cross_entropy(*a, ignore_idx=4), z, t, 0.0, reduce_loss=False)
+    ref_loss, ref_grad = _loss_and_grad(lambda *a: _torch_loss(*a, ignore_idx=4), z, t, 0.0, reduce_loss=False)
     torch.testing.assert_close(loss, ref_loss, **LOSS_TOLS)
     torch.testing.assert_close(grad, ref_grad, **LOSS_TOLS)
     # every token ignored: the mean divides by max(count, 1), so loss and gradient are 0, not NaN
     everything = torch.full((9,), IGNORE)
-    loss, grad = _loss_and_grad(_ours, z, everything, 0.1, True)
+    loss, grad = _loss_and_grad(_ours, z, everything, 0.1, reduce_loss=True)
     assert loss.tolist() == [0.0] and not grad.any()
 
 
@@ -90,8 +90,8 @@ def test_bf16_gradient_rounded_once_after_the_upstream_gradient():
     t = torch.tensor([[0, 1], [2, IGNORE]])
     w = torch.tensor([[0.01, 0.03], [0.1, 0.7]])
     parallel_cross_entropy(z, t).backward(w)
-    zf = z.detach().float().requires_grad_(True)
-    _torch_loss(zf, t, 0.0, False).backward(w)
+    zf = z.detach().float().requires_grad_(requires_grad=True)
+    _torch_loss(zf, t, 0.0, reduce_loss=False).backward(w)
     torch.testing.assert_close(z.grad, zf.grad.to(torch.bfloat16), rtol=0, atol=0)
 
 
@@ -107,7 +107,7 @@ def test_deprecated_input_keyword():
     z, t = _case((5,), 6, torch.float32, seed=1, ignored=0)
     with pytest.warns(FutureWarning, match="_input"):
         loss = parallel_cross_entropy(None, t, _input=z)
-    torch.testing.assert_close(loss, _torch_loss(z, t, 0.0, False), **LOSS_TOLS)
+    torch.testing.assert_close(loss, _torch_loss(z, t, 0.0, reduce_loss=False), **LOSS_TOLS)
 
 
 @pytest.mark.parametrize(
@@ -142,13 +142,13 @@ def test_compiles_without_graph_breaks():
     z, t = _case((3, 4), 19, torch.float32, seed=11)
 
     def step(z, t):
-        return parallel_cross_entropy(z, t, 0.1, True)
+        return parallel_cross_entropy(z, t, 0.1, reduce_loss=True)
 
-    explained = torch._dynamo.explain(step)(z.clone().requires_grad_(True), t)
+    explained = torch._dynamo.explain(step)(z.clone().requires_grad_(requires_grad=True), t)
     assert explained.graph_break_count == 0, explained.break_reasons
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    loss, grad = _loss_and_grad(lambda z, t, *_: compiled(z, t), z, t, 0.1, True)
-    ref_loss, ref_grad = _loss_and_grad(lambda z, t, *_: step(z, t), z, t, 0.1, True)
+    loss, grad = _loss_and_grad(lambda z, t, *_: compiled(z, t), z, t, 0.1, reduce_loss=True)
+    ref_loss, ref_grad = _loss_and_grad(lambda z, t, *_: step(z, t), z, t, 0.1, reduce_loss=True)
     torch.testing.assert_close(loss, ref_loss, **LOSS_TOLS)
     torch.testing.assert_close(grad, ref_grad, **LOSS_TOLS)
     with pytest.raises(RuntimeError, match="every target must be in"):  # traced: an async assert
@@ -178,7 +178,7 @@ def check_vocab_parallel(dtype: torch.dtype, shape, eps: float, reduce_loss: boo
     torch.testing.assert_close(grad, full_grad.chunk(world, dim=-1)[rank], **dtype_tols(dtype))
     # a target of the full vocabulary beyond this rank's columns is valid; beyond the full vocabulary is not
     with pytest.raises(ValueError, match=rf"in \[0, {10 * world}\)"):
-        sharded(shard, torch.full_like(t, 10 * world), 0.0, False)
+        sharded(shard, torch.full_like(t, 10 * world), 0.0, reduce_loss=False)
     return float(loss.sum())
 
 
@@ -201,8 +201,8 @@ def check_group_of_one_rank():
 
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
     z, t = _case((5,), 7, torch.float32, seed=2)
-    mine = parallel_cross_entropy(z, t, 0.1, False, groups[dist.get_rank()])
-    torch.testing.assert_close(mine, parallel_cross_entropy(z, t, 0.1, False, None), rtol=0, atol=0)
+    mine = parallel_cross_entropy(z, t, 0.1, reduce_loss=False, dist_process_group=groups[dist.get_rank()])
+    torch.testing.assert_close(mine, parallel_cross_entropy(z, t, 0.1, reduce_loss=False, dist_process_group=None), rtol=0, atol=0)
     return True
 
 

@@ -56,7 +56,7 @@ def _train(module, recipe, default_dtype):
     opt = torch.optim.SGD(params, lr=0.01) if params else None
     results = []
     for x in xs:
-        x = x.clone().requires_grad_(True)
+        x = x.clone().requires_grad_(requires_grad=True)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(default_dtype)
         try:

@@ -61,7 +61,7 @@ def _layer(**kwargs):
 
 def _run(layer, x, use_checkpoint, use_reentrant, recipe=None, inner_autocast=False, tracker=None):
     """One training step: (out, x.grad, parameter grads)."""
-    x = x.detach().clone().requires_grad_(True)
+    x = x.detach().clone().requires_grad_(requires_grad=True)
     outer = te.autocast(enabled=True, recipe=recipe) if recipe is not None and not inner_autocast else contextlib.nullcontext()
 
     def body(inp):
@@ -128,8 +128,8 @@ def test_checkpoint_replays_delayed_scaling(use_reentrant, inner_autocast):
     recipe = DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
     for step in range(3):
         x = randn(S, B, HIDDEN, scale=1.0 + step)
-        want = _run(plain, x, False, use_reentrant, recipe, inner_autocast)
-        got = _run(checkpointed, x, True, use_reentrant, recipe, inner_autocast)
+        want = _run(plain, x, use_checkpoint=False, use_reentrant=use_reentrant, recipe=recipe, inner_autocast=inner_autocast)
+        got = _run(checkpointed, x, use_checkpoint=True, use_reentrant=use_reentrant, recipe=recipe, inner_autocast=inner_autocast)
         _assert_same(got, want)
         state_want, state_got = _scaling_state(plain), _scaling_state(checkpointed)
         assert state_want and state_want.keys() == state_got.keys()
@@ -141,12 +141,13 @@ def test_checkpoint_current_scaling():
     plain = _layer(hidden_dropout=0.0, attention_dropout=0.0)
     checkpointed = copy.deepcopy(plain)
     x = randn(S, B, HIDDEN)
-    _assert_same(_run(checkpointed, x, True, True, Float8CurrentScaling()), _run(plain, x, False, True, Float8CurrentScaling()))
+    _assert_same(_run(checkpointed, x, use_checkpoint=True, use_reentrant=True, recipe=Float8CurrentScaling()),
+                 _run(plain, x, use_checkpoint=False, use_reentrant=True, recipe=Float8CurrentScaling()))
 
 
 def test_checkpoint_plain_function_and_kwargs():
-    weight = randn(4, 4).requires_grad_(True)
-    x = randn(3, 4).requires_grad_(True)
+    weight = randn(4, 4).requires_grad_(requires_grad=True)
+    x = randn(3, 4).requires_grad_(requires_grad=True)
 
     def f(inp, scale=1.0):
         return torch.tanh(inp @ weight) * scale
@@ -162,9 +163,9 @@ def test_checkpoint_plain_function_and_kwargs():
 
 def test_legacy_positional_form_warns():
     layer = torch.nn.Linear(4, 4)
-    x = randn(2, 4).requires_grad_(True)
+    x = randn(2, 4).requires_grad_(requires_grad=True)
     with pytest.warns(DeprecationWarning, match="positionally"):
-        out = te.checkpoint(layer, False, None, None, x)
+        out = te.checkpoint(layer, False, None, None, x)  # noqa: FBT003 - the legacy positional form is what is tested
     out.sum().backward()
     assert x.grad is not None
 

@@ -14,7 +14,7 @@ from transformer_engine.pytorch._dropout import bias_dropout_add, dropout
 
 
 def test_dropout_forward_backward_share_the_mask():
-    x = randn(64, 32).requires_grad_(True)
+    x = randn(64, 32).requires_grad_(requires_grad=True)
     y = dropout(x, 0.25, training=True)
     kept = y != 0
     assert 0.6 < kept.float().mean() < 0.9
@@ -33,7 +33,7 @@ def test_identity_in_eval_or_p0():
 def test_bias_dropout_add():
     x, bias, residual = randn(3, 4), randn(4), randn(3, 4)
     torch.testing.assert_close(bias_dropout_add(x, bias, residual, 0.3, training=False), residual + x + bias)
-    torch.testing.assert_close(bias_dropout_add(x, None, residual, 0.3, False, drop_path=lambda t: 2 * t), residual + 2 * x)
+    torch.testing.assert_close(bias_dropout_add(x, None, residual, 0.3, training=False, drop_path=lambda t: 2 * t), residual + 2 * x)
     torch.manual_seed(0)
     a = bias_dropout_add(x, bias, residual, 0.5, training=True)
     torch.manual_seed(0)
@@ -52,9 +52,9 @@ def _mask_of_call(seed, x, bias, residual, p):
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_bias_dropout_add_gradients_match_formula(dtype, with_bias):
     p = 0.3
-    x = randn(2, 5, 33, dtype=dtype).requires_grad_(True)
-    residual = randn(2, 5, 33, dtype=dtype).requires_grad_(True)
-    bias = randn(33, dtype=dtype).requires_grad_(True) if with_bias else None
+    x = randn(2, 5, 33, dtype=dtype).requires_grad_(requires_grad=True)
+    residual = randn(2, 5, 33, dtype=dtype).requires_grad_(requires_grad=True)
+    bias = randn(33, dtype=dtype).requires_grad_(requires_grad=True) if with_bias else None
     torch.manual_seed(5)
     out = bias_dropout_add(x, bias, residual, p, training=True)
     keep = _mask_of_call(5, x, bias, residual, p)
@@ -73,10 +73,10 @@ def test_bias_dropout_add_gradients_match_formula(dtype, with_bias):
 
 
 def test_bias_dropout_add_grad_only_where_needed():
-    x, bias, residual = randn(4, 8).requires_grad_(True), randn(8), randn(4, 8)
+    x, bias, residual = randn(4, 8).requires_grad_(requires_grad=True), randn(8), randn(4, 8)
     bias_dropout_add(x, bias, residual, 0.5, training=True).sum().backward()
     assert x.grad is not None and bias.grad is None
-    x, bias = randn(4, 8), randn(8).requires_grad_(True)
+    x, bias = randn(4, 8), randn(8).requires_grad_(requires_grad=True)
     torch.manual_seed(1)
     bias_dropout_add(x, bias, residual, 0.5, training=True).sum().backward()
     keep = _mask_of_call(1, x, bias, residual, 0.5)
@@ -112,7 +112,7 @@ def test_which_path_runs(monkeypatch, case, fused):
 
 
 def test_full_shaped_bias_gets_its_gradient():
-    x, bias, residual = randn(3, 4), randn(3, 4).requires_grad_(True), randn(3, 4)
+    x, bias, residual = randn(3, 4), randn(3, 4).requires_grad_(requires_grad=True), randn(3, 4)
     torch.manual_seed(2)
     bias_dropout_add(x, bias, residual, 0.25, training=True).backward(torch.ones(3, 4))
     keep = _mask_of_call(2, x + bias, None, residual, 0.25)

@@ -45,7 +45,7 @@ def test_recomputed_region_matches_a_plain_step():
     dy = torch.randn(16, 24)
 
     # plain step
-    x_plain = x.clone().requires_grad_(True)
+    x_plain = x.clone().requires_grad_(requires_grad=True)
     with te.autocast(recipe=RECIPE):
         y_plain = plain(x_plain)
     y_plain.backward(dy)
@@ -58,7 +58,7 @@ def test_recomputed_region_matches_a_plain_step():
             y_first = recomputed(x)
     after_forward = _state(recomputed)
     assert not torch.equal(after_forward["scaling_fwd"][1], before["scaling_fwd"][1])
-    x_re = x.clone().requires_grad_(True)
+    x_re = x.clone().requires_grad_(requires_grad=True)
     with te.autocast(recipe=RECIPE), activation_recompute_forward(activation_recompute=True, recompute_phase=True):
         assert in_fp8_activation_recompute_phase()
         y_re = recomputed(x_re)
@@ -104,7 +104,7 @@ def test_te_checkpoint_still_replays_scales(use_reentrant):
     x = torch.randn(16, 32) * 5
     outs = []
     for module, wrap in ((plain, lambda f, a: f(a)), (checkpointed, lambda f, a: te.checkpoint(f, a, use_reentrant=use_reentrant))):
-        xi = x.clone().requires_grad_(True)
+        xi = x.clone().requires_grad_(requires_grad=True)
         with te.autocast(recipe=RECIPE):
             y = wrap(module, xi)
         y.float().square().mean().backward()

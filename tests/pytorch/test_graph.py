@@ -337,7 +337,7 @@ def _interleaved_training(graphed: bool):
 def test_interleaved_pipeline_order_matches_eager():
     """``_order`` (Megatron-Core's interleaved pipeline parallelism): one graphed function per (chunk,
     micro-batch), captured in the schedule's order, trains as the eager chunks do."""
-    expected, actual = _interleaved_training(False), _interleaved_training(True)
+    expected, actual = _interleaved_training(graphed=False), _interleaved_training(graphed=True)
     for eager, graphed in zip(expected, actual):
         assert len(eager) == len(graphed)
         for a, b in zip(graphed, eager):

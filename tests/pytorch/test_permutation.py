@@ -44,7 +44,7 @@ def skewed_indices(num_tokens, num_experts, topk, seed=0):
 
 def mask_from_indices(indices, num_experts):
     mask = torch.zeros(indices.shape[0], num_experts, dtype=torch.bool)
-    return mask.scatter_(1, indices, True)
+    return mask.scatter_(1, indices, value=True)
 
 
 def ref_slots_mask(routing_map):
@@ -81,7 +81,7 @@ def ref_unpermute(y, slots, num_tokens, probs=None):
 
 def leaf(*shape, dtype=torch.float32, positive=False):
     t = torch.rand(*shape) + 0.1 if positive else randn(*shape)
-    return t.to(dtype).requires_grad_(True)
+    return t.to(dtype).requires_grad_(requires_grad=True)
 
 
 def grads(outputs, inputs, grad_outputs):
@@ -121,7 +121,7 @@ def test_permute_mask_matches_reference(dtype, shape, topk, case):
 
     dy = randn(num_out, hidden, dtype=dtype)
     (dx,) = grads(y, x, dy)
-    x64 = x.detach().double().requires_grad_(True)
+    x64 = x.detach().double().requires_grad_(requires_grad=True)
     (dx_ref,) = grads(ref_permute(x64, slots, num_out)[0], x64, dy.double())
     torch.testing.assert_close(dx.double(), dx_ref, **dtype_tols(dtype))
 
@@ -143,7 +143,7 @@ def test_permute_index_matches_reference(dtype, shape, topk, case):
 
     dy = randn(num_out, hidden, dtype=dtype)
     (dx,) = grads(y, x, dy)
-    x64 = x.detach().double().requires_grad_(True)
+    x64 = x.detach().double().requires_grad_(requires_grad=True)
     (dx_ref,) = grads(ref_permute(x64, slots, num_out)[0], x64, dy.double())
     torch.testing.assert_close(dx.double(), dx_ref, **dtype_tols(dtype))
 
@@ -175,7 +175,7 @@ def test_permute_with_probs_matches_reference(dtype, shape, case):
     num_out = num_out_cases(len(slots))[case]
     probs = (torch.rand(num_tokens, num_experts) * routing_map).to(dtype)
     probs[0, routing_map[0].nonzero()[0, 0]] = 0.0  # a padding slot: routed with prob 0
-    probs.requires_grad_(True)
+    probs.requires_grad_(requires_grad=True)
     x = leaf(num_tokens, hidden, dtype=dtype)
 
     y, py, row_id_map = moe_permute_with_probs(x, probs, routing_map, num_out)
@@ -186,7 +186,7 @@ def test_permute_with_probs_matches_reference(dtype, shape, case):
 
     dy, dpy = randn(num_out, hidden, dtype=dtype), randn(num_out, dtype=dtype)
     dx, dprobs = grads((y, py), (x, probs), (dy, dpy))
-    x64, p64 = (t.detach().double().requires_grad_(True) for t in (x, probs))
+    x64, p64 = (t.detach().double().requires_grad_(requires_grad=True) for t in (x, probs))
     dx_ref, dp_ref = grads(ref_permute(x64, slots, num_out, p64), (x64, p64), (dy.double(), dpy.double()))
     torch.testing.assert_close(dx.double(), dx_ref, **dtype_tols(dtype))
     torch.testing.assert_close(dprobs.double(), dp_ref, **EXACT)
@@ -218,8 +218,8 @@ def test_unpermute_matches_reference(dtype, shape, topk, map_type, with_probs, d
     probs = leaf(*routing_map.shape, dtype=dtype, positive=True) if with_probs else None
 
     z = moe_unpermute(y, row_id_map, probs, restore_shape=(num_tokens, hidden), map_type=map_type)
-    p64 = probs.detach().double().requires_grad_(True) if with_probs else None
-    y64 = y.detach().double().requires_grad_(True)
+    p64 = probs.detach().double().requires_grad_(requires_grad=True) if with_probs else None
+    y64 = y.detach().double().requires_grad_(requires_grad=True)
     z_ref = ref_unpermute(y64, slots, num_tokens, p64)
     assert z.dtype == dtype and z.shape == (num_tokens, hidden)
     torch.testing.assert_close(z.double(), z_ref, **dtype_tols(dtype))

@@ -180,7 +180,7 @@ def test_bitmap_and_dense_index_outputs():
     buffer = torch.empty(6, 2, 3, dtype=torch.int16)
     probs_idx, indices = fused_topk_with_score_function(logits=logits, topk_indices=buffer, **common)
     assert indices is buffer and torch.equal(probs_idx, probs)
-    assert torch.equal(torch.zeros_like(routing_map).scatter(-1, indices.long(), True), routing_map)
+    assert torch.equal(torch.zeros_like(routing_map).scatter(-1, indices.long(), value=True), routing_map)
     chosen = probs.gather(-1, indices.long())
     assert torch.all(chosen[..., :-1] >= chosen[..., 1:])  # descending routing score
 

@@ -75,8 +75,8 @@ def _pair(parallel, normalization="LayerNorm", activation="gelu", zero_centered_
 )
 def test_matches_plain_gpt_block(parallel, normalization, activation, zcg):
     layer, ref = _pair(parallel, normalization, activation, zcg)
-    x = randn(S, B, HIDDEN).requires_grad_(True)
-    x_ref = x.detach().clone().requires_grad_(True)
+    x = randn(S, B, HIDDEN).requires_grad_(requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(requires_grad=True)
     out, want = layer(x), ref(x_ref)
     torch.testing.assert_close(out, want, **OUT_TOLS)
     cot = randn(S, B, HIDDEN)
@@ -180,7 +180,7 @@ def test_drop_path():
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()], ids=["delayed", "current", "block"])
 def test_fp8_close_to_high_precision(recipe):
     layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, num_gqa_groups=2)
-    x = randn(S, B, HIDDEN).requires_grad_(True)
+    x = randn(S, B, HIDDEN).requires_grad_(requires_grad=True)
     ref = layer(x)
     (ref_grad,) = torch.autograd.grad(ref.sum(), x)
     for _ in range(2):  # the second step runs with delayed-scaling scales from the first
@@ -213,7 +213,7 @@ def test_drop_path_rate_one_is_accepted_and_drops_every_residual_branch_in_train
     torch.testing.assert_close(drop(x), torch.zeros_like(x), rtol=0, atol=0)
     torch.testing.assert_close(drop.eval()(x), x, rtol=0, atol=0)
     layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, drop_path_rate=1.0)
-    xs = randn(S, B, HIDDEN).requires_grad_(True)
+    xs = randn(S, B, HIDDEN).requires_grad_(requires_grad=True)
     out = layer.train()(xs)
     torch.testing.assert_close(out, xs, rtol=0, atol=0)
     out.sum().backward()
@@ -261,7 +261,7 @@ def test_bad_sizes_and_head_counts_are_named_before_any_work(kwargs, error, mess
 def test_fp8_on_gpu_close_to_bf16(recipe):
     layer = te.TransformerLayer(128, 256, 8, hidden_dropout=0.0, attention_dropout=0.0, num_gqa_groups=4,
                                 params_dtype=torch.bfloat16, attn_input_format="bshd", device="cuda")
-    x = randn(4, 64, 128, dtype=torch.bfloat16, device="cuda").requires_grad_(True)
+    x = randn(4, 64, 128, dtype=torch.bfloat16, device="cuda").requires_grad_(requires_grad=True)
     ref = layer(x)
     (ref_grad,) = torch.autograd.grad(ref.float().sum(), x)
     for _ in range(2):
@@ -281,7 +281,7 @@ def test_fp8_step_peak_memory_below_bf16():
     206 / 308 MiB = 0.67 before that (b49903c: FP8 W^T kept from forward, saved copies held to the end of their
     autograd node, bool dropout masks)."""
     layer = te.TransformerLayer(1024, 4096, 8, params_dtype=torch.bfloat16, device="cuda", self_attn_mask_type="causal")
-    x = randn(512, 8, 1024, dtype=torch.bfloat16, device="cuda").requires_grad_(True)
+    x = randn(512, 8, 1024, dtype=torch.bfloat16, device="cuda").requires_grad_(requires_grad=True)
     dy = randn(512, 8, 1024, dtype=torch.bfloat16, device="cuda")
 
     def peak(recipe):

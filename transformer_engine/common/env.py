@@ -73,6 +73,7 @@ __all__ = [
     "check_environment",
     "config_warning",
     "describe",
+    "reset_warnings",
 ]
 
 NAMESPACES = ("TE_FL_", "TEFL_")
@@ -375,7 +376,7 @@ def config_warning(message: str, category: type = PolicyConfigWarning, key=None)
     return True
 
 
-def _reset_warnings() -> None:
+def reset_warnings() -> None:
     """Forget which configuration warnings were issued (tests use this to see them again)."""
     with _lock:
         _emitted.clear()

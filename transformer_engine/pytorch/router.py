@@ -161,7 +161,7 @@ def _select(r: torch.Tensor, topk: int, num_groups: Optional[int], group_topk: i
         grouped = r.unflatten(-1, (num_groups, -1))
         group_scores = _top(grouped, topk // group_topk)[0].sum(dim=-1)
         kept = torch.zeros_like(group_scores, dtype=torch.bool)
-        kept = kept.scatter(-1, _top(group_scores, group_topk)[1], True)
+        kept = kept.scatter(-1, _top(group_scores, group_topk)[1], value=True)
         r = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
     return _top(r, topk)[1]
 
@@ -176,7 +176,7 @@ def _to_bitmap(routing_map: torch.Tensor) -> torch.Tensor:
 
 def _dense_map(indices: torch.Tensor, like: torch.Tensor, fmt: RoutingMapFormat) -> torch.Tensor:
     """The routing map of top-k ``indices`` in layout ``fmt``."""
-    routing_map = torch.zeros_like(like, dtype=torch.bool).scatter(-1, indices, True)
+    routing_map = torch.zeros_like(like, dtype=torch.bool).scatter(-1, indices, value=True)
     return _to_bitmap(routing_map) if fmt == RoutingMapFormat.BITMAP_U8 else routing_map
 
 

@@ -23,7 +23,7 @@ import torch
 
 from ._dropout import bias_dropout_add
 from .attention import MultiheadAttention, check_heads, head_size
-from .module._checks import check_eps, check_probability, check_sizes
+from ._checks import check_eps, check_probability, check_sizes
 from .module import LayerNorm, LayerNormMLP, RMSNorm
 from .module.base import default_device, resolve_params_dtype
 from .parallel.tensor_parallel import resolve_tp_size, set_tensor_parallel_group

@@ -15,7 +15,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .module._params import DEFAULT_INIT_STD
 from .quantization.availability import get_cudnn_version, get_device_compute_capability, is_bf16_available
 
 __all__ = [
@@ -27,6 +26,9 @@ __all__ = [
 
 #: ``torch.autocast`` on CUDA (TE's name for it)
 gpu_autocast_ctx = functools.partial(torch.amp.autocast, device_type="cuda")
+
+#: the standard deviation of TE's default weight initialization
+DEFAULT_INIT_STD = 0.023
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:

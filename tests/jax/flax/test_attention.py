@@ -114,8 +114,8 @@ def test_rotary_embedding_is_a_relative_rotation(method):
     """RoPE keeps norms and makes <R_i q, R_j k> depend only on i - j."""
     s, d = 6, 8
     q, k = randn(1, (1, 1, 1, d)), randn(2, (1, 1, 1, d))
-    rq = rotary_pos_emb(jnp.tile(q, (1, s, 1, 1)), (1, 10000), False, method)[0, :, 0]
-    rk = rotary_pos_emb(jnp.tile(k, (1, s, 1, 1)), (1, 10000), False, method)[0, :, 0]
+    rq = rotary_pos_emb(jnp.tile(q, (1, s, 1, 1)), (1, 10000), transpose_batch_sequence=False, group_method=method)[0, :, 0]
+    rk = rotary_pos_emb(jnp.tile(k, (1, s, 1, 1)), (1, 10000), transpose_batch_sequence=False, group_method=method)[0, :, 0]
     np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.full(s, np.linalg.norm(q)), rtol=1e-5)
     dots = np.asarray(rq @ rk.T)
     for lag in range(-2, 3):

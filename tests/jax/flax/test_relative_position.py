@@ -42,5 +42,5 @@ def test_relative_position_biases():
                         for i in range(q_len)])
         np.testing.assert_array_equal(got, np.asarray(table)[:, idx][None])
     # Hand-checked: distance 0 -> bucket 0; a key 1 ahead (bidirectional) -> bucket 16 + 1; far ahead -> last.
-    assert _t5_bucket(5, 5, 32, 128, True) == 0 and _t5_bucket(5, 6, 32, 128, True) == 17
-    assert _t5_bucket(0, 500, 32, 128, True) == 31 and _t5_bucket(0, 3, 32, 128, False) == 0
+    assert _t5_bucket(5, 5, 32, 128, bidirectional=True) == 0 and _t5_bucket(5, 6, 32, 128, bidirectional=True) == 17
+    assert _t5_bucket(0, 500, 32, 128, bidirectional=True) == 31 and _t5_bucket(0, 3, 32, 128, bidirectional=False) == 0

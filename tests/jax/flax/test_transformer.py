@@ -132,7 +132,8 @@ def test_transformer_layer_matches_flax(decoder, dtype):
 
 
 def test_transformer_layer_fp8_after_warmup():
-    variables, out, grads, ref_out, ref_grads = _run(False, DelayedScaling(amax_history_len=8), jnp.float32, 4)
+    variables, out, grads, ref_out, ref_grads = _run(decoder=False, recipe=DelayedScaling(amax_history_len=8), dtype=jnp.float32,
+                                                     warmup_steps=4)
     metas = variables["fp8_metas"]
     assert sorted(metas) == ["attention", "mlp"] and sorted(metas["attention"]) == ["out", "qkv"]
     assert len(jax.tree_util.tree_leaves(metas)) == 4 * 6  # 4 GEMMs x (scale, history) x (x, kernel, grad)
@@ -148,17 +149,17 @@ def test_transformer_layer_input_errors():
         return jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), x, deterministic=True))
 
     with pytest.raises(ValueError, match="3-D"):
-        init(_layer(False), jnp.ones((S, HIDDEN)))
+        init(_layer(decoder=False), jnp.ones((S, HIDDEN)))
     with pytest.raises(ValueError, match="hidden_size=32"):
-        init(_layer(False), jnp.ones((B, S, 16)))
+        init(_layer(decoder=False), jnp.ones((B, S, 16)))
     with pytest.raises(ValueError, match="needs `encoded`"):
-        init(_layer(True), jnp.ones((B, S, HIDDEN)))
+        init(_layer(decoder=True), jnp.ones((B, S, HIDDEN)))
 
 
 def test_transformer_layer_sequence_first_layout():
     """transpose_batch_sequence=True on [s, b, h] inputs == the default layout on [b, s, h]."""
     x = randn(1, (B, S, HIDDEN))
-    batch_first = _layer(False)
+    batch_first = _layer(decoder=False)
     seq_first = batch_first.clone(transpose_batch_sequence=True)
     variables = jit_init(batch_first, x, deterministic=True)
     run = jax.jit(lambda v, x: (batch_first.apply(v, x, deterministic=True),

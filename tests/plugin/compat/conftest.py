@@ -19,10 +19,10 @@ def _clean(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.syspath_prepend(str(HERE))
     reset_global_policy()
-    envvars._reset_warnings()
+    envvars.reset_warnings()
     yield
     monkeypatch.undo()
     sys.modules.pop("_upstream_style_plugin", None)
     reset_global_policy()
-    envvars._reset_warnings()
+    envvars.reset_warnings()
     reset_default_manager()

@@ -116,7 +116,8 @@ def test_layernorm_softmax_amax_gemm_adapters(odd):
         from transformer_engine.plugin.core import with_preference
         with with_preference("vendor"):
             x, w, b = torch.randn(odd, 16), torch.randn(16), torch.randn(16)
-            for got, want in zip(manager.call("layernorm_fwd", x, w, b, 1e-5, True), ref("layernorm_fwd", x, w, b, 1e-5, True)):
+            for got, want in zip(manager.call("layernorm_fwd", x, w, b, 1e-5, zero_centered_gamma=True),
+                                 ref("layernorm_fwd", x, w, b, 1e-5, zero_centered_gamma=True)):
                 if want is None:
                     assert got is None
                 else:

@@ -38,8 +38,8 @@ def _load(monkeypatch, **env):
     return plugin, caught
 
 
-def _reference(op, *args):
-    return get_default_manager().call_impl(op, "reference.torch", *args)
+def _reference(op, *args, **kwargs):
+    return get_default_manager().call_impl(op, "reference.torch", *args, **kwargs)
 
 
 def test_env_module_registers_adapted_ops_and_warns_about_missing_one(monkeypatch):
@@ -82,12 +82,13 @@ def test_declines_with_reason(monkeypatch):
     plugin, _ = _load(monkeypatch, TE_FL_PREFER="vendor")
     x, w = torch.randn(4, 8), torch.randn(8)
     # zero_centered_gamma would be swallowed by the plugin's **kwargs: declined, reference serves it
-    decision = {d.impl_id: d for d in get_default_manager().explain("rmsnorm_fwd", x, w, 1e-5, True)}[IMPL]
+    decision = {d.impl_id: d for d in get_default_manager().explain("rmsnorm_fwd", x, w, 1e-5, zero_centered_gamma=True)}[IMPL]
     assert decision.status == "rejected" and "zero_centered_gamma" in decision.reason
-    y = ops.rmsnorm_fwd(x, w, 1e-5, True)[0]
-    torch.testing.assert_close(y, _reference("rmsnorm_fwd", x, w, 1e-5, True)[0])
+    y = ops.rmsnorm_fwd(x, w, 1e-5, zero_centered_gamma=True)[0]
+    torch.testing.assert_close(y, _reference("rmsnorm_fwd", x, w, 1e-5, zero_centered_gamma=True)[0])
     # FP8 output: declined
-    fp8 = get_default_manager().explain("rmsnorm_fwd", x, w, 1e-5, False, torch.ones(1), torch.float8_e4m3fn)
+    fp8 = get_default_manager().explain("rmsnorm_fwd", x, w, 1e-5, zero_centered_gamma=False, fp8_scale=torch.ones(1),
+                                        fp8_dtype=torch.float8_e4m3fn)
     assert "FP8 output" in {d.impl_id: d for d in fp8}[IMPL].reason
     # supported_dtypes={"float32", "bfloat16"}: float64 goes elsewhere
     f64 = {d.impl_id: d for d in get_default_manager().explain("gelu", x.double())}[IMPL]

@@ -28,10 +28,10 @@ def _clean_policy(monkeypatch):
     for name in _ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     reset_global_policy()
-    envvars._reset_warnings()
+    envvars.reset_warnings()
     yield
     reset_global_policy()
-    envvars._reset_warnings()
+    envvars.reset_warnings()
 
 
 @pytest.fixture

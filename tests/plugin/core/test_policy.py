@@ -92,7 +92,7 @@ def test_from_env_builds_every_field():
         "TE_FL_DENY_VENDORS": "Evil",
     }
     assert SelectionPolicy.from_env(env) == SelectionPolicy(
-        "vendor", True, (("relu", ("reference",)),), frozenset({"acme"}), frozenset({"evil"})
+        "vendor", strict=True, per_op_order=(("relu", ("reference",)),), allow_vendors=frozenset({"acme"}), deny_vendors=frozenset({"evil"})
     )
 
 
@@ -164,7 +164,7 @@ def test_scoped_overrides_nest_and_restore():
         assert get_policy().prefer == "reference"
         with with_strict_mode():
             assert get_policy().prefer == "reference" and get_policy().strict
-            with with_strict_mode(False):
+            with with_strict_mode(strict=False):
                 assert not get_policy().strict
             assert get_policy().strict
         assert not get_policy().strict

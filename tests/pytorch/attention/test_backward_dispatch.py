@@ -72,7 +72,7 @@ def fake_backend():
 
 
 def _inputs(dtype=torch.float32, s=6):
-    return [randn(1, s, H, D, dtype=dtype).requires_grad_(True) for _ in range(3)]
+    return [randn(1, s, H, D, dtype=dtype).requires_grad_(requires_grad=True) for _ in range(3)]
 
 
 @contextlib.contextmanager

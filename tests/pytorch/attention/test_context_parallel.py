@@ -268,7 +268,7 @@ def test_all_gather_dropout(ranks):
 @pytest.mark.parametrize("comm_type", COMM_TYPES)
 def test_value_head_size_differs(ranks, comm_type):
     """d_v != d_qk (MLA-style heads)."""
-    ranks.run(check_dpa, FP32, comm_type, "sbhd", "causal", None, "vanilla", False, False, 12)
+    ranks.run(check_dpa, FP32, comm_type, "sbhd", "causal", None, "vanilla", pairs=False, checkpointed=False, d_v=12)
 
 
 @pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
@@ -279,7 +279,7 @@ def test_a2a_softmax_offset(ranks, softmax_type):
 @pytest.mark.parametrize("comm_type", COMM_TYPES)
 def test_subgroups_and_checkpointing(comm_type):
     """CP = 2 inside a 4-rank world (groups {0, 2}, {1, 3}: the ring addresses global ranks), recomputed."""
-    get_pool(4).run(check_dpa, FP32, comm_type, "bshd", "causal", None, "vanilla", True, True)
+    get_pool(4).run(check_dpa, FP32, comm_type, "bshd", "causal", None, "vanilla", pairs=True, checkpointed=True)
 
 
 def _layer_inputs(hidden: int, dtype: torch.dtype):
@@ -591,7 +591,7 @@ def test_thd_offsets_are_read_once_per_set_of_tensors(monkeypatch):
     assert from_offsets() is first and len(reads) == 4
     call = first.whole_call(causal=True, window=(-1, 0), device="cpu")  # and the thd calls it builds, once
     assert from_offsets().whole_call(causal=True, window=(-1, 0), device="cpu") is call
-    order, inverse = first.coarse_order(2, 2, 0, False, "cpu"), first.coarse_inverse(2, 2, 0, "cpu")  # "a2a+p2p"'s way back
+    order, inverse = first.coarse_order(2, 2, 0, kv=False, device="cpu"), first.coarse_inverse(2, 2, 0, "cpu")  # "a2a+p2p"'s way back
     assert torch.equal(order[inverse], torch.arange(order.numel())) and first.coarse_inverse(2, 2, 0, "cpu") is inverse
     cu[2] = 13  # in place: a new version, read again
     assert from_offsets().lengths_q == (6, 7) and len(reads) == 8

@@ -106,7 +106,7 @@ def test_gqa_mqa_and_softmax_scale(groups):
     q, k, v = _qkv(5, 6, groups=groups)
     dpa = te.DotProductAttention(H, D, num_gqa_groups=groups, qkv_format="bshd", attn_mask_type="causal_bottom_right",
                                  softmax_scale=0.37)
-    allowed = _allowed(B, 5, 6, "causal_bottom_right", (-1, -1), True)
+    allowed = _allowed(B, 5, 6, "causal_bottom_right", (-1, -1), bottom_right=True)
     _check(dpa(q, k, v), _oracle(q, k, v, allowed, 0.37), (q, k, v))
 
 
@@ -115,7 +115,7 @@ def test_kv_channels_tuple():
     dpa = te.DotProductAttention(H, (D, 12), qkv_format="bshd", attn_mask_type="no_mask")
     out = dpa(q, k, v)
     assert out.shape == (B, 4, H * 12)
-    _check(out, _oracle(q, k, v, _allowed(B, 4, 5, "no_mask", (-1, -1), True), 1 / math.sqrt(D)), (q, k, v))
+    _check(out, _oracle(q, k, v, _allowed(B, 4, 5, "no_mask", (-1, -1), bottom_right=True), 1 / math.sqrt(D)), (q, k, v))
 
 
 @pytest.mark.parametrize("softmax_type", ["vanilla", "off-by-one", "learnable"])
@@ -131,7 +131,7 @@ def test_softmax_types(softmax_type):
             dpa.softmax_offset.copy_(randn(H))
         alpha = dpa.softmax_offset
     out = dpa(q, k, v)
-    ref = _oracle(q, k, v, _allowed(B, 5, 5, "causal", (-1, -1), False), 1 / math.sqrt(D), alpha=alpha)
+    ref = _oracle(q, k, v, _allowed(B, 5, 5, "causal", (-1, -1), bottom_right=False), 1 / math.sqrt(D), alpha=alpha)
     _check(out, ref, (q, k, v), extra_grads=(dpa.softmax_offset,) if softmax_type == "learnable" else ())
 
 
@@ -139,12 +139,12 @@ def test_softmax_types(softmax_type):
 @pytest.mark.parametrize("shape", [(1, H), (B, 1), (B, H)])
 def test_bias(bias_type, shape):
     q, k, v = _qkv(5, 7)
-    bias = randn(*shape, 5, 7).requires_grad_(True)
+    bias = randn(*shape, 5, 7).requires_grad_(requires_grad=True)
     dpa = te.DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="no_mask")
     out = dpa(q, k, v, core_attention_bias_type=bias_type, core_attention_bias=bias)
     scale = 1 / math.sqrt(D)
     effective = bias * scale if bias_type == "pre_scale_bias" else bias
-    ref = _oracle(q, k, v, _allowed(B, 5, 7, "no_mask", (-1, -1), True), scale, bias=effective)
+    ref = _oracle(q, k, v, _allowed(B, 5, 7, "no_mask", (-1, -1), bottom_right=True), scale, bias=effective)
     _check(out, ref, (q, k, v), extra_grads=(bias,))
 
 
@@ -320,9 +320,9 @@ def test_half_precision_close_to_fp32(dtype):
 def test_gpu_matches_oracle(mask_type, dtype, groups):
     """Whichever backend the dispatcher picks on the GPU (Triton, SDPA, reference) agrees with the oracle."""
     s_q, s_kv, d = 64, 96, 64
-    q = randn(B, s_q, H, d, dtype=dtype, device="cuda").requires_grad_(True)
-    k = randn(B, s_kv, groups, d, dtype=dtype, device="cuda").requires_grad_(True)
-    v = randn(B, s_kv, groups, d, dtype=dtype, device="cuda").requires_grad_(True)
+    q = randn(B, s_q, H, d, dtype=dtype, device="cuda").requires_grad_(requires_grad=True)
+    k = randn(B, s_kv, groups, d, dtype=dtype, device="cuda").requires_grad_(requires_grad=True)
+    v = randn(B, s_kv, groups, d, dtype=dtype, device="cuda").requires_grad_(requires_grad=True)
     lens_q = lens_kv = arbitrary = attention_mask = None
     if "padding" in mask_type:
         lens_q, lens_kv = [s_q, 40, 17], [s_kv, 70, 5]
@@ -340,7 +340,7 @@ def test_gpu_matches_oracle(mask_type, dtype, groups):
     torch.testing.assert_close(out.double().cpu(), ref.reshape(out.shape), **tols)
     cot = randn(*out.shape, dtype=dtype, device="cuda")
     got = torch.autograd.grad(out, (q, k, v), cot)
-    qc, kc, vc = (t.detach().cpu().double().requires_grad_(True) for t in (q, k, v))
+    qc, kc, vc = (t.detach().cpu().double().requires_grad_(requires_grad=True) for t in (q, k, v))
     want = torch.autograd.grad(_oracle(qc, kc, vc, allowed, 1 / math.sqrt(d)).reshape(out.shape), (qc, kc, vc), cot.cpu().double())
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double().cpu(), w, rtol=tols["rtol"], atol=8e-2)
@@ -351,7 +351,7 @@ def test_gpu_dropout_checkpoint_replay():
     results = []
     for checkpointed in (False, True):
         torch.manual_seed(3)
-        q, k, v = (randn(B, 64, H, 64, dtype=torch.bfloat16, device="cuda").requires_grad_(True) for _ in range(3))
+        q, k, v = (randn(B, 64, H, 64, dtype=torch.bfloat16, device="cuda").requires_grad_(requires_grad=True) for _ in range(3))
         tracker = _tracker(5)
         dpa = te.DotProductAttention(H, 64, attention_dropout=0.2, qkv_format="bshd", get_rng_state_tracker=lambda t=tracker: t)
         out = dpa(q, k, v, checkpoint_core_attention=checkpointed)

@@ -15,7 +15,7 @@ def test_token_rows_example():
 
 def test_pack_unpack_round_trip_and_gradients():
     cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
-    x = randn(8, 2, 5).requires_grad_(True)
+    x = randn(8, 2, 5).requires_grad_(requires_grad=True)
     padded = _layout.unpack_to_bshd(x, cu, 4)
     assert padded.shape == (3, 4, 2, 5)
     assert torch.all(padded[0, 3] == 0) and torch.all(padded[1, 1:] == 0)

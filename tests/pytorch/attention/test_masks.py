@@ -48,11 +48,11 @@ def _spec(mask_type, window=None, bottom_right=None):
 
 
 def test_catalog_expresses_what_it_can():
-    plan = _masks.plan_masks(_spec("causal"), 5, 7, None, None, None, False, "cpu")
+    plan = _masks.plan_masks(_spec("causal"), 5, 7, None, None, None, thd=False, device="cpu")
     assert (plan.mask_type, plan.window_size, plan.attn_mask) == ("causal", (-1, -1), None)
-    plan = _masks.plan_masks(_spec("no_mask", (2, 1)), 5, 7, None, None, None, False, "cpu")
+    plan = _masks.plan_masks(_spec("no_mask", (2, 1)), 5, 7, None, None, None, thd=False, device="cpu")
     assert (plan.mask_type, plan.window_size, plan.attn_mask) == ("no_mask", (2, 1), None)
-    plan = _masks.plan_masks(_spec("causal", (2, 0)), 6, 6, None, None, torch.ones(4), False, "cpu")
+    plan = _masks.plan_masks(_spec("causal", (2, 0)), 6, 6, None, None, torch.ones(4), thd=False, device="cpu")
     assert plan.attn_mask is None and plan.alibi_bias is None, "top-left == bottom-right when s_q == s_kv"
 
 
@@ -65,7 +65,7 @@ def test_explicit_masks_follow_the_rules(mask_type, window, bottom_right):
     lens_q, lens_kv = [4, 2], [6, 3]
     padding = _masks.padding_from_lengths(torch.tensor(lens_q), torch.tensor(lens_kv), s_q, s_kv) if "padding" in mask_type else None
     spec = _spec(mask_type, window, bottom_right)
-    plan = _masks.plan_masks(spec, s_q, s_kv, padding, None, None, False, "cpu")
+    plan = _masks.plan_masks(spec, s_q, s_kv, padding, None, None, thd=False, device="cpu")
     assert plan.mask_type == "no_mask" and plan.window_size == (-1, -1)
     want = allowed_mask(2, s_q, s_kv, mask_type, spec.window_size, spec.bottom_right, lens_q, lens_kv)
     assert torch.equal(~plan.attn_mask.expand(2, 1, s_q, s_kv), want)

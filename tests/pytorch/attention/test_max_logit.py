@@ -37,7 +37,7 @@ def test_max_logit_is_the_largest_attended_score(mask_type, window, groups, bias
     dpa = te.DotProductAttention(H, D, return_max_logit=True, **settings)
     out, logit = dpa(q, k, v, **kwargs)
     assert torch.equal(out, plain(q, k, v, **kwargs))
-    allowed = allowed_mask(B, s, s, mask_type, window or (-1, -1), False, lens, lens)
+    allowed = allowed_mask(B, s, s, mask_type, window or (-1, -1), bottom_right=False, lens_q=lens, lens_kv=lens)
     assert logit.shape == (H,) and logit.dtype == torch.float32 and not logit.requires_grad
     torch.testing.assert_close(logit.double(), max_logit(q, k, allowed, 1 / math.sqrt(D), bias_t), rtol=1e-5, atol=1e-5)
 
@@ -48,7 +48,7 @@ def test_packed_sequences():
     q, k, v = randn(8, H, D), randn(8, H, D), randn(8, H, D)
     dpa = te.DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal", return_max_logit=True)
     _, logit = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
-    per_sequence = [max_logit(q[a:b][None], k[a:b][None], allowed_mask(1, n, n, "causal", (-1, -1), False), 1 / math.sqrt(D))
+    per_sequence = [max_logit(q[a:b][None], k[a:b][None], allowed_mask(1, n, n, "causal", (-1, -1), bottom_right=False), 1 / math.sqrt(D))
                     for a, b, n in ((0, 5, 5), (5, 8, 3))]
     torch.testing.assert_close(logit.double(), torch.maximum(*per_sequence), rtol=1e-5, atol=1e-5)
 

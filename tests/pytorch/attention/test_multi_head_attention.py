@@ -34,8 +34,8 @@ def test_matches_torch_multihead_attention(mask_type):
         ref.in_proj_bias.copy_(mha.qkv.bias)
         ref.out_proj.weight.copy_(mha.proj.weight)
         ref.out_proj.bias.copy_(mha.proj.bias)
-    x = randn(S, B, HIDDEN).requires_grad_(True)
-    x_ref = x.detach().clone().requires_grad_(True)
+    x = randn(S, B, HIDDEN).requires_grad_(requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(requires_grad=True)
     out = mha(x)
     causal = torch.ones(S, S, dtype=torch.bool).triu(1) if mask_type == "causal" else None
     want, _ = ref(x_ref, x_ref, x_ref, attn_mask=causal, need_weights=False)
@@ -123,10 +123,11 @@ def _manual_self_attention(mha, x, freqs, kind, before_rope, groups):
     if before_rope:
         q, k = norm(q, mha.q_norm), norm(k, mha.k_norm)
     if freqs is not None:
-        q, k = rotate(q, positions, freqs.shape[-1], False), rotate(k, positions, freqs.shape[-1], False)
+        q, k = rotate(q, positions, freqs.shape[-1], interleaved=False), rotate(k, positions, freqs.shape[-1], interleaved=False)
     if not before_rope:
         q, k = norm(q, mha.q_norm), norm(k, mha.k_norm)
-    ctx = attention(*(t.transpose(0, 1) for t in (q, k, v)), allowed_mask(B, S, S, "causal", (-1, -1), False), 1 / math.sqrt(HN))
+    ctx = attention(*(t.transpose(0, 1) for t in (q, k, v)), allowed_mask(B, S, S, "causal", (-1, -1), bottom_right=False),
+                    1 / math.sqrt(HN))
     return ctx.transpose(0, 1).reshape(S, B, HIDDEN) @ p["proj.weight"].T + p["proj.bias"]
 
 
@@ -157,7 +158,7 @@ def test_cross_attention_matches_manual():
     k, v = ((enc.double() @ p[f"key_value.{n}_weight"].T + p[f"key_value.{n}_bias"]).reshape(S + 3, B, HEADS, HN)
             for n in ("key", "value"))
     ctx = attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                    allowed_mask(B, S, S + 3, "no_mask", (-1, -1), True), 1 / math.sqrt(HN))
+                    allowed_mask(B, S, S + 3, "no_mask", (-1, -1), bottom_right=True), 1 / math.sqrt(HN))
     want = ctx.transpose(0, 1).reshape(S, B, HIDDEN) @ p["proj.weight"].T + p["proj.bias"]
     torch.testing.assert_close(mha(x, encoder_output=enc).double(), want, **OUT_TOLS)
 

@@ -48,7 +48,7 @@ def _positions(fmt, s, b, start):
 def test_apply_sbhd_bshd(fmt, interleaved, fused, with_start):
     s, b, h, d, d_rot = 7, 3, 2, 12, 8
     freqs = te.RotaryPositionEmbedding(d_rot, interleaved=interleaved)(16)
-    x = randn(*((s, b, h, d) if fmt == "sbhd" else (b, s, h, d))).requires_grad_(True)
+    x = randn(*((s, b, h, d) if fmt == "sbhd" else (b, s, h, d))).requires_grad_(requires_grad=True)
     start = torch.tensor([0, 4, 9]) if with_start else None
     out = apply_rotary_pos_emb(x, freqs, fmt, start_positions=start, interleaved=interleaved, fused=fused)
     ref = _rotate(x, _positions(fmt, s, b, start), d_rot, interleaved)
@@ -65,11 +65,11 @@ def test_apply_thd_restarts_positions_per_sequence(fused, with_start):
     lens, h, d = [3, 1, 5], 2, 8
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     start = torch.tensor([2, 0, 6]) if with_start else None
-    x = randn(9, h, d).requires_grad_(True)
+    x = randn(9, h, d).requires_grad_(requires_grad=True)
     freqs = te.RotaryPositionEmbedding(d)(16)
     out = apply_rotary_pos_emb(x, freqs, "thd", start_positions=start, fused=fused, cu_seqlens=cu)
     pos = torch.cat([torch.arange(n) + (0 if start is None else int(start[i])) for i, n in enumerate(lens)])
-    ref = _rotate(x, pos, d, False)
+    ref = _rotate(x, pos, d, interleaved=False)
     torch.testing.assert_close(out.double(), ref, **FP32)
     (got,) = torch.autograd.grad(out.sum(), x)
     (want,) = torch.autograd.grad(ref.sum(), x)

@@ -225,11 +225,11 @@ def test_first_microbatch_is_the_default_of_modules_called_without_one():
     cache (a weight changed since is not seen), outside it casts afresh; an explicit argument wins."""
     layer, x = te.Linear(16, 16), randn(16, 16)
     with te.autocast(recipe=RECIPE):
-        with first_microbatch(True):
+        with first_microbatch(value=True):
             cast = layer(x)
         with torch.no_grad():
             layer.weight.mul_(2.0)
-        with first_microbatch(False):
+        with first_microbatch(value=False):
             cached = layer(x)
             explicit = layer(x, is_first_microbatch=True)  # casts the doubled weight, and caches it
         fresh = layer(x)

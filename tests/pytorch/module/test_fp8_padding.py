@@ -57,16 +57,16 @@ def test_padding_matches_manual_and_round_trips(m_splits, align, dtype):
 @pytest.mark.parametrize("m_splits", SPLITS, ids=str)
 def test_gradients_match_manual(m_splits):
     align = 16
-    x = randn(sum(m_splits), 8).requires_grad_(True)
-    x_ref = x.detach().clone().requires_grad_(True)
+    x = randn(sum(m_splits), 8).requires_grad_(requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(requires_grad=True)
     y, padded = Fp8Padding(len(m_splits), align)(x, m_splits)
     dy = randn(*y.shape)
     y.backward(dy)
     _manual_pad(x_ref, m_splits, align).backward(dy)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)  # the padding rows' gradient is dropped
 
-    y = randn(sum(padded), 8).requires_grad_(True)
-    y_ref = y.detach().clone().requires_grad_(True)
+    y = randn(sum(padded), 8).requires_grad_(requires_grad=True)
+    y_ref = y.detach().clone().requires_grad_(requires_grad=True)
     out = Fp8Unpadding(len(m_splits), align)(y, m_splits)
     dout = randn(*out.shape)
     out.backward(dout)
@@ -92,7 +92,7 @@ def test_aligned_splits_return_the_input_itself():
 
 
 def test_all_splits_empty():
-    x = randn(0, 4).requires_grad_(True)
+    x = randn(0, 4).requires_grad_(requires_grad=True)
     y, padded = Fp8Padding(2, 16)(x, [0, 0])
     assert y is x and padded == [0, 0]
     assert Fp8Unpadding(2, 16)(x, [0, 0]).shape == (0, 4)
@@ -182,7 +182,7 @@ def test_compiles_without_graph_breaks():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     results = []
     for fn in (step, compiled):
-        xg = x.clone().requires_grad_(True)
+        xg = x.clone().requires_grad_(requires_grad=True)
         out = fn(xg, w)
         out.square().sum().backward()
         results.append((out.detach(), xg.grad))

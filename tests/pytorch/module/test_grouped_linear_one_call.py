@@ -160,7 +160,7 @@ def test_equals_the_per_split_path_on_a_gpu(recipe_name, bias):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3)
 
-    _compare(torch.bfloat16, "cuda", recipe_name, bias, False, close)
+    _compare(torch.bfloat16, "cuda", recipe_name, bias, return_bias=False, check=close)
 
 
 def test_the_weights_lie_in_one_buffer_which_the_casts_read_in_place():

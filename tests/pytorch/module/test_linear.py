@@ -136,7 +136,7 @@ def test_no_fp8_weight_copy_lives_from_forward_to_backward(make, recast_weight_t
 
     for cache, expected in ((None, []), (True, sorted(weights + [w[::-1] for w in weights]))):
         with te.autocast(recipe=DelayedScaling()):
-            y = layer(randn(32, 64).requires_grad_(True), is_first_microbatch=cache)
+            y = layer(randn(32, 64).requires_grad_(requires_grad=True), is_first_microbatch=cache)
         assert live_fp8_weights() == expected
         y.sum().backward()
 
@@ -296,7 +296,7 @@ def _block_fp8(t: torch.Tensor, block) -> torch.Tensor:
     """t quantized in ``block`` tiles (power-of-two scales, E4M3) and dequantized, by the reference ops."""
     from transformer_engine.plugin.backends.reference import quantization as ref
 
-    q, scale_inv = ref.quantize_blockwise(t, torch.float8_e4m3fn, block[0], block[1], True, 0.0)
+    q, scale_inv = ref.quantize_blockwise(t, torch.float8_e4m3fn, block[0], block[1], power_2_scale=True, amax_epsilon=0.0)
     return ref.dequantize_blockwise(q, scale_inv, block[0], block[1], torch.float32)
 
 

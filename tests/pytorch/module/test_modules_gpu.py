@@ -23,7 +23,7 @@ RECIPES = {"bf16": None, "delayed": DelayedScaling(amax_history_len=4), "current
 
 
 def _run(module, x, dy, recipe, prefer):
-    with with_preference(prefer), with_strict_mode(True):
+    with with_preference(prefer), with_strict_mode(strict=True):
         with te.autocast(enabled=recipe is not None, recipe=recipe):
             result = forward_backward(module, x, dy)
     module.zero_grad(set_to_none=True)

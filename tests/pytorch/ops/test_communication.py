@@ -31,14 +31,14 @@ def check_collectives() -> None:
         torch.testing.assert_close(op(xs[r]), y_expected, rtol=0, atol=0)
     # gradients: AllGather reduce-scatters the (here identical) dy of every rank; ReduceScatter all-gathers
     dy_full = _full(4 * p, 3, seed=99)
-    x = xs[r].clone().requires_grad_(True)
+    x = xs[r].clone().requires_grad_(requires_grad=True)
     te_ops.AllGather()(x).backward(dy_full)
     torch.testing.assert_close(x.grad, dy_full.chunk(p)[r] * p, rtol=0, atol=0)
     dys = [_full(4 // p, 3, seed=50 + q) for q in range(p)]
-    x = xs[r].clone().requires_grad_(True)
+    x = xs[r].clone().requires_grad_(requires_grad=True)
     te_ops.ReduceScatter()(x).backward(dys[r])
     torch.testing.assert_close(x.grad, torch.cat(dys), rtol=0, atol=0)
-    x = xs[r].clone().requires_grad_(True)
+    x = xs[r].clone().requires_grad_(requires_grad=True)
     te_ops.AllReduce()(x).backward(xs[0])
     torch.testing.assert_close(x.grad, xs[0], rtol=0, atol=0)
 
@@ -48,7 +48,7 @@ def check_tensor_parallel_linear(mode: str, sequence_parallel: bool) -> None:
     x_full, w_full, b_full = _full(8, 16, seed=1), _full(12, 16, seed=2), _full(p, 12, seed=3)
     dy_full = _full(8, 12, seed=4)
     bias_total = b_full.sum(0) if mode == "row" else b_full[0]  # row: each rank adds its bias before the sum (TE)
-    x_ref = x_full.clone().requires_grad_(True)
+    x_ref = x_full.clone().requires_grad_(requires_grad=True)
     (x_ref @ w_full.T + bias_total).backward(dy_full)
     op = te_ops.Linear(16, 12, device="cpu", tensor_parallel_mode=mode, sequence_parallel=sequence_parallel)
     rows = slice(r * 8 // p, (r + 1) * 8 // p) if sequence_parallel else slice(None)
@@ -61,7 +61,7 @@ def check_tensor_parallel_linear(mode: str, sequence_parallel: bool) -> None:
             op.weight.copy_(w_full.chunk(p, 1)[r])
             op.bias.copy_(b_full[r])
             x = x_full.chunk(p, 1)[r]  # every row (the output is what sequence parallelism shards)
-    x = x.clone().requires_grad_(True)
+    x = x.clone().requires_grad_(requires_grad=True)
     y = op(x)
     if mode == "column":
         y_exp, dy = (x_ref.detach() @ w_full.T + bias_total).chunk(p, 1)[r], dy_full.chunk(p, 1)[r]

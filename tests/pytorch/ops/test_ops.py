@@ -26,7 +26,7 @@ def _grads(fn, *tensors, dy):
 
 
 def _leaf(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype).requires_grad_(True)
+    return torch.randn(*shape, dtype=dtype).requires_grad_(requires_grad=True)
 
 
 def _check(op, ref, x, dtype, oracle_dtype=torch.float64, tols=None):
@@ -36,8 +36,8 @@ def _check(op, ref, x, dtype, oracle_dtype=torch.float64, tols=None):
     y = op(x)
     dy = torch.randn_like(y)
     y.backward(dy)
-    xr = x.detach().to(oracle_dtype).requires_grad_(True)
-    pr = [p.detach().to(oracle_dtype).requires_grad_(True) for p in params]
+    xr = x.detach().to(oracle_dtype).requires_grad_(requires_grad=True)
+    pr = [p.detach().to(oracle_dtype).requires_grad_(requires_grad=True) for p in params]
     yr = ref(xr, *pr)
     yr.backward(dy.to(oracle_dtype))
     tols = tols or dtype_tols(dtype)
@@ -121,7 +121,8 @@ ACTIVATIONS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
 def test_activations(name, dtype):
-    _check(getattr(te_ops, name)(), lambda x: ACTIVATIONS[name](x), (3 * torch.randn(5, 3, 34)).to(dtype).requires_grad_(True), dtype)
+    _check(getattr(te_ops, name)(), lambda x: ACTIVATIONS[name](x),
+           (3 * torch.randn(5, 3, 34)).to(dtype).requires_grad_(requires_grad=True), dtype)
 
 
 def test_glu_interleave_size():
@@ -137,7 +138,7 @@ def test_glu_interleave_size():
 def test_cache_quantized_input_is_an_fp8_rounding_of_x():
     x = _leaf(16, 64)
     y, (dx,) = _grads(te_ops.SwiGLU(cache_quantized_input=True), x, dy=torch.ones(16, 32))
-    y_ref, (dx_ref,) = _grads(te_ops.SwiGLU(), x.detach().clone().requires_grad_(True), dy=torch.ones(16, 32))
+    y_ref, (dx_ref,) = _grads(te_ops.SwiGLU(), x.detach().clone().requires_grad_(requires_grad=True), dy=torch.ones(16, 32))
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     assert sqnr(dx_ref, dx) > 20 and not torch.equal(dx, dx_ref)
 
@@ -190,7 +191,7 @@ def test_sequential_mlp_equals_layernorm_mlp(recipe_name, norm, act, te_act):
     x = torch.randn(4, 8, 64, dtype=dtype)
     results = []
     for model in (mlp, seq):
-        xi = x.clone().requires_grad_(True)
+        xi = x.clone().requires_grad_(requires_grad=True)
         with te.autocast(enabled=recipe is not None, recipe=recipe):
             y = model(xi)
         y.backward(torch.ones_like(y) / y.numel() * 1e3)
@@ -217,7 +218,7 @@ def test_ops_linear_equals_te_linear(recipe_name):
     outs = []
     for model in (ref, op):
         for _ in range(2):  # delayed scaling: the second step uses the first step's amax
-            xi = x.clone().requires_grad_(True)
+            xi = x.clone().requires_grad_(requires_grad=True)
             with te.autocast(enabled=recipe is not None, recipe=recipe):
                 y = model(xi)
             y.float().square().sum().backward()

@@ -47,7 +47,7 @@ def test_scale_flags_non_finite_input():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_l2norm_matches_torch(dtype):
     tensors = _tensors(dtype)
-    total, per = multi_tensor_applier(multi_tensor_l2norm, _flag(), [tensors], True)
+    total, per = multi_tensor_applier(multi_tensor_l2norm, _flag(), [tensors], per_tensor=True)
     expected_per = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
     # float32 accumulation of at most a few hundred squares: relative error well under 1e-5
     torch.testing.assert_close(per, expected_per, rtol=1e-5, atol=0)
@@ -56,11 +56,11 @@ def test_l2norm_matches_torch(dtype):
 
 def test_l2norm_megatron_form_and_non_finite_flag():
     tensors = _tensors()
-    norm, _ = multi_tensor_applier(multi_tensor_l2norm, _flag(), [tensors], False)
+    norm, _ = multi_tensor_applier(multi_tensor_l2norm, _flag(), [tensors], per_tensor=False)
     assert norm.shape == (1,) and norm.dtype == torch.float32
     tensors[0][0] = float("inf")
     flag = _flag()
-    multi_tensor_applier(multi_tensor_l2norm, flag, [tensors], False)
+    multi_tensor_applier(multi_tensor_l2norm, flag, [tensors], per_tensor=False)
     assert flag.item() == 1
 
 

@@ -2,7 +2,7 @@
 
 Starting a rank (spawn + ``import torch`` + ``import transformer_engine``) takes seconds on a small
 machine, so each (backend, world size) pool is started once per session and then runs many test
-functions. ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (``fn`` must be importable: a
+functions. ``pool.run(fn, *args, **kwargs)`` calls ``fn(*args, **kwargs)`` on every rank (``fn`` must be importable: a
 module-level function of a test module) and returns the per-rank results in rank order; an exception
 on any rank fails the test with that rank's traceback. Every call is bounded by a timeout; a rank that
 hangs (e.g. its peers died inside a collective) gets the pool killed and restarted for the next test.
@@ -51,9 +51,9 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, res
         task = tasks.get()
         if task is None:
             break
-        fn, args = task
+        fn, args, kwargs = task
         try:
-            results.put((rank, "ok", fn(*args)))
+            results.put((rank, "ok", fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test with its traceback
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
@@ -98,10 +98,10 @@ class RankPool:
             raise AssertionError("\n".join(errors))
         return [out[r][1] for r in range(self.world_size)]
 
-    def run(self, fn: Callable, *args, timeout: float = 90.0) -> List[Any]:
-        """``fn(*args)`` on every rank; the results in rank order."""
+    def run(self, fn: Callable, *args, timeout: float = 90.0, **kwargs) -> List[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order."""
         for q in self._tasks:
-            q.put((fn, args))
+            q.put((fn, args, kwargs))
         return self._collect(f"result of {fn.__name__}", timeout)
 
     def stop(self, kill: bool = False) -> None:

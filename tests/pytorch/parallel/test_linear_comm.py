@@ -60,11 +60,11 @@ def _build(kind: str, mode: str, sp: bool, parallel: bool, activation: str, over
 def _twins(kind: str, mode: str, sp: bool, activation: str = "gelu", overlap: bool = False):
     """(single-process module with random non-trivial parameters, its sharded twin holding the same values)."""
     torch.manual_seed(0)
-    ref = _build(kind, mode, sp, False, activation)
+    ref = _build(kind, mode, sp, parallel=False, activation=activation)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # biases and norm parameters matter too
-    tp = _build(kind, mode, sp, True, activation, overlap)
+    tp = _build(kind, mode, sp, parallel=True, activation=activation, overlap=overlap)
     tp.load_state_dict(shard_state_dict(tp, ref.state_dict(), None))
     return ref, tp
 
@@ -133,7 +133,7 @@ def check_pipelined_module(kind: str, mode: str, recipe) -> None:
     """ub_overlap_ag / ub_overlap_rs / ub_overlap_rs_dgrad under SP; on GPUs through symmetric memory (the pipelined path itself)."""
     if dist.get_backend() == "nccl":
         assert _symmetric_memory(dist.group.WORLD) is not None, "no symmetric memory over NCCL: the pipelines would not run"
-    check_module(kind, mode, True, recipe, "swiglu", True)
+    check_module(kind, mode, sp=True, recipe=recipe, activation="swiglu", overlap=True)
 
 
 @pytest.mark.parametrize("recipe", [None, "delayed", "current", "block"])
@@ -146,4 +146,4 @@ def test_pipelined_forward_collectives_match_single_process(ranks, kind, mode, r
 
 @pytest.mark.parametrize("kind, mode", [("Linear", "column"), ("Linear", "row"), ("LayerNormMLP", "mlp")])
 def test_four_ranks_with_sequence_parallelism(ranks, kind, mode):
-    ranks.run(check_module, kind, mode, True, "delayed", "swiglu")
+    ranks.run(check_module, kind, mode, sp=True, recipe="delayed", activation="swiglu")

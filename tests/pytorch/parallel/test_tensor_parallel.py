@@ -108,8 +108,8 @@ def _tracker():
 
 def check_init_matches_unsharded(use_tracker: bool) -> None:
     trackers = [_tracker(), _tracker()] if use_tracker else [None, None]
-    full = _modules(False, (lambda: trackers[0]) if use_tracker else None)
-    sharded = _modules(True, (lambda: trackers[1]) if use_tracker else None)
+    full = _modules(parallel=False, tracker=(lambda: trackers[0]) if use_tracker else None)
+    sharded = _modules(parallel=True, tracker=(lambda: trackers[1]) if use_tracker else None)
     rank, size = group_rank(None), group_size(None)
     for key, module in sharded.items():
         ref = dict(full[key].named_parameters())
@@ -124,7 +124,7 @@ def check_init_matches_unsharded(use_tracker: bool) -> None:
 
 
 def _after_unsharded_init() -> torch.Tensor:
-    _modules(False)
+    _modules(parallel=False)
     return torch.rand(3, device=device())
 
 

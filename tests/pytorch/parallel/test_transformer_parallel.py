@@ -30,11 +30,11 @@ def _layer(parallel: bool, sp: bool, **kwargs) -> torch.nn.Module:
 
 def check_transformer_layer(sp: bool, recipe, kwargs) -> None:
     torch.manual_seed(0)
-    ref = _layer(False, False, **kwargs)
+    ref = _layer(parallel=False, sp=False, **kwargs)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    tp = _layer(True, sp, **kwargs)
+    tp = _layer(parallel=True, sp=sp, **kwargs)
     tp.load_state_dict(shard_state_dict(tp, ref.state_dict(), None))
     torch.manual_seed(1)
     x, dy = torch.randn(S, B, H, device=device()), torch.randn(S, B, H, device=device())
@@ -71,13 +71,13 @@ def test_transformer_layer_matches_single_process(ranks2, layer, sp, recipe):
 
 
 def test_transformer_layer_on_four_ranks(ranks):
-    ranks.run(check_transformer_layer, True, "delayed", {"activation": "swiglu"})
+    ranks.run(check_transformer_layer, sp=True, recipe="delayed", kwargs={"activation": "swiglu"})
 
 
 def check_set_group_later() -> None:
     """A layer built with tp_size and no group runs once set_tensor_parallel_group reaches every module."""
     p = group_size(None)
-    layer = _layer(False, False)
+    layer = _layer(parallel=False, sp=False)
     late = te.TransformerLayer(H, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, device=device(),
                                set_parallel_mode=True, tp_size=p, sequence_parallel=True)
     with pytest.raises(RuntimeError, match="set_tensor_parallel_group"):
@@ -95,7 +95,7 @@ def test_set_tensor_parallel_group_later(ranks2):
 def check_distributed_saved_activations() -> None:
     """te.checkpoint keeps 1/P of the region's input per rank; gradients equal the undistributed run's."""
     p = group_size(None)
-    layer = _layer(True, True)
+    layer = _layer(parallel=True, sp=True)
     x = torch.randn(S // p, B, H, device=device())
     results = []
     for distribute in (False, True):
@@ -125,7 +125,7 @@ def check_graphed_tensor_parallel_layer(recipe, overlap: bool) -> None:
     from tests.pytorch.test_graph import _scaling_tensors, _train
 
     p = group_size(None)
-    eager, graphed = (_layer(True, True, ub_tp_comm_overlap=overlap) for _ in range(2))
+    eager, graphed = (_layer(parallel=True, sp=True, ub_tp_comm_overlap=overlap) for _ in range(2))
     graphed.load_state_dict(eager.state_dict())
     x = torch.randn(S // p, B, H, device=device(), requires_grad=True)
     rec = None if recipe is None else RECIPES[recipe]()

@@ -17,7 +17,7 @@ def assert_grouped_linear_matches(recipe, linear_reference, tols) -> None:
     layer = te.GroupedLinear(3, 64, 32)
     splits = [32, 64, 0]
     x, dy = randn(96, 64), randn(96, 32, scale=1e-2)
-    x_in = x.clone().requires_grad_(True)
+    x_in = x.clone().requires_grad_(requires_grad=True)
     with te.autocast(recipe=recipe):
         out = layer(x_in, splits)
     out.backward(dy)
@@ -60,7 +60,7 @@ def assert_linear_compiles_as_eager(recipe, steps: int = 2) -> None:
     torch._dynamo.reset()
     eager = te.Linear(64, 32)
     compiled_module = copy.deepcopy(eager)
-    x = randn(32, 2, 64).requires_grad_(True)
+    x = randn(32, 2, 64).requires_grad_(requires_grad=True)
     explained = torch._dynamo.explain(_step(eager, recipe))(x)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
@@ -69,7 +69,7 @@ def assert_linear_compiles_as_eager(recipe, steps: int = 2) -> None:
         x = randn(32, 2, 64)
         outs = []
         for run, module in ((_step(eager, recipe), eager), (step, compiled_module)):
-            x_in = x.clone().requires_grad_(True)
+            x_in = x.clone().requires_grad_(requires_grad=True)
             torch.manual_seed(seed)  # the same random draws (stochastic rounding) in both runs
             y = run(x_in)
             y.square().mean().backward()

@@ -6,7 +6,7 @@ import torch
 from tests.utils import randn, sqnr
 from transformer_engine.common.recipe import Float8BlockScaling, QParams
 from transformer_engine.plugin import ops
-from transformer_engine.pytorch.module._common import save, saved
+from transformer_engine.pytorch._functions.common import save, saved
 from transformer_engine.pytorch.quantization import Float8BlockQuantizer, Float8BlockwiseTensor
 from transformer_engine.pytorch.quantization.recipe_state import Float8BlockScalingRecipeState, RecipeState
 
@@ -29,7 +29,7 @@ def test_recipe_state_gives_each_role_its_tiles():
 def test_1d_cast_writes_both_directions_with_their_own_scales():
     x = randn(200, 300)
     operand = Float8BlockQuantizer(E4M3, 1, POW2).quantize(x, columnwise=True)
-    q, s, q_t, s_t = ops.cast_transpose_blockwise(x, E4M3, 128, True, 0.0)
+    q, s, q_t, s_t = ops.cast_transpose_blockwise(x, E4M3, 128, power_2_scale=True, amax_epsilon=0.0)
     assert operand.block == (1, 128) and operand.block_t == (1, 128)
     assert torch.equal(operand.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(operand.scale_inv, s)
     assert torch.equal(operand.data_t.view(torch.uint8), q_t.view(torch.uint8)) and torch.equal(operand.scale_inv_t, s_t)
@@ -112,7 +112,7 @@ def test_saved_for_backward_and_rebuilt():
             rebuilt.append(saved(ctx)[0])
             return dy, None
 
-    x = randn(130, 140).requires_grad_(True)
+    x = randn(130, 140).requires_grad_(requires_grad=True)
     operand = Float8BlockQuantizer(E4M3, 1, POW2).quantize(x.detach(), columnwise=True).transpose_only()
     Keep.apply(x, operand).sum().backward()
     (back,) = rebuilt

@@ -29,7 +29,7 @@ MODULES = {
 
 
 def _step(module, recipe, x, **kwargs):
-    x = x.clone().requires_grad_(True)
+    x = x.clone().requires_grad_(requires_grad=True)
     with te.autocast(recipe=recipe):
         y = module(x, **kwargs)
     (y.float() * torch.logspace(-3, 3, y.shape[-1])).sum().backward()  # a wide dynamic range in dy

@@ -77,7 +77,7 @@ def test_mxfp8_weights_built_without_gradients_keep_the_row_wise_copy_only(monke
     assert shapes == [(32, 64)] and module.weight._columnwise_data is None  # x only: the weight is read as stored
     expected = x @ module.weight.dequantize().t() + module.bias
     assert sqnr(expected, y) > 25
-    x.requires_grad_(True)
+    x.requires_grad_(requires_grad=True)
     with te.autocast(recipe=MXFP8BlockScaling()):
         module(x).sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(module.weight.grad.float()).all()

@@ -128,7 +128,7 @@ def test_linear_bf16_and_cached_weights():
 def test_layernorm_linear_equals_the_composed_emulation():
     layer = te.LayerNormLinear(64, 96, return_layernorm_output=True)
     x, dy = randn(64, 64), randn(64, 96, scale=1e-2)
-    x_in = x.clone().requires_grad_(True)
+    x_in = x.clone().requires_grad_(requires_grad=True)
     with te.autocast(recipe=MXFP8):
         out, ln_out = layer(x_in)
     out.backward(dy)
@@ -136,7 +136,7 @@ def test_layernorm_linear_equals_the_composed_emulation():
     torch.testing.assert_close(out.double(), qdq_rows(ln_out) @ qdq_rows(w).t() + layer.bias.double(), **TOLS)
     torch.testing.assert_close(layer.weight.grad.double(), qdq_cols(dy).t() @ qdq_cols(ln_out), **TOLS)
     d_ln = (qdq_rows(dy) @ qdq_cols(w)).float()
-    x_ref = x.clone().requires_grad_(True)
+    x_ref = x.clone().requires_grad_(requires_grad=True)
     ln_ref = F.layer_norm(x_ref, (64,), layer.layer_norm_weight.detach(), layer.layer_norm_bias.detach(), layer.eps)
     torch.testing.assert_close(ln_out, ln_ref, rtol=1e-5, atol=1e-5)
     ln_ref.backward(d_ln)

@@ -138,7 +138,7 @@ def test_stochastic_rounding_repeats_under_manual_seed_and_is_unbiased():
 def test_layernorm_linear_equals_the_composed_emulation():
     layer = te.LayerNormLinear(64, 96, return_layernorm_output=True)
     x, dy = randn(64, 64), randn(64, 96, scale=1e-2)
-    x_in = x.clone().requires_grad_(True)
+    x_in = x.clone().requires_grad_(requires_grad=True)
     with te.autocast(recipe=NO_SR):
         out, ln_out = layer(x_in)
     out.backward(dy)
@@ -147,7 +147,7 @@ def test_layernorm_linear_equals_the_composed_emulation():
     wgrad = qdq(dy, columnwise=True, rht=True) @ qdq(ln_out, columnwise=True, rht=True).t()
     torch.testing.assert_close(layer.weight.grad.double(), wgrad, **TOLS)
     d_ln = (qdq(dy) @ qdq(w, columnwise=True, block_2d=True).t()).float()
-    x_ref = x.clone().requires_grad_(True)
+    x_ref = x.clone().requires_grad_(requires_grad=True)
     ln_ref = F.layer_norm(x_ref, (64,), layer.layer_norm_weight.detach(), layer.layer_norm_bias.detach(), layer.eps)
     torch.testing.assert_close(ln_out, ln_ref, rtol=1e-5, atol=1e-5)
     ln_ref.backward(d_ln)

@@ -144,7 +144,8 @@ def test_quantized_model_init_stores_4over6_weights_that_forward_reads_as_they_a
         stored = te.Linear(64, 32, params_dtype=torch.bfloat16)
     weight = stored.weight
     assert isinstance(weight, NVFP4Tensor) and weight._nvfp4_use_4over6 and weight._nvfp4_e4m3_max == 256
-    expected = ops.quantize_nvfp4(weight.dequantize(), True, False, True, False, False, None, four_over_six="MSE", e4m3_max=256)
+    expected = ops.quantize_nvfp4(weight.dequantize(), rowwise=True, columnwise=False, block_2d=True, rht=False, stochastic_rounding=False,
+                                  seed=None, four_over_six="MSE", e4m3_max=256)
     assert torch.equal(weight._rowwise_scale_inv, expected[1])
     casts, cast = [], NVFP4Quantizer._cast
     monkeypatch.setattr(NVFP4Quantizer, "_cast", lambda self, *a, **k: casts.append(self.e4m3_max) or cast(self, *a, **k))

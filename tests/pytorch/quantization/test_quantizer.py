@@ -80,7 +80,8 @@ def test_fused_produce_equals_separate_quantize():
     quantizer = state.make_quantizers()[0]
 
     def run(scale, fp8_dtype, amax_out):
-        y, mean, rstd, scale_inv, amax = ops.layernorm_fwd(x, gamma, beta, 1e-5, False, scale, fp8_dtype, torch.float32, amax_out)
+        y, mean, rstd, scale_inv, amax = ops.layernorm_fwd(x, gamma, beta, 1e-5, zero_centered_gamma=False, fp8_scale=scale,
+                                                           fp8_dtype=fp8_dtype, out_dtype=torch.float32, amax_out=amax_out)
         return y, scale_inv, amax, (mean, rstd)
 
     fused, stats = quantizer.produce(run)

@@ -40,7 +40,8 @@ def test_copies_are_the_catalog_cast_in_tes_layout(shape, rht, two_d):
     q = NVFP4Quantizer(with_rht=rht, with_post_rht_amax=rht, with_2d_quantization=two_d)
     x_q = q(x)
     m, k = x.numel() // shape[-1], shape[-1]
-    expected = ops.quantize_nvfp4(x.reshape(m, k), True, True, two_d, rht, False, None)
+    expected = ops.quantize_nvfp4(x.reshape(m, k), rowwise=True, columnwise=True, block_2d=two_d, rht=rht, stochastic_rounding=False,
+                                  seed=None)
     assert isinstance(x_q, NVFP4Tensor) and isinstance(x_q, QuantizedTensor) and x_q.shape == shape and x_q.dtype == torch.bfloat16
     assert x_q._rowwise_data.shape == (*shape[:-1], k // 2) and x_q._columnwise_data.shape == (k, m // 2)
     assert x_q._rowwise_scale_inv.shape == (m, k // 16) and x_q._columnwise_scale_inv.shape == (k, m // 16)
@@ -64,7 +65,8 @@ def test_dequantized_values_quantize_to_the_same_data():
 def test_the_column_wise_copy_dequantizes_only_where_it_is_x_transposed():
     x = _x((64, 32))
     plain = NVFP4Quantizer(rowwise=False)(x)
-    data_t, scale_t, amax_t = ops.quantize_nvfp4(x, False, True, False, False, False, None)[3:]
+    data_t, scale_t, amax_t = ops.quantize_nvfp4(x, rowwise=False, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False,
+                                                 seed=None)[3:]
     assert torch.equal(plain.dequantize(), ops.dequantize_nvfp4(data_t, scale_t, amax_t, torch.float32).t())
     transformed = NVFP4Quantizer(rowwise=False, with_rht=True, with_post_rht_amax=True)(x.bfloat16())
     with pytest.raises(RuntimeError, match=r"RHT\(x\^T\) \(with_rht=True\), not x\^T"):
@@ -98,7 +100,7 @@ def test_options_that_are_not_implemented_raise_at_construction():
     with pytest.raises(ValueError, match="kFloat4E2M1"):
         NVFP4Quantizer(fp4_dtype=DType.kFloat8E4M3)
     assert NVFP4Quantizer(with_random_sign_mask=False).rht_matrix_random_sign_mask_t == 0  # no RHT: no effect, as in TE
-    q = NVFP4Quantizer(DType.kFloat4E2M1, True, False, False, None, True, True, True, True)  # TE's positional order
+    q = NVFP4Quantizer(DType.kFloat4E2M1, True, False, False, None, True, True, True, True)  # noqa: FBT003 - TE's positional order is what is tested
     flags = (q.rowwise_usage, q.columnwise_usage, q.with_rht, q.with_post_rht_amax, q.with_2d_quantization, q.stochastic_rounding)
     assert flags == (True, False, True, True, True, True)
     assert q.rht_matrix_random_sign_mask_t == 0xD7E8 and q.copy()._settings() == q._settings()
@@ -253,7 +255,7 @@ def test_operand_is_the_module_container_over_the_same_buffers():
     assert type(operand) is NVFP4Operand and operand.rht_t and operand.shape == (64, 64)
     assert operand.data.data_ptr() == x_q._rowwise_data.data_ptr() and operand.data_t is x_q._columnwise_data
     w_q = NVFP4Quantizer(with_2d_quantization=True)(_x((48, 64)))
-    (a, a_scale, a_amax), (b, b_scale, b_amax) = operand.nvfp4_operand(False), w_q.operand().nvfp4_operand(False)
+    (a, a_scale, a_amax), (b, b_scale, b_amax) = operand.nvfp4_operand(transposed=False), w_q.operand().nvfp4_operand(transposed=False)
     y = ops.gemm_nvfp4(a, b, a_scale=a_scale, b_scale=b_scale, a_amax=a_amax, b_amax=b_amax, out_dtype=torch.float32)
     torch.testing.assert_close(y, x_q.dequantize(dtype=torch.float32).reshape(64, 64) @ w_q.dequantize().t())
 
@@ -276,7 +278,7 @@ def _train(layer, recipe, xs):
     out = []
     for step, x in enumerate(xs):
         torch.manual_seed(step)  # the stochastic-rounding seeds
-        x = x.clone().requires_grad_(True)
+        x = x.clone().requires_grad_(requires_grad=True)
         with te.autocast(recipe=recipe):
             y = layer(x)
         (y.float() * torch.logspace(-2, 2, y.shape[-1])).sum().backward()
@@ -302,10 +304,10 @@ def test_custom_recipe_of_nvfp4_quantizers_trains_as_nvfp4_block_scaling(stochas
 def test_nvfp4_weights_under_a_custom_recipe_are_its_weight_quantization():
     """quantized_model_init with a CustomRecipe of NVFP4Quantizers: the weight is an NVFP4Tensor of the factory's
     "linear_weight" settings (the parameter tests are in tests/pytorch/quantization/test_model_init.py)."""
-    with te.quantized_model_init(recipe=CustomRecipe(qfactory=_nvfp4_factory(False))):
+    with te.quantized_model_init(recipe=CustomRecipe(qfactory=_nvfp4_factory(stochastic_rounding=False))):
         layer = te.Linear(64, 32)
     assert isinstance(layer.weight, NVFP4Tensor)
-    made = _nvfp4_factory(False)("linear_weight")
+    made = _nvfp4_factory(stochastic_rounding=False)("linear_weight")
     assert layer.weight._get_quantizer().with_2d_quantization == made.with_2d_quantization
 
 
@@ -332,7 +334,8 @@ def test_4over6_copies_are_the_catalog_cast_and_carry_the_bound(bound, two_d):
     x = _x((64, 96), torch.bfloat16)
     q = NVFP4Quantizer(with_2d_quantization=two_d, nvfp4_use_4over6=True, nvfp4_e4m3_max=bound, nvfp4_4over6_err_mode="MAE")
     x_q = q(x)
-    expected = ops.quantize_nvfp4(x, True, True, two_d, False, False, None, four_over_six="MAE", e4m3_max=bound)
+    expected = ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=two_d, rht=False, stochastic_rounding=False, seed=None,
+                                  four_over_six="MAE", e4m3_max=bound)
     assert all(torch.equal(a, b) for a, b in zip(_buffers(x_q), expected))
     assert x_q._nvfp4_use_4over6 and x_q._nvfp4_e4m3_max == bound and x_q.operand().e4m3_max == bound
     decoded = ops.dequantize_nvfp4(expected[0], expected[1], expected[2], torch.float32, e4m3_max=bound)

@@ -145,10 +145,10 @@ class TransformerLayer(nn.Module):
             embedding_init=nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"), name="relpos_bias",
         )
         length = inputs.shape[0 if self.transpose_batch_sequence else 1]
-        if TransformerLayerType(self.layer_type) == TransformerLayerType.ENCODER:
-            return rel_emb(length, length, True)
-        length = max_decode_length if (decode and max_decode_length) else length
-        return rel_emb(length, length, False)
+        bidirectional = TransformerLayerType(self.layer_type) == TransformerLayerType.ENCODER
+        if not bidirectional:
+            length = max_decode_length if (decode and max_decode_length) else length
+        return rel_emb(length, length, bidirectional)  # positional, as NVIDIA TE calls a user's relative_embedding
 
     def _attention(self, name: str, mask_type: str, bias_type, input_layernorm: bool) -> MultiHeadAttention:
         return MultiHeadAttention(

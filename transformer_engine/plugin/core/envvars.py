@@ -36,9 +36,9 @@ from transformer_engine.common.env import (
     describe,
     lookup,
     read,
+    reset_warnings,
 )
 from transformer_engine.common.env import OWN_VARIABLES as VARIABLES
-from transformer_engine.common.env import _reset_warnings as _reset_warnings  # tests reset the once-per-process warnings here
 
 __all__ = [
     "EnvVar",
@@ -54,6 +54,7 @@ __all__ = [
     "config_warning",
     "configure_logging",
     "describe",
+    "reset_warnings",
 ]
 
 LOGGER_NAME = "transformer_engine.plugin"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
-from ..module._checks import check_sizes
+from .._checks import check_sizes
 
 __all__ = ["check_heads", "head_size", "check_kv_channels"]
 

@@ -28,7 +28,7 @@ from transformer_engine.plugin.core import ArgKey
 
 from ..distributed import checkpoint
 from ..module.base import default_device
-from ..module._checks import check_probability
+from .._checks import check_probability
 from . import _layout, _masks
 from . import context_parallel as _cp
 from ._checks import check_heads, check_kv_channels

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from ..module import LayerNorm, LayerNormLinear, Linear, RMSNorm
-from ..module._checks import check_eps
+from .._checks import check_eps
 from ..module.base import default_device, resolve_params_dtype
 from ..parallel.tensor_parallel import resolve_tp_size, set_partition_sections, set_tensor_parallel_group, sum_grads_over_group
 from ._checks import check_heads, head_size

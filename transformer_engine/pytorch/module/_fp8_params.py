@@ -32,7 +32,7 @@ tile scales):
 from __future__ import annotations
 
 import types
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -44,7 +44,6 @@ from ..quantization.quantizer import MXFP8Quantizer as ModuleMXFP8Quantizer
 from ..quantization.quantizer import NVFP4Quantizer as ModuleNVFP4Quantizer
 from ..quantization.quantizer import Quantizer as ModuleQuantizer
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
-from ..tensor._block_scaled import BlockScaledTensor
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from ..tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 from ..tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
@@ -52,6 +51,9 @@ from ..tensor.quantized_tensor import QuantizedTensor, Quantizer
 from ._public_quantizers import public_quantizer
 
 __all__ = ["attach_high_precision_init_val", "fp8_param_operand", "quantize_param", "weight_param_quantizer"]
+
+#: the block-scaled public tensors: a weight stored as one is read through its row-wise and column-wise copies
+_BLOCK_SCALED = (Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor)
 
 
 def weight_param_quantizer(recipe: Recipe, module_quantizer: ModuleQuantizer, fp8_meta: dict, index: int) -> Quantizer:
@@ -135,7 +137,7 @@ def fp8_param_operand(weight: torch.Tensor, quantizer: ModuleQuantizer) -> Optio
     copy, or the transpose of its 128 x 128 tiles; MXFP8: its column-wise copy); None when the call does not run in FP8 (high precision,
     calibration) or the weight is not stored as this call's quantizer reads it: the caller then casts the
     dequantized weight."""
-    if isinstance(weight, BlockScaledTensor):
+    if isinstance(weight, _BLOCK_SCALED):
         return _operand(weight) if weight.dim() == 2 and weight._rowwise_data is not None and _reads(quantizer, weight) else None
     if not quantizer.is_fp8 or not isinstance(weight, Float8Tensor) or weight._data is None or weight.dim() != 2:
         return None
@@ -148,7 +150,7 @@ def _operand(weight: QuantizedTensor):
     return type(weight).operand(weight)
 
 
-def _reads(quantizer: ModuleQuantizer, weight: BlockScaledTensor) -> bool:
+def _reads(quantizer: ModuleQuantizer, weight: Union[Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor]) -> bool:
     """Whether ``quantizer``'s GEMMs read ``weight`` as stored: block tiles of the same shape, or MXFP8 / NVFP4 (of the
     same settings) with both copies (the row-wise one alone where gradients are off)."""
     if isinstance(weight, Float8BlockwiseQTensor):

@@ -29,7 +29,7 @@ from transformer_engine.plugin import ops
 from ..quantization.quantizer import Float8CurrentScalingQuantizer
 from ..quantization.recipe_state import SplitAccumulator
 from ..quantization.roles import BWD_ROLES, FWD_ROLES, Role, slot
-from ._common import cast, no_torch_autocast, rows_of, unflatten
+from .._functions.common import cast, no_torch_autocast, rows_of, unflatten
 
 __all__ = [
     "CurrentSplits", "DelayedSplits", "GroupedFp8Args", "GroupedFp8Function", "GroupedFp8Weights", "SplitCaster", "cast_weights",

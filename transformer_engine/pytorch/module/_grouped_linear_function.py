@@ -9,7 +9,7 @@ quantizers, exactly as a ``Linear`` holding W_i would run it on x_i:
 
 An empty split (m_i = 0) gives no rows of y and zero dW_i, db_i. One autograd node covers the n GEMMs;
 the delayed-scaling update of the gradients' scales runs once, after the last split's backward.
-Saved for backward, per split: x_i^T (FP8 under autocast) and W_i (see ``_linear_function``).
+Saved for backward, per split: x_i^T (FP8 under autocast) and W_i (see :mod:`.._functions.linear_function`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ..parallel.linear_comm import NO_COMM
-from ._common import (
+from .._functions.common import (
     Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, rows_of, save, saved,
     unflatten, without_operands,
 )
-from ._fp8_meta import ForwardQuantization
-from ._gemm import WgradTarget, fprop, linear_backward
-from ._wgrad_store import backward_batch
+from .._functions.fp8_meta import ForwardQuantization
+from .._functions.gemm import WgradTarget, fprop, linear_backward
+from .._functions.wgrad_store import backward_batch
 
 __all__ = ["GroupedLinearArgs", "GroupedLinearFunction"]
 

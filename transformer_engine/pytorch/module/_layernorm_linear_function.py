@@ -20,14 +20,14 @@ import torch
 
 from ..quantization.quantizer import IDENTITY
 from ..parallel.linear_comm import LinearComm
-from ._common import (
+from .._functions.common import (
     Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, rows_of, save, saved,
     unflatten, without_operands,
 )
-from ._fp8_meta import ForwardQuantization
-from ._gemm import WgradTarget, fprop_with_comm, linear_backward
-from ._wgrad_store import backward_batch
-from ._norm import NormConfig, norm_backward, norm_forward
+from .._functions.fp8_meta import ForwardQuantization
+from .._functions.gemm import WgradTarget, fprop_with_comm, linear_backward
+from .._functions.wgrad_store import backward_batch
+from .._functions.norm import NormConfig, norm_backward, norm_forward
 
 __all__ = ["LayerNormLinearArgs", "LayerNormLinearFunction", "norm_then_quantize"]
 

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ._activation import ActivationConfig
+from .._functions.activation import ActivationConfig
 from ..parallel.linear_comm import LinearComm
-from ._common import (
+from .._functions.common import (
     Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, release, rows_of, save, saved,
     unflatten, without_operands,
 )
-from ._fp8_meta import ForwardQuantization
-from ._gemm import WgradTarget, fprop_with_comm, linear_backward
-from ._wgrad_store import backward_batch
+from .._functions.fp8_meta import ForwardQuantization
+from .._functions.gemm import WgradTarget, fprop_with_comm, linear_backward
+from .._functions.wgrad_store import backward_batch
 from ._layernorm_linear_function import norm_then_quantize
-from ._norm import NormConfig, norm_backward
+from .._functions.norm import NormConfig, norm_backward
 
 __all__ = ["LayerNormMLPArgs", "LayerNormMLPFunction"]
 

@@ -12,8 +12,8 @@ import torch
 from ..parallel.comm import gather_from_sequence_parallel_region
 from ..parallel.linear_comm import LinearComm
 from ..parallel.tensor_parallel import ParallelConfig
-from ._checks import check_eps
-from ._norm import NormConfig
+from .._checks import check_eps
+from .._functions.norm import NormConfig
 from .base import te_outputs
 
 __all__ = ["checked_norm", "keep_norm", "linear_parallel_config", "norm_linear_outputs"]

@@ -18,13 +18,10 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ..parallel.tensor_parallel import local_features, megatron_attributes
-from ._norm import NormConfig
+from .._functions.norm import NormConfig
+from ..utils import DEFAULT_INIT_STD
 
-__all__ = ["DEFAULT_INIT_STD", "LinearLayout", "add_linear_params", "add_norm_params", "default_init_method"]
-
-
-#: the standard deviation of TE's default weight initialization
-DEFAULT_INIT_STD = 0.023
+__all__ = ["LinearLayout", "add_linear_params", "add_norm_params", "default_init_method"]
 
 
 def default_init_method(weight: torch.Tensor) -> None:

@@ -12,7 +12,7 @@
   used as the fprop operand as it is (see :mod:`._fp8_params`; a branch decided at construction, so
   other modules pay nothing per call);
 - checkpoints: ``_extra_state`` carries the delayed-scaling state without pickle (see
-  :mod:`._extra_state`);
+  :mod:`.._functions.extra_state`);
 - tensor parallelism (:mod:`..parallel`): the settings in ``self.parallel``, the communication each
   forward hands its Function (:meth:`_comm`), sharded parameters initialized as the unsharded model's.
 
@@ -41,13 +41,13 @@ from ..quantization.roles import BWD_ROLES, FWD_ROLES, Role, slot
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..parallel.linear_comm import NO_COMM, LinearComm, linear_comm, share_scales
 from ..parallel.tensor_parallel import ParallelConfig, initialize
-from . import _extra_state
-from ._common import Operand
+from .._functions import extra_state
+from .._functions.common import Operand
 from ._fp8_params import fp8_param_operand, quantize_param, weight_param_quantizer
 from ._public_quantizers import public_quantizers
-from ._fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
-from ._gemm import WgradTarget
-from ._wgrad_store import WeightGradStore
+from .._functions.fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
+from .._functions.gemm import WgradTarget
+from .._functions.wgrad_store import WeightGradStore
 
 #: the two directions of a module's scaling state and the tensor roles of each
 _MODE_ROLES = (("forward", FWD_ROLES), ("backward", BWD_ROLES))
@@ -277,7 +277,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     # ----------------------------------------------------------------------------- delayed weight gradients
     def _delay_wgrads(self, delay: bool, names: Iterable[str]) -> None:
         """TE's ``delay_wgrad_compute``: backward queues this module's wgrads for :meth:`backward_dw` (see
-        :mod:`._wgrad_store`); its GEMM parameters ``names`` get ``skip_backward_post_hook`` (their gradients come later)."""
+        :mod:`.._functions.wgrad_store`); its GEMM parameters ``names`` get ``skip_backward_post_hook`` (their gradients come later)."""
         self.wgrad_store = WeightGradStore(delay_wgrad_compute=delay)
         for name in names if delay else ():
             getattr(self, name).skip_backward_post_hook = True
@@ -503,8 +503,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def get_extra_state(self) -> torch.Tensor:
         """The delayed-scaling state as a uint8 tensor in TE's format (empty when there is none; see ``_extra_state``)."""
         if not self.fp8_meta["fp8_checkpoint"]:
-            return _extra_state.empty()
-        return _extra_state.encode(self.fp8_meta, role_major=self._ROLE_MAJOR_CHECKPOINT)
+            return extra_state.empty()
+        return extra_state.encode(self.fp8_meta, role_major=self._ROLE_MAJOR_CHECKPOINT)
 
     def set_extra_state(self, state) -> None:
         """Restore what :meth:`get_extra_state` (or NVIDIA TE's) saved (an empty tensor or None restores nothing).
@@ -515,7 +515,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         """
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
             return
-        loaded = _extra_state.decode(state, role_major=self._ROLE_MAJOR_CHECKPOINT)
+        loaded = extra_state.decode(state, role_major=self._ROLE_MAJOR_CHECKPOINT)
         current = self._model_init_recipe or self.fp8_meta["recipe"]
         if current is not None and type(current) is not type(loaded.recipe):
             raise ValueError(

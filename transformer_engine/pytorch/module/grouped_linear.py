@@ -11,9 +11,9 @@ from ..parallel.tensor_parallel import local_features, megatron_attributes
 from ..quantization.autocast import current_config
 from ..quantization.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from ..quantization.roles import Role
-from ._checks import check_sizes
-from ._common import apply_without_torch_autocast, cast
-from ._fp8_meta import ForwardQuantization
+from .._checks import check_sizes
+from .._functions.common import apply_without_torch_autocast, cast
+from .._functions.fp8_meta import ForwardQuantization
 from ._grouped_fp8_function import (
     CurrentSplits, DelayedSplits, GroupedFp8Args, GroupedFp8Function, GroupedFp8Weights, SplitCaster, cast_weights,
 )
@@ -65,7 +65,7 @@ class GroupedLinear(TransformerEngineBaseModule):
             offered; the path taken follows the recipe and the splits (above).
         ub_overlap_rs, ub_overlap_ag: unsupported, as in TE (ValueError).
         delay_wgrad_compute: backward computes dgrad only and queues every dW_i for :meth:`backward_dw` (see
-            :mod:`._wgrad_store`).
+            :mod:`.._functions.wgrad_store`).
         save_original_input: keep the input as given for backward (as the MoE layer keeps it anyway) rather than
             each split's FP8 x_i^T, which backward casts again; not with DelayedScaling (ValueError).
         single_grouped_weight, single_grouped_bias: not implemented yet (must stay False).

@@ -11,10 +11,10 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from ._checks import check_eps
-from ._common import apply_without_torch_autocast
-from ._norm import NormConfig
-from ._norm_function import NormArgs, NormFunction
+from .._checks import check_eps
+from .._functions.common import apply_without_torch_autocast
+from .._functions.norm import NormConfig
+from .._functions.norm_function import NormArgs, NormFunction
 from ._params import add_norm_params
 from .base import ParallelConfig, TransformerEngineBaseModule, default_device, resolve_params_dtype
 

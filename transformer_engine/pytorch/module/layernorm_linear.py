@@ -6,10 +6,10 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ._common import apply_without_torch_autocast, cast
+from .._functions.common import apply_without_torch_autocast, cast
 from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
 from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs
-from ._checks import check_sizes
+from .._checks import check_sizes
 from ._params import add_linear_params, add_norm_params
 from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype
 

@@ -7,11 +7,11 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from ..parallel.linear_comm import NO_COMM, LinearComm
-from ._activation import ActivationConfig
-from ._common import apply_without_torch_autocast, cast
+from .._functions.activation import ActivationConfig
+from .._functions.common import apply_without_torch_autocast, cast
 from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
 from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs
-from ._checks import check_sizes
+from .._checks import check_sizes
 from ._params import add_linear_params, add_norm_params
 from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype
 
@@ -37,7 +37,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             tp_size, sequence_parallel, get_rng_state_tracker, ub_*, name, symmetric_ar_type: as in Linear.
         seq_length, micro_batch_size: stored.
         delay_wgrad_compute: backward computes dgrad only and queues both dW for :meth:`backward_dw` (see
-            :mod:`._wgrad_store`).
+            :mod:`.._functions.wgrad_store`).
         checkpoint: TE's selective recomputation: forward keeps none of the [tokens, ffn] activations and backward
             recomputes the norm, fc1 and the activation (not fc2) with forward's scales: the same results for
             less memory and one more norm and fc1 GEMM. Not yet with tensor or sequence parallelism.

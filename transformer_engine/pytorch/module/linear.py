@@ -6,10 +6,10 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ._common import apply_without_torch_autocast, cast
-from ._linear_function import LinearArgs, LinearFunction
+from .._functions.common import apply_without_torch_autocast, cast
+from .._functions.linear_function import LinearArgs, LinearFunction
 from ._linear_setup import linear_parallel_config
-from ._checks import check_sizes
+from .._checks import check_sizes
 from ._params import add_linear_params
 from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype, te_outputs
 
@@ -44,7 +44,7 @@ class Linear(TransformerEngineBaseModule):
             of the output after the fprop (row), ``ub_overlap_rs_dgrad`` (or ``ub_bulk_wgrad``) that of dx
             after the dgrad (column). ``ub_bulk_dgrad`` and ``ub_name`` are accepted and have no effect.
         delay_wgrad_compute: backward computes dgrad only and queues dW for :meth:`backward_dw` (see
-            :mod:`._wgrad_store`).
+            :mod:`.._functions.wgrad_store`).
         save_original_input: keep the input as given for backward (memory shared with whoever else keeps it) rather
             than its FP8 x^T, which backward casts again; not with DelayedScaling (ValueError), nor yet with
             sequence parallelism in column mode (NotImplementedError).

@@ -23,8 +23,8 @@ import torch
 
 from transformer_engine.common.recipe import QParams
 
-from ..module._activation import ActivationConfig
-from ..module._common import apply_without_torch_autocast, cast, no_torch_autocast, save, saved
+from .._functions.activation import ActivationConfig
+from .._functions.common import apply_without_torch_autocast, cast, no_torch_autocast, save, saved
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.quantizer import Float8CurrentScalingQuantizer, Quantizer
 from .op import BasicOperation

@@ -1,6 +1,6 @@
 """``BasicLinear``: y = x W^T (no bias), with FP8 GEMMs under ``te.autocast`` and optional tensor parallelism.
 
-Forward and backward are those of ``te.Linear`` (``module._linear_function.LinearFunction``):
+Forward and backward are those of ``te.Linear`` (``_functions.linear_function.LinearFunction``):
 
     fprop  y  = x @ W^T        dgrad  dx = dy @ W        wgrad  dW = dy^T @ x
 
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm
-from ..module._common import apply_without_torch_autocast
-from ..module._gemm import WgradTarget
-from ..module._linear_function import LinearArgs, LinearFunction
+from .._functions.common import apply_without_torch_autocast
+from .._functions.gemm import WgradTarget
+from .._functions.linear_function import LinearArgs, LinearFunction
 from ..module.base import ParallelConfig, TransformerEngineBaseModule, check_unsupported, default_device
 from ..parallel.linear_comm import share_scales
 from .op import BasicOperation

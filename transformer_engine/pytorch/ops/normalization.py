@@ -6,7 +6,7 @@
     L2Normalization: y = x / sqrt(sum(x^2) + eps) over the last dim (no parameters; e.g. query-key norm)
 
 LayerNorm and RMSNorm compute in the autocast dtype, else the weight's (x is cast to it); their forward and
-backward are the modules' (``module._norm_function.NormFunction``). L2Normalization computes in float32 and
+backward are the modules' (``_functions.norm_function.NormFunction``). L2Normalization computes in float32 and
 rounds once to x's dtype; its backward is autograd's through those tensor ops (which torch.compile fuses).
 """
 
@@ -17,9 +17,9 @@ from typing import Dict, Iterable, Optional, Union
 
 import torch
 
-from ..module._common import apply_without_torch_autocast
-from ..module._norm import NormConfig
-from ..module._norm_function import NormArgs, NormFunction
+from .._functions.common import apply_without_torch_autocast
+from .._functions.norm import NormConfig
+from .._functions.norm_function import NormArgs, NormFunction
 from ..module.base import default_device
 from .op import BasicOperation, high_precision
 

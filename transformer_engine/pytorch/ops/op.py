@@ -16,7 +16,7 @@ import torch
 
 from transformer_engine.plugin import ops as catalog
 
-from ..module import _extra_state
+from .._functions import extra_state
 from ..tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["BasicOperation", "FusedOperation", "FusibleOperation", "high_precision", "run_operations"]
@@ -72,7 +72,7 @@ class BasicOperation(FusibleOperation):
 
     def get_extra_state(self) -> torch.Tensor:
         """An empty uint8 tensor: a stateless op has nothing to checkpoint."""
-        return _extra_state.empty()
+        return extra_state.empty()
 
     def set_extra_state(self, state) -> None:
         """Accept the empty state of :meth:`get_extra_state` (or None).

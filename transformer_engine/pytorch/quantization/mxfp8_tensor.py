@@ -35,7 +35,7 @@ class MXFP8Tensor(Float8BlockwiseTensor):
 
     A :class:`Float8BlockwiseTensor` with ``block = (1, 32)`` whose scales are E8M0 codes rather than
     float32 (see the module docstring), so the module layer saves, releases and routes it like the
-    other block-scaled operands; ``module/_gemm.py`` sends its GEMMs to ``ops.gemm_mxfp8``.
+    other block-scaled operands; ``_functions/gemm.py`` sends its GEMMs to ``ops.gemm_mxfp8``.
 
     Attributes:
         data: [M, K] FP8 values quantized along K (None when only ``data_t`` is kept).

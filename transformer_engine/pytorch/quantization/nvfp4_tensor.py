@@ -41,7 +41,7 @@ class NVFP4Tensor(Float8BlockwiseTensor):
 
     A :class:`Float8BlockwiseTensor` whose values are packed E2M1 codes and whose copies each carry
     their float32 amax (see the module docstring), so the module layer saves, releases and routes it
-    like the other block-scaled operands; ``module/_gemm.py`` sends its GEMMs to ``ops.gemm_nvfp4``.
+    like the other block-scaled operands; ``_functions/gemm.py`` sends its GEMMs to ``ops.gemm_nvfp4``.
 
     Attributes:
         data: uint8 [M, K / 2] packed E2M1 codes quantized along K (None when only ``data_t`` is kept).

@@ -29,7 +29,7 @@ def test_arg_key_separates_what_triton_specializes():
     key = _launch._arg_key
     assert key(1) != key(2) and key(16) == key(32) and key(16) != key(17)  # == 1, multiple of 16
     assert key(2**31 + 16) != key(16) and key(-16) != key(16)  # int32 / int64 / signed range
-    assert key(True) != key(False) != key(None) and key(0.5) == key(2.0)  # floats are never specialized
+    assert key(a=True) != key(a=False) != key(None) and key(0.5) == key(2.0)  # floats are never specialized
     x = torch.zeros(64, dtype=torch.bfloat16)
     assert key(x) == key(x[8:]) != key(x[1:]) != key(x.float())  # 16-byte alignment, dtype
 

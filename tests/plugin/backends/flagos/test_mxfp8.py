@@ -48,8 +48,8 @@ def test_quantize_both_copies_bit_exact(dtype, fp8_dtype, device):
 def test_quantize_one_copy_bit_exact(fp8_dtype, device):
     # each copy alone leaves the other dim free: 37 (prime, below one tile) and 131 (past one)
     for other in (37, 131):
-        _check_quantize(_wide_range((other, 96), torch.bfloat16, device), fp8_dtype, True, False)
-        _check_quantize(_wide_range((96, other), torch.float32, device), fp8_dtype, False, True)
+        _check_quantize(_wide_range((other, 96), torch.bfloat16, device), fp8_dtype, rowwise=True, columnwise=False)
+        _check_quantize(_wide_range((96, other), torch.float32, device), fp8_dtype, rowwise=False, columnwise=True)
 
 
 def _special_values(dtype):
@@ -83,8 +83,8 @@ def test_every_e8m0_code(fp8_dtype, device):
     amax = torch.exp2(e).float()
     x = (torch.rand(e.numel(), 32) * amax[:, None]).float()
     x[:, 7] = amax
-    _check_quantize(x.to(device), fp8_dtype, True, False)  # one block per row: 277 rows, 9 programs of 32
-    _check_quantize(x.t().contiguous().to(device), fp8_dtype, False, True)  # one block per column
+    _check_quantize(x.to(device), fp8_dtype, rowwise=True, columnwise=False)  # one block per row: 277 rows, 9 programs of 32
+    _check_quantize(x.t().contiguous().to(device), fp8_dtype, rowwise=False, columnwise=True)  # one block per column
 
 
 def test_zeros_empty_and_strided_inputs(device):
@@ -136,7 +136,7 @@ def _operand(rows, k, fp8_dtype, device):
     """(data, scale, float32 values of the quantized operand) of a random [rows, k] bfloat16 tensor, each row
     on its own scale (1e-2 .. 1e2)."""
     x = (torch.randn(rows, k) * 10.0 ** (torch.rand(rows, 1) * 4 - 2)).bfloat16().to(device)
-    data, scale, _, _ = fm.quantize_mxfp8(x, fp8_dtype, True, False)
+    data, scale, _, _ = fm.quantize_mxfp8(x, fp8_dtype, rowwise=True, columnwise=False)
     return data, scale, ref.dequantize_mxfp8(data, scale, torch.float32)
 
 
@@ -179,13 +179,13 @@ def test_gemm_accumulates_into_strided_out(device):
     a, a_s, a_dq = _operand(48, 64, E4M3, device)
     b, b_s, b_dq = _operand(32, 64, E4M3, device)
     out = torch.randn(32, 48, device=device).t()
-    expected = ref.gemm_mxfp8(a, b, a_s, b_s, torch.float32, None, out.clone(), True)
-    d = fm.gemm_mxfp8(a, b, a_s, b_s, torch.float32, None, out, True)
+    expected = ref.gemm_mxfp8(a, b, a_s, b_s, torch.float32, None, out.clone(), accumulate=True)
+    d = fm.gemm_mxfp8(a, b, a_s, b_s, torch.float32, None, out, accumulate=True)
     assert d is out
     _assert_gemm_close(d, expected, a_dq, b_dq)
     out16, bias = torch.randn(48, 32, device=device, dtype=torch.bfloat16), torch.randn(32, device=device)
-    expected = ref.gemm_mxfp8(a, b, a_s, b_s, None, bias, out16.clone(), True)  # out_dtype None: out's dtype
-    _assert_gemm_close(fm.gemm_mxfp8(a, b, a_s, b_s, None, bias, out16, True), expected, a_dq, b_dq)
+    expected = ref.gemm_mxfp8(a, b, a_s, b_s, None, bias, out16.clone(), accumulate=True)  # out_dtype None: out's dtype
+    _assert_gemm_close(fm.gemm_mxfp8(a, b, a_s, b_s, None, bias, out16, accumulate=True), expected, a_dq, b_dq)
 
 
 def test_gemm_nan_scales_non_finite_and_empty_dims(device):
@@ -219,11 +219,11 @@ def test_errors_match_the_reference(device):
     for args in ((x.int(), E4M3, True, True), (torch.randn(2, 32, 32), E4M3, True, False), (x, torch.bfloat16, True, False),
                  (x, E4M3, False, False), (x, E4M3, 1, True), (x[:, :48], E4M3, True, False), (x[:16], E4M3, True, True)):
         _raise_alike("quantize_mxfp8", *args)
-    q, s, _, _ = fm.quantize_mxfp8(x, E4M3, True, False)
+    q, s, _, _ = fm.quantize_mxfp8(x, E4M3, rowwise=True, columnwise=False)
     for args in ((q, s.float(), torch.float32), (q, s[:, :1], torch.float32), (q.float(), s, torch.float32),
                  (q, s, torch.float8_e4m3fn), (q[0], s, torch.float32)):
         _raise_alike("dequantize_mxfp8", *args)
-    b, b_s, _, _ = fm.quantize_mxfp8(torch.randn(16, 32, device=device), E4M3, True, False)
+    b, b_s, _, _ = fm.quantize_mxfp8(torch.randn(16, 32, device=device), E4M3, rowwise=True, columnwise=False)
     out = torch.empty(32, 32, device=device)
     for args in ((q, b, s, b_s, torch.float32), (q, q, s, s, torch.float32, None, None, True),
                  (q, q, s, s, torch.bfloat16, None, out), (q, q, s, s, torch.float32, torch.randn(3)),
@@ -243,9 +243,9 @@ def test_supports_declines_tensors_on_another_device():
 def test_dispatch_runs_flagos_and_explains_a_decline(monkeypatch, device):
     manager = flagos_and_reference(monkeypatch, device)
     x = torch.randn(64, 32, device=device)
-    out, impl = manager.dispatcher("quantize_mxfp8").traced(x, E4M3, True, True)
+    out, impl = manager.dispatcher("quantize_mxfp8").traced(x, E4M3, rowwise=True, columnwise=True)
     assert impl.impl_id == "flagos.triton"
-    assert_outputs_identical(out, ref.quantize_mxfp8(x, E4M3, True, True))
+    assert_outputs_identical(out, ref.quantize_mxfp8(x, E4M3, rowwise=True, columnwise=True))
     declined = [d for d in manager.explain("dequantize_mxfp8", out[0], out[1].to("meta"), torch.float32) if d.impl_id == "flagos.triton"]
     assert declined[0].status == "rejected" and "scale_e8m0" in declined[0].reason
 
@@ -258,9 +258,9 @@ def test_gpu_quantize_large_bit_exact(dtype):
     x[3, 7], x[100, 1000], x[200, 33] = NAN, INF, -NAN
     for fp8_dtype in FP8_DTYPES:
         _check_quantize(x, fp8_dtype)
-        _check_quantize(x[:1000, :2016], fp8_dtype, True, False)  # ragged rows, strided
-        _check_quantize(x[:, :2000], fp8_dtype, False, True)  # the column-wise copy alone (a weight's W^T), N not % 32
-        q, s, _, _ = fm.quantize_mxfp8(x, fp8_dtype, True, False)
+        _check_quantize(x[:1000, :2016], fp8_dtype, rowwise=True, columnwise=False)  # ragged rows, strided
+        _check_quantize(x[:, :2000], fp8_dtype, rowwise=False, columnwise=True)  # the column-wise copy alone (a weight's W^T), N not % 32
+        q, s, _, _ = fm.quantize_mxfp8(x, fp8_dtype, rowwise=True, columnwise=False)
         assert_same_bits(fm.dequantize_mxfp8(q, s, dtype), ref.dequantize_mxfp8(q, s, dtype))
 
 

@@ -85,13 +85,13 @@ def test_fp8_output(kind, fp8_dtype, hidden, device):
     x, weight, bias = _inputs((9, hidden), torch.float32, device)
     scale = torch.tensor([3.0], device=device)
     norm_args = (x, weight, bias, EPS) if kind == "layernorm" else (x, weight, EPS)
-    fused = getattr(fn, f"{kind}_fwd")(*norm_args, False, scale, fp8_dtype)
-    expected = getattr(ref, f"{kind}_fwd")(*norm_args, False, scale, fp8_dtype)
+    fused = getattr(fn, f"{kind}_fwd")(*norm_args, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=fp8_dtype)
+    expected = getattr(ref, f"{kind}_fwd")(*norm_args, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=fp8_dtype)
     q, scale_inv, amax = fused[0], fused[-2], fused[-1]
     # tier 1: the fused cast against our own unfused float32 output quantized: the same kernel math,
     # bit for bit in the interpreter; compiled, the two specializations contract multiply-adds
     # differently, so y (and the amax) may move by an ulp (seen on the H200: amax one ulp apart)
-    y_f32 = getattr(fn, f"{kind}_fwd")(*norm_args, False)[0]
+    y_f32 = getattr(fn, f"{kind}_fwd")(*norm_args, zero_centered_gamma=False)[0]
     q_unfused, scale_inv_unfused, amax_unfused = fq.quantize(y_f32, scale, fp8_dtype)
     assert torch.equal(scale_inv.cpu(), scale_inv_unfused.cpu())
     if device == "cpu":
@@ -111,7 +111,7 @@ def test_errors_and_supports(device):
     with pytest.raises(ValueError, match="weight"):
         fn.layernorm_fwd(x, weight[:4], bias, EPS)
     with pytest.raises(ValueError, match="fp8_scale"):
-        fn.rmsnorm_fwd(x, weight, EPS, False, None, torch.float8_e4m3fn)
+        fn.rmsnorm_fwd(x, weight, EPS, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="rows"):
         fn.rmsnorm_bwd(x, x, torch.ones(3, device=device), weight)
     wide = torch.empty(1, 40000, device=device)
@@ -130,7 +130,9 @@ def test_large_gpu(hidden):
     assert_close(y, y_ref)
     for actual, expected in zip(fn.layernorm_bwd(dy, x, mean, rstd, weight), ref.layernorm_bwd(dy, x, mean_ref, rstd_ref, weight)):
         torch.testing.assert_close(actual.double(), expected.double(), rtol=2e-2, atol=2e-2)  # bf16 sums of 4099 rows
-    q, _, _, amax = fn.rmsnorm_fwd(x, weight, EPS, False, torch.tensor([2.0], device="cuda"), torch.float8_e4m3fn)
-    q_ref, _, _, amax_ref = ref.rmsnorm_fwd(x, weight, EPS, False, torch.tensor([2.0], device="cuda"), torch.float8_e4m3fn)
+    q, _, _, amax = fn.rmsnorm_fwd(x, weight, EPS, zero_centered_gamma=False, fp8_scale=torch.tensor([2.0], device="cuda"),
+                                   fp8_dtype=torch.float8_e4m3fn)
+    q_ref, _, _, amax_ref = ref.rmsnorm_fwd(x, weight, EPS, zero_centered_gamma=False, fp8_scale=torch.tensor([2.0], device="cuda"),
+                                            fp8_dtype=torch.float8_e4m3fn)
     assert_fp8_near(q, q_ref)
     torch.testing.assert_close(amax, amax_ref, rtol=4e-6, atol=0.0)

@@ -44,7 +44,7 @@ def _check_quantize(x, rowwise, columnwise, block_2d, rht, sr):
 @pytest.mark.parametrize("dtype", HP_DTYPES, ids=["fp32", "bf16", "fp16"])
 def test_quantize_both_copies_bit_exact(dtype, block_2d, rht, sr, device):
     # 80 x 144: 5 x 2 cast programs, ragged columns (and rows for the amax); 10 decades of magnitudes: scales from tiny to 448
-    _check_quantize(_wide_range((80, 144), dtype, device), True, True, block_2d, rht, sr)
+    _check_quantize(_wide_range((80, 144), dtype, device), rowwise=True, columnwise=True, block_2d=block_2d, rht=rht, sr=sr)
 
 
 @pytest.mark.parametrize("block_2d, rht, sr", [(False, False, False), (False, True, True), (True, False, True)])
@@ -52,8 +52,8 @@ def test_quantize_both_copies_bit_exact(dtype, block_2d, rht, sr, device):
 def test_quantize_one_copy_bit_exact(dtype, block_2d, rht, sr, device):
     # each copy alone; without block_2d the other dim is free (37: prime, below one tile)
     rows, cols = (48, 32) if block_2d else (37, 48)
-    _check_quantize(_wide_range((rows, cols), dtype, device), True, False, block_2d, rht, sr)
-    _check_quantize(_wide_range((cols, rows), dtype, device), False, True, block_2d, rht, sr)
+    _check_quantize(_wide_range((rows, cols), dtype, device), rowwise=True, columnwise=False, block_2d=block_2d, rht=rht, sr=sr)
+    _check_quantize(_wide_range((cols, rows), dtype, device), rowwise=False, columnwise=True, block_2d=block_2d, rht=rht, sr=sr)
 
 
 @pytest.mark.parametrize("dtype", HP_DTYPES, ids=["fp32", "bf16", "fp16"])
@@ -72,7 +72,7 @@ def test_special_values(dtype, device):
     with_inf[17, 2], with_inf[30, 33] = INF, -INF
     for t in (finite, with_inf):
         for block_2d, rht, sr in [(False, False, False), (False, True, True), (True, False, False)]:
-            _check_quantize(t, True, True, block_2d, rht, sr)
+            _check_quantize(t, rowwise=True, columnwise=True, block_2d=block_2d, rht=rht, sr=sr)
 
 
 @pytest.mark.parametrize("scale", [1e-36, 3e37], ids=["tiny", "huge"])
@@ -80,25 +80,27 @@ def test_extreme_amax(scale, device):
     # amax 1e-36: S_enc clamps to fp32 max and S_dec = 1 / S_enc is subnormal; amax near fp32 max: S_enc tiny
     x = (torch.randn(32, 32) * scale).to(device)
     for dtype in (torch.float32, torch.bfloat16):
-        _check_quantize(x.to(dtype), True, True, False, False, True)
+        _check_quantize(x.to(dtype), rowwise=True, columnwise=True, block_2d=False, rht=False, sr=True)
 
 
 def test_zeros_empty_and_strided_inputs(device):
-    _check_quantize(torch.zeros(32, 48, device=device), True, True, False, True, False)
-    _check_quantize(torch.zeros(0, 32, device=device), True, True, False, False, False)
-    _check_quantize(torch.zeros(32, 0, device=device), True, True, False, False, False)
+    _check_quantize(torch.zeros(32, 48, device=device), rowwise=True, columnwise=True, block_2d=False, rht=True, sr=False)
+    _check_quantize(torch.zeros(0, 32, device=device), rowwise=True, columnwise=True, block_2d=False, rht=False, sr=False)
+    _check_quantize(torch.zeros(32, 0, device=device), rowwise=True, columnwise=True, block_2d=False, rht=False, sr=False)
     wide = _wide_range((48, 100), torch.bfloat16, device)
-    _check_quantize(wide[:, 2:66], True, True, False, True, True)  # strided rows
-    _check_quantize(wide[:, :32].t(), True, True, True, False, False)  # a transposed view (copied)
+    _check_quantize(wide[:, 2:66], rowwise=True, columnwise=True, block_2d=False, rht=True, sr=True)  # strided rows
+    _check_quantize(wide[:, :32].t(), rowwise=True, columnwise=True, block_2d=True, rht=False, sr=False)  # a transposed view (copied)
 
 
 def test_seeds_draw_their_own_bits(device):
     x = (torch.randn(32, 48) * 2).to(device)
     for seed in (0, 1, 2**32, -1, 2**63 - 1):
         s = torch.tensor([seed], device=device)
-        got = fn.quantize_nvfp4(x, True, True, False, False, True, s)
-        assert_outputs_identical(got, ref.quantize_nvfp4(x, True, True, False, False, True, s))
-    other = fn.quantize_nvfp4(x, True, True, False, False, True, torch.tensor([3], device=device))
+        got = fn.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=True, seed=s)
+        assert_outputs_identical(got, ref.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False,
+                                                         stochastic_rounding=True, seed=s))
+    other = fn.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=True,
+                              seed=torch.tensor([3], device=device))
     assert not torch.equal(other[0], got[0]) and torch.equal(other[1], got[1])  # other draws, the same scales
 
 
@@ -126,9 +128,10 @@ def _operand(rows, k, device, columnwise=False):
     """(data, scale, amax, float32 values of the quantized operand) of a random [rows, k] bfloat16 tensor."""
     x = (torch.randn(rows, k) * 10.0 ** (torch.rand(rows, 1) * 4 - 2)).bfloat16().to(device)
     if columnwise:  # the wgrad operand: the column-wise copy of x^T, after the RHT
-        data, scale, amax = fn.quantize_nvfp4(x.t().contiguous(), False, True, False, True, False)[3:]
+        data, scale, amax = fn.quantize_nvfp4(x.t().contiguous(), rowwise=False, columnwise=True, block_2d=False, rht=True,
+                                              stochastic_rounding=False)[3:]
     else:
-        data, scale, amax = fn.quantize_nvfp4(x, True, False, False, False, False)[:3]
+        data, scale, amax = fn.quantize_nvfp4(x, rowwise=True, columnwise=False, block_2d=False, rht=False, stochastic_rounding=False)[:3]
     return data, scale, amax, ref.dequantize_nvfp4(data, scale, amax, torch.float32)
 
 
@@ -169,8 +172,8 @@ def test_gemm_accumulates_into_strided_out(device):
     a, a_s, a_amax, a_dq = _operand(48, 64, device, columnwise=True)
     b, b_s, b_amax, b_dq = _operand(32, 64, device, columnwise=True)
     out = torch.randn(32, 48, device=device).t()
-    expected = ref.gemm_nvfp4(a, b, a_s, b_s, a_amax, b_amax, torch.float32, None, out.clone(), True)
-    d = fg.gemm_nvfp4(a, b, a_s, b_s, a_amax, b_amax, torch.float32, None, out, True)
+    expected = ref.gemm_nvfp4(a, b, a_s, b_s, a_amax, b_amax, torch.float32, None, out.clone(), accumulate=True)
+    d = fg.gemm_nvfp4(a, b, a_s, b_s, a_amax, b_amax, torch.float32, None, out, accumulate=True)
     assert d is out
     _assert_gemm_close(d, expected, a_dq, b_dq)
 
@@ -209,11 +212,12 @@ def test_errors_match_the_reference(device):
                  (x, True, True, False, False, True, None), (x, True, True, False, False, False, torch.tensor([1])),
                  (x, True, True, False, False, True, torch.tensor([1.0]))):
         _raise_alike("quantize_nvfp4", *args)
-    q, s, a, _, _, _ = fn.quantize_nvfp4(x, True, False, False, False, False)
+    q, s, a, _, _, _ = fn.quantize_nvfp4(x, rowwise=True, columnwise=False, block_2d=False, rht=False, stochastic_rounding=False)
     for args in ((q, s.float(), a, torch.float32), (q, s[:, :1], a, torch.float32), (q, s, a.double(), torch.float32),
                  (q, s, a, torch.float8_e4m3fn)):
         _raise_alike("dequantize_nvfp4", *args)
-    b, b_s, b_a, _, _, _ = fn.quantize_nvfp4(torch.randn(16, 64, device=device), True, False, False, False, False)
+    b, b_s, b_a, _, _, _ = fn.quantize_nvfp4(torch.randn(16, 64, device=device), rowwise=True, columnwise=False, block_2d=False, rht=False,
+                                             stochastic_rounding=False)
     out = torch.empty(32, 32, device=device)
     for args in ((q, b, s, b_s, a, b_a, torch.float32), (q, q, s, s, a, a, torch.float32, None, None, True),
                  (q, q, s, s, a, a, torch.bfloat16, None, out), (q, q, s, s, a, a, torch.float32, torch.randn(3)),
@@ -223,8 +227,10 @@ def test_errors_match_the_reference(device):
 
 def test_supports_declines_tensors_on_another_device():
     x, meta = torch.randn(32, 32), torch.device("meta")
-    assert fn.SUPPORTS["quantize_nvfp4"](x, True, True, False, False, True, torch.tensor([1]))
-    verdict = fn.SUPPORTS["quantize_nvfp4"](x, True, True, False, False, True, torch.tensor([1], device=meta))
+    assert fn.SUPPORTS["quantize_nvfp4"](x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=True,
+                                         seed=torch.tensor([1]))
+    verdict = fn.SUPPORTS["quantize_nvfp4"](x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=True,
+                                            seed=torch.tensor([1], device=meta))
     assert not verdict and "seed is on meta" in verdict.reason
     q, s, a = torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), torch.ones(1)
     assert fg.SUPPORTS["dequantize_nvfp4"](q, s, a, torch.float32)
@@ -249,10 +255,12 @@ def test_4over6_and_the_bound_256_are_declined_and_run_on_the_reference(monkeypa
     """The kernels do not implement 4over6: SUPPORTS declines it (and the bound 256) with the reason, a direct call
     raises NotImplementedError, and the dispatcher gives the call to the reference backend."""
     x = torch.randn(32, 32, device=device)
-    verdict = fn.SUPPORTS["quantize_nvfp4"](x, True, True, False, False, False, None, four_over_six="MAE", e4m3_max=256)
+    verdict = fn.SUPPORTS["quantize_nvfp4"](x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False,
+                                            seed=None, four_over_six="MAE", e4m3_max=256)
     assert not verdict and "four_over_six='MAE'" in verdict.reason and "reference" in verdict.reason
     with pytest.raises(NotImplementedError, match="4over6"):
-        fn.quantize_nvfp4(x, True, True, False, False, False, None, four_over_six="MSE")
+        fn.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False, seed=None,
+                          four_over_six="MSE")
     manager = flagos_and_reference(monkeypatch, device)
     args = (x, True, True, True, False, False, None)
     out, impl = manager.dispatcher("quantize_nvfp4").traced(*args, four_over_six="MSE", e4m3_max=256)
@@ -267,7 +275,8 @@ def test_4over6_and_the_bound_256_are_declined_and_run_on_the_reference(monkeypa
     d, impl = manager.dispatcher("gemm_nvfp4").traced(q, q, s, s, a, a, torch.float32, a_e4m3_max=256, b_e4m3_max=256)
     assert impl.impl_id == "reference.torch"
     assert torch.equal(d, ref.gemm_nvfp4(q, q, s, s, a, a, torch.float32, a_e4m3_max=256, b_e4m3_max=256))
-    assert fn.SUPPORTS["quantize_nvfp4"](x, True, True, False, False, False, None)  # the defaults still run here
+    assert fn.SUPPORTS["quantize_nvfp4"](x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False,
+                                         seed=None)  # the defaults still run here
 
 
 # -- GPU: larger shapes ----------------------------------------------------------------------------
@@ -277,8 +286,8 @@ def test_gpu_quantize_large_bit_exact(dtype):
     x = (torch.randn(512, 1024, device="cuda") * 10.0 ** (torch.rand(512, 1, device="cuda") * 8 - 4)).to(dtype)
     x[3, 7] = NAN
     for block_2d, rht, sr in OPTIONS:
-        _check_quantize(x, True, True, block_2d, rht, sr)
-    _check_quantize(x[:400], True, False, False, False, True)
+        _check_quantize(x, rowwise=True, columnwise=True, block_2d=block_2d, rht=rht, sr=sr)
+    _check_quantize(x[:400], rowwise=True, columnwise=False, block_2d=False, rht=False, sr=True)
 
 
 @pytest.mark.gpu

@@ -47,7 +47,7 @@ def test_adam(mode, bias_correction, device):
 def test_adam_noop_flag_skips_everything(device):
     lists = _adam_lists(device)
     before = _clone(lists)
-    fo.multi_tensor_adam(CHUNK, _flag(device, 1), lists, 1e-3, 0.9, 0.999, 1e-8, 1, 1, True, 0.0)
+    fo.multi_tensor_adam(CHUNK, _flag(device, 1), lists, 1e-3, 0.9, 0.999, 1e-8, 1, 1, bias_correction=True, weight_decay=0.0)
     assert all(torch.equal(a, b) for la, lb in zip(lists, before) for a, b in zip(la, lb))
 
 
@@ -84,7 +84,8 @@ def test_errors_and_supports(device):
     with pytest.raises(ValueError, match="equal sizes"):
         fo.multi_tensor_scale(CHUNK, _flag(device), [[randn(3, device=device)], [randn(4, device=device)]], 1.0)
     with pytest.raises(ValueError, match="mode"):
-        fo.multi_tensor_adam(CHUNK, _flag(device), _adam_lists(device), 1e-3, 0.9, 0.999, 1e-8, 1, 2, True, 0.0)
+        fo.multi_tensor_adam(CHUNK, _flag(device), _adam_lists(device), 1e-3, 0.9, 0.999, 1e-8, 1, 2, bias_correction=True,
+                             weight_decay=0.0)
     with pytest.raises(ValueError, match="contiguous"):
         x = randn(4, 4, device=device).t()
         fo.multi_tensor_scale(CHUNK, _flag(device), [[x], [torch.empty_like(x)]], 1.0)
@@ -100,9 +101,9 @@ def test_large_gpu():
     sizes = [(4096, 4096), (11008, 4096), (4096,), (17,)]
     lists = [[randn(*s, device="cuda") for s in sizes] for _ in range(3)] + [[torch.rand(s, device="cuda") for s in sizes]]
     expected = _clone(lists)
-    fo.multi_tensor_adam(65536, _flag("cuda"), lists, 1e-3, 0.9, 0.999, 1e-8, 10, 1, True, 0.1)
-    ref.multi_tensor_adam(65536, _flag("cuda"), expected, 1e-3, 0.9, 0.999, 1e-8, 10, 1, True, 0.1)
+    fo.multi_tensor_adam(65536, _flag("cuda"), lists, 1e-3, 0.9, 0.999, 1e-8, 10, 1, bias_correction=True, weight_decay=0.1)
+    ref.multi_tensor_adam(65536, _flag("cuda"), expected, 1e-3, 0.9, 0.999, 1e-8, 10, 1, bias_correction=True, weight_decay=0.1)
     for actual, want in zip(lists[1], expected[1]):
         assert_close(actual, want)
-    total, _ = fo.multi_tensor_l2norm(65536, _flag("cuda"), [lists[0]], False)
-    assert_close(total, ref.multi_tensor_l2norm(65536, _flag("cuda"), [lists[0]], False)[0], reduction=True)
+    total, _ = fo.multi_tensor_l2norm(65536, _flag("cuda"), [lists[0]], per_tensor=False)
+    assert_close(total, ref.multi_tensor_l2norm(65536, _flag("cuda"), [lists[0]], per_tensor=False)[0], reduction=True)

@@ -334,8 +334,10 @@ def _cast_op(op, backend, x, scale, amax_out):
         "cast_transpose": lambda: q_mod.cast_transpose(x, scale, e4m3, amax_out),
         "quantize_transposed": lambda: q_mod.quantize_transposed(x, scale, e4m3, amax_out),
         "cast_transpose_dbias": lambda: q_mod.cast_transpose_dbias(x, scale, e4m3, amax_out),
-        "layernorm_fwd": lambda: norm_mod.layernorm_fwd(x, ones, ones, 1e-5, False, scale, e4m3, None, amax_out),
-        "rmsnorm_fwd": lambda: norm_mod.rmsnorm_fwd(x, ones, 1e-5, False, scale, e4m3, None, amax_out),
+        "layernorm_fwd": lambda: norm_mod.layernorm_fwd(x, ones, ones, 1e-5, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=e4m3,
+                                                        out_dtype=None, amax_out=amax_out),
+        "rmsnorm_fwd": lambda: norm_mod.rmsnorm_fwd(x, ones, 1e-5, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=e4m3,
+                                                    out_dtype=None, amax_out=amax_out),
         "activation_quantize": lambda: act_mod.activation_quantize(x, "gelu", scale, e4m3, 7.0, 1.702, amax_out),
     }
     result = calls[op]()

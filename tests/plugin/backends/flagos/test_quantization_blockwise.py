@@ -86,7 +86,7 @@ def test_other_block_lengths(block_len, shape, device):
     for tile in ((1, block_len), (block_len, block_len)):
         args = (E4M3, *tile, True, 0.0)
         _assert_same_blockwise(fq.quantize_blockwise(x, *args), ref.quantize_blockwise(x, *args))
-    _assert_same_cast_transpose(x, E5M2, block_len, False, 0.0)
+    _assert_same_cast_transpose(x, E5M2, block_len, power_2_scale=False, amax_epsilon=0.0)
 
 
 _CT_SETTINGS = [  # (split, columns per program, transpose the codes, block_len)
@@ -105,7 +105,7 @@ def test_cast_transpose_blockwise_launch_settings(split, tile_n, codes, block_le
     monkeypatch.setattr(fq, "_CT_BLOCKWISE_COL_TILE" if split else "_CT_BLOCKWISE_TILE_N", tile_n)
     monkeypatch.setattr(fq, "_CT_BLOCKWISE_CODES", codes)
     for dtype in HP_DTYPES:
-        _assert_same_cast_transpose(wide_range((131, 67), dtype, device), E4M3, block_len, True, 1e-2)
+        _assert_same_cast_transpose(wide_range((131, 67), dtype, device), E4M3, block_len, power_2_scale=True, amax_epsilon=1e-2)
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
@@ -135,7 +135,7 @@ def _assert_same_cast_transpose_dbias(x, fp8_dtype, block_len, power_2_scale, am
 @pytest.mark.parametrize("shape", SHAPES)
 def test_cast_transpose_blockwise_dbias(shape, dtype, split, monkeypatch, device):
     monkeypatch.setattr(fq, "_CT_BLOCKWISE_SPLIT", split)
-    _assert_same_cast_transpose_dbias(wide_range(shape, dtype, device), E4M3, 16, True, 0.0)
+    _assert_same_cast_transpose_dbias(wide_range(shape, dtype, device), E4M3, 16, power_2_scale=True, amax_epsilon=0.0)
 
 
 def test_cast_transpose_blockwise_dbias_sums_integers_exactly(monkeypatch, device):
@@ -146,7 +146,7 @@ def test_cast_transpose_blockwise_dbias_sums_integers_exactly(monkeypatch, devic
     x = wide[:, 2:69]
     for split in (True, False):
         monkeypatch.setattr(fq, "_CT_BLOCKWISE_SPLIT", split)
-        dbias = fq.cast_transpose_blockwise_dbias(x, E4M3, 128, True, 0.0)[4]
+        dbias = fq.cast_transpose_blockwise_dbias(x, E4M3, 128, power_2_scale=True, amax_epsilon=0.0)[4]
         assert torch.equal(dbias.cpu(), x.cpu().double().sum(0).float())
 
 
@@ -156,11 +156,12 @@ def test_cast_transpose_blockwise_dbias_non_finite_and_empty(device):
     x[5, 1] = math.inf
     x[6, 2], x[36, 2] = math.inf, -math.inf  # in two 32-row tiles: inf - inf = NaN
     x = x.to(device)
-    dbias = fq.cast_transpose_blockwise_dbias(x, E5M2, 32, False, 0.0)[4].cpu()
+    dbias = fq.cast_transpose_blockwise_dbias(x, E5M2, 32, power_2_scale=False, amax_epsilon=0.0)[4].cpu()
     assert torch.isnan(dbias[0]) and dbias[1].item() == math.inf and torch.isnan(dbias[2])
     assert math.isfinite(dbias[3].item()) and math.isfinite(dbias[4].item())
     for shape in ((0, 5), (5, 0)):
-        q, scale_inv, q_t, scale_inv_t, dbias = fq.cast_transpose_blockwise_dbias(torch.empty(shape, device=device), E4M3, 16, True, 0.0)
+        q, scale_inv, q_t, scale_inv_t, dbias = fq.cast_transpose_blockwise_dbias(torch.empty(shape, device=device), E4M3, 16,
+                                                                                  power_2_scale=True, amax_epsilon=0.0)
         assert q.shape == shape and q_t.shape == shape[::-1] and dbias.dtype == torch.float32
         assert dbias.cpu().tolist() == [0.0] * shape[1]
 
@@ -196,7 +197,7 @@ def test_zero_non_finite_and_overflowing_tiles(dtype, amax_epsilon, device):
 
 def test_edge_scales_by_value(device):
     # the special cases, by value: 16 x 16 tiles of _edge_tiles(float32)
-    scale_inv = fq.quantize_blockwise(_edge_tiles(torch.float32, device), E4M3, 16, 16, True, 0.0)[1].cpu()
+    scale_inv = fq.quantize_blockwise(_edge_tiles(torch.float32, device), E4M3, 16, 16, power_2_scale=True, amax_epsilon=0.0)[1].cpu()
     assert scale_inv[0, 0] == 1.0 and scale_inv[0, 1] == 1.0 and scale_inv[1, 0] == 1.0  # zeros, inf, NaN
     assert scale_inv[1, 1] == 2.0**-127  # float32 max, rounded down to 2^127
     assert scale_inv[2, 2] == 2.0 ** math.ceil(math.log2(_edge_tiles(torch.float32, "cpu")[32:, 32:48].abs().max() / 448))
@@ -208,16 +209,16 @@ def test_strided_rows(device):
     for tile in ((1, 16), (16, 16)):
         args = (E5M2, *tile, False, 0.0)
         _assert_same_blockwise(fq.quantize_blockwise(x, *args), ref.quantize_blockwise(x, *args))
-    _assert_same_cast_transpose(x, E4M3, 16, True, 0.0)
+    _assert_same_cast_transpose(x, E4M3, 16, power_2_scale=True, amax_epsilon=0.0)
 
 
 def test_scale_inv_layouts(device):
     # 1 x B scales column-major (storage [cdiv(N, B), M]), B x B row-major: cuBLASLt's layouts
     m, n = 37, 70
     x = randn(m, n, device=device)
-    assert fq.quantize_blockwise(x, E4M3, 1, 16, False, 0.0)[1].stride() == (1, m)
-    assert fq.quantize_blockwise(x, E4M3, 16, 16, False, 0.0)[1].stride() == (5, 1)
-    _, scale_inv, q_t, scale_inv_t = fq.cast_transpose_blockwise(x, E4M3, 16, False, 0.0)
+    assert fq.quantize_blockwise(x, E4M3, 1, 16, power_2_scale=False, amax_epsilon=0.0)[1].stride() == (1, m)
+    assert fq.quantize_blockwise(x, E4M3, 16, 16, power_2_scale=False, amax_epsilon=0.0)[1].stride() == (5, 1)
+    _, scale_inv, q_t, scale_inv_t = fq.cast_transpose_blockwise(x, E4M3, 16, power_2_scale=False, amax_epsilon=0.0)
     assert scale_inv.shape == (m, 5) and scale_inv.stride() == (1, m)
     assert q_t.shape == (n, m) and scale_inv_t.shape == (n, 3) and scale_inv_t.stride() == (1, n)
 
@@ -227,9 +228,9 @@ def test_empty(shape, device):
     m, n = shape
     x = torch.empty(shape, device=device)
     for tile, scale_shape in (((1, 16), (m, math.ceil(n / 16))), ((16, 16), (math.ceil(m / 16), math.ceil(n / 16)))):
-        q, scale_inv = fq.quantize_blockwise(x, E4M3, *tile, False, 0.0)
+        q, scale_inv = fq.quantize_blockwise(x, E4M3, *tile, power_2_scale=False, amax_epsilon=0.0)
         assert q.shape == shape and q.dtype == E4M3 and scale_inv.shape == scale_shape
-    q, scale_inv, q_t, scale_inv_t = fq.cast_transpose_blockwise(x, E4M3, 16, False, 0.0)
+    q, scale_inv, q_t, scale_inv_t = fq.cast_transpose_blockwise(x, E4M3, 16, power_2_scale=False, amax_epsilon=0.0)
     assert q.shape == shape and q_t.shape == (n, m)
     assert scale_inv.shape == (m, math.ceil(n / 16)) and scale_inv_t.shape == (n, math.ceil(m / 16))
 
@@ -241,57 +242,57 @@ _BAD_BLOCK_LENS = [8, 100, 512, 0, True, 128.0]
 @pytest.mark.parametrize("tile", _BAD_TILES, ids=str)
 def test_supports_rejects_other_tiles(tile, device):
     x = randn(4, 4, device=device)
-    verdict = fq.SUPPORTS["quantize_blockwise"](x, E4M3, *tile, False, 0.0)
+    verdict = fq.SUPPORTS["quantize_blockwise"](x, E4M3, *tile, power_2_scale=False, amax_epsilon=0.0)
     assert not verdict and "power of two in [16, 256]" in verdict.reason
     with pytest.raises(ValueError, match="tiles"):
-        fq.quantize_blockwise(x, E4M3, *tile, False, 0.0)
+        fq.quantize_blockwise(x, E4M3, *tile, power_2_scale=False, amax_epsilon=0.0)
 
 
 @pytest.mark.parametrize("block_len", _BAD_BLOCK_LENS, ids=str)
 def test_supports_rejects_other_block_lengths(block_len, device):
     x = randn(4, 4, device=device)
-    verdict = fq.SUPPORTS["cast_transpose_blockwise"](x, E4M3, block_len, False, 0.0)
+    verdict = fq.SUPPORTS["cast_transpose_blockwise"](x, E4M3, block_len, power_2_scale=False, amax_epsilon=0.0)
     assert not verdict and "power of two in [16, 256]" in verdict.reason
     with pytest.raises(ValueError, match="tiles"):
-        fq.cast_transpose_blockwise(x, E4M3, block_len, False, 0.0)
+        fq.cast_transpose_blockwise(x, E4M3, block_len, power_2_scale=False, amax_epsilon=0.0)
 
 
 def test_supports_accepts_every_kernel_tile(device):
     x = randn(4, 4, device=device)
     for b in (16, 32, 64, 128, 256):
-        assert fq.SUPPORTS["quantize_blockwise"](x, E4M3, 1, b, False, 0.0) is True
-        assert fq.SUPPORTS["quantize_blockwise"](x, E4M3, b, b, True, 1e-12) is True
-        assert fq.SUPPORTS["cast_transpose_blockwise"](x, E5M2, b, False, 0.0) is True
-        assert fq.SUPPORTS["cast_transpose_blockwise_dbias"](x, E5M2, b, False, 0.0) is True
+        assert fq.SUPPORTS["quantize_blockwise"](x, E4M3, 1, b, power_2_scale=False, amax_epsilon=0.0) is True
+        assert fq.SUPPORTS["quantize_blockwise"](x, E4M3, b, b, power_2_scale=True, amax_epsilon=1e-12) is True
+        assert fq.SUPPORTS["cast_transpose_blockwise"](x, E5M2, b, power_2_scale=False, amax_epsilon=0.0) is True
+        assert fq.SUPPORTS["cast_transpose_blockwise_dbias"](x, E5M2, b, power_2_scale=False, amax_epsilon=0.0) is True
 
 
 def test_errors(device):
     x = randn(4, 4, device=device)
     for bad_epsilon in (-1.0, math.nan, 1e39):
         with pytest.raises(ValueError, match="amax_epsilon"):
-            fq.quantize_blockwise(x, E4M3, 1, 16, False, bad_epsilon)
+            fq.quantize_blockwise(x, E4M3, 1, 16, power_2_scale=False, amax_epsilon=bad_epsilon)
         with pytest.raises(ValueError, match="amax_epsilon"):
-            fq.cast_transpose_blockwise(x, E4M3, 16, False, bad_epsilon)
+            fq.cast_transpose_blockwise(x, E4M3, 16, power_2_scale=False, amax_epsilon=bad_epsilon)
     with pytest.raises(ValueError, match="fp8_dtype"):
-        fq.quantize_blockwise(x, torch.bfloat16, 1, 16, False, 0.0)
+        fq.quantize_blockwise(x, torch.bfloat16, 1, 16, power_2_scale=False, amax_epsilon=0.0)
     with pytest.raises(ValueError, match="2-D"):
-        fq.cast_transpose_blockwise(x.reshape(2, 2, 4), E4M3, 16, False, 0.0)
+        fq.cast_transpose_blockwise(x.reshape(2, 2, 4), E4M3, 16, power_2_scale=False, amax_epsilon=0.0)
     with pytest.raises(TypeError, match="dtype"):
-        fq.quantize_blockwise(x.int(), E4M3, 16, 16, False, 0.0)
+        fq.quantize_blockwise(x.int(), E4M3, 16, 16, power_2_scale=False, amax_epsilon=0.0)
 
 
 def test_dispatch_runs_flagos_and_falls_back_for_other_tiles(monkeypatch, device):
     manager = flagos_and_reference(monkeypatch, device)
     x = randn(20, 40, device=device)
-    _, impl = manager.dispatcher("quantize_blockwise").traced(x, E4M3, 1, 16, False, 0.0)
+    _, impl = manager.dispatcher("quantize_blockwise").traced(x, E4M3, 1, 16, power_2_scale=False, amax_epsilon=0.0)
     assert impl.impl_id == flagos.IMPL_ID
-    (q, scale_inv), impl = manager.dispatcher("quantize_blockwise").traced(x, E4M3, 1, 20, False, 0.0)
+    (q, scale_inv), impl = manager.dispatcher("quantize_blockwise").traced(x, E4M3, 1, 20, power_2_scale=False, amax_epsilon=0.0)
     assert impl.impl_id == reference.IMPL_ID and scale_inv.shape == (20, 2)
-    _, impl = manager.dispatcher("cast_transpose_blockwise").traced(x, E4M3, 16, False, 0.0)
+    _, impl = manager.dispatcher("cast_transpose_blockwise").traced(x, E4M3, 16, power_2_scale=False, amax_epsilon=0.0)
     assert impl.impl_id == flagos.IMPL_ID
-    _, impl = manager.dispatcher("cast_transpose_blockwise_dbias").traced(x, E4M3, 16, False, 0.0)
+    _, impl = manager.dispatcher("cast_transpose_blockwise_dbias").traced(x, E4M3, 16, power_2_scale=False, amax_epsilon=0.0)
     assert impl.impl_id == flagos.IMPL_ID
-    _, impl = manager.dispatcher("cast_transpose_blockwise_dbias").traced(x, E4M3, 20, False, 0.0)
+    _, impl = manager.dispatcher("cast_transpose_blockwise_dbias").traced(x, E4M3, 20, power_2_scale=False, amax_epsilon=0.0)
     assert impl.impl_id == reference.IMPL_ID
 
 
@@ -315,15 +316,15 @@ def test_quantize_blockwise_gpu(tile, fp8_dtype):
 @pytest.mark.parametrize("dtype", HP_DTYPES)
 def test_cast_transpose_blockwise_gpu(dtype, fp8_dtype):
     # float32 full tiles included: Triton once transposed 8-bit tiles of 32-bit loads wrongly on the H200
-    _assert_same_cast_transpose(wide_range((4096, 4096), dtype, "cuda"), fp8_dtype, 128, True, 0.0)
-    _assert_same_cast_transpose(wide_range((2049, 4097), dtype, "cuda"), fp8_dtype, 128, False, 1e-6)
+    _assert_same_cast_transpose(wide_range((4096, 4096), dtype, "cuda"), fp8_dtype, 128, power_2_scale=True, amax_epsilon=0.0)
+    _assert_same_cast_transpose(wide_range((2049, 4097), dtype, "cuda"), fp8_dtype, 128, power_2_scale=False, amax_epsilon=1e-6)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", HP_DTYPES)
 def test_cast_transpose_blockwise_dbias_gpu(dtype):
-    _assert_same_cast_transpose_dbias(wide_range((4096, 4096), dtype, "cuda"), E4M3, 128, True, 0.0)
-    _assert_same_cast_transpose_dbias(wide_range((2049, 4097), dtype, "cuda"), E5M2, 128, False, 1e-6)
+    _assert_same_cast_transpose_dbias(wide_range((4096, 4096), dtype, "cuda"), E4M3, 128, power_2_scale=True, amax_epsilon=0.0)
+    _assert_same_cast_transpose_dbias(wide_range((2049, 4097), dtype, "cuda"), E5M2, 128, power_2_scale=False, amax_epsilon=1e-6)
 
 
 @pytest.mark.gpu
@@ -341,4 +342,4 @@ def test_bfloat16_subnormal_tiles_gpu():
     for tile in ((1, 16), (16, 16), (1, 128), (128, 128)):
         args = (E4M3, *tile, True, 0.0)
         _assert_same_blockwise(fq.quantize_blockwise(x, *args), ref.quantize_blockwise(x, *args))
-    _assert_same_cast_transpose(x, E5M2, 16, False, 0.0)
+    _assert_same_cast_transpose(x, E5M2, 16, power_2_scale=False, amax_epsilon=0.0)

@@ -9,9 +9,9 @@ from transformer_engine.plugin.backends.flagos import rope as fr
 from transformer_engine.plugin.backends.reference import rope as ref
 
 
-def _check(t, freqs, *args):
-    assert_close(fr.fused_rope_forward(t, freqs, *args), ref.fused_rope_forward(t, freqs, *args))
-    assert_close(fr.fused_rope_backward(t, freqs, *args), ref.fused_rope_backward(t, freqs, *args))
+def _check(t, freqs, *args, **kwargs):
+    assert_close(fr.fused_rope_forward(t, freqs, *args, **kwargs), ref.fused_rope_forward(t, freqs, *args, **kwargs))
+    assert_close(fr.fused_rope_backward(t, freqs, *args, **kwargs), ref.fused_rope_backward(t, freqs, *args, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,12 +27,12 @@ def test_rope(tensor_format, interleaved, dtype, device):
 def test_rope_start_positions_and_strided_input(device):
     t = randn(2, 3, 4, 16, device=device).transpose(0, 1)  # sbhd view of a bshd tensor
     freqs = randn(9, 1, 1, 16, device=device)
-    _check(t, freqs, "sbhd", False, torch.tensor([0, 5], device=device))
+    _check(t, freqs, "sbhd", interleaved=False, start_positions=torch.tensor([0, 5], device=device))
 
 
 def test_position_past_freqs_is_nan(device):
-    out = fr.fused_rope_forward(randn(1, 2, 1, 4, device=device), randn(3, 1, 1, 4, device=device), "bshd", False,
-                                torch.tensor([2], device=device))  # fmt: skip
+    out = fr.fused_rope_forward(randn(1, 2, 1, 4, device=device), randn(3, 1, 1, 4, device=device), "bshd", interleaved=False,
+                                start_positions=torch.tensor([2], device=device))  # fmt: skip
     assert bool(torch.isnan(out.cpu()[0, 1]).all()) and not bool(torch.isnan(out.cpu()[0, 0]).any())
 
 
@@ -45,7 +45,7 @@ def test_errors_and_supports(device):
     for kwargs in (dict(tensor_format="thd"), dict(cp_size=2, cp_rank=1)):
         verdict = fr.SUPPORTS["fused_rope_forward"](t, freqs, **kwargs)
         assert not verdict and verdict.reason
-    assert fr.SUPPORTS["fused_rope_backward"](t, freqs, "bshd", True)
+    assert fr.SUPPORTS["fused_rope_backward"](t, freqs, "bshd", interleaved=True)
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -80,5 +80,5 @@ def test_context_parallel_is_declined_on_a_direct_call(device):
 def test_large_gpu():
     t = randn(2048, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
     freqs = randn(4096, 1, 1, 128, device="cuda")
-    _check(t, freqs, "sbhd", False)
-    _check(t, freqs, "bshd", True, torch.randint(0, 4000, (2048,), device="cuda"))
+    _check(t, freqs, "sbhd", interleaved=False)
+    _check(t, freqs, "bshd", interleaved=True, start_positions=torch.randint(0, 4000, (2048,), device="cuda"))

@@ -91,10 +91,10 @@ def test_gemm_out_and_accumulate(dtype):
     start = out.clone()
     result = gemm(a, b, out=out, accumulate=True)
     assert result is out
-    torch.testing.assert_close(out.double(), _oracle(a.double(), b.double(), False, False, acc=start), **_tols(dtype, 19))
+    torch.testing.assert_close(out.double(), _oracle(a.double(), b.double(), trans_a=False, trans_b=False, acc=start), **_tols(dtype, 19))
     fresh = torch.empty(7, 5, dtype=dtype)
     assert gemm(a, b, out=fresh) is fresh
-    torch.testing.assert_close(fresh.double(), _oracle(a.double(), b.double(), False, False), **_tols(dtype, 19))
+    torch.testing.assert_close(fresh.double(), _oracle(a.double(), b.double(), trans_a=False, trans_b=False), **_tols(dtype, 19))
 
 
 def test_gemm_fp8_into_out_takes_its_dtype():
@@ -144,7 +144,7 @@ def test_gemm_dispatch_through_ops():
 # ---------------------------------------------------------------- block-scaled FP8
 def _block(rows, cols, block):
     """(q, scale_inv, x64): E4M3 data in ``block`` tiles and the float64 values it stands for."""
-    q, scale_inv = quantize_blockwise(randn(rows, cols), E4M3, block[0], block[1], False, 0.0)
+    q, scale_inv = quantize_blockwise(randn(rows, cols), E4M3, block[0], block[1], power_2_scale=False, amax_epsilon=0.0)
     full = scale_inv.double().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
     return q, scale_inv, q.double() * full
 

@@ -72,11 +72,11 @@ def test_rmsnorm_fwd(shape, dtype, zero_centered):
 
 def test_norm_out_dtype():
     x, weight, bias = _inputs((3, 20), torch.float32)
-    y = ref.layernorm_fwd(x, weight, bias, EPS, False, None, None, torch.bfloat16)[0]
+    y = ref.layernorm_fwd(x, weight, bias, EPS, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=torch.bfloat16)[0]
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), _layernorm64(x, weight, bias, False), **dtype_tols(torch.bfloat16))
-    y = ref.rmsnorm_fwd(x, weight, EPS, False, None, None, torch.float16)[0]
-    torch.testing.assert_close(y.double(), _rmsnorm64(x, weight, False), **dtype_tols(torch.float16))
+    torch.testing.assert_close(y.double(), _layernorm64(x, weight, bias, zero_centered=False), **dtype_tols(torch.bfloat16))
+    y = ref.rmsnorm_fwd(x, weight, EPS, zero_centered_gamma=False, fp8_scale=None, fp8_dtype=None, out_dtype=torch.float16)[0]
+    torch.testing.assert_close(y.double(), _rmsnorm64(x, weight, zero_centered=False), **dtype_tols(torch.float16))
 
 
 def _check_fp8_output(y, scale_inv, amax, y64, scale, fp8_dtype):
@@ -92,21 +92,22 @@ def _check_fp8_output(y, scale_inv, amax, y64, scale, fp8_dtype):
 def test_norms_fp8_output(dtype, fp8_dtype):
     x, weight, bias = _inputs((5, 67), dtype)
     scale = torch.tensor([16.0])  # |y| up to ~8 -> up to ~128: E4M3 saturates the largest ones
-    y, _, _, scale_inv, amax = ref.layernorm_fwd(x, weight, bias, EPS, True, scale, fp8_dtype)
-    _check_fp8_output(y, scale_inv, amax, _layernorm64(x, weight, bias, True), scale, fp8_dtype)
-    y, _, scale_inv, amax = ref.rmsnorm_fwd(x, weight, EPS, False, scale, fp8_dtype)
-    _check_fp8_output(y, scale_inv, amax, _rmsnorm64(x, weight, False), scale, fp8_dtype)
+    y, _, _, scale_inv, amax = ref.layernorm_fwd(x, weight, bias, EPS, zero_centered_gamma=True, fp8_scale=scale, fp8_dtype=fp8_dtype)
+    _check_fp8_output(y, scale_inv, amax, _layernorm64(x, weight, bias, zero_centered=True), scale, fp8_dtype)
+    y, _, scale_inv, amax = ref.rmsnorm_fwd(x, weight, EPS, zero_centered_gamma=False, fp8_scale=scale, fp8_dtype=fp8_dtype)
+    _check_fp8_output(y, scale_inv, amax, _rmsnorm64(x, weight, zero_centered=False), scale, fp8_dtype)
 
 
 def test_norms_fp8_output_equals_quantize_of_float32_output():
     """For float32 x the fused FP8 output is exactly quantize(unquantized y)."""
     x, weight, bias = _inputs((6, 45), torch.float32)
     scale = torch.tensor([3.0])
-    y_fp8, _, _, _, amax = ref.layernorm_fwd(x, weight, bias, EPS, False, scale, torch.float8_e4m3fn)
+    y_fp8, _, _, _, amax = ref.layernorm_fwd(x, weight, bias, EPS, zero_centered_gamma=False, fp8_scale=scale,
+                                             fp8_dtype=torch.float8_e4m3fn)
     q, _, amax_q = quantize(ref.layernorm_fwd(x, weight, bias, EPS)[0], scale, torch.float8_e4m3fn)
     assert torch.equal(y_fp8.view(torch.uint8), q.view(torch.uint8)) and amax.item() == amax_q.item()
-    y_fp8, _, _, amax = ref.rmsnorm_fwd(x, weight, EPS, True, scale, torch.float8_e5m2)
-    q, _, amax_q = quantize(ref.rmsnorm_fwd(x, weight, EPS, True)[0], scale, torch.float8_e5m2)
+    y_fp8, _, _, amax = ref.rmsnorm_fwd(x, weight, EPS, zero_centered_gamma=True, fp8_scale=scale, fp8_dtype=torch.float8_e5m2)
+    q, _, amax_q = quantize(ref.rmsnorm_fwd(x, weight, EPS, zero_centered_gamma=True)[0], scale, torch.float8_e5m2)
     assert torch.equal(y_fp8.view(torch.uint8), q.view(torch.uint8)) and amax.item() == amax_q.item()
 
 
@@ -159,8 +160,10 @@ def test_layernorm_without_bias():
         (lambda: ref.layernorm_fwd(randn(3, 8), randn(8), randn(2, 8), EPS), ValueError, r"bias must be \[8\]"),
         (lambda: ref.rmsnorm_fwd(randn(3, 8), randn(8, 1), EPS), ValueError, r"weight must be \[8\]"),
         (lambda: ref.rmsnorm_fwd(randn(3, 8), randn(8), -1.0), ValueError, "eps"),
-        (lambda: ref.rmsnorm_fwd(randn(3, 8), randn(8), EPS, False, None, torch.float8_e4m3fn), ValueError, "without fp8_scale"),
-        (lambda: ref.rmsnorm_fwd(randn(3, 8), randn(8), EPS, False, torch.ones(1), torch.float16), ValueError, "not an FP8"),
+        (lambda: ref.rmsnorm_fwd(randn(3, 8), randn(8), EPS, zero_centered_gamma=False, fp8_scale=None,
+                                 fp8_dtype=torch.float8_e4m3fn), ValueError, "without fp8_scale"),
+        (lambda: ref.rmsnorm_fwd(randn(3, 8), randn(8), EPS, zero_centered_gamma=False, fp8_scale=torch.ones(1),
+                                 fp8_dtype=torch.float16), ValueError, "not an FP8"),
         (lambda: ref.layernorm_fwd(randn(3, 8).to(torch.float8_e4m3fn), randn(8), randn(8), EPS), TypeError, "dtype"),
         (lambda: ref.rmsnorm_bwd(randn(3, 8), randn(3, 9), torch.ones(3), randn(9)), ValueError, "dy has shape"),
         (lambda: ref.rmsnorm_bwd(randn(3, 8), randn(3, 8), torch.ones(4), randn(8)), ValueError, "rstd has 4 elements"),

@@ -215,7 +215,7 @@ def test_gemm_is_the_float32_gemm_of_the_decoded_operands(accumulate):
     if accumulate:
         out = torch.randn(48, 40)
         expected = expected + out.double()
-        result = ops.gemm_nvfp4(a, b, a_s, b_s, a_amax, b_amax, torch.float32, bias, out, True)
+        result = ops.gemm_nvfp4(a, b, a_s, b_s, a_amax, b_amax, torch.float32, bias, out, accumulate=True)
         assert result is out
     else:
         result = ops.gemm_nvfp4(a, b, a_s, b_s, a_amax, b_amax, torch.bfloat16, bias)
@@ -247,11 +247,11 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="at least one copy"):
         _quantize(x, rowwise=False, columnwise=False)
     with pytest.raises(TypeError, match="must be a bool"):
-        ops.quantize_nvfp4(x, 1, True, False, False, False, None)
+        ops.quantize_nvfp4(x, 1, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False, seed=None)
     with pytest.raises(ValueError, match="needs a seed"):
-        ops.quantize_nvfp4(x, True, True, False, False, True, None)
+        ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=True, seed=None)
     with pytest.raises(ValueError, match="stochastic_rounding=False"):
-        ops.quantize_nvfp4(x, True, True, False, False, False, torch.tensor([1]))
+        ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False, seed=torch.tensor([1]))
     with pytest.raises(TypeError, match="int64"):
         _quantize(x, seed=torch.tensor([1.0]))
     q, s, a, _, _, _ = _quantize(x)
@@ -274,7 +274,8 @@ def test_empty_tensors():
 
 def test_traces_without_graph_breaks():
     def roundtrip(x, seed):
-        data, scale, amax, data_t, scale_t, amax_t = ops.quantize_nvfp4(x, True, True, False, True, True, seed)
+        data, scale, amax, data_t, scale_t, amax_t = ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=True,
+                                                                        stochastic_rounding=True, seed=seed)
         return (ops.dequantize_nvfp4(data, scale, amax, torch.float32),
                 ops.gemm_nvfp4(data_t, data_t, scale_t, scale_t, amax_t, amax_t, torch.float32))
 

@@ -22,7 +22,8 @@ E4M3_256 = 0x78  # 2^8
 
 
 def _quantize(x, mode, bound, block_2d=False, rowwise=True, columnwise=True):
-    return ops.quantize_nvfp4(x, rowwise, columnwise, block_2d, False, False, None, four_over_six=mode, e4m3_max=bound)
+    return ops.quantize_nvfp4(x, rowwise, columnwise, block_2d, rht=False, stochastic_rounding=False, seed=None, four_over_six=mode,
+                              e4m3_max=bound)
 
 
 def _assert_copy_is_the_spec(data, scale, amax, x, mode, bound, block_2d):
@@ -134,7 +135,7 @@ def test_map_to_4_only_where_its_error_is_smaller_and_map_to_6_is_the_plain_cast
     """With the bound 448, map-to-6 is the plain NVFP4 cast: the blocks that keep it hold its bytes, and no block's
     measured error exceeds the plain cast's."""
     x = _wide_range((64, 128), torch.float32)
-    plain = ops.quantize_nvfp4(x, True, False, False, False, False, None)
+    plain = ops.quantize_nvfp4(x, rowwise=True, columnwise=False, block_2d=False, rht=False, stochastic_rounding=False, seed=None)
     data, scale, amax = _quantize(x, "MSE", 448, columnwise=False)[:3]
     picked = scale != plain[1]
     kept = ~picked.repeat_interleave(8, dim=1)
@@ -149,7 +150,8 @@ def test_map_to_4_only_where_its_error_is_smaller_and_map_to_6_is_the_plain_cast
 def test_dequantize_and_gemm_use_each_operand_s_bound(bound):
     a_x, b_x = _wide_range((32, 64), torch.float32), _wide_range((48, 64), torch.bfloat16)
     a, a_s, a_amax = _quantize(a_x, "MAE", bound, columnwise=False)[:3]
-    b, b_s, b_amax = ops.quantize_nvfp4(b_x, True, False, False, False, False, None)[:3]  # plain: bound 448
+    b, b_s, b_amax = ops.quantize_nvfp4(b_x, rowwise=True, columnwise=False, block_2d=False, rht=False, stochastic_rounding=False,
+                                        seed=None)[:3]  # plain: bound 448
     a_hat = spec_4over6_decode(unpack(a), a_s.long(), a_amax.item(), bound)
     b_hat = spec_4over6_decode(unpack(b), b_s.long(), b_amax.item(), 448)
     assert torch.equal(ops.dequantize_nvfp4(a, a_s, a_amax, torch.float64, e4m3_max=bound), a_hat)
@@ -164,16 +166,20 @@ def test_dequantize_and_gemm_use_each_operand_s_bound(bound):
 def test_refusals_name_the_value_and_the_rule():
     x = torch.randn(32, 32)
     with pytest.raises(ValueError, match=r"four_over_six='MAE' with rht=True.*does not support"):
-        ops.quantize_nvfp4(x, True, True, False, True, False, None, four_over_six="MAE")
+        ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=True, stochastic_rounding=False, seed=None,
+                           four_over_six="MAE")
     with pytest.raises(ValueError, match=r"four_over_six='MSE' with stochastic_rounding=True"):
-        ops.quantize_nvfp4(x, True, True, False, False, True, torch.tensor([1]), four_over_six="MSE")
+        ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=True, seed=torch.tensor([1]),
+                           four_over_six="MSE")
     with pytest.raises(ValueError, match=r"e4m3_max=256 without 4over6"):
-        ops.quantize_nvfp4(x, True, True, False, False, False, None, e4m3_max=256)
+        ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False, seed=None, e4m3_max=256)
     with pytest.raises(ValueError, match=r"four_over_six='mae'"):
-        ops.quantize_nvfp4(x, True, True, False, False, False, None, four_over_six="mae")
+        ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False, seed=None,
+                           four_over_six="mae")
     with pytest.raises(ValueError, match=r"e4m3_max=300"):
-        ops.quantize_nvfp4(x, True, True, False, False, False, None, four_over_six="MAE", e4m3_max=300)
-    q, s, a = ops.quantize_nvfp4(x, True, False, False, False, False, None)[:3]
+        ops.quantize_nvfp4(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic_rounding=False, seed=None,
+                           four_over_six="MAE", e4m3_max=300)
+    q, s, a = ops.quantize_nvfp4(x, rowwise=True, columnwise=False, block_2d=False, rht=False, stochastic_rounding=False, seed=None)[:3]
     with pytest.raises(ValueError, match=r"e4m3_max=True"):
         ops.dequantize_nvfp4(q, s, a, torch.float32, e4m3_max=True)
     with pytest.raises(ValueError, match=r"b_e4m3_max=512"):

@@ -42,7 +42,8 @@ def test_adam_matches_torch_step_for_step(adamw, weight_decay):
             tp.grad = g.clone()
         optim.step()
         lists = [grads, params, exp_avgs, exp_avg_sqs]
-        multi_tensor_adam(_CHUNK, _flag(), lists, lr, betas[0], betas[1], eps, step, int(adamw), True, weight_decay)
+        multi_tensor_adam(_CHUNK, _flag(), lists, lr, betas[0], betas[1], eps, step, int(adamw), bias_correction=True,
+                          weight_decay=weight_decay)
     for p, tp, m, v in zip(params, torch_params, exp_avgs, exp_avg_sqs):
         state = optim.state[tp]
         torch.testing.assert_close(p, tp.detach(), **dtype_tols(torch.float32))
@@ -60,7 +61,7 @@ def test_adam_bf16_params_without_bias_correction_match_float64_formula():
         g64 = g.double() + wd * p.double()  # mode 0: L2
         m64, v64 = b1 * m.double() + (1 - b1) * g64, b2 * v.double() + (1 - b2) * g64**2
         want.append((p.double() - lr * m64 / (v64.sqrt() + eps), m64, v64))
-    multi_tensor_adam(_CHUNK, _flag(), [grads, params, ms, vs], lr, b1, b2, eps, 3, 0, False, wd)
+    multi_tensor_adam(_CHUNK, _flag(), [grads, params, ms, vs], lr, b1, b2, eps, 3, 0, bias_correction=False, weight_decay=wd)
     for p, m, v, (p64, m64, v64) in zip(params, ms, vs, want):
         assert p.dtype == torch.bfloat16
         torch.testing.assert_close(p.double(), p64, **dtype_tols(torch.bfloat16))
@@ -90,7 +91,7 @@ def test_sgd_matches_torch_step_for_step(hp):
         scaled = [g * loss_scale for g in grads]  # the op unscales with ``scale``
         multi_tensor_sgd(
             _CHUNK, _flag(), [scaled, params, bufs], hp["weight_decay"], hp["momentum"], hp["dampening"], lr,
-            hp["nesterov"], step == 0, False, 1.0 / loss_scale,
+            hp["nesterov"], step == 0, wd_after_momentum=False, scale=1.0 / loss_scale,
         )
     for p, tp, buf in zip(params, torch_params, bufs):
         torch.testing.assert_close(p, tp.detach(), **dtype_tols(torch.float32))
@@ -103,7 +104,8 @@ def test_sgd_weight_decay_after_momentum_matches_formula():
     g, p, buf = randn(17), randn(17), randn(17)
     want_buf = mu * buf.double() + (1 - damp) * g.double()
     want_p = p.double() - lr * (want_buf + wd * p.double())
-    multi_tensor_sgd(_CHUNK, _flag(), [[g], [p], [buf]], wd, mu, damp, lr, False, False, True, 1.0)
+    multi_tensor_sgd(_CHUNK, _flag(), [[g], [p], [buf]], wd, mu, damp, lr, nesterov=False, first_run=False, wd_after_momentum=True,
+                     scale=1.0)
     torch.testing.assert_close(buf.double(), want_buf, **dtype_tols(torch.float32))
     torch.testing.assert_close(p.double(), want_p, **dtype_tols(torch.float32))
 
@@ -113,8 +115,9 @@ def test_update_ops_do_nothing_when_noop_flag_is_set():
     params, grads = _params(), _gradient_steps(1)[0]
     before = [p.clone() for p in params]
     states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
-    multi_tensor_adam(_CHUNK, flag, [grads, params, *states], 0.1, 0.9, 0.999, 1e-8, 1, 1, True, 0.0)
-    multi_tensor_sgd(_CHUNK, flag, [grads, params, states[0]], 0.0, 0.9, 0.0, 0.1, False, True, False, 1.0)
+    multi_tensor_adam(_CHUNK, flag, [grads, params, *states], 0.1, 0.9, 0.999, 1e-8, 1, 1, bias_correction=True, weight_decay=0.0)
+    multi_tensor_sgd(_CHUNK, flag, [grads, params, states[0]], 0.0, 0.9, 0.0, 0.1, nesterov=False, first_run=True, wd_after_momentum=False,
+                     scale=1.0)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert all(torch.all(s == 0) for group in states for s in group)
 
@@ -138,7 +141,7 @@ def test_scale_writes_outputs_and_flags_non_finite(src_dtype):
 def test_l2norm_total_and_per_tensor():
     tensors = [randn(*shape, dtype=dtype) for shape, dtype in zip(_SHAPES, [torch.float32, torch.bfloat16] * 2)]
     flag = _flag()
-    total, per = multi_tensor_l2norm(_CHUNK, flag, [tensors], True)
+    total, per = multi_tensor_l2norm(_CHUNK, flag, [tensors], per_tensor=True)
     want_per = torch.stack([t.double().norm() for t in tensors])
     assert total.shape == (1,) and total.dtype == torch.float32 and per.dtype == torch.float32
     torch.testing.assert_close(per.double(), want_per, **dtype_tols(torch.float32))
@@ -153,11 +156,11 @@ def test_l2norm_total_and_per_tensor():
 
 def test_list_structure_is_checked():
     with pytest.raises(ValueError, match="4 lists"):
-        multi_tensor_adam(_CHUNK, _flag(), [[randn(3)]] * 3, 0.1, 0.9, 0.999, 1e-8, 1, 0, True, 0.0)
+        multi_tensor_adam(_CHUNK, _flag(), [[randn(3)]] * 3, 0.1, 0.9, 0.999, 1e-8, 1, 0, bias_correction=True, weight_decay=0.0)
     with pytest.raises(ValueError, match="equal lengths"):
         multi_tensor_scale(_CHUNK, _flag(), [[randn(3)], []], 1.0)
     with pytest.raises(ValueError, match="mode=2"):
-        multi_tensor_adam(_CHUNK, _flag(), [[randn(3)]] * 4, 0.1, 0.9, 0.999, 1e-8, 1, 2, True, 0.0)
+        multi_tensor_adam(_CHUNK, _flag(), [[randn(3)]] * 4, 0.1, 0.9, 0.999, 1e-8, 1, 2, bias_correction=True, weight_decay=0.0)
 
 
 @pytest.mark.parametrize("op", ["scale", "l2norm", "adam", "sgd"])
@@ -166,8 +169,9 @@ def test_non_contiguous_tensors_raise_as_the_catalog_says(op):
     calls = {
         "scale": lambda: multi_tensor_scale(_CHUNK, _flag(), [[x], [torch.empty_like(x)]], 1.0),
         "l2norm": lambda: multi_tensor_l2norm(_CHUNK, _flag(), [[x]]),
-        "adam": lambda: multi_tensor_adam(_CHUNK, _flag(), [[x]] * 4, 0.1, 0.9, 0.999, 1e-8, 1, 0, True, 0.0),
-        "sgd": lambda: multi_tensor_sgd(_CHUNK, _flag(), [[x]] * 3, 0.0, 0.9, 0.0, 0.1, False, True, False, 1.0),
+        "adam": lambda: multi_tensor_adam(_CHUNK, _flag(), [[x]] * 4, 0.1, 0.9, 0.999, 1e-8, 1, 0, bias_correction=True, weight_decay=0.0),
+        "sgd": lambda: multi_tensor_sgd(_CHUNK, _flag(), [[x]] * 3, 0.0, 0.9, 0.0, 0.1, nesterov=False, first_run=True,
+                                        wd_after_momentum=False, scale=1.0),
     }
     with pytest.raises(ValueError, match="contiguous"):
         calls[op]()

@@ -230,9 +230,9 @@ def test_scale_from_amax_matches_oracle(fp8_dtype, pow2, eps):
 
 def test_current_scale_is_amax_then_scale():
     x = randn(33, 17, scale=5.0)
-    scale, amax = ref.current_scale(x, torch.float8_e5m2, 0.0, True)
+    scale, amax = ref.current_scale(x, torch.float8_e5m2, 0.0, power_2_scale=True)
     assert torch.equal(amax, ref.compute_amax(x))
-    assert torch.equal(scale, ref.scale_from_amax(amax, torch.float8_e5m2, 0.0, True))
+    assert torch.equal(scale, ref.scale_from_amax(amax, torch.float8_e5m2, 0.0, power_2_scale=True))
     for bad in (-1.0, math.nan, 1e39):  # negative, NaN, finite beyond float32: the rule shared with flagos
         with pytest.raises(ValueError, match="amax_epsilon=.* must be 0, a float32 value > 0 or inf"):
             ref.current_scale(x, torch.float8_e4m3fn, bad)
@@ -323,13 +323,13 @@ def test_block_range_tiles_outside_the_range_are_zero_and_bad_ranges_are_refused
     with pytest.raises(ValueError, match="block_cols"):
         ref.block_amax_of_range(x, 4, 8, 0, 2, 0)
     with pytest.raises(ValueError, match="tile grid"):
-        ref.quantize_blockwise_range(x, torch.ones(2, 3), 4, 8, 0, 2, 4, E4M3, False, 0.0)
+        ref.quantize_blockwise_range(x, torch.ones(2, 3), 4, 8, 0, 2, 4, E4M3, power_2_scale=False, amax_epsilon=0.0)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_mxfp8_scale_is_e8m0_rounded_up(fp8_dtype):
     x = _wide_range((5, 96), torch.float32)
-    _, scale_inv = ref.quantize_blockwise(x, fp8_dtype, 1, 32, True, 0.0)
+    _, scale_inv = ref.quantize_blockwise(x, fp8_dtype, 1, 32, power_2_scale=True, amax_epsilon=0.0)
     tile_amax = x.double().abs().reshape(5, 3, 32).amax(-1)
     fp8_max = torch.finfo(fp8_dtype).max
     expected = [[2.0 ** math.ceil(math.log2(a / fp8_max)) for a in row] for row in tile_amax.tolist()]
@@ -340,7 +340,7 @@ def test_quantize_blockwise_epsilon_and_non_finite_tiles():
     x = randn(2, 64)
     x[0, :32] *= 1e-6  # tile amax below eps: a = eps
     x[1, 40] = math.inf  # a non-finite tile amax: scale 1, inf saturates
-    q, scale_inv = ref.quantize_blockwise(x, E4M3, 1, 32, False, 1e-3)
+    q, scale_inv = ref.quantize_blockwise(x, E4M3, 1, 32, power_2_scale=False, amax_epsilon=1e-3)
     eps_f32 = float(torch.tensor(1e-3))
     scale_f32 = float(torch.tensor(448.0 / eps_f32))  # float32 division, rounded once
     assert scale_inv[0, 0].item() == float(torch.tensor(1.0 / scale_f32))
@@ -382,8 +382,8 @@ def test_cast_transpose_blockwise_quantizes_each_direction_on_its_own(shape, pow
 
 def test_cast_transpose_blockwise_dbias_adds_the_float32_column_sums():
     x = _wide_range((257, 131), torch.bfloat16)
-    *casts, dbias = ref.cast_transpose_blockwise_dbias(x, E4M3, 128, True, 0.0)
-    for got, want in zip(casts, ref.cast_transpose_blockwise(x, E4M3, 128, True, 0.0)):
+    *casts, dbias = ref.cast_transpose_blockwise_dbias(x, E4M3, 128, power_2_scale=True, amax_epsilon=0.0)
+    for got, want in zip(casts, ref.cast_transpose_blockwise(x, E4M3, 128, power_2_scale=True, amax_epsilon=0.0)):
         assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got, want.view(torch.uint8) if want.dtype == E4M3 else want)
     assert dbias.dtype == torch.float32 and torch.equal(dbias, x.sum(0, dtype=torch.float32))
 
@@ -402,8 +402,8 @@ def test_cast_transpose_blockwise_dbias_adds_the_float32_column_sums():
         (lambda: ref.cast_transpose(randn(2, 3, 4), torch.ones(1), E4M3), ValueError, "2-D"),
         (lambda: ref.cast_transpose_dbias(randn(5), torch.ones(1), E4M3), ValueError, "2-D"),
         (lambda: ref.cast_transpose_dbias(randn(2, 3).int(), torch.ones(1), E4M3), TypeError, "dtype"),
-        (lambda: ref.quantize_blockwise(randn(4, 4), E4M3, 0, 32, True, 0.0), ValueError, "block_rows"),
-        (lambda: ref.quantize_blockwise(randn(4, 4), E4M3, 1, 32, True, -1.0), ValueError, "amax_epsilon"),
+        (lambda: ref.quantize_blockwise(randn(4, 4), E4M3, 0, 32, power_2_scale=True, amax_epsilon=0.0), ValueError, "block_rows"),
+        (lambda: ref.quantize_blockwise(randn(4, 4), E4M3, 1, 32, power_2_scale=True, amax_epsilon=-1.0), ValueError, "amax_epsilon"),
         (lambda: ref.dequantize_blockwise(randn(4, 40).to(E4M3), torch.ones(4, 1), 1, 32, torch.float32), ValueError, r"\(4, 2\)"),
         (lambda: ref.quantize(randn(4), torch.ones(1), E4M3, torch.zeros(2)), ValueError, "amax_out must hold exactly one"),
         (lambda: ref.cast_transpose(randn(4, 4), torch.ones(1), E4M3, torch.zeros(()).half()), ValueError, "amax_out must be a float32"),
@@ -420,7 +420,7 @@ def test_dispatch_through_ops():
     with with_preference("reference"), with_strict_mode():
         (q, scale_inv, amax), impl = ops.quantize.traced(x, torch.ones(1), E4M3)
         history, scale = ops.delayed_scaling_update(torch.ones(2, 2), torch.ones(2), 448.0, 0.0, "max")
-        q_b, _ = ops.quantize_blockwise(x, E4M3, 1, 32, True, 0.0)
+        q_b, _ = ops.quantize_blockwise(x, E4M3, 1, 32, power_2_scale=True, amax_epsilon=0.0)
         dbias_result, dbias_impl = ops.cast_transpose_dbias.traced(x, torch.ones(1), E4M3)
     assert impl.impl_id == dbias_impl.impl_id == IMPL_ID
     assert torch.equal(dbias_result[4], x.sum(0))

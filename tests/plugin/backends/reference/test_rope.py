@@ -83,14 +83,14 @@ def test_thd_positions_restart_per_sequence():
     freqs = randn(12, 1, 1, d_rot)
     x = randn(11, h, d)  # two padding rows after the last sequence pass through
     positions = torch.tensor([p + int(start[i]) for i, n in enumerate(lens) for p in range(n)] + [0, 0])
-    out = fused_rope_forward(x, freqs, "thd", True, start_positions=start, cu_seqlens=cu_seqlens)
-    ref = _oracle(x, freqs, positions, True)
+    out = fused_rope_forward(x, freqs, "thd", interleaved=True, start_positions=start, cu_seqlens=cu_seqlens)
+    ref = _oracle(x, freqs, positions, interleaved=True)
     torch.testing.assert_close(out[:9].double(), ref[:9], **dtype_tols(torch.float32))
     assert torch.equal(out[9:], x[9:])
     xg = x.double().requires_grad_()
     grad_out = randn(11, h, d)
-    _oracle(xg, freqs, positions, True)[:9].backward(grad_out[:9].double())
-    got = fused_rope_backward(grad_out, freqs, "thd", True, start_positions=start, cu_seqlens=cu_seqlens)
+    _oracle(xg, freqs, positions, interleaved=True)[:9].backward(grad_out[:9].double())
+    got = fused_rope_backward(grad_out, freqs, "thd", interleaved=True, start_positions=start, cu_seqlens=cu_seqlens)
     torch.testing.assert_close(got[:9].double(), xg.grad[:9], **dtype_tols(torch.float32))
     assert torch.equal(got[9:], grad_out[9:])
 
@@ -120,7 +120,7 @@ def test_context_parallel_rank_holds_its_chunks(cp_size):
 
 def test_dispatch_through_ops_runs_reference():
     x, freqs = randn(5, 2, 3, 8), randn(5, 1, 1, 8)
-    out, impl = ops.fused_rope_forward.traced(x, freqs, "sbhd", False)
+    out, impl = ops.fused_rope_forward.traced(x, freqs, "sbhd", interleaved=False)
     assert impl.impl_id == "reference.torch"
     torch.testing.assert_close(out, fused_rope_forward(x, freqs), rtol=0, atol=0)
     torch.testing.assert_close(ops.fused_rope_backward(x, freqs), fused_rope_backward(x, freqs), rtol=0, atol=0)

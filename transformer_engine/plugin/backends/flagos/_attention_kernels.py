@@ -170,12 +170,14 @@ def _attn_fwd_kernel(
     lo_off, hi_off = _band(seqlen_q, seqlen_k, window_left, window_right, CAUSAL)
     lo, full_lo, full_hi, hi = _block_range(start_m, BLOCK_M, lo_off, hi_off, seqlen_k, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                     rows, lo_off, hi_off, seqlen_k, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_N, True, dot_t, HAS_LO, HAS_HI)
+                                     rows, lo_off, hi_off, seqlen_k, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_N, MASKED=True, DOT_T=dot_t,
+                                     HAS_LO=HAS_LO, HAS_HI=HAS_HI)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                     rows, lo_off, hi_off, seqlen_k, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_N, False, dot_t, HAS_LO,
-                                     HAS_HI)
+                                     rows, lo_off, hi_off, seqlen_k, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_N, MASKED=False,
+                                     DOT_T=dot_t, HAS_LO=HAS_LO, HAS_HI=HAS_HI)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                     rows, lo_off, hi_off, seqlen_k, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_N, True, dot_t, HAS_LO, HAS_HI)
+                                     rows, lo_off, hi_off, seqlen_k, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_N, MASKED=True, DOT_T=dot_t,
+                                     HAS_LO=HAS_LO, HAS_HI=HAS_HI)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -302,14 +304,14 @@ def _attn_bwd_dkdv_kernel(
         l_base = LSE + _head_offset(off_b, off_h, q_start, stride_lb, stride_lh, 1, IS_VARLEN)
         d_base = DELTA + _head_offset(off_b, off_h, q_start, stride_lb, stride_lh, 1, IS_VARLEN)
         dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_qd, stride_ds, stride_dd,
-                                       cols, lo_off, hi_off, seqlen_q, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_M, True, dot_t, HAS_LO,
-                                       HAS_HI)
+                                       cols, lo_off, hi_off, seqlen_q, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_M, MASKED=True,
+                                       DOT_T=dot_t, HAS_LO=HAS_LO, HAS_HI=HAS_HI)
         dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_qd, stride_ds, stride_dd,
-                                       cols, lo_off, hi_off, seqlen_q, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_M, False, dot_t, HAS_LO,
-                                       HAS_HI)
+                                       cols, lo_off, hi_off, seqlen_q, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_M, MASKED=False,
+                                       DOT_T=dot_t, HAS_LO=HAS_LO, HAS_HI=HAS_HI)
         dk, dv = _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_qd, stride_ds, stride_dd,
-                                       cols, lo_off, hi_off, seqlen_q, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_M, True, dot_t, HAS_LO,
-                                       HAS_HI)
+                                       cols, lo_off, hi_off, seqlen_q, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_M, MASKED=True,
+                                       DOT_T=dot_t, HAS_LO=HAS_LO, HAS_HI=HAS_HI)
     dk = dk * sm_scale
     dk_base = DK + _head_offset(off_b, off_hk, k_start, stride_dkb, stride_dkh, stride_dks, IS_VARLEN)
     dv_base = DV + _head_offset(off_b, off_hk, k_start, stride_dvb, stride_dvh, stride_dvs, IS_VARLEN)
@@ -393,11 +395,14 @@ def _attn_bwd_dq_kernel(
     lo_off, hi_off = _band(seqlen_q, seqlen_k, window_left, window_right, CAUSAL)
     lo, full_lo, full_hi, hi = _block_range(start_m, BLOCK_M, lo_off, hi_off, seqlen_k, BLOCK_N)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                             rows, lo_off, hi_off, seqlen_k, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_N, True, dot_t, HAS_LO, HAS_HI)
+                             rows, lo_off, hi_off, seqlen_k, lo, full_lo, qk_scale, HEAD_DIM, BLOCK_N, MASKED=True, DOT_T=dot_t,
+                             HAS_LO=HAS_LO, HAS_HI=HAS_HI)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                             rows, lo_off, hi_off, seqlen_k, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_N, False, dot_t, HAS_LO, HAS_HI)
+                             rows, lo_off, hi_off, seqlen_k, full_lo, full_hi, qk_scale, HEAD_DIM, BLOCK_N, MASKED=False, DOT_T=dot_t,
+                             HAS_LO=HAS_LO, HAS_HI=HAS_HI)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                             rows, lo_off, hi_off, seqlen_k, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_N, True, dot_t, HAS_LO, HAS_HI)
+                             rows, lo_off, hi_off, seqlen_k, full_hi, hi, qk_scale, HEAD_DIM, BLOCK_N, MASKED=True, DOT_T=dot_t,
+                             HAS_LO=HAS_LO, HAS_HI=HAS_HI)
     dq = dq * sm_scale
     dq_base = DQ + _head_offset(off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqs, IS_VARLEN)
     tl.store(dq_base + rows[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=in_rows)

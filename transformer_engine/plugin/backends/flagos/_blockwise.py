@@ -253,7 +253,8 @@ def _cast_transpose_blockwise_kernel(
             x_ptr, tile + step, tiles, M, N, stride_xm, TILE_N, B
         )
         if ROWS:
-            _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, False, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST)
+            _quantize_tile_store(x, row0, col0, M, N, q_ptr, s_ptr, eps_bits, B, SQUARE=False, TRANSPOSED=False, POW2=POW2,
+                                 FP8_MAX=FP8_MAX, MBITS=MBITS, EBIAS=EBIAS, HW_CAST=HW_CAST)
         if DBIAS:  # masked lanes hold 0
             tl.store(dbias_ptr + (row0 // B) * N + cols, tl.sum(x.to(tl.float32), axis=0), mask=cols < N)
         if TRANSPOSE_CODES:
@@ -261,6 +262,7 @@ def _cast_transpose_blockwise_kernel(
             tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
         else:  # [TILE_N, B]: one block per row, the 2-D path
             _quantize_tile_store(
-                tl.trans(x), col0, row0, N, M, qt_ptr, st_ptr, eps_bits, B, False, False, POW2, FP8_MAX, MBITS, EBIAS, HW_CAST
+                tl.trans(x), col0, row0, N, M, qt_ptr, st_ptr, eps_bits, B, SQUARE=False, TRANSPOSED=False, POW2=POW2, FP8_MAX=FP8_MAX,
+                MBITS=MBITS, EBIAS=EBIAS, HW_CAST=HW_CAST
             )
         x, mask, row0, col0, rows, cols = x_next, mask_next, row0_next, col0_next, rows_next, cols_next

@@ -166,7 +166,7 @@ def _delayed_scaling_update_many_kernel(
         scale_inv = tl.load(row + 2).to(tl.pointer_type(tl.float32))
         _update_columns(history, scale, fp8_max, history, scale, scale_inv, scale_inv, margin_scale, tl.load(row + 3), n, 0,
                         tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), 0, 0, tl.program_id(0),
-                        BLOCK_L, BLOCK_N, AMAX_MAX, False, True, False)  # fmt: skip
+                        BLOCK_L, BLOCK_N, AMAX_MAX, FP8_MAX_IS_PTR=False, IN_PLACE=True, HAS_AMAX=False)  # fmt: skip
 
 
 def _fp8_max_arg(fp8_max, device: torch.device, n: int):

@@ -84,7 +84,7 @@ def gemm_grouped(a, b, m_splits, a_scale_inv=None, b_scale_inv=None, out_dtype=N
         to M, bias not [G, N], a missing or extra scale_inv, FP8 a without out_dtype).
     """
     check_gemm_grouped(a, b, m_splits, a_scale_inv, b_scale_inv, out_dtype, bias)
-    d = torch.empty((a.shape[0], b.shape[1]), dtype=gemm_result_dtype(out_dtype, None, False, default=a.dtype), device=a.device)
+    d = torch.empty((a.shape[0], b.shape[1]), dtype=gemm_result_dtype(out_dtype, None, accumulate=False, default=a.dtype), device=a.device)
     for g, (start, stop) in enumerate(split_bounds(m_splits)):
         if stop > start:
             d[start:stop] = gemm(a[start:stop], b[g], bias=None if bias is None else bias[g], a_scale_inv=_scale_of(a_scale_inv, g),
@@ -99,7 +99,7 @@ def gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv=None, b_scale_inv=None, o
         ValueError: a_t not [N, M] or b_t not [K, M], splits that do not sum to M, scales as in ``gemm_grouped``.
     """
     check_gemm_grouped_wgrad(a_t, b_t, m_splits, a_scale_inv, b_scale_inv, out_dtype)
-    dtype = gemm_result_dtype(out_dtype, None, False, default=a_t.dtype)
+    dtype = gemm_result_dtype(out_dtype, None, accumulate=False, default=a_t.dtype)
     d = torch.zeros((len(m_splits), a_t.shape[0], b_t.shape[0]), dtype=dtype, device=a_t.device)
     for g, (start, stop) in enumerate(split_bounds(m_splits)):
         if stop > start:

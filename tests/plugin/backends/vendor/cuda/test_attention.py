@@ -49,6 +49,14 @@ def test_declines_with_the_reason(config, kwargs, reason):
     assert not verdict and reason in verdict.reason
 
 
+def test_wrong_layout_is_the_catalogs_error_before_anything_else():
+    """A layout error is an error of the call (the catalog's check, as in every backend), not a decline."""
+    q, _, _ = _qkv(b=2)
+    _, k, v = _qkv(b=1)
+    with pytest.raises(ValueError, match="q and k need the same batch"):
+        sdpa.fused_attn_fwd(q, k, v, CONFIG)
+
+
 def test_backward_accepts_only_its_own_ctx():
     q, k, v = _qkv(dtype=torch.float32)
     _, ref_ctx = reference.fused_attn_fwd(q, k, v, CONFIG)
@@ -60,21 +68,21 @@ def test_kernel_bias_masks_and_dead_rows():
     mask = torch.zeros(2, 1, 3, 4, dtype=torch.bool)
     mask[1, 0, 2] = True  # a query row that sees no key
     user_bias = randn(1, 4, 3, 4)
-    bias, dead = sdpa._kernel_bias(q, k, mask, user_bias, "no_mask", False)
+    bias, dead = sdpa._kernel_bias(q, k, mask, user_bias, "no_mask", fold_causal=False)
     assert bias.shape == (2, 4, 3, 4) and bias.stride(2) % 16 == 0, "rows padded to the kernel's alignment"
     torch.testing.assert_close(bias[0].float(), user_bias[0].to(torch.bfloat16).float())
     assert torch.all(bias[1, :, 2] <= torch.finfo(torch.bfloat16).min / 4)
     assert dead.shape == (2, 1, 3, 1) and dead.sum() == 1 and dead[1, 0, 2, 0]
-    band, dead = sdpa._kernel_bias(*_qkv(s_q=4, s_kv=2)[:2], None, None, "causal_bottom_right", True)
+    band, dead = sdpa._kernel_bias(*_qkv(s_q=4, s_kv=2)[:2], None, None, "causal_bottom_right", fold_causal=True)
     assert torch.equal(band[0, 0] < 0, torch.tensor([[True, True], [True, True], [False, True], [False, False]]))
     assert dead.reshape(-1).tolist() == [True, True, False, False]
-    band, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], None, None, "causal", True)
+    band, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], None, None, "causal", fold_causal=True)
     assert torch.equal(band[1, 3] < 0, torch.tensor([[False, True, True], [False, False, True]])) and dead is None
     first_key = torch.tensor([[True, False, False], [False, False, False]])  # hides query 0's only causal key
-    bias, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], first_key, None, "causal", False)
+    bias, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], first_key, None, "causal", fold_causal=False)
     assert torch.equal(bias[0, 0] < 0, first_key), "the causal flag stays with the kernel"
     assert dead.reshape(-1).tolist() == [True, False], "but its rows count for the dead rows"
-    _, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], torch.zeros(2, 3, dtype=torch.bool), None, "no_mask", False)
+    _, dead = sdpa._kernel_bias(*_qkv(s_q=2, s_kv=3)[:2], torch.zeros(2, 3, dtype=torch.bool), None, "no_mask", fold_causal=False)
     assert dead.reshape(-1).tolist() == [False, False], "a mask's dead rows come back without asking the device"
 
 
@@ -150,7 +158,7 @@ def test_plumbing_on_meta_tensors(kernel, h_kv):
     q, k, v = (t.to("meta") for t in _qkv(h_kv=h_kv))
     bias = torch.empty(1, 4, 5, 5, dtype=torch.float16, device="meta") if kernel == "efficient" else None
     config = dataclasses.replace(CONFIG, bias_type="post_scale_bias" if bias is not None else "no_bias", dropout_p=0.1)
-    out, ctx = sdpa._forward(q, k, v, config, None, bias, sdpa._Plan(kernel, True, False))
+    out, ctx = sdpa._forward(q, k, v, config, None, bias, sdpa._Plan(kernel, is_causal=True, causal_in_bias=False))
     assert out.shape == q.shape and ctx.kernel == kernel
     dq, dk, dv, dbias, doffset = sdpa.fused_attn_bwd(torch.empty_like(out), q, k, v, out, ctx, config, attn_bias=bias)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and doffset is None
@@ -176,18 +184,20 @@ class Case:
 
 
 CASES = [
-    Case("square_causal", torch.bfloat16, 64, 64, 4, 64, 64, "causal", False, False, "cudnn"),
-    Case("top_left_short_q_gqa", torch.float16, 48, 80, 2, 64, 64, "causal", False, False, "cudnn"),
-    Case("top_left_long_q", torch.bfloat16, 80, 48, 4, 64, 64, "causal", False, False, "cudnn"),
-    Case("bottom_right_short_q_gqa", torch.float16, 48, 80, 2, 64, 64, "causal_bottom_right", False, False, "flash"),  # no bias to build
-    Case("bottom_right_dead_rows", torch.bfloat16, 50, 20, 4, 64, 64, "causal_bottom_right", False, False, "cudnn"),
-    Case("mask", torch.bfloat16, 40, 40, 4, 64, 64, "no_mask", True, False, "cudnn"),
-    Case("mask_causal", torch.float16, 40, 40, 4, 64, 64, "causal", True, False, "cudnn"),
-    Case("mask_top_left_gqa", torch.bfloat16, 37, 29, 2, 64, 64, "causal", True, False, "cudnn"),
-    Case("head_dim_128_odd_lengths", torch.bfloat16, 37, 29, 4, 128, 128, "no_mask", False, False, "cudnn"),
-    Case("d_v_smaller", torch.bfloat16, 24, 24, 4, 64, 32, "causal", False, False, "cudnn"),
-    Case("fp32", torch.float32, 33, 47, 4, 32, 32, "no_mask", False, False, "efficient"),
-    Case("bias_mqa", torch.float16, 37, 29, 1, 64, 64, "causal", False, True, "efficient"),
+    Case("square_causal", torch.bfloat16, 64, 64, 4, 64, 64, "causal", with_mask=False, with_bias=False, picked="cudnn"),
+    Case("top_left_short_q_gqa", torch.float16, 48, 80, 2, 64, 64, "causal", with_mask=False, with_bias=False, picked="cudnn"),
+    Case("top_left_long_q", torch.bfloat16, 80, 48, 4, 64, 64, "causal", with_mask=False, with_bias=False, picked="cudnn"),
+    Case("bottom_right_short_q_gqa", torch.float16, 48, 80, 2, 64, 64, "causal_bottom_right", with_mask=False, with_bias=False,
+         picked="flash"),  # no bias to build
+    Case("bottom_right_dead_rows", torch.bfloat16, 50, 20, 4, 64, 64, "causal_bottom_right", with_mask=False, with_bias=False,
+         picked="cudnn"),
+    Case("mask", torch.bfloat16, 40, 40, 4, 64, 64, "no_mask", with_mask=True, with_bias=False, picked="cudnn"),
+    Case("mask_causal", torch.float16, 40, 40, 4, 64, 64, "causal", with_mask=True, with_bias=False, picked="cudnn"),
+    Case("mask_top_left_gqa", torch.bfloat16, 37, 29, 2, 64, 64, "causal", with_mask=True, with_bias=False, picked="cudnn"),
+    Case("head_dim_128_odd_lengths", torch.bfloat16, 37, 29, 4, 128, 128, "no_mask", with_mask=False, with_bias=False, picked="cudnn"),
+    Case("d_v_smaller", torch.bfloat16, 24, 24, 4, 64, 32, "causal", with_mask=False, with_bias=False, picked="cudnn"),
+    Case("fp32", torch.float32, 33, 47, 4, 32, 32, "no_mask", with_mask=False, with_bias=False, picked="efficient"),
+    Case("bias_mqa", torch.float16, 37, 29, 1, 64, 64, "causal", with_mask=False, with_bias=True, picked="efficient"),
 ]
 
 

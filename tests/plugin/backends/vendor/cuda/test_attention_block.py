@@ -57,7 +57,7 @@ H100 = blocks._Device((9, 0), 91000)
     (torch.float32, 64, 64, "no_mask", H100, ""),
 ])
 def test_kernel_choice(dtype, s_q, s_kv, mask_type, device, expected):
-    kernel, reason = blocks.block_kernel(blocks._Call(dtype, s_q, s_kv, 64, 64, mask_type, False, False), device)
+    kernel, reason = blocks.block_kernel(blocks._Call(dtype, s_q, s_kv, 64, 64, mask_type, has_mask=False, has_bias=False), device)
     assert kernel == expected and bool(reason) == (not expected)
 
 

@@ -115,10 +115,10 @@ def test_hp_and_shape_reasons():
     assert vendor_gemm._hp_reason(bf16, _meta((3,), torch.float32), torch.float32) is None
     assert "share one dtype" in vendor_gemm._hp_reason((torch.bfloat16, torch.float16), None, torch.bfloat16)
     assert "share one dtype" in vendor_gemm._hp_reason((torch.int8, torch.int8), None, torch.int8)
-    assert "inner dimensions" in vendor_gemm._shape_reason(x, (6, 3), None, None, False)
-    assert "bias" in vendor_gemm._shape_reason(x, y, _meta((4,), torch.bfloat16), None, False)
-    assert "needs out" in vendor_gemm._shape_reason(x, y, None, None, True)
-    assert "out has shape" in vendor_gemm._shape_reason(x, y, None, _meta((3, 5), torch.bfloat16), False)
+    assert "inner dimensions" in vendor_gemm._shape_reason(x, (6, 3), None, None, accumulate=False)
+    assert "bias" in vendor_gemm._shape_reason(x, y, _meta((4,), torch.bfloat16), None, accumulate=False)
+    assert "needs out" in vendor_gemm._shape_reason(x, y, None, None, accumulate=True)
+    assert "out has shape" in vendor_gemm._shape_reason(x, y, None, _meta((3, 5), torch.bfloat16), accumulate=False)
 
 
 class _CudaLooking(torch.Tensor):
@@ -303,7 +303,7 @@ def test_dispatch_declines_e5m2_pair_to_reference():
     args = (a, b, None, a_si, b_si, False, True, torch.bfloat16)
     assert manager.select("gemm", *args).impl_id == "reference.torch"
     (a, a_si) = _fp8((32, 32), E4M3)
-    assert manager.select("gemm", a, b, None, a_si, b_si, False, True, torch.bfloat16).impl_id == "vendor.cuda"
+    assert manager.select("gemm", a, b, None, a_si, b_si, trans_a=False, trans_b=True, out_dtype=torch.bfloat16).impl_id == "vendor.cuda"
 
 
 # -- block-scaled FP8 (Float8BlockScaling) -----------------------------------------------------
@@ -311,7 +311,7 @@ def _block_fp8(rows, cols, block, column_major_scales):
     """(q, scale_inv) from the reference block cast on the GPU, scales in either layout."""
     from transformer_engine.plugin.backends.reference.quantization import quantize_blockwise
 
-    q, scale_inv = quantize_blockwise(randn(rows, cols, device="cuda"), E4M3, block[0], block[1], True, 0.0)
+    q, scale_inv = quantize_blockwise(randn(rows, cols, device="cuda"), E4M3, block[0], block[1], power_2_scale=True, amax_epsilon=0.0)
     return q, (scale_inv.t().contiguous().t() if column_major_scales else scale_inv.contiguous())
 
 
@@ -340,7 +340,7 @@ def test_blockwise_matches_reference(a_block, b_block, out_dtype, column_major_s
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
 def test_blockwise_bias_and_accumulate(bias_dtype, out_dtype):
-    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), True), _block_fp8(256, 512, (128, 128), False)
+    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), column_major_scales=True), _block_fp8(256, 512, (128, 128), column_major_scales=False)
     bias = randn(256, dtype=bias_dtype, device="cuda")
     args = (a, b, sa, sb, (1, 128), (128, 128), out_dtype)
     expected = reference.gemm_blockwise(*args, bias=bias)
@@ -356,13 +356,13 @@ def test_blockwise_bias_and_accumulate(bias_dtype, out_dtype):
 @pytest.mark.gpu
 def test_blockwise_declines_what_cublaslt_cannot_do():
     supports = vendor_gemm.SUPPORTS["gemm_blockwise"]
-    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), True), _block_fp8(256, 512, (128, 128), False)
+    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), column_major_scales=True), _block_fp8(256, 512, (128, 128), column_major_scales=False)
     assert supports(a, b, sa, sb, (1, 128), (128, 128), torch.bfloat16) is True
-    (c, sc), (d, sd) = _block_fp8(128, 640, (1, 128), True), _block_fp8(256, 640, (128, 128), False)
+    (c, sc), (d, sd) = _block_fp8(128, 640, (1, 128), column_major_scales=True), _block_fp8(256, 640, (128, 128), column_major_scales=False)
     assert "multiple of 512" in supports(c, d, sc, sd, (1, 128), (128, 128), torch.bfloat16).reason
     assert "E4M3 operands only" in supports(a.view(E5M2), b, sa, sb, (1, 128), (128, 128), torch.bfloat16).reason
     assert "at most one 2-D" in supports(a, b, sb[:1], sb, (128, 128), (128, 128), torch.bfloat16).reason
-    (c, sc), (d, sd) = _block_fp8(128, 320, (1, 128), True), _block_fp8(256, 320, (1, 128), True)
+    (c, sc), (d, sd) = _block_fp8(128, 320, (1, 128), column_major_scales=True), _block_fp8(256, 320, (1, 128), column_major_scales=True)
     assert "multiple of 128" in supports(c, d, sc, sd, (1, 128), (1, 128), torch.bfloat16).reason
     assert "a_scale_inv must be float32 [128, 4]" in supports(a, b, sa[:, :1], sb, (1, 128), (128, 128), torch.bfloat16).reason
 
@@ -371,6 +371,6 @@ def test_blockwise_declines_what_cublaslt_cannot_do():
 def test_blockwise_default_dispatch_is_cublaslt():
     from transformer_engine.plugin import ops
 
-    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), True), _block_fp8(256, 512, (128, 128), False)
+    (a, sa), (b, sb) = _block_fp8(128, 512, (1, 128), column_major_scales=True), _block_fp8(256, 512, (128, 128), column_major_scales=False)
     _, impl = ops.gemm_blockwise.traced(a, b, sa, sb, (1, 128), (128, 128), torch.bfloat16)
     assert impl.impl_id == "vendor.cuda"

@@ -43,7 +43,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
-from transformer_engine.plugin.catalog.attention import AttentionConfig
+from transformer_engine.plugin.catalog.attention import AttentionConfig, check_attention_layout
 from transformer_engine.plugin.core import Reject
 
 __all__ = ["fused_attn_fwd", "fused_attn_bwd"]
@@ -359,8 +359,10 @@ def fused_attn_fwd(q, k, v, config, attn_mask=None, attn_bias=None, softmax_offs
         (out bshd in q's dtype with v's head dim, :class:`SdpaCtx`).
 
     Raises:
+        ValueError: q, k, v or cu_seqlens not in the layout ``config`` names (the catalog's ``check_attention_layout``).
         NotImplementedError: arguments this backend declines (the dispatcher never sends those).
     """
+    check_attention_layout(q, k, v, config, cu_seqlens_q, cu_seqlens_kv)
     verdict = _supports_fwd(q, k, v, config, attn_mask, attn_bias)
     if not verdict:
         raise NotImplementedError(f"vendor.cuda fused_attn_fwd: {verdict.reason}")
@@ -377,13 +379,15 @@ def _forward(q, k, v, config: AttentionConfig, attn_mask, attn_bias, plan: _Plan
     if plan.kernel != "flash":
         bias, dead = _kernel_bias(q, k, attn_mask, attn_bias, config.mask_type, plan.causal_in_bias)
     if plan.kernel == "cudnn":
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh, vh, bias, True, p, plan.is_causal, False, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh, vh, bias, compute_log_sumexp=True, dropout_p=p,
+                                                                 is_causal=plan.is_causal, return_debug_mask=False, scale=scale)
         out_h, saved = res[0], tuple(res[1:8])
     elif plan.kernel == "flash":
-        res = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, p, plan.is_causal, False, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, p, plan.is_causal, return_debug_mask=False, scale=scale)
         out_h, saved = res[0], tuple(res[1:8])
     else:
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(qh, kh, vh, bias, True, p, plan.is_causal, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(qh, kh, vh, bias, compute_log_sumexp=True, dropout_p=p,
+                                                                     is_causal=plan.is_causal, scale=scale)
         out_h, saved = res[0], tuple(res[1:4])
     out = _from_heads(out_h)
     if dead is not None:

@@ -91,10 +91,11 @@ def attention_block_fwd(q, k, v, config, attn_mask=None, attn_bias=None):
     (kernel, _), is_causal = _call_kernel(q, k, v, config), config.mask_type != "no_mask"
     qh, kh, vh = _to_heads(q), _to_heads(k, group), _to_heads(v, group)
     if kernel == "cudnn":
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh, vh, None, True, config.dropout_p, is_causal, False,
-                                                                 scale=config.softmax_scale)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh, vh, None, compute_log_sumexp=True, dropout_p=config.dropout_p,
+                                                                 is_causal=is_causal, return_debug_mask=False, scale=config.softmax_scale)
     else:
-        res = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, config.dropout_p, is_causal, False, scale=config.softmax_scale)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, config.dropout_p, is_causal, return_debug_mask=False,
+                                                                 scale=config.softmax_scale)
     lse = res[1].reshape(res[1].shape[:3])  # cuDNN: [b, h, s_q, 1]
     return _from_heads(res[0]), lse, BlockCtx(kernel, config, tuple(res[2:8]))
 

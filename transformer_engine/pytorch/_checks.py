@@ -1,4 +1,4 @@
-"""Constructor argument checks shared by the modules: sizes, epsilons, probabilities.
+"""Constructor argument checks shared by the modules, the attention modules and TransformerLayer: sizes, epsilons, probabilities.
 
 Each raises before any parameter is allocated, with a message that names the argument, its value,
 the rule and, where there is one, the fix (a bare ``ZeroDivisionError`` or a negative-dimension

@@ -35,8 +35,8 @@ from ..quantization.float8_tensor import DeferredTranspose, Float8Tensor
 from ..quantization.mxfp8_tensor import MXFP8Tensor
 from ..quantization.nvfp4_tensor import NVFP4Tensor
 from ..quantization.recipe_state import SplitAccumulator
-from ._common import Operand, no_torch_autocast, release
-from ._wgrad_store import WeightGradStore
+from .common import Operand, no_torch_autocast, release
+from .wgrad_store import WeightGradStore
 
 __all__ = ["WgradTarget", "dgrad", "fprop", "fprop_with_comm", "gemm", "linear_backward"]
 
@@ -126,7 +126,7 @@ class WgradTarget:
         main_grad_params: with ``fuse_wgrad_accumulation``, the parameters whose ``main_grad`` receive
             dW (split along dim 0 when the weight is several concatenated parameters); else empty.
         delayed: with ``delay_wgrad_compute``, the module's queue: backward queues dW there, which later goes to
-            ``main_grad_params`` or, without them, into the ``.grad`` of ``params`` (see :mod:`._wgrad_store`).
+            ``main_grad_params`` or, without them, into the ``.grad`` of ``params`` (see :mod:`.wgrad_store`).
         params: the weight parameters (for a delayed dW without ``main_grad_params``).
     """
 

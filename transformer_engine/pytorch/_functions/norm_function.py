@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from ..quantization.quantizer import IDENTITY
-from ._common import cast, no_torch_autocast, save, saved
-from ._norm import NormConfig, norm_backward, norm_forward
+from .common import cast, no_torch_autocast, save, saved
+from .norm import NormConfig, norm_backward, norm_forward
 
 __all__ = ["NormArgs", "NormFunction"]
 
@@ -24,7 +24,7 @@ class NormArgs:
 
 
 class NormFunction(torch.autograd.Function):
-    """y = norm(x) over the last dims (see ``_norm``); gamma and beta are cast to the compute dtype.
+    """y = norm(x) over the last dims (see :mod:`.norm`); gamma and beta are cast to the compute dtype.
 
     Each reshape and cast is skipped where the tensor already has that shape or dtype (the usual
     [tokens, hidden] input and 1-D parameters): even a no-op call costs microseconds of host time.

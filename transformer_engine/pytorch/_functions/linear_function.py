@@ -7,7 +7,7 @@ copy is kept; with ``save_original_input`` x as given, whose x^T backward casts 
 which backward casts W^T again (a cached operand: its W^T).
 Backward: dy is cast by the grad-output quantizer (E5M2 under HYBRID) with dy^T; wgrad dW = dy^T @ x
 (into ``main_grad`` with fuse_wgrad_accumulation), then dgrad dx = dy @ W, db = sum_rows(dy). When the
-backward frees its graph, x^T and dy^T go before dgrad allocates dx (see ``_gemm.linear_backward``).
+backward frees its graph, x^T and dy^T go before dgrad allocates dx (see ``gemm.linear_backward``).
 Tensor / sequence parallelism: ``args.comm`` is called at the marked points (``# comm``), see
 :mod:`..parallel.linear_comm`; without it each call returns its argument.
 """
@@ -20,13 +20,13 @@ from typing import Optional
 import torch
 
 from ..parallel.linear_comm import LinearComm
-from ._common import (
+from .common import (
     Operand, backward_frees_graph, cast, for_backward, grad_output_operand, no_torch_autocast, quantize_operand, rows_of, save, saved,
     unflatten, without_operands,
 )
-from ._fp8_meta import ForwardQuantization
-from ._gemm import WgradTarget, fprop_with_comm, linear_backward
-from ._wgrad_store import backward_batch
+from .fp8_meta import ForwardQuantization
+from .gemm import WgradTarget, fprop_with_comm, linear_backward
+from .wgrad_store import backward_batch
 
 __all__ = ["LinearArgs", "LinearFunction"]
 

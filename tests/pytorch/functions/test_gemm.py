@@ -1,11 +1,11 @@
-"""The module-level GEMM wrapper: an FP8 operand stored both ways reaches ops.gemm in the TN layout, same result."""
+"""The GEMM wrapper of the autograd Functions: an FP8 operand stored both ways reaches ops.gemm in the TN layout, same result."""
 
 import pytest
 import torch
 
 from tests.utils import randn
 from transformer_engine.plugin import ops
-from transformer_engine.pytorch.module import _gemm
+from transformer_engine.pytorch._functions import gemm as _gemm
 from transformer_engine.pytorch.quantization import Float8Tensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

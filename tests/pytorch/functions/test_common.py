@@ -7,7 +7,7 @@ import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, QParams
 
-from transformer_engine.pytorch.module._common import (
+from transformer_engine.pytorch._functions.common import (
     backward_frees_graph, grad_output_operand, no_torch_autocast, release, rows_of, unflatten, without_operands,
 )
 from transformer_engine.pytorch.parallel import NO_COMM
@@ -97,14 +97,14 @@ class _ReducingComm:
 def test_bias_gradient_dtype_follows_the_bias_and_the_reduction():
     dy = (torch.randn(300, 24) * 10).to(torch.bfloat16)
     exact32 = dy.sum(0, dtype=torch.float32)
-    dy_op, db, gathered = grad_output_operand(IDENTITY, dy, NO_COMM, True, torch.bfloat16, [])
+    dy_op, db, gathered = grad_output_operand(IDENTITY, dy, NO_COMM, need_dw=True, db_dtype=torch.bfloat16, amaxes=[])
     assert dy_op is dy and not gathered
     assert db.dtype == torch.bfloat16 and torch.equal(db, exact32.to(torch.bfloat16))  # float32 sum, one rounding
-    db = grad_output_operand(IDENTITY, dy, NO_COMM, True, torch.float32, [])[1]
+    db = grad_output_operand(IDENTITY, dy, NO_COMM, need_dw=True, db_dtype=torch.float32, amaxes=[])[1]
     assert db.dtype == torch.float32 and torch.equal(db, exact32)  # a float32 bias keeps every bit of the sum
-    db = grad_output_operand(IDENTITY, dy, _ReducingComm(), True, torch.bfloat16, [])[1]
+    db = grad_output_operand(IDENTITY, dy, _ReducingComm(), need_dw=True, db_dtype=torch.bfloat16, amaxes=[])[1]
     assert db.dtype == torch.float32 and torch.equal(db, exact32)  # all-reduced in float32 first
-    assert grad_output_operand(IDENTITY, dy, NO_COMM, False, None, [])[1] is None
+    assert grad_output_operand(IDENTITY, dy, NO_COMM, need_dw=False, db_dtype=None, amaxes=[])[1] is None
 
 
 def _backward_quantizer(recipe):
@@ -127,7 +127,7 @@ def test_fp8_grad_output_fuses_the_bias_gradient_where_the_cast_can(name, fused)
     quantizer = _GRAD_QUANTIZERS[name]()
     assert quantizer.fuses_dbias is fused
     dy = (torch.randn(256, 128) * 10).to(torch.bfloat16)
-    dy_op, db, _ = grad_output_operand(quantizer, dy, NO_COMM, True, torch.bfloat16, [])
+    dy_op, db, _ = grad_output_operand(quantizer, dy, NO_COMM, need_dw=True, db_dtype=torch.bfloat16, amaxes=[])
     assert isinstance(dy_op, (Float8Tensor, Float8BlockwiseTensor)) and dy_op.data_t is not None
     exact32 = dy.sum(0, dtype=torch.float32)
     assert db.dtype == torch.bfloat16 and torch.equal(db, exact32.to(torch.bfloat16))

@@ -32,7 +32,7 @@ def test_non_integer_sizes_are_type_errors(owner, build, names):
     with pytest.raises(TypeError, match=re.escape(f"{owner}: {names[0]}=8.0 must be a positive integer, got float")):
         build(8.0, 8)
     with pytest.raises(TypeError, match=re.escape(f"{owner}: {names[1]}=True must be a positive integer, got bool")):
-        build(8, True)
+        build(8, b=True)
 
 
 def test_grouped_linear_needs_at_least_one_gemm():
