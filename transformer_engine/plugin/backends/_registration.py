@@ -6,7 +6,9 @@ A backend module lists the ops it implements in ``__all__``, each function named
 the function the dispatcher calls when it is not the public one: a public function that checks its
 arguments against ``SUPPORTS`` for direct calls can hand the dispatcher, which has checked them already,
 its unchecked body. ``UNDER_COMPILE`` (optional, a dict op name -> one of ``"trace"``, ``"reference"``,
-``"custom_op"``) overrides the backend's ``under_compile`` for single ops (see :class:`OpImpl`).
+``"custom_op"``) overrides the backend's ``under_compile`` for single ops (see :class:`OpImpl`). ``ATEN_DTYPES``
+(optional, a dict op name -> dtypes) declares the dtypes for which an op is exactly PyTorch's own operator
+(:attr:`OpImpl.aten_dtypes`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def impls_from_modules(
         caps = getattr(module, "CAPABILITIES", {})
         dispatched = getattr(module, "DISPATCHED", {})
         compiled = getattr(module, "UNDER_COMPILE", {})
+        aten = getattr(module, "ATEN_DTYPES", {})
         for name in module.__all__:
             impls.append(
                 OpImpl(
@@ -47,6 +50,7 @@ def impls_from_modules(
                     supports=supports.get(name),
                     description=description,
                     under_compile=compiled.get(name, under_compile),
+                    aten_dtypes=aten.get(name),
                 )
             )
     return impls

@@ -296,6 +296,16 @@ class OpManager:
                 return impl
         raise NoImplementationError(self._explain_text(op_name, args, kwargs))
 
+    def runs_as_aten(self, op_name: str, key: Any) -> bool:
+        """True when the implementation the policy puts first for ``op_name`` on a key argument like ``key`` (anything
+        with the ``device`` and ``dtype`` of the call's key argument) declares that it computes exactly PyTorch's own
+        operator for that dtype (:attr:`OpImpl.aten_dtypes`): the caller may then run that operator itself. The plan
+        lookup of a call, without calling anything."""
+        self.dispatcher(op_name)  # creates the op's cache on first use
+        candidates = self._caches[op_name].lookup(key).candidates
+        aten = candidates[0].aten_dtypes if candidates else None
+        return aten is not None and arg_key(key).dtype in aten
+
     def resolve(self, op_name: str, *args, **kwargs) -> Callable:
         """Upstream name: the function :meth:`select` picks."""
         return self.select(op_name, *args, **kwargs).fn

@@ -156,6 +156,11 @@ class OpImpl:
             backend's implementation is traced in its place (a Triton kernel whose work Inductor
             generates itself from those tensor ops, fused with its neighbours); ``"custom_op"``
             (default): the op stays one opaque node of the graph that calls the dispatcher when it runs.
+        aten_dtypes: dtype names of the key argument for which this implementation computes exactly what
+            PyTorch's own operator computes (vendor.cuda's ``gemm`` on bf16 / fp16 / fp32 operands is
+            ``torch.mm`` / ``torch.addmm``). Where the policy picks such an implementation first, a caller
+            may run the PyTorch operator itself, with PyTorch's autograd (``te.Linear`` in high precision
+            does, see :meth:`~.manager.OpManager.runs_as_aten`); None means none.
     """
 
     op_name: str
@@ -170,6 +175,7 @@ class OpImpl:
     supported_dtypes: Optional[FrozenSet[str]] = None
     min_arch: Any = None
     under_compile: str = "custom_op"
+    aten_dtypes: Optional[FrozenSet[str]] = None
 
     def __post_init__(self):
         kind = BackendImplKind.parse(self.kind)
@@ -186,6 +192,8 @@ class OpImpl:
         if kind is BackendImplKind.VENDOR and not vendor:
             raise ValueError(f"OpImpl {self.impl_id!r} is of kind vendor and must name its vendor")
         object.__setattr__(self, "vendor", vendor)
+        if self.aten_dtypes is not None:
+            object.__setattr__(self, "aten_dtypes", frozenset(_short_dtype(d) for d in self.aten_dtypes))
         if self.priority is None:
             object.__setattr__(self, "priority", kind.default_priority)
         if not isinstance(self.capabilities, Capabilities):
@@ -227,6 +235,7 @@ class OpImpl:
             and self.priority == other.priority
             and self.capabilities == other.capabilities
             and _same_callable(self.supports, other.supports)
+            and self.aten_dtypes == other.aten_dtypes
         )
 
 

@@ -31,7 +31,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 
 from transformer_engine.common.recipe import DelayedScaling
-from transformer_engine.plugin import ops
+from transformer_engine.plugin import ops, runs_as_aten
 
 from ..quantization.autocast import current_config, forward_amax_buffer, register_states
 from ..quantization.model_init import model_init_config
@@ -372,6 +372,16 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if saved_input_of is not None:
             check_saved_input(saved_input_of, q.gemms[0].input)
         return act_dtype, comms, share_scales(q, *comms) if split else q
+
+    def _runs_as_torch_linear(self, inp: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype, q: ForwardQuantization,
+                              comms: Tuple[LinearComm, ...]) -> bool:
+        """True when this call's GEMMs may run as ``torch.nn.functional.linear`` with PyTorch's autograd: no quantization
+        (nor calibration), no tensor parallelism, dW into ``weight.grad`` now (no ``fuse_wgrad_accumulation``, no
+        ``delay_wgrad_compute``), a high-precision weight, and a policy whose first choice for ``gemm`` on these operands
+        is PyTorch's own matmul (``plugin.runs_as_aten``; a backend registered ahead of it keeps the Function)."""
+        return (q is self._high_precision and comms is self._NO_COMMS and not self.fuse_wgrad_accumulation
+                and not self.wgrad_store.delay_wgrad_compute() and not isinstance(weight, QuantizedTensor)
+                and runs_as_aten("gemm", inp.device, act_dtype))
 
     # ----------------------------------------------------------------------------- quantization
     def _check_recipe_match(self, recipe) -> None:

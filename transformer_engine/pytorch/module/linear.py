@@ -16,6 +16,16 @@ from .base import TransformerEngineBaseModule, default_device, resolve_params_dt
 __all__ = ["Linear"]
 
 
+def torch_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """y = inp W^T + b in ``dtype`` as ``torch.nn.functional.linear`` on the rows of ``inp`` (one ``addmm`` whatever the
+    input's rank: the bias rides the GEMM's epilogue, as in ``LinearFunction``), with PyTorch's autograd."""
+    x, weight, bias = cast(inp, dtype), cast(weight, dtype), cast(bias, dtype)
+    if x.dim() == 2:  # no view nodes for autograd to walk
+        return torch.nn.functional.linear(x, weight, bias)
+    y = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class Linear(TransformerEngineBaseModule):
     """Applies y = x W^T + b; under ``te.autocast`` its fprop, dgrad and wgrad GEMMs run in FP8.
 
@@ -53,7 +63,10 @@ class Linear(TransformerEngineBaseModule):
         dtype: alias of ``params_dtype`` (``torch.nn.Linear``'s keyword, so the classes can be swapped).
 
     Forward: ``forward(inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False)``: outputs are
-    always high precision (``fp8_output`` / ``fp8_grad`` are accepted for TE parity).
+    always high precision (``fp8_output`` / ``fp8_grad`` are accepted for TE parity). A high-precision call
+    without tensor parallelism, ``fuse_wgrad_accumulation`` or ``delay_wgrad_compute`` runs as
+    ``torch.nn.functional.linear`` with PyTorch's autograd where the policy's ``gemm`` is PyTorch's matmul
+    (vendor.cuda's, see ``OpImpl.aten_dtypes``): the same math at ``nn.Linear``'s host cost.
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -120,16 +133,21 @@ class Linear(TransformerEngineBaseModule):
         """y = inp W^T + b over the last dim; returns y, or (y, bias) with ``return_bias``."""
         weight, bias = self.layout.weight(self), self.layout.bias(self)
         # comm: tensor parallelism, what the Function communicates
-        act_dtype, (comm,), q = self._linear_prelude((inp, weight), self.layout.in_features,
-                                                     saved_input_of="Linear" if self.save_original_input else None)
-        args = LinearArgs(
-            dtype=act_dtype,
-            quantization=q,
-            weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
-            wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
-            comm=comm,
-            save_original_input=self.save_original_input,
-        )
-        out = apply_without_torch_autocast(LinearFunction, inp.device, inp, weight, None if self.return_bias else bias, args)
+        act_dtype, comms, q = self._linear_prelude((inp, weight), self.layout.in_features,
+                                                   saved_input_of="Linear" if self.save_original_input else None)
+        (comm,) = comms
+        gemm_bias = None if self.return_bias else bias
+        if self._runs_as_torch_linear(inp, weight, act_dtype, q, comms):
+            out = torch_linear(inp, weight, gemm_bias, act_dtype)
+        else:
+            args = LinearArgs(
+                dtype=act_dtype,
+                quantization=q,
+                weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
+                wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
+                comm=comm,
+                save_original_input=self.save_original_input,
+            )
+            out = apply_without_torch_autocast(LinearFunction, inp.device, inp, weight, gemm_bias, args)
         return te_outputs(out, comm.deferred_bias(cast(bias, act_dtype)), return_bias=self.return_bias, return_layernorm_output=False)
 

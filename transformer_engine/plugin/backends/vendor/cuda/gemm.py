@@ -323,3 +323,5 @@ def _block_scale_reason(t, scale_inv, block, name: str) -> Optional[str]:
 SUPPORTS = {"gemm": _supports_gemm, "gemm_blockwise": _supports_gemm_blockwise}
 # what the dispatcher calls once SUPPORTS has accepted a call: the public functions check again
 DISPATCHED = {"gemm": _gemm, "gemm_blockwise": _gemm_blockwise}
+# high-precision operands run torch.mm / torch.addmm (``_mm_hp``): what torch.nn.functional.linear runs
+ATEN_DTYPES = {"gemm": HP_DTYPES}

@@ -1,0 +1,138 @@
+"""te.Linear in high precision runs as torch.nn.functional.linear (PyTorch's autograd, no LinearFunction) exactly
+when the policy's first choice for ``gemm`` declares itself PyTorch's own matmul (``OpImpl.aten_dtypes``), and only
+where nothing needs the Function (FP8, calibration, tensor parallelism, main_grad, delayed wgrads)."""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from tests.pytorch.references import forward_backward
+from tests.utils import dtype_tols, randn
+from transformer_engine.common.recipe import DelayedScaling
+from transformer_engine.plugin import BackendImplKind, Capabilities, OpImpl, get_default_manager, runs_as_aten
+from transformer_engine.plugin.backends.reference import gemm as reference_gemm
+
+ATEN_ID = "vendor.test_aten"
+FLOATS = ("float32", "bfloat16", "float16")
+
+
+@pytest.fixture
+def aten_gemm():
+    """A CPU ``gemm`` ahead of the reference backend that declares itself PyTorch's matmul in high precision (its body is
+    the reference GEMM: what the Function path would run)."""
+    registry = get_default_manager().registry
+    get_default_manager().ensure_initialized()
+    impl = OpImpl("gemm", ATEN_ID, BackendImplKind.VENDOR, reference_gemm.gemm, vendor="test_aten",
+                  capabilities=Capabilities(device_types=frozenset({"cpu"})), aten_dtypes=frozenset(FLOATS))
+    registry.register(impl)
+    yield impl
+    registry.unregister("gemm", ATEN_ID)
+
+
+def _graph_names(y: torch.Tensor) -> set:
+    """The names of every autograd node behind ``y``."""
+    names, stack = set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            stack += [fn for fn, _ in node.next_functions]
+    return names
+
+
+def _runs_function(y: torch.Tensor) -> bool:
+    return "LinearFunctionBackward" in _graph_names(y)
+
+
+def test_runs_as_aten_reads_the_first_choice(aten_gemm):
+    cpu = torch.device("cpu")
+    assert runs_as_aten("gemm", cpu, torch.bfloat16) and runs_as_aten("gemm", cpu, torch.float32)
+    assert not runs_as_aten("gemm", cpu, torch.float8_e4m3fn)  # not declared for FP8 operands
+    get_default_manager().registry.unregister("gemm", ATEN_ID)
+    assert not runs_as_aten("gemm", cpu, torch.bfloat16)  # the reference backend declares nothing
+    get_default_manager().registry.register(aten_gemm)
+
+
+def test_reference_backend_keeps_the_function():
+    layer = te.Linear(16, 8, params_dtype=torch.bfloat16)
+    assert _runs_function(layer(randn(4, 16, dtype=torch.bfloat16).requires_grad_()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 16), (2, 3, 16), (2, 1, 3, 16)])
+@pytest.mark.parametrize("bias, return_bias", [(True, False), (False, False), (True, True)])
+def test_torch_linear_equals_the_function(aten_gemm, dtype, shape, bias, return_bias):
+    layer = te.Linear(16, 8, bias=bias, return_bias=return_bias, params_dtype=dtype)
+    x, dy = randn(*shape, dtype=dtype), randn(*shape[:-1], 8, dtype=dtype)
+    y = layer(x.requires_grad_())
+    out = y[0] if return_bias else y
+    assert not _runs_function(out) and out.shape == (*shape[:-1], 8) and out.dtype == dtype
+    if return_bias:
+        assert torch.equal(y[1], layer.bias)
+    layer.zero_grad(set_to_none=True)
+    got = forward_backward(layer, x.detach(), dy)
+    registry = get_default_manager().registry
+    registry.unregister("gemm", ATEN_ID)  # the same module through LinearFunction and the reference GEMM
+    layer.zero_grad(set_to_none=True)
+    want = forward_backward(layer, x.detach(), dy)
+    registry.register(aten_gemm)
+    tols = dtype_tols(dtype)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, **tols)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, **tols)
+
+
+def test_torch_autocast_casts_as_the_function(aten_gemm):
+    layer = te.Linear(16, 8, params_dtype=torch.float32)
+    x = randn(4, 16, dtype=torch.float32).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert not _runs_function(y) and y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("case", ["fp8", "calibration", "main_grad", "delayed_wgrad"])
+def test_what_needs_the_function_keeps_it(aten_gemm, case):
+    kwargs = {"main_grad": dict(fuse_wgrad_accumulation=True), "delayed_wgrad": dict(delay_wgrad_compute=True)}.get(case, {})
+    layer = te.Linear(16, 16, params_dtype=torch.bfloat16, **kwargs)
+    if case == "main_grad":
+        layer.weight.main_grad = torch.zeros(16, 16, dtype=torch.float32)
+    x = randn(16, 16, dtype=torch.bfloat16).requires_grad_()
+    with te.autocast(enabled=case == "fp8", calibrating=case == "calibration", recipe=DelayedScaling()):
+        y = layer(x)
+    assert _runs_function(y)
+    y.sum().backward()
+    if case == "main_grad":
+        assert layer.weight.main_grad.abs().sum() > 0
+
+
+def test_torch_linear_traces_whole(aten_gemm):
+    layer = te.Linear(16, 8, params_dtype=torch.float32)
+    x = randn(2, 3, 16, dtype=torch.float32)
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_policy_runs_high_precision_as_torch_linear(dtype):
+    """vendor.cuda's GEMM is the default choice on CUDA: te.Linear in high precision is nn.Linear's math, bit for bit."""
+    layer = te.Linear(256, 128, params_dtype=dtype, device="cuda")
+    ref = torch.nn.Linear(256, 128, dtype=dtype, device="cuda")
+    ref.load_state_dict({k: v for k, v in layer.state_dict().items() if k != "_extra_state"})
+    x, dy = randn(4, 32, 256, dtype=dtype, device="cuda"), randn(4, 32, 128, dtype=dtype, device="cuda")
+    assert not _runs_function(layer(x.requires_grad_()))
+    got, want = forward_backward(layer, x.detach(), dy), forward_backward(ref, x.detach(), dy)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, **dtype_tols(dtype))  # nn.Linear on 3-D input: matmul, not addmm
+    with te.autocast(recipe=DelayedScaling()):
+        assert _runs_function(layer(x))
