@@ -30,7 +30,9 @@ code i + 1 for a view of the op's i-th argument (one it writes). Its shape is fi
 :func:`_decode` restores the catalog's result there.
 
 Ops whose stubs carry no annotations (attention, whose context object is backend-specific, and the
-multi-tensor optimizer ops) stay eager: under ``torch.compile`` they end the graph (a graph break).
+multi-tensor optimizer ops) stay eager: under ``torch.compile`` they end the graph (a graph break), unless the
+catalog declares them ``traced`` (``attention_max_logit``: a configuration object in, a plain tensor out), whose
+compiled form is traced as for an annotated op.
 """
 
 from __future__ import annotations
@@ -234,14 +236,16 @@ def _with_signature(spec: OpSpec, name: str, body: str, dropped: Tuple[str, ...]
     return namespace[name]
 
 
-_TRACEABLE_BODY = """if _is_compiling():
+_COMPILED_FORM_BODY = """if _is_compiling():
     for _te_supports, _te_fn in _compiled_form({key}):
         if _te_supports is None or _te_supports({args}):
             return _te_fn({args})
-    if {none_check}:
+"""
+_CUSTOM_OP_BODY = """    if {none_check}:
         return _decode(_op_without({without}), ({args},), _single)
     return _decode(_op({args}), ({args},), _single)
-return _dispatch({args})"""
+"""
+_DISPATCH_BODY = "return _dispatch({args})"
 
 
 _FORMS = SimpleNamespace()  # the compiled forms handed to traces: attribute "f<i>" is the i-th distinct one
@@ -278,21 +282,25 @@ def _compiled_form_of(compiled_form: Callable) -> Callable:
 
 
 def traceable(spec: OpSpec, dispatcher: Callable, fake: Callable, compiled_form: Callable) -> Callable:
-    """``dispatcher`` when ``spec`` has no custom op, else a function with the op's signature that calls
-    ``dispatcher`` eagerly and, while ``torch.compile`` traces it, the op's compiled form
-    (``compiled_form(ArgKey)``, see :meth:`OpManager.compiled_form`) or else its custom op."""
+    """``dispatcher`` when ``spec`` has no custom op and is not ``traced``, else a function with the op's signature
+    that calls ``dispatcher`` eagerly and, while ``torch.compile`` traces it, the op's compiled form
+    (``compiled_form(ArgKey)``, see :meth:`OpManager.compiled_form`) or else its custom op (an op ``traced``
+    without one: the dispatcher, where the graph ends)."""
     ops = custom_op(spec, dispatcher, fake)
-    if ops is None:
+    if ops is None and not spec.traced:
         return dispatcher
-    op, op_without = ops
-    optional = _optional_writes(spec)
-    body = _TRACEABLE_BODY.format(
-        none_check=" and ".join(f"{n} is None" for n in optional) or "False",
-        without=", ".join(n for n in spec.signature.parameters if n not in optional), args="{args}", key=spec.key_param)
-    single = typing.get_origin(_annotation(spec.signature.return_annotation, spec.name)) is not tuple
-    fn = _with_signature(spec, spec.name, body, _is_compiling=torch.compiler.is_compiling, _decode=_decode,
-                         _op=op, _op_without=op_without, _single=single, _dispatch=dispatcher,
-                         _compiled_form=_compiled_form_of(compiled_form))
+    head = _COMPILED_FORM_BODY.format(args="{args}", key=spec.key_param)
+    if ops is None:
+        body, custom = head + _DISPATCH_BODY, {}
+    else:
+        optional = _optional_writes(spec)
+        body = head + _CUSTOM_OP_BODY.format(
+            none_check=" and ".join(f"{n} is None" for n in optional) or "False",
+            without=", ".join(n for n in spec.signature.parameters if n not in optional), args="{args}") + _DISPATCH_BODY
+        single = typing.get_origin(_annotation(spec.signature.return_annotation, spec.name)) is not tuple
+        custom = dict(_decode=_decode, _op=ops[0], _op_without=ops[1], _single=single)
+    fn = _with_signature(spec, spec.name, body, _is_compiling=torch.compiler.is_compiling, _dispatch=dispatcher,
+                         _compiled_form=_compiled_form_of(compiled_form), **custom)
     fn.__doc__, fn.__signature__, fn.__wrapped__ = dispatcher.__doc__, spec.signature, dispatcher
     for attr in ("spec", "traced"):
         if hasattr(dispatcher, attr):

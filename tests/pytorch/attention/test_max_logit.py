@@ -66,3 +66,17 @@ def test_traces_without_graph_breaks():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(dpa)(q, q, q)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, [b.reason for b in explained.break_reasons]
+
+
+def test_traces_whole_under_torch_compile():
+    """The catalog declares attention_max_logit traced: fullgraph, no graph break, the eager values."""
+    dpa = te.DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="causal", return_max_logit=True)
+    q, k, v = randn(B, 6, H, D), randn(B, 6, H, D), randn(B, 6, H, D)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(dpa)(q, k, v)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    out, logit = torch.compile(dpa, backend="aot_eager", fullgraph=True)(q, k, v)
+    want_out, want_logit = dpa(q, k, v)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(logit, want_logit, rtol=0, atol=0)
+    torch._dynamo.reset()

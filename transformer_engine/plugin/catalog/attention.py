@@ -199,7 +199,7 @@ def attention_block_bwd(dout, q, k, v, out, lse, ctx, config, attn_mask=None, at
     """
 
 
-@declare
+@declare(traced=True)
 def attention_max_logit(q, k, config, attn_mask=None, attn_bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_kv=None):
     """max_logit [h] float32: for each query head, the maximum of the scores S over the batch (every packed sequence
     for "thd") and the query and key positions, masked entries left out (S before the softmax, as in the module

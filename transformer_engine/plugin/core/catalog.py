@@ -49,6 +49,9 @@ class OpSpec:
             manager never retries it on another implementation.
         mutates: the tensor parameters the op writes in place when they are given (``amax_out``,
             ``out``, ...); what a traced custom op declares (``torch.library.custom_op``'s ``mutates_args``).
+        traced: an op whose stub has no annotations (an argument that is not a tensor or a scalar: no custom op)
+            but whose result is plain tensors: ``torch.compile`` traces its compiled form, as for an annotated op,
+            rather than ending the graph at it.
     """
 
     name: str
@@ -57,6 +60,7 @@ class OpSpec:
     key_param: str
     inplace: bool = False
     mutates: Tuple[str, ...] = ()
+    traced: bool = False
 
     @property
     def key_index(self) -> int:
@@ -95,8 +99,9 @@ def _reinit_lock_after_fork() -> None:
     _LOCK = threading.Lock()
 
 
-def declare(fn: Optional[Callable] = None, *, key: Optional[str] = None, inplace: bool = False, mutates: Tuple[str, ...] = ()):
-    """Declare an op from a stub function; usable as ``@declare`` or ``@declare(key=..., inplace=..., mutates=...)``.
+def declare(fn: Optional[Callable] = None, *, key: Optional[str] = None, inplace: bool = False, mutates: Tuple[str, ...] = (),
+            traced: bool = False):
+    """Declare an op from a stub function; usable as ``@declare`` or ``@declare(key=..., inplace=..., mutates=..., traced=...)``.
 
     Declaring the same name twice with the same signature is a no-op; with another one it raises.
     """
@@ -112,10 +117,11 @@ def declare(fn: Optional[Callable] = None, *, key: Optional[str] = None, inplace
         unknown = [name for name in mutates if name not in params]
         if unknown:
             raise CatalogError(f"op {stub.__name__!r}: mutates names {unknown}, which are not parameters")
-        spec = OpSpec(stub.__name__, sig, inspect.getdoc(stub) or "", key_param, inplace, tuple(mutates))
+        spec = OpSpec(stub.__name__, sig, inspect.getdoc(stub) or "", key_param, inplace, tuple(mutates), traced)
         with _LOCK:
             old = _SPECS.get(spec.name)
-            if old is not None and (_shape(old.signature) != _shape(sig) or (old.inplace, old.mutates) != (inplace, spec.mutates)):
+            if old is not None and (_shape(old.signature) != _shape(sig)
+                                    or (old.inplace, old.mutates, old.traced) != (inplace, spec.mutates, traced)):
                 raise CatalogError(f"op {spec.name!r} is already declared with signature {old.signature}")
             _SPECS.setdefault(spec.name, spec)
         return _SPECS[spec.name]

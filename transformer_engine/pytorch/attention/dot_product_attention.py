@@ -22,9 +22,8 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from transformer_engine.plugin import get_default_manager, ops
+from transformer_engine.plugin import ops
 from transformer_engine.plugin.catalog.attention import AttentionConfig
-from transformer_engine.plugin.core import ArgKey
 
 from ..distributed import checkpoint
 from ..module.base import default_device
@@ -83,23 +82,6 @@ def _attend(q, k, v, attn_bias, softmax_offset, extras: _Extras, config: Attenti
         if torch.compiler.is_compiling() and _sdpa_expresses(attn_bias, softmax_offset, extras, config):
             return _traced_sdpa(q, k, v, config)
         return _FusedAttnFunc.apply(q, k, v, attn_bias, softmax_offset, extras, config)
-
-
-def _compiled_op(name: str, device: torch.device) -> Callable:
-    """What a traced call of catalog op ``name`` runs when the op has no custom op (an AttentionConfig argument):
-    the dispatch layer's compiled form of the op for ``device`` (``OpManager.compiled_form``, the implementations
-    ``torch.compile`` may trace in the policy's order, e.g. the reference backend's tensor ops), taken now because
-    the choice does not trace; when none of them accepts the call, the op itself (a graph break)."""
-    device = torch.device(device)
-    chain = get_default_manager().compiled_form(name, ArgKey(device.type, device.index, None))
-
-    def traced(*args, **kwargs):
-        for supports, fn in chain:
-            if supports is None or supports(*args, **kwargs):
-                return fn(*args, **kwargs)
-        return getattr(ops, name)(*args, **kwargs)
-
-    return traced
 
 
 def _sdpa_expresses(attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig) -> bool:
@@ -301,9 +283,6 @@ class DotProductAttention(torch.nn.Module):
         check_probability("DotProductAttention", "attention_dropout", attention_dropout)
         super().__init__()
         self.return_max_logit = bool(return_max_logit)
-        #: what torch.compile traces for ``ops.attention_max_logit`` (whose AttentionConfig argument gives it no custom
-        #: op): the op's compiled form (the reference backend's tensor ops), chosen here (the choice itself does not trace)
-        self._traced_max_logit = _compiled_op("attention_max_logit", default_device()) if return_max_logit else None
         self.qkv_format = qkv_format
         self.attn_mask_type = _masks.canonical_mask_type(attn_mask_type)
         self.window_size = _masks.check_set_window_size(self.attn_mask_type, window_size)
@@ -453,11 +432,10 @@ class DotProductAttention(torch.nn.Module):
             out = _attend(*args)
         if not self.return_max_logit:
             return problem.restore(out)
-        max_logit_op = self._traced_max_logit if torch.compiler.is_compiling() else ops.attention_max_logit
-        with torch.no_grad():
-            max_logit = max_logit_op(problem.q, problem.k, config, attn_mask=extras.attn_mask, attn_bias=attn_bias,
-                                     alibi_slopes=extras.alibi_slopes, cu_seqlens_q=extras.cu_seqlens_q,
-                                     cu_seqlens_kv=extras.cu_seqlens_kv)
+        with torch.no_grad():  # traced by torch.compile as the op's compiled form (the catalog declares it traced)
+            max_logit = ops.attention_max_logit(problem.q, problem.k, config, attn_mask=extras.attn_mask, attn_bias=attn_bias,
+                                                alibi_slopes=extras.alibi_slopes, cu_seqlens_q=extras.cu_seqlens_q,
+                                                cu_seqlens_kv=extras.cu_seqlens_kv)
         return problem.restore(out), max_logit
 
     def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, seqs: _Sequences, bias_type: str,
