@@ -13,8 +13,8 @@ bias is left.
 
 Cases (a step is fwd+bwd, gradients cleared; FP8 = DelayedScaling HYBRID, history 16):
 
-- ``small``: ``nn.Linear`` / ``te.Linear(256, 256)`` bf16 and FP8 on 16 tokens (``bench_host_overhead.py``'s), chunks of steps
-  enqueued back to back (host time per step);
+- ``small``: ``nn.Linear`` / ``te.Linear(256, 256)`` bf16 and FP8 on 16 tokens (``bench_host_overhead.py``'s), and
+  ``nn.LayerNorm`` + ``nn.Linear`` / ``te.LayerNormLinear`` bf16, chunks of steps enqueued back to back (host time per step);
 - ``norms`` (GPU): ``te.LayerNorm`` / ``te.RMSNorm`` / ``nn.LayerNorm`` on [16384, 4096] bf16;
 - ``large`` (GPU): ``te.Linear`` 8192^3 FP8 and the headline ``te.TransformerLayer`` FP8, each step
   waited for (as ``bench_linear.py`` and ``bench_transformer_layer.py`` time them);
@@ -71,6 +71,10 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
         for name, ctx in (("bf16", none), ("FP8", under_fp8)):
             linear = te.Linear(FEATURES, FEATURES, params_dtype=bf16, device=device)
             cases[f"te.Linear({FEATURES}) {name}"] = (fwd_bwd_step(linear, x, None, ctx), 50, False)
+        plain_norm_linear = torch.nn.Sequential(torch.nn.LayerNorm(FEATURES, device=device, dtype=bf16), plain)
+        cases[f"nn.LayerNorm + nn.Linear({FEATURES}) bf16"] = (fwd_bwd_step(plain_norm_linear, x, None, none), 50, False)
+        norm_linear = te.LayerNormLinear(FEATURES, FEATURES, params_dtype=bf16, device=device)
+        cases[f"te.LayerNormLinear({FEATURES}) bf16"] = (fwd_bwd_step(norm_linear, x, None, none), 50, False)
     if device != "cuda":
         return cases
     if "norms" in groups:

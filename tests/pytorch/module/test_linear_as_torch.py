@@ -1,6 +1,7 @@
-"""te.Linear in high precision runs as torch.nn.functional.linear (PyTorch's autograd, no LinearFunction) exactly
-when the policy's first choice for ``gemm`` declares itself PyTorch's own matmul (``OpImpl.aten_dtypes``), and only
-where nothing needs the Function (FP8, calibration, tensor parallelism, main_grad, delayed wgrads)."""
+"""te.Linear in high precision runs as torch.nn.functional.linear (PyTorch's autograd, no LinearFunction), and
+te.LayerNormLinear as its norm's autograd node then that linear, exactly when the policy's first choice for ``gemm``
+declares itself PyTorch's own matmul (``OpImpl.aten_dtypes``), and only where nothing needs the Function (FP8,
+calibration, tensor parallelism, main_grad, delayed wgrads)."""
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def _graph_names(y: torch.Tensor) -> set:
 
 
 def _runs_function(y: torch.Tensor) -> bool:
-    return "LinearFunctionBackward" in _graph_names(y)
+    return bool({"LinearFunctionBackward", "LayerNormLinearFunctionBackward"} & _graph_names(y))
 
 
 def test_runs_as_aten_reads_the_first_choice(aten_gemm):
@@ -81,6 +82,42 @@ def test_torch_linear_equals_the_function(aten_gemm, dtype, shape, bias, return_
         torch.testing.assert_close(a, b, **tols)
     for name, grad in want[2].items():
         torch.testing.assert_close(got[2][name], grad, **tols)
+
+
+@pytest.mark.parametrize("normalization, zero_centered", [("LayerNorm", False), ("RMSNorm", False), ("LayerNorm", True)])
+@pytest.mark.parametrize("return_layernorm_output, return_bias", [(False, False), (True, False), (True, True)])
+def test_layernorm_linear_as_norm_then_torch_linear(aten_gemm, normalization, zero_centered, return_layernorm_output,
+                                                   return_bias):
+    """Norm node + PyTorch's linear against LayerNormLinearFunction: the same outputs and gradients, ln_out too (its
+    gradient, when the caller uses it, joins the GEMM's as in the Function)."""
+    dtype = torch.bfloat16
+    layer = te.LayerNormLinear(16, 8, normalization=normalization, zero_centered_gamma=zero_centered, return_bias=return_bias,
+                               return_layernorm_output=return_layernorm_output, params_dtype=dtype)
+    with torch.no_grad():
+        layer.layer_norm_weight.add_(randn(16, dtype=dtype, scale=0.1))
+    x, dy, dln = randn(2, 3, 16, dtype=dtype), randn(2, 3, 8, dtype=dtype), randn(2, 3, 16, dtype=dtype)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        outs = layer(xi)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        loss = (outs[0].float() * dy.float()).sum() + ((outs[-1].float() * dln.float()).sum() if return_layernorm_output else 0)
+        loss.backward()
+        return [o.detach() for o in outs] + [xi.grad] + [p.grad for p in layer.parameters()], outs[0]
+
+    got, out = step()
+    assert not _runs_function(out)
+    registry = get_default_manager().registry
+    registry.unregister("gemm", ATEN_ID)
+    want, out = step()
+    registry.register(aten_gemm)
+    assert _runs_function(out)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, **dtype_tols(dtype))
 
 
 def test_torch_autocast_casts_as_the_function(aten_gemm):
@@ -136,3 +173,19 @@ def test_cuda_policy_runs_high_precision_as_torch_linear(dtype):
         torch.testing.assert_close(got[2][name], grad, **dtype_tols(dtype))  # nn.Linear on 3-D input: matmul, not addmm
     with te.autocast(recipe=DelayedScaling()):
         assert _runs_function(layer(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_policy_runs_layernorm_linear_as_norm_then_torch_linear():
+    """Under the default CUDA policy, te.LayerNormLinear bf16 = te.LayerNorm then nn.Linear, bit for bit in forward."""
+    dtype = torch.bfloat16
+    layer = te.LayerNormLinear(256, 128, params_dtype=dtype, device="cuda")
+    norm, lin = te.LayerNorm(256, params_dtype=dtype, device="cuda"), torch.nn.Linear(256, 128, dtype=dtype, device="cuda")
+    with torch.no_grad():
+        norm.weight.copy_(layer.layer_norm_weight), norm.bias.copy_(layer.layer_norm_bias)
+        lin.weight.copy_(layer.weight), lin.bias.copy_(layer.bias)
+    x = randn(4, 32, 256, dtype=dtype, device="cuda")
+    y = layer(x.requires_grad_())
+    assert not _runs_function(y)
+    torch.testing.assert_close(y, lin(norm(x)), rtol=0, atol=0)

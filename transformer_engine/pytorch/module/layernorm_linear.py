@@ -7,11 +7,13 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 
 from .._functions.common import apply_without_torch_autocast, cast
+from .._functions.norm_function import NormArgs, NormFunction
 from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
 from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs
 from .._checks import check_sizes
 from ._params import add_linear_params, add_norm_params
 from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype
+from .linear import torch_linear
 
 __all__ = ["LayerNormLinear"]
 
@@ -110,19 +112,26 @@ class LayerNormLinear(TransformerEngineBaseModule):
         """out = norm(inp) W^T + b; returns out[, bias][, ln_out] (TE's order)."""
         weight, bias = self.layout.weight(self), self.layout.bias(self)
         # comm: tensor parallelism, what the Function communicates
-        act_dtype, (comm,), q = self._linear_prelude((inp, weight), self.in_features)
-        args = LayerNormLinearArgs(
-            dtype=act_dtype,
-            quantization=q,
-            weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
-            wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
-            norm=self.norm,
-            return_layernorm_output=self.return_layernorm_output,
-            comm=comm,
-        )
-        result = apply_without_torch_autocast(
-            LayerNormLinearFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, weight,
-            None if self.return_bias else bias, args,
-        )
+        act_dtype, comms, q = self._linear_prelude((inp, weight), self.in_features)
+        (comm,) = comms
+        gemm_bias = None if self.return_bias else bias
+        if self._runs_as_torch_linear(inp, weight, act_dtype, q, comms):  # the norm's node, then PyTorch's linear
+            ln_out = apply_without_torch_autocast(NormFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias,
+                                                  NormArgs(norm=self.norm, dtype=act_dtype, hidden=self.in_features))
+            out = torch_linear(ln_out, weight, gemm_bias, act_dtype)
+            result = (out, ln_out) if self.return_layernorm_output else out
+        else:
+            args = LayerNormLinearArgs(
+                dtype=act_dtype,
+                quantization=q,
+                weight_operand=self._weight_operand("weight", weight, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
+                wgrad=self._wgrad_target(weight.dtype, self.layout.weight_params(self)),
+                norm=self.norm,
+                return_layernorm_output=self.return_layernorm_output,
+                comm=comm,
+            )
+            result = apply_without_torch_autocast(
+                LayerNormLinearFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, weight, gemm_bias, args,
+            )
         return norm_linear_outputs(self, result, comm.deferred_bias(cast(bias, act_dtype)), comm)
 
