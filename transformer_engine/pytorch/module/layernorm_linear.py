@@ -38,7 +38,9 @@ class LayerNormLinear(TransformerEngineBaseModule):
     (or the ``parameters_split`` names).
 
     Forward: ``forward(inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False)`` returns
-    ``out``, then ``bias`` if ``return_bias``, then ``ln_out`` if ``return_layernorm_output``.
+    ``out``, then ``bias`` if ``return_bias``, then ``ln_out`` if ``return_layernorm_output``. Where ``te.Linear``
+    would run as ``torch.nn.functional.linear`` (high precision, see its docstring), the norm runs as its own autograd
+    node (``te.LayerNorm``'s) and the GEMM as PyTorch's ``linear``.
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
