@@ -42,7 +42,7 @@ def _graph_names(y: torch.Tensor) -> set:
 
 
 def _runs_function(y: torch.Tensor) -> bool:
-    return bool({"LinearFunctionBackward", "LayerNormLinearFunctionBackward"} & _graph_names(y))
+    return bool({"LinearFunctionBackward", "LayerNormLinearFunctionBackward", "LayerNormMLPFunctionBackward"} & _graph_names(y))
 
 
 def test_runs_as_aten_reads_the_first_choice(aten_gemm):
@@ -120,6 +120,41 @@ def test_layernorm_linear_as_norm_then_torch_linear(aten_gemm, normalization, ze
             torch.testing.assert_close(a, b, **dtype_tols(dtype))
 
 
+@pytest.mark.parametrize("activation, normalization", [("gelu", "LayerNorm"), ("swiglu", "RMSNorm"), ("relu", "LayerNorm")])
+@pytest.mark.parametrize("return_layernorm_output, return_bias", [(False, False), (True, True)])
+def test_layernorm_mlp_as_nodes_and_torch_linears(aten_gemm, activation, normalization, return_layernorm_output, return_bias):
+    """Norm node, PyTorch's linear, activation node, PyTorch's linear against LayerNormMLPFunction: the same outputs
+    and gradients; checkpoint=True (recompute in backward) keeps the Function."""
+    dtype = torch.bfloat16
+    layer = te.LayerNormMLP(16, 24, activation=activation, normalization=normalization, return_bias=return_bias,
+                            return_layernorm_output=return_layernorm_output, params_dtype=dtype)
+    x, dy, dln = randn(2, 3, 16, dtype=dtype), randn(2, 3, 16, dtype=dtype), randn(2, 3, 16, dtype=dtype)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        outs = layer(xi)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        loss = (outs[0].float() * dy.float()).sum() + ((outs[-1].float() * dln.float()).sum() if return_layernorm_output else 0)
+        loss.backward()
+        return [o.detach() for o in outs] + [xi.grad] + [p.grad for p in layer.parameters()], outs[0]
+
+    got, out = step()
+    assert not _runs_function(out)
+    registry = get_default_manager().registry
+    registry.unregister("gemm", ATEN_ID)
+    want, out = step()
+    registry.register(aten_gemm)
+    assert _runs_function(out)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, **dtype_tols(dtype))
+    recomputed = te.LayerNormMLP(16, 24, activation=activation, checkpoint=True, params_dtype=dtype)
+    assert _runs_function(recomputed(x.clone().requires_grad_()))
+
+
 def test_torch_autocast_casts_as_the_function(aten_gemm):
     layer = te.Linear(16, 8, params_dtype=torch.float32)
     x = randn(4, 16, dtype=torch.float32).requires_grad_()
@@ -189,3 +224,22 @@ def test_cuda_policy_runs_layernorm_linear_as_norm_then_torch_linear():
     y = layer(x.requires_grad_())
     assert not _runs_function(y)
     torch.testing.assert_close(y, lin(norm(x)), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_cuda_policy_runs_layernorm_mlp_as_nodes_and_torch_linears(activation):
+    """Under the default CUDA policy te.LayerNormMLP bf16 takes the four-node path; it matches the Function's (here with
+    checkpoint=True, which keeps the Function) in outputs and gradients."""
+    dtype = torch.bfloat16
+    layer = te.LayerNormMLP(256, 512, activation=activation, params_dtype=dtype, device="cuda")
+    fused = te.LayerNormMLP(256, 512, activation=activation, checkpoint=True, params_dtype=dtype, device="cuda")
+    fused.load_state_dict(layer.state_dict())
+    x, dy = randn(4, 32, 256, dtype=dtype, device="cuda"), randn(4, 32, 256, dtype=dtype, device="cuda")
+    assert not _runs_function(layer(x.clone().requires_grad_()))
+    got, want = forward_backward(layer, x, dy), forward_backward(fused, x, dy)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, **dtype_tols(dtype))
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, **dtype_tols(dtype))

@@ -8,12 +8,16 @@ import torch
 
 from ..parallel.linear_comm import NO_COMM, LinearComm
 from .._functions.activation import ActivationConfig
+from .._functions.activation_function import ActivationArgs, ActivationFunction
 from .._functions.common import apply_without_torch_autocast, cast
+from .._functions.norm_function import NormArgs, NormFunction
+from ..tensor.quantized_tensor import QuantizedTensor
 from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
 from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs
 from .._checks import check_sizes
 from ._params import add_linear_params, add_norm_params
 from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype
+from .linear import torch_linear
 
 __all__ = ["LayerNormMLP"]
 
@@ -45,7 +49,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
     Parameters: ``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight`` [F or 2F, H], ``fc1_bias``,
     ``fc2_weight`` [H, F], ``fc2_bias``.
 
-    Forward: ``forward(inp, is_first_microbatch=None)`` returns out[, fc2_bias][, ln_out].
+    Forward: ``forward(inp, is_first_microbatch=None)`` returns out[, fc2_bias][, ln_out]. Where ``te.Linear`` would
+    run as ``torch.nn.functional.linear`` (high precision, see its docstring) and without ``checkpoint``, the norm and
+    the activation run as autograd nodes of their own and FC1 / FC2 as PyTorch's ``linear``.
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -135,7 +141,12 @@ class LayerNormMLP(TransformerEngineBaseModule):
         """out = fc2(act(fc1(norm(inp)))); returns out[, fc2_bias][, ln_out] (TE's order)."""
         w1, w2 = self.fc1.weight(self), self.fc2.weight(self)
         # comms: tensor parallelism, what the Function communicates
-        act_dtype, (fc1_comm, fc2_comm), q = self._linear_prelude((inp, w1, w2), self.hidden_size, what="hidden_size")
+        act_dtype, comms, q = self._linear_prelude((inp, w1, w2), self.hidden_size, what="hidden_size")
+        fc1_comm, fc2_comm = comms
+        b2 = self.fc2.bias(self)
+        if not self.checkpoint and self._runs_as_torch_linear(inp, w1, act_dtype, q, comms) and not isinstance(w2, QuantizedTensor):
+            result = self._as_torch_linears(inp, w1, w2, b2, act_dtype)
+            return norm_linear_outputs(self, result, fc2_comm.deferred_bias(cast(b2, act_dtype)), fc1_comm)
         args = LayerNormMLPArgs(
             dtype=act_dtype,
             quantization=q,
@@ -150,9 +161,21 @@ class LayerNormMLP(TransformerEngineBaseModule):
             fc2_comm=fc2_comm,
             checkpoint=self.checkpoint,
         )
-        b2 = self.fc2.bias(self)
         result = apply_without_torch_autocast(
             LayerNormMLPFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, w1, self.fc1.bias(self), w2,
             None if self.return_bias else b2, args,
         )
         return norm_linear_outputs(self, result, fc2_comm.deferred_bias(cast(b2, act_dtype)), fc1_comm)
+
+    def _as_torch_linears(self, inp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor],
+                          dtype: torch.dtype):
+        """The high-precision call as four autograd nodes: the norm's and the activation's (the catalog's kernels, as
+        ``te.LayerNorm`` and ``te.ops``' activations) and PyTorch's ``linear`` for FC1 and FC2 (see ``Linear``);
+        returns out, or (out, ln_out) with ``return_layernorm_output``."""
+        ln_out = apply_without_torch_autocast(NormFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias,
+                                              NormArgs(norm=self.norm, dtype=dtype, hidden=self.hidden_size))
+        h = torch_linear(ln_out, w1, self.fc1.bias(self), dtype)
+        a = apply_without_torch_autocast(ActivationFunction, inp.device, h,
+                                         ActivationArgs(act=self.activation, dtype=dtype, interleave=None, cache_quantizer=None))
+        out = torch_linear(a, w2, None if self.return_bias else b2, dtype)
+        return (out, ln_out) if self.return_layernorm_output else out

@@ -16,7 +16,6 @@ an FP8 rounding of x in act'(x)). The math of each kernel is in ``plugin/catalog
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -24,69 +23,14 @@ import torch
 from transformer_engine.common.recipe import QParams
 
 from .._functions.activation import ActivationConfig
-from .._functions.common import apply_without_torch_autocast, cast, no_torch_autocast, save, saved
-from ..quantization.float8_tensor import Float8Tensor
-from ..quantization.quantizer import Float8CurrentScalingQuantizer, Quantizer
+from .._functions.activation_function import ActivationArgs, ActivationFunction
+from .._functions.common import apply_without_torch_autocast
+from ..quantization.quantizer import Float8CurrentScalingQuantizer
 from .op import BasicOperation
 
 __all__ = ["ClampedSwiGLU", "GEGLU", "GELU", "GLU", "QGEGLU", "QGELU", "ReGLU", "ReLU", "SReGLU", "SReLU", "SiLU", "SwiGLU"]
 
 _INPUT_CACHE_QUANTIZER = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, QParams())
-
-
-@dataclass(frozen=True)
-class _ActivationArgs:
-    """Non-tensor arguments of :class:`_ActivationFunction`.
-
-    Attributes:
-        act: the activation.
-        dtype: compute dtype.
-        interleave: ``glu_interleave_size`` or None.
-        cache_quantizer: the FP8 quantizer of the saved input, or None (saved as is).
-    """
-
-    act: ActivationConfig
-    dtype: torch.dtype
-    interleave: Optional[int]
-    cache_quantizer: Optional[Quantizer]
-
-
-def _gather_halves(x: torch.Tensor, s: Optional[int]) -> torch.Tensor:
-    """Blocks [a_1 (s), b_1 (s), a_2, b_2, ...] along the last dim -> [a_1, a_2, ..., b_1, b_2, ...]."""
-    if s is None:
-        return x
-    n = x.shape[-1]
-    return x.reshape(-1, n // (2 * s), 2, s).transpose(1, 2).reshape(x.shape)
-
-
-def _scatter_halves(x: torch.Tensor, s: Optional[int]) -> torch.Tensor:
-    """The inverse of :func:`_gather_halves`."""
-    if s is None:
-        return x
-    n = x.shape[-1]
-    return x.reshape(-1, 2, n // (2 * s), s).transpose(1, 2).reshape(x.shape)
-
-
-class _ActivationFunction(torch.autograd.Function):
-    """y = act(x), dx = dy * act'(x) (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, args: _ActivationArgs):
-        h = _gather_halves(cast(x, args.dtype).contiguous(), args.interleave)
-        with no_torch_autocast(x.device):
-            y, *_ = args.act.producer(h)(None, None, None)  # no FP8 scale: the high-precision result
-            save(ctx, h if args.cache_quantizer is None else args.cache_quantizer.quantize(h))
-        ctx.args, ctx.inp_dtype = args, x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        args = ctx.args
-        (h,) = saved(ctx)
-        with no_torch_autocast(dy.device):
-            h = h.dequantize(args.dtype) if isinstance(h, Float8Tensor) else h
-            dh = args.act.backward(cast(dy, args.dtype).contiguous(), h)
-        return cast(_scatter_halves(dh, args.interleave), ctx.inp_dtype), None
 
 
 class _Activation(BasicOperation):
@@ -114,8 +58,8 @@ class _Activation(BasicOperation):
                              f"{'' if self._interleave is None else f' of {self._interleave}-blocks'}; got shape {tuple(x.shape)}")
         on = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
-        return apply_without_torch_autocast(_ActivationFunction, x.device, x,
-                                            _ActivationArgs(self._act, dtype, self._interleave, self._cache_quantizer))
+        return apply_without_torch_autocast(ActivationFunction, x.device, x,
+                                            ActivationArgs(self._act, dtype, self._interleave, self._cache_quantizer))
 
 
 class GELU(_Activation):
