@@ -84,6 +84,33 @@ def test_torch_linear_equals_the_function(aten_gemm, dtype, shape, bias, return_
         torch.testing.assert_close(got[2][name], grad, **tols)
 
 
+def _same_as_the_function(layer, aten_gemm, x: torch.Tensor, dy: torch.Tensor, dln) -> None:
+    """``layer`` (a norm module with GEMMs, bf16) on PyTorch's linears, then on its Function (the aten-declared gemm
+    unregistered): the same outputs and gradients, ln_out's included when the loss uses it (``dln`` not None)."""
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        outs = layer(xi)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        loss = (outs[0].float() * dy.float()).sum() + ((outs[-1].float() * dln.float()).sum() if dln is not None else 0)
+        loss.backward()
+        return [o.detach() for o in outs] + [xi.grad] + [p.grad for p in layer.parameters()], outs[0]
+
+    got, out = step()
+    assert not _runs_function(out)
+    registry = get_default_manager().registry
+    registry.unregister("gemm", ATEN_ID)
+    want, out = step()
+    registry.register(aten_gemm)
+    assert _runs_function(out)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, **dtype_tols(x.dtype))
+
+
 @pytest.mark.parametrize("normalization, zero_centered", [("LayerNorm", False), ("RMSNorm", False), ("LayerNorm", True)])
 @pytest.mark.parametrize("return_layernorm_output, return_bias", [(False, False), (True, False), (True, True)])
 def test_layernorm_linear_as_norm_then_torch_linear(aten_gemm, normalization, zero_centered, return_layernorm_output,
@@ -95,29 +122,8 @@ def test_layernorm_linear_as_norm_then_torch_linear(aten_gemm, normalization, ze
                                return_layernorm_output=return_layernorm_output, params_dtype=dtype)
     with torch.no_grad():
         layer.layer_norm_weight.add_(randn(16, dtype=dtype, scale=0.1))
-    x, dy, dln = randn(2, 3, 16, dtype=dtype), randn(2, 3, 8, dtype=dtype), randn(2, 3, 16, dtype=dtype)
-
-    def step():
-        layer.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        outs = layer(xi)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        loss = (outs[0].float() * dy.float()).sum() + ((outs[-1].float() * dln.float()).sum() if return_layernorm_output else 0)
-        loss.backward()
-        return [o.detach() for o in outs] + [xi.grad] + [p.grad for p in layer.parameters()], outs[0]
-
-    got, out = step()
-    assert not _runs_function(out)
-    registry = get_default_manager().registry
-    registry.unregister("gemm", ATEN_ID)
-    want, out = step()
-    registry.register(aten_gemm)
-    assert _runs_function(out)
-    for a, b in zip(got, want):
-        if b is None:
-            assert a is None
-        else:
-            torch.testing.assert_close(a, b, **dtype_tols(dtype))
+    _same_as_the_function(layer, aten_gemm, x=randn(2, 3, 16, dtype=dtype), dy=randn(2, 3, 8, dtype=dtype),
+                          dln=randn(2, 3, 16, dtype=dtype) if return_layernorm_output else None)
 
 
 @pytest.mark.parametrize("activation, normalization", [("gelu", "LayerNorm"), ("swiglu", "RMSNorm"), ("relu", "LayerNorm")])
@@ -128,29 +134,9 @@ def test_layernorm_mlp_as_nodes_and_torch_linears(aten_gemm, activation, normali
     dtype = torch.bfloat16
     layer = te.LayerNormMLP(16, 24, activation=activation, normalization=normalization, return_bias=return_bias,
                             return_layernorm_output=return_layernorm_output, params_dtype=dtype)
-    x, dy, dln = randn(2, 3, 16, dtype=dtype), randn(2, 3, 16, dtype=dtype), randn(2, 3, 16, dtype=dtype)
-
-    def step():
-        layer.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        outs = layer(xi)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        loss = (outs[0].float() * dy.float()).sum() + ((outs[-1].float() * dln.float()).sum() if return_layernorm_output else 0)
-        loss.backward()
-        return [o.detach() for o in outs] + [xi.grad] + [p.grad for p in layer.parameters()], outs[0]
-
-    got, out = step()
-    assert not _runs_function(out)
-    registry = get_default_manager().registry
-    registry.unregister("gemm", ATEN_ID)
-    want, out = step()
-    registry.register(aten_gemm)
-    assert _runs_function(out)
-    for a, b in zip(got, want):
-        if b is None:
-            assert a is None
-        else:
-            torch.testing.assert_close(a, b, **dtype_tols(dtype))
+    x = randn(2, 3, 16, dtype=dtype)
+    _same_as_the_function(layer, aten_gemm, x=x, dy=randn(2, 3, 16, dtype=dtype),
+                          dln=randn(2, 3, 16, dtype=dtype) if return_layernorm_output else None)
     recomputed = te.LayerNormMLP(16, 24, activation=activation, checkpoint=True, params_dtype=dtype)
     assert _runs_function(recomputed(x.clone().requires_grad_()))
 
