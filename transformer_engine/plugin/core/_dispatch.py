@@ -35,15 +35,18 @@ _PREFIX = "_te_"  # names of the generated code; an op parameter may not start w
 
 
 class Plan:
-    """How one op runs for one (policy, registry epoch, device, dtype)."""
+    """How one op runs for one (policy, registry epoch, device, dtype); ``runs_as_aten``: the head candidate declares
+    itself PyTorch's own operator for that dtype (:attr:`OpImpl.aten_dtypes`), decided when the plan is made."""
 
-    __slots__ = ("candidates", "strict", "first", "recover")
+    __slots__ = ("candidates", "strict", "first", "recover", "runs_as_aten")
 
-    def __init__(self, candidates: Tuple[OpImpl, ...], strict: bool, first: Callable, recover: Optional[Callable]):
+    def __init__(self, candidates: Tuple[OpImpl, ...], strict: bool, first: Callable, recover: Optional[Callable],
+                 runs_as_aten: bool = False):
         self.candidates = candidates
         self.strict = strict
         self.first = first
         self.recover = recover
+        self.runs_as_aten = runs_as_aten
 
 
 class OpCache:

@@ -192,10 +192,11 @@ class OpManager:
             return Plan((), strict, _raiser(NoImplementationError, message), None)
         candidates = tuple(candidates)
         head = candidates[0]
+        aten = head.aten_dtypes is not None and key.dtype in head.aten_dtypes
         if head.supports is not None:  # each call asks the head's predicate: the candidate runner runs it
-            return Plan(candidates, strict, self._runner(spec.name, candidates, strict, rejected), None)
+            return Plan(candidates, strict, self._runner(spec.name, candidates, strict, rejected), None, aten)
         if strict or len(candidates) == 1:
-            return Plan(candidates, strict, head.fn, None)
+            return Plan(candidates, strict, head.fn, None, aten)
         rest = candidates[1:]
 
         def recover(exc: Exception, args: tuple, kwargs: dict) -> Any:
@@ -203,7 +204,7 @@ class OpManager:
             # the error path: a runner of the other candidates that raises the head's error if none returns
             return self._runner(spec.name, rest, strict, rejected, first_error=exc, stacklevel=5)(*args, **kwargs)
 
-        return Plan(candidates, strict, head.fn, recover)
+        return Plan(candidates, strict, head.fn, recover, aten)
 
     def _runner(self, op_name: str, impls: Sequence[OpImpl], strict: bool, rejected=(), *, with_impl: bool = False,
                 first_error: Optional[BaseException] = None, stacklevel: int = 4) -> Callable:
@@ -300,11 +301,9 @@ class OpManager:
         """True when the implementation the policy puts first for ``op_name`` on a key argument like ``key`` (anything
         with the ``device`` and ``dtype`` of the call's key argument) declares that it computes exactly PyTorch's own
         operator for that dtype (:attr:`OpImpl.aten_dtypes`): the caller may then run that operator itself. The plan
-        lookup of a call, without calling anything."""
+        lookup of a call (the answer is kept with the plan), without calling anything."""
         self.dispatcher(op_name)  # creates the op's cache on first use
-        candidates = self._caches[op_name].lookup(key).candidates
-        aten = candidates[0].aten_dtypes if candidates else None
-        return aten is not None and arg_key(key).dtype in aten
+        return self._caches[op_name].lookup(key).runs_as_aten
 
     def resolve(self, op_name: str, *args, **kwargs) -> Callable:
         """Upstream name: the function :meth:`select` picks."""
