@@ -166,11 +166,17 @@ def test_what_needs_the_function_keeps_it(aten_gemm, case):
         assert layer.weight.main_grad.abs().sum() > 0
 
 
-def test_torch_linear_traces_whole(aten_gemm):
-    layer = te.Linear(16, 8, params_dtype=torch.float32)
+@pytest.mark.parametrize("make", [lambda: te.Linear(16, 8, params_dtype=torch.float32),
+                                  lambda: te.LayerNormLinear(16, 8, return_layernorm_output=True, params_dtype=torch.float32),
+                                  lambda: te.LayerNormMLP(16, 24, activation="swiglu", params_dtype=torch.float32)],
+                         ids=["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_torch_linear_traces_whole(aten_gemm, make):
+    layer = make()
     x = randn(2, 3, 16, dtype=torch.float32)
     explained = torch._dynamo.explain(layer)(x)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    outputs = layer(x.requires_grad_())
+    assert not _runs_function(outputs[0] if isinstance(outputs, tuple) else outputs)
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)

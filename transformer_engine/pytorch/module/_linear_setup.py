@@ -1,11 +1,12 @@
 """What ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` share outside their forward's prelude (which is
 ``TransformerEngineBaseModule._linear_prelude``): the tensor-parallel settings from TE's constructor arguments, the norm's
-settings, and the outputs of the two norm modules. Construction-time helpers, except :func:`norm_linear_outputs`.
+settings, and the outputs of the two norm modules. Construction-time helpers, except :func:`norm_then` and
+:func:`norm_linear_outputs`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -13,10 +14,12 @@ from ..parallel.comm import gather_from_sequence_parallel_region
 from ..parallel.linear_comm import LinearComm
 from ..parallel.tensor_parallel import ParallelConfig
 from .._checks import check_eps
+from .._functions.common import apply_without_torch_autocast
 from .._functions.norm import NormConfig
+from .._functions.norm_function import NormArgs, NormFunction
 from .base import te_outputs
 
-__all__ = ["checked_norm", "keep_norm", "linear_parallel_config", "norm_linear_outputs"]
+__all__ = ["checked_norm", "keep_norm", "linear_parallel_config", "norm_linear_outputs", "norm_then"]
 
 
 def linear_parallel_config(tp_group, tp_size: int, *, sequence_parallel: bool, parallel_mode: Optional[str],
@@ -53,6 +56,17 @@ def keep_norm(module: torch.nn.Module, norm: NormConfig) -> None:
     """``module.norm`` := ``norm``, with TE's attributes ``normalization``, ``eps`` and ``zero_centered_gamma``."""
     module.normalization, module.eps, module.zero_centered_gamma = norm.kind, norm.eps, norm.zero_centered_gamma
     module.norm = norm
+
+
+def norm_then(module: torch.nn.Module, inp: torch.Tensor, dtype: torch.dtype, hidden: int,
+              gemms: Callable[[torch.Tensor], torch.Tensor]):
+    """The high-precision path of LayerNormLinear / LayerNormMLP: ``module``'s norm (``layer_norm_weight`` /
+    ``layer_norm_bias`` over the last ``hidden`` features, in ``dtype``) as an autograd node of its own (``te.LayerNorm``'s
+    Function), then ``gemms(ln_out)``; returns out, or (out, ln_out) with ``return_layernorm_output``."""
+    ln_out = apply_without_torch_autocast(NormFunction, inp.device, inp, module.layer_norm_weight, module.layer_norm_bias,
+                                          NormArgs(norm=module.norm, dtype=dtype, hidden=hidden))
+    out = gemms(ln_out)
+    return (out, ln_out) if module.return_layernorm_output else out
 
 
 def norm_linear_outputs(module: torch.nn.Module, result, bias: Optional[torch.Tensor], comm: LinearComm):

@@ -373,14 +373,15 @@ class TransformerEngineBaseModule(torch.nn.Module):
             check_saved_input(saved_input_of, q.gemms[0].input)
         return act_dtype, comms, share_scales(q, *comms) if split else q
 
-    def _runs_as_torch_linear(self, inp: torch.Tensor, weight: torch.Tensor, act_dtype: torch.dtype, q: ForwardQuantization,
-                              comms: Tuple[LinearComm, ...]) -> bool:
+    def _runs_as_torch_linear(self, inp: torch.Tensor, weights: Tuple[torch.Tensor, ...], act_dtype: torch.dtype,
+                              q: ForwardQuantization, comms: Tuple[LinearComm, ...]) -> bool:
         """True when this call's GEMMs may run as ``torch.nn.functional.linear`` with PyTorch's autograd: no quantization
         (nor calibration), no tensor parallelism, dW into ``weight.grad`` now (no ``fuse_wgrad_accumulation``, no
-        ``delay_wgrad_compute``), a high-precision weight, and a policy whose first choice for ``gemm`` on these operands
-        is PyTorch's own matmul (``plugin.runs_as_aten``; a backend registered ahead of it keeps the Function)."""
+        ``delay_wgrad_compute``), high-precision ``weights`` (each GEMM's), and a policy whose first choice for ``gemm`` on
+        these operands is PyTorch's own matmul (``plugin.runs_as_aten``; a backend registered ahead of it keeps the
+        Function)."""
         return (q is self._high_precision and comms is self._NO_COMMS and not self.fuse_wgrad_accumulation
-                and not self.wgrad_store.delay_wgrad_compute() and not isinstance(weight, QuantizedTensor)
+                and not self.wgrad_store.delay_wgrad_compute() and not any(isinstance(w, QuantizedTensor) for w in weights)
                 and runs_as_aten("gemm", inp.device, act_dtype))
 
     # ----------------------------------------------------------------------------- quantization

@@ -7,9 +7,8 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 
 from .._functions.common import apply_without_torch_autocast, cast
-from .._functions.norm_function import NormArgs, NormFunction
 from ._layernorm_linear_function import LayerNormLinearArgs, LayerNormLinearFunction
-from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs
+from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs, norm_then
 from .._checks import check_sizes
 from ._params import add_linear_params, add_norm_params
 from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype
@@ -117,11 +116,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
         act_dtype, comms, q = self._linear_prelude((inp, weight), self.in_features)
         (comm,) = comms
         gemm_bias = None if self.return_bias else bias
-        if self._runs_as_torch_linear(inp, weight, act_dtype, q, comms):  # the norm's node, then PyTorch's linear
-            ln_out = apply_without_torch_autocast(NormFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias,
-                                                  NormArgs(norm=self.norm, dtype=act_dtype, hidden=self.in_features))
-            out = torch_linear(ln_out, weight, gemm_bias, act_dtype)
-            result = (out, ln_out) if self.return_layernorm_output else out
+        if self._runs_as_torch_linear(inp, (weight,), act_dtype, q, comms):  # the norm's node, then PyTorch's linear
+            result = norm_then(self, inp, act_dtype, self.in_features, lambda ln_out: torch_linear(ln_out, weight, gemm_bias, act_dtype))
         else:
             args = LayerNormLinearArgs(
                 dtype=act_dtype,

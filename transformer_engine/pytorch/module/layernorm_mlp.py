@@ -10,10 +10,8 @@ from ..parallel.linear_comm import NO_COMM, LinearComm
 from .._functions.activation import ActivationConfig
 from .._functions.activation_function import ActivationArgs, ActivationFunction
 from .._functions.common import apply_without_torch_autocast, cast
-from .._functions.norm_function import NormArgs, NormFunction
-from ..tensor.quantized_tensor import QuantizedTensor
 from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
-from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs
+from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs, norm_then
 from .._checks import check_sizes
 from ._params import add_linear_params, add_norm_params
 from .base import TransformerEngineBaseModule, default_device, resolve_params_dtype
@@ -144,8 +142,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         act_dtype, comms, q = self._linear_prelude((inp, w1, w2), self.hidden_size, what="hidden_size")
         fc1_comm, fc2_comm = comms
         b2 = self.fc2.bias(self)
-        if not self.checkpoint and self._runs_as_torch_linear(inp, w1, act_dtype, q, comms) and not isinstance(w2, QuantizedTensor):
-            result = self._as_torch_linears(inp, w1, w2, b2, act_dtype)
+        if not self.checkpoint and self._runs_as_torch_linear(inp, (w1, w2), act_dtype, q, comms):
+            result = norm_then(self, inp, act_dtype, self.hidden_size, lambda ln_out: self._torch_linears(ln_out, w1, w2, b2, act_dtype))
             return norm_linear_outputs(self, result, fc2_comm.deferred_bias(cast(b2, act_dtype)), fc1_comm)
         args = LayerNormMLPArgs(
             dtype=act_dtype,
@@ -167,15 +165,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
         )
         return norm_linear_outputs(self, result, fc2_comm.deferred_bias(cast(b2, act_dtype)), fc1_comm)
 
-    def _as_torch_linears(self, inp: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor],
-                          dtype: torch.dtype):
-        """The high-precision call as four autograd nodes: the norm's and the activation's (the catalog's kernels, as
-        ``te.LayerNorm`` and ``te.ops``' activations) and PyTorch's ``linear`` for FC1 and FC2 (see ``Linear``);
-        returns out, or (out, ln_out) with ``return_layernorm_output``."""
-        ln_out = apply_without_torch_autocast(NormFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias,
-                                              NormArgs(norm=self.norm, dtype=dtype, hidden=self.hidden_size))
+    def _torch_linears(self, ln_out: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor],
+                       dtype: torch.dtype) -> torch.Tensor:
+        """fc2(act(fc1(ln_out))) in high precision: PyTorch's ``linear`` for FC1 and FC2 (see ``Linear``), the activation as
+        an autograd node of its own (the catalog's kernels, as ``te.ops``' activations)."""
         h = torch_linear(ln_out, w1, self.fc1.bias(self), dtype)
-        a = apply_without_torch_autocast(ActivationFunction, inp.device, h,
+        a = apply_without_torch_autocast(ActivationFunction, ln_out.device, h,
                                          ActivationArgs(act=self.activation, dtype=dtype, interleave=None, cache_quantizer=None))
-        out = torch_linear(a, w2, None if self.return_bias else b2, dtype)
-        return (out, ln_out) if self.return_layernorm_output else out
+        return torch_linear(a, w2, None if self.return_bias else b2, dtype)

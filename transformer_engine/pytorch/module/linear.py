@@ -137,7 +137,7 @@ class Linear(TransformerEngineBaseModule):
                                                    saved_input_of="Linear" if self.save_original_input else None)
         (comm,) = comms
         gemm_bias = None if self.return_bias else bias
-        if self._runs_as_torch_linear(inp, weight, act_dtype, q, comms):
+        if self._runs_as_torch_linear(inp, (weight,), act_dtype, q, comms):
             out = torch_linear(inp, weight, gemm_bias, act_dtype)
         else:
             args = LinearArgs(
