@@ -8,7 +8,8 @@ no contract breach), then the function. All implementations that accept the call
 the same exception type, or results of equal shapes and dtypes, equal within the dtype's tolerance
 (``tests.utils.DTYPE_TOLS``, 4x for float32 reductions, as in the flagos tier), NaN and +-inf in the
 same places. The reference backend runs on the CPU; the flagos kernels run in Triton's interpreter
-(imported so by the root conftest) when Triton is installed, on small shapes to keep CPU time low.
+(imported so by the root conftest) when Triton is installed, on small shapes to keep CPU time low; vendor.cuda's
+activations (PyTorch's own operators, which run on any device) run here on the CPU too.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 import transformer_engine.plugin.catalog  # noqa: F401  (declares the ops)
 from tests.utils import dtype_tols
 from transformer_engine.plugin.backends import reference
+from transformer_engine.plugin.backends._registration import impls_from_modules
+from transformer_engine.plugin.backends.vendor.cuda import activation as vendor_activation
 from transformer_engine.plugin.catalog.attention import AttentionConfig
-from transformer_engine.plugin.core import OpRegistry
+from transformer_engine.plugin.core import BackendImplKind, Capabilities, OpRegistry
 from transformer_engine.plugin.core.catalog import list_specs
 
 E4M3 = torch.float8_e4m3fn
@@ -33,6 +36,8 @@ NAN, INF = float("nan"), float("inf")
 def _registry() -> OpRegistry:
     registry = OpRegistry()
     reference.register(registry)
+    registry.register_many(impls_from_modules([vendor_activation], "vendor.cuda", BackendImplKind.VENDOR,
+                                              Capabilities(device_types=frozenset({"cpu"})), vendor="cuda"))
     try:
         from tests.plugin.backends.flagos._interpreter import import_kernels
     except ImportError:  # no torch-side triton at all

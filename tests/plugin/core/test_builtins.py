@@ -176,13 +176,14 @@ def test_a_plugin_whose_impls_are_refused_leaves_no_order():
     assert dict(measured_per_op(registry)) == {}
 
 
-def test_the_builtin_cuda_backend_puts_the_vendor_first_for_attention(provider, monkeypatch):
+def test_the_builtin_cuda_backend_puts_the_vendor_first_for_attention_and_activations(provider, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.delenv("TE_FL_SKIP_CUDA", raising=False)
     monkeypatch.setattr(builtin, "BUILTIN_BACKENDS", (builtin.CUDA_BACKEND,))  # the cuda backend alone suffices
     manager = OpManager(OpRegistry(), discover=False)
     manager.ensure_initialized()
-    assert dict(measured_per_op(manager.registry)) == {"fused_attn_fwd": ("vendor",), "fused_attn_bwd": ("vendor",)}
+    vendor_first = {op: ("vendor",) for op in ("fused_attn_fwd", "fused_attn_bwd", "gelu", "dgelu", "silu", "dsilu")}
+    assert dict(measured_per_op(manager.registry)) == vendor_first
     assert SelectionPolicy().order_for("fused_attn_fwd", measured_per_op(manager.registry))[0][0] == "vendor"
     monkeypatch.setenv("TE_FL_SKIP_CUDA", "1")
     manager.reload()

@@ -275,12 +275,13 @@ def test_a_measured_order_puts_its_tokens_first_under_the_default_preference():
     assert SelectionPolicy(prefer="vendor").order_for("fused_attn_fwd", {"fused_attn_fwd": ("reference",)})[0][0] == "vendor"
 
 
-def test_the_cuda_backend_declares_its_measured_attention_order():
-    """The H200 measurement (cuDNN attention ahead of the flagos kernel) is the vendor backend's data."""
+def test_the_cuda_backend_declares_its_measured_orders():
+    """The measurements (cuDNN attention ahead of the flagos kernel; PyTorch's GELU / SiLU as fast, and cheaper on the
+    host) are the vendor backend's data."""
     from transformer_engine.plugin.backends.vendor import cuda
 
     orders = check_measured_per_op(cuda.TE_FL_MEASURED_PER_OP)
-    assert orders == {"fused_attn_fwd": ("vendor",), "fused_attn_bwd": ("vendor",)}
+    assert orders == {op: ("vendor",) for op in ("fused_attn_fwd", "fused_attn_bwd", "gelu", "dgelu", "silu", "dsilu")}
 
 
 def test_measured_orders_are_checked():

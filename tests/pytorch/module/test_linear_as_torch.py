@@ -1,7 +1,9 @@
 """te.Linear in high precision runs as torch.nn.functional.linear (PyTorch's autograd, no LinearFunction), and
 te.LayerNormLinear as its norm's autograd node then that linear, exactly when the policy's first choice for ``gemm``
 declares itself PyTorch's own matmul (``OpImpl.aten_dtypes``), and only where nothing needs the Function (FP8,
-calibration, tensor parallelism, main_grad, delayed wgrads)."""
+calibration, tensor parallelism, main_grad, delayed wgrads). Likewise a high-precision GELU / SiLU (``te.ops`` and
+te.LayerNormMLP's) runs as ``F.gelu`` / ``F.silu`` when the first choices for the activation and its derivative declare
+themselves those operators (vendor.cuda's, registered here on the CPU), else as ActivationFunction."""
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ from tests.pytorch.references import forward_backward
 from tests.utils import dtype_tols, randn
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import BackendImplKind, Capabilities, OpImpl, get_default_manager, runs_as_aten
+from transformer_engine.plugin.backends._registration import impls_from_modules
 from transformer_engine.plugin.backends.reference import gemm as reference_gemm
+from transformer_engine.plugin.backends.vendor.cuda import activation as vendor_activation
 
 ATEN_ID = "vendor.test_aten"
 FLOATS = ("float32", "bfloat16", "float16")
@@ -28,6 +32,20 @@ def aten_gemm():
     registry.register(impl)
     yield impl
     registry.unregister("gemm", ATEN_ID)
+
+
+@pytest.fixture
+def aten_activations():
+    """vendor.cuda's activations (PyTorch's own operators, which run on any device) registered for the CPU, where the
+    default order puts them ahead of the reference backend."""
+    manager = get_default_manager()
+    manager.ensure_initialized()
+    impls = impls_from_modules([vendor_activation], ATEN_ID, BackendImplKind.VENDOR, Capabilities(device_types=frozenset({"cpu"})),
+                               vendor="test_aten")
+    manager.registry.register_many(impls)
+    yield impls
+    for impl in impls:
+        manager.registry.unregister(impl.op_name, ATEN_ID)
 
 
 def _graph_names(y: torch.Tensor) -> set:
@@ -183,6 +201,70 @@ def test_torch_linear_traces_whole(aten_gemm, make):
     torch._dynamo.reset()
 
 
+def _activation_step(op, x: torch.Tensor, dy: torch.Tensor):
+    """(y, dx, names of y's autograd nodes) of one forward and backward."""
+    xi = x.clone().requires_grad_()
+    y = op(xi)
+    y.backward(dy)
+    return y.detach(), xi.grad, _graph_names(y)
+
+
+@pytest.mark.parametrize("op, node", [(te.ops.GELU, "GeluBackward0"), (te.ops.SiLU, "SiluBackward0")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_runs_as_torch_operator(aten_activations, op, node, dtype):
+    """te.ops.GELU / SiLU as PyTorch's node, equal to ActivationFunction on the reference kernels; a float32 input under
+    torch.autocast is cast first and its gradient comes back in float32 on both paths."""
+    x, dy = randn(6, 16, dtype=dtype), randn(6, 16, dtype=dtype)
+    y, dx, names = _activation_step(op(), x, dy)
+    assert node in names and "ActivationFunctionBackward" not in names
+    for impl in aten_activations:
+        get_default_manager().registry.unregister(impl.op_name, ATEN_ID)
+    want_y, want_dx, names = _activation_step(op(), x, dy)
+    get_default_manager().registry.register_many(aten_activations)
+    assert "ActivationFunctionBackward" in names
+    torch.testing.assert_close(y, want_y, **dtype_tols(dtype))
+    torch.testing.assert_close(dx, want_dx, **dtype_tols(dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, dx, names = _activation_step(op(), x.float(), dy.to(torch.bfloat16))
+    assert node in names and y.dtype == torch.bfloat16 and dx.dtype == torch.float32
+
+
+@pytest.mark.parametrize("case", ["no_derivative", "cached_input", "gated", "no_operator"])
+def test_activation_keeps_the_function(aten_activations, case):
+    """The Function where the derivative is not PyTorch's (a plugin's dgelu ahead), where the node keeps x in FP8, and for
+    activations without one PyTorch operator (gated, qgelu)."""
+    op = {"cached_input": lambda: te.ops.GELU(cache_quantized_input=True), "gated": te.ops.SwiGLU, "no_operator": te.ops.QGELU}
+    if case == "no_derivative":
+        get_default_manager().registry.unregister("dgelu", ATEN_ID)
+    try:
+        x, dy = randn(6, 16, dtype=torch.float32), randn(6, 8 if case == "gated" else 16)
+        _, _, names = _activation_step(op.get(case, te.ops.GELU)(), x, dy)
+    finally:
+        if case == "no_derivative":
+            get_default_manager().registry.register(next(i for i in aten_activations if i.op_name == "dgelu"))
+    assert "ActivationFunctionBackward" in names
+
+
+def test_layernorm_mlp_activation_as_torch_operator(aten_gemm, aten_activations):
+    """te.LayerNormMLP bf16 with GELU: norm node, linear, PyTorch's GELU, linear; the same results as its Function."""
+    dtype = torch.bfloat16
+    layer = te.LayerNormMLP(16, 24, activation="gelu", params_dtype=dtype)
+    x = randn(2, 3, 16, dtype=dtype)
+    assert "GeluBackward0" in _graph_names(layer(x.clone().requires_grad_()))
+    _same_as_the_function(layer, aten_gemm, x=x, dy=randn(2, 3, 16, dtype=dtype), dln=None)
+
+
+def test_torch_activation_traces_whole(aten_gemm, aten_activations):
+    layer = te.LayerNormMLP(16, 24, activation="gelu", params_dtype=torch.float32)
+    x = randn(2, 3, 16, dtype=torch.float32)
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -229,7 +311,9 @@ def test_cuda_policy_runs_layernorm_mlp_as_nodes_and_torch_linears(activation):
     fused = te.LayerNormMLP(256, 512, activation=activation, checkpoint=True, params_dtype=dtype, device="cuda")
     fused.load_state_dict(layer.state_dict())
     x, dy = randn(4, 32, 256, dtype=dtype, device="cuda"), randn(4, 32, 256, dtype=dtype, device="cuda")
+    names = _graph_names(layer(x.clone().requires_grad_()))
     assert not _runs_function(layer(x.clone().requires_grad_()))
+    assert ("GeluBackward0" in names) == (activation == "gelu")  # vendor.cuda's GELU is PyTorch's: its node
     got, want = forward_backward(layer, x, dy), forward_backward(fused, x, dy)
     for a, b in zip(got[:2], want[:2]):
         torch.testing.assert_close(a, b, **dtype_tols(dtype))

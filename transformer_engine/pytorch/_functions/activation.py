@@ -7,10 +7,12 @@ The math of each op is in ``plugin/catalog/activation.py``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
+import torch.nn.functional as F
 
 from transformer_engine.plugin import ops
 
@@ -21,6 +23,8 @@ ACTIVATIONS: Dict[str, bool] = {
     "gelu": False, "geglu": True, "glu": True, "qgelu": False, "qgeglu": True, "relu": False,
     "reglu": True, "srelu": False, "sreglu": True, "silu": False, "swiglu": True, "clamped_swiglu": True,
 }
+#: activations that are exactly one PyTorch operator (the catalog's math; see plugin/backends/vendor/cuda/activation.py)
+_TORCH_OPERATORS = {"gelu": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu}
 _CLAMPED = "clamped_swiglu"
 _CLAMPED_PARAMS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
 
@@ -53,6 +57,13 @@ class ActivationConfig:
     def gated(self) -> bool:
         """True for the GLU variants (FC1 produces 2F features)."""
         return ACTIVATIONS[self.name]
+
+    @property
+    def torch_operator(self):
+        """PyTorch's own function computing this activation (``gelu``: ``F.gelu`` with the tanh approximation, ``silu``:
+        ``F.silu``), or None where there is none; it runs in place of the catalog's op and its derivative when the policy
+        puts first an implementation that declares itself that operator (see ``activation_function.apply_activation``)."""
+        return _TORCH_OPERATORS.get(self.name)
 
     def _kwargs(self) -> dict:
         return {"limit": self.limit, "alpha": self.alpha} if self.name == _CLAMPED else {}

@@ -4,6 +4,10 @@ Shared by the fusible ops' activations (``ops.GELU`` ... ``ops.ClampedSwiGLU``) 
 path. Gated activations (GLU variants) take x = [a, b] (see :mod:`.activation`); with an interleave size s, x holds
 alternating blocks of s gate and s linear features, gathered into [a, b] first (and dx scattered back). A
 ``cache_quantizer`` keeps x in FP8 for backward (less memory, an FP8 rounding of x in act'(x)).
+
+:func:`apply_activation` is how callers run one: where the policy's first choices for the activation and its
+derivative are PyTorch's own operator (``gelu``, ``silu`` on CUDA, see plugin/backends/vendor/cuda/activation.py), that
+operator with PyTorch's C++ autograd node, no Python node; else this Function.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from typing import Optional
 
 import torch
 
+from transformer_engine.plugin import runs_as_aten
+
 from ..quantization.float8_tensor import Float8Tensor
 from ..quantization.quantizer import Quantizer
 from .activation import ActivationConfig
-from .common import cast, no_torch_autocast, save, saved
+from .common import apply_without_torch_autocast, cast, no_torch_autocast, save, saved
 
-__all__ = ["ActivationArgs", "ActivationFunction"]
+__all__ = ["ActivationArgs", "ActivationFunction", "apply_activation"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +80,15 @@ class ActivationFunction(torch.autograd.Function):
             h = h.dequantize(args.dtype) if isinstance(h, Float8Tensor) else h
             dh = args.act.backward(cast(dy, args.dtype).contiguous(), h)
         return cast(scatter_halves(dh, args.interleave), ctx.inp_dtype), None
+
+
+def apply_activation(x: torch.Tensor, args: ActivationArgs) -> torch.Tensor:
+    """act(x) as an autograd node: ``args.act.torch_operator`` with PyTorch's autograd where the policy's first choices
+    for the activation and for its derivative both declare themselves that operator for ``args.dtype``
+    (``plugin.runs_as_aten``) and nothing else is asked of the node (no FP8 cache of x, no interleaved halves); else
+    :class:`ActivationFunction`. Either way x is cast to ``args.dtype`` first and dx comes back in x's dtype."""
+    operator = args.act.torch_operator
+    if (operator is not None and args.cache_quantizer is None and args.interleave is None
+            and runs_as_aten(args.act.name, x.device, args.dtype) and runs_as_aten(f"d{args.act.name}", x.device, args.dtype)):
+        return operator(cast(x, args.dtype))
+    return apply_without_torch_autocast(ActivationFunction, x.device, x, args)

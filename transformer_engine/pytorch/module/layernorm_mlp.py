@@ -8,7 +8,7 @@ import torch
 
 from ..parallel.linear_comm import NO_COMM, LinearComm
 from .._functions.activation import ActivationConfig
-from .._functions.activation_function import ActivationArgs, ActivationFunction
+from .._functions.activation_function import ActivationArgs, apply_activation
 from .._functions.common import apply_without_torch_autocast, cast
 from ._layernorm_mlp_function import LayerNormMLPArgs, LayerNormMLPFunction
 from ._linear_setup import checked_norm, keep_norm, linear_parallel_config, norm_linear_outputs, norm_then
@@ -168,8 +168,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
     def _torch_linears(self, ln_out: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor],
                        dtype: torch.dtype) -> torch.Tensor:
         """fc2(act(fc1(ln_out))) in high precision: PyTorch's ``linear`` for FC1 and FC2 (see ``Linear``), the activation as
-        an autograd node of its own (the catalog's kernels, as ``te.ops``' activations)."""
+        an autograd node of its own (``apply_activation``, as ``te.ops``' activations)."""
         h = torch_linear(ln_out, w1, self.fc1.bias(self), dtype)
-        a = apply_without_torch_autocast(ActivationFunction, ln_out.device, h,
-                                         ActivationArgs(act=self.activation, dtype=dtype, interleave=None, cache_quantizer=None))
+        a = apply_activation(h, ActivationArgs(act=self.activation, dtype=dtype, interleave=None, cache_quantizer=None))
         return torch_linear(a, w2, None if self.return_bias else b2, dtype)

@@ -23,8 +23,7 @@ import torch
 from transformer_engine.common.recipe import QParams
 
 from .._functions.activation import ActivationConfig
-from .._functions.activation_function import ActivationArgs, ActivationFunction
-from .._functions.common import apply_without_torch_autocast
+from .._functions.activation_function import ActivationArgs, apply_activation
 from ..quantization.quantizer import Float8CurrentScalingQuantizer
 from .op import BasicOperation
 
@@ -58,8 +57,7 @@ class _Activation(BasicOperation):
                              f"{'' if self._interleave is None else f' of {self._interleave}-blocks'}; got shape {tuple(x.shape)}")
         on = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
-        return apply_without_torch_autocast(ActivationFunction, x.device, x,
-                                            ActivationArgs(self._act, dtype, self._interleave, self._cache_quantizer))
+        return apply_activation(x, ActivationArgs(self._act, dtype, self._interleave, self._cache_quantizer))
 
 
 class GELU(_Activation):

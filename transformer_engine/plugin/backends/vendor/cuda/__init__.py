@@ -3,7 +3,8 @@
 - ``gemm``: cuBLASLt FP8 GEMM (``torch._scaled_mm``) and cuBLAS for bf16 / fp16 / fp32;
 - ``gemm_grouped`` / ``gemm_grouped_wgrad``: the G GEMMs of a grouped linear layer (CUTLASS or cuBLASLt per split);
 - ``fused_attn_fwd`` / ``fused_attn_bwd``: PyTorch SDPA (cuDNN / flash), when its module is present;
-- ``attention_block_fwd`` / ``attention_block_bwd``: the same kernels as blocks of blockwise (ring) attention.
+- ``attention_block_fwd`` / ``attention_block_bwd``: the same kernels as blocks of blockwise (ring) attention;
+- ``gelu`` / ``dgelu`` / ``silu`` / ``dsilu``: PyTorch's own activations (modules then run them as PyTorch's autograd nodes).
 
 Every op runs on CUDA devices only (``Capabilities(device_types={"cuda"})``); what a vendor op cannot
 do (an FP8 GEMM before compute capability 8.9, misaligned shapes, ...) its ``SUPPORTS`` predicate
@@ -20,15 +21,22 @@ from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
 IMPL_ID = "vendor.cuda"
 VENDOR = "cuda"
 PRIORITY = 100
-_FAMILIES = ("gemm", "gemm_grouped", "attention", "attention_block")
+_FAMILIES = ("gemm", "gemm_grouped", "attention", "attention_block", "activation")
 
-#: Ops where this backend was measured faster than the flagos kernel on the H200 (docs/performance.md):
+#: Ops where this backend was measured faster than the flagos kernel (attention, H200), or as fast on the GPU and
+#: cheaper on the host (the activations, H100; docs/performance.md):
 #: under the default preference the policy tries the vendor kind first for them (then the default order).
 #: The plugin loader stores it with this backend's impls (core/discovery.py); an entry of TE_FL_PER_OP,
 #: or TE_FL_PREFER=vendor/reference, replaces it.
 TE_FL_MEASURED_PER_OP = {
     "fused_attn_fwd": ("vendor",),  # fwd+bwd cuDNN 403 TFLOP/s vs flagos 301 (b4 s2048 h32 d128 causal, H200)
     "fused_attn_bwd": ("vendor",),
+    # the kernels as fast as flagos' ([8192, 4096] bf16: gelu 46.4 / 47.2 us, dgelu 67.8 / 68.0, H100), and a
+    # high-precision module's activation then runs as PyTorch's C++ autograd node rather than a Python one
+    "gelu": ("vendor",),
+    "dgelu": ("vendor",),
+    "silu": ("vendor",),
+    "dsilu": ("vendor",),
 }
 
 __all__ = ["register", "IMPL_ID", "VENDOR", "TE_FL_MEASURED_PER_OP"]
