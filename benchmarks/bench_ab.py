@@ -75,6 +75,13 @@ def build_cases(groups, device: str) -> Dict[str, Tuple[Callable[[], None], int,
         cases[f"nn.LayerNorm + nn.Linear({FEATURES}) bf16"] = (fwd_bwd_step(plain_norm_linear, x, None, none), 50, False)
         norm_linear = te.LayerNormLinear(FEATURES, FEATURES, params_dtype=bf16, device=device)
         cases[f"te.LayerNormLinear({FEATURES}) bf16"] = (fwd_bwd_step(norm_linear, x, None, none), 50, False)
+        plain_mlp = torch.nn.Sequential(torch.nn.LayerNorm(FEATURES, device=device, dtype=bf16),
+                                        torch.nn.Linear(FEATURES, 4 * FEATURES, device=device, dtype=bf16),
+                                        torch.nn.GELU(approximate="tanh"),
+                                        torch.nn.Linear(4 * FEATURES, FEATURES, device=device, dtype=bf16))
+        cases[f"nn.LayerNorm + MLP({FEATURES}) bf16"] = (fwd_bwd_step(plain_mlp, x, None, none), 50, False)
+        mlp = te.LayerNormMLP(FEATURES, 4 * FEATURES, params_dtype=bf16, device=device)
+        cases[f"te.LayerNormMLP({FEATURES}) bf16"] = (fwd_bwd_step(mlp, x, None, none), 50, False)
     if device != "cuda":
         return cases
     if "norms" in groups:

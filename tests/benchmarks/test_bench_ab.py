@@ -21,7 +21,7 @@ def test_ab_workers_import_their_own_trees(tmp_path):
     assert Path(report["trees"]["new"]).resolve().is_relative_to((ROOT / "transformer_engine").resolve())
     cases = report["cases"]
     assert set(cases) == {"nn.Linear(256) bf16", "te.Linear(256) bf16", "te.Linear(256) FP8", "nn.LayerNorm + nn.Linear(256) bf16",
-                          "te.LayerNormLinear(256) bf16"}
+                          "te.LayerNormLinear(256) bf16", "nn.LayerNorm + MLP(256) bf16", "te.LayerNormMLP(256) bf16"}
     for timing in cases.values():
         assert len(timing["base_us"]) == len(timing["new_us"]) == 2 and min(timing["base_us"] + timing["new_us"]) > 0
 
