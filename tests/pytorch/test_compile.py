@@ -67,7 +67,7 @@ def test_compiled_training_equals_eager(module_name, recipe_name):
 @pytest.mark.parametrize("module_name", list(ATTENTION_MODULES))
 def test_compiled_attention_modules_track_eager(module_name, recipe_name):
     """Three SGD steps, fullgraph-compiled against eager. The compiled attention is SDPA (see
-    ``dot_product_attention._traced_sdpa``): in high precision the results agree to float32 precision;
+    ``dot_product_attention._sdpa``): in high precision the results agree to float32 precision;
     under FP8 a float32-sized difference may move single casts across a rounding boundary (one E4M3 step
     is 2^-3 relative), so the results are compared by SQNR: 40 dB, far above FP8's own noise (~25-30 dB
     against high precision) and far below what a wrong scale or operand gives."""

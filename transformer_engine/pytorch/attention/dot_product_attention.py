@@ -10,7 +10,9 @@ KV caching) into one ``AttentionConfig`` call (see :mod:`._masks` and :mod:`._la
 autograd Function runs the forward op on whichever backend the dispatcher picks and the backward
 op through the dispatcher too: only the backend that made the forward's opaque context accepts it
 (every other one declines it, see ``fused_attn_bwd`` in the catalog), whatever the policy says when
-the backward runs. The attention math stays in the inputs' precision (no FP8 attention yet).
+the backward runs. A call that PyTorch's SDPA expresses runs as SDPA with PyTorch's autograd where the
+policy's first choice is SDPA's kernels (vendor.cuda) or torch.compile traces it (see ``_attend``).
+The attention math stays in the inputs' precision (no FP8 attention yet).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from transformer_engine.plugin import ops
+from transformer_engine.plugin import ops, runs_as_aten
 from transformer_engine.plugin.catalog.attention import AttentionConfig
 
 from ..distributed import checkpoint
@@ -76,12 +78,20 @@ class _FusedAttnFunc(torch.autograd.Function):
 
 
 def _attend(q, k, v, attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig, rng_ctx: Callable):
-    """The checkpointable core: the fused op under the dropout RNG context (traced by torch.compile:
-    PyTorch's SDPA where it expresses the call, see :func:`_traced_sdpa`)."""
+    """The checkpointable core: the fused op under the dropout RNG context, or PyTorch's SDPA with its own autograd
+    node (:func:`_sdpa`) where SDPA expresses the call and torch.compile traces it, or, in eager, where the policy's
+    first choices for ``fused_attn_fwd`` and ``fused_attn_bwd`` are PyTorch's SDPA kernels (``plugin.runs_as_aten``:
+    vendor.cuda's on CUDA) and the call is square or unmasked (SDPA's causal flag and the catalog's then agree)."""
     with rng_ctx():
-        if torch.compiler.is_compiling() and _sdpa_expresses(attn_bias, softmax_offset, extras, config):
-            return _traced_sdpa(q, k, v, config)
+        if _sdpa_expresses(attn_bias, softmax_offset, extras, config) and (torch.compiler.is_compiling() or _eager_sdpa(q, k, config)):
+            return _sdpa(q, k, v, config)
         return _FusedAttnFunc.apply(q, k, v, attn_bias, softmax_offset, extras, config)
+
+
+def _eager_sdpa(q: torch.Tensor, k: torch.Tensor, config: AttentionConfig) -> bool:
+    """True when an eager call that SDPA expresses may run as SDPA itself (see :func:`_attend`)."""
+    return ((config.mask_type == "no_mask" or q.shape[1] == k.shape[1]) and runs_as_aten("fused_attn_fwd", q.device, q.dtype)
+            and runs_as_aten("fused_attn_bwd", q.device, q.dtype))
 
 
 def _sdpa_expresses(attn_bias, softmax_offset, extras: _Extras, config: AttentionConfig) -> bool:
@@ -91,13 +101,14 @@ def _sdpa_expresses(attn_bias, softmax_offset, extras: _Extras, config: Attentio
             and softmax_offset is None and extras.attn_mask is None and extras.alibi_slopes is None)
 
 
-def _traced_sdpa(q, k, v, config: AttentionConfig) -> torch.Tensor:
-    """The attention of a call that torch.compile traces, as ``F.scaled_dot_product_attention``.
+def _sdpa(q, k, v, config: AttentionConfig) -> torch.Tensor:
+    """The attention of a call as ``F.scaled_dot_product_attention``, with PyTorch's autograd.
 
-    The catalog's attention ops return a context object that only their own backend reads, which a
-    compiled graph cannot carry; SDPA is the same math (for these calls), and Inductor lowers it to the
-    cuDNN / flash kernels the vendor backend calls, with dropout from the device generator. q, k, v are
-    [b, s, h, d] ("bshd"); so is the result.
+    Traced by torch.compile: the catalog's attention ops return a context object that only their own backend
+    reads, which a compiled graph cannot carry; SDPA is the same math (for these calls), and Inductor lowers it
+    to the cuDNN / flash kernels the vendor backend calls, with dropout from the device generator. In eager, where
+    the vendor backend's SDPA kernels are the policy's choice: the same kernels (PyTorch 2.11 picks cuDNN first on
+    sm_90, as vendor.cuda does) without a Python autograd node. q, k, v are [b, s, h, d] ("bshd"); so is the result.
     """
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=config.dropout_p,

@@ -446,3 +446,9 @@ def _reduce_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     dims = tuple(d for d in range(4) if shape[d] == 1 and grad.shape[d] != 1)
     grad = grad.sum(dim=dims, keepdim=True) if dims else grad
     return grad.reshape(like.shape).to(like.dtype)
+
+
+#: These kernels are the ones PyTorch's ``scaled_dot_product_attention`` runs (torch 2.11 picks cuDNN first on sm_90, as
+#: ``_KERNELS`` does; measured in docs/performance.md): a module may run a call that SDPA expresses (no bias, window or
+#: extra mask, square if causal) as SDPA itself, with PyTorch's autograd (pytorch/attention/dot_product_attention.py).
+ATEN_DTYPES = {"fused_attn_fwd": (torch.float32, *_HALF), "fused_attn_bwd": (torch.float32, *_HALF)}
