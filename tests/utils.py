@@ -45,3 +45,14 @@ def randn(*shape, dtype=torch.float32, device="cpu", scale: float = 1.0, generat
     """Fresh non-zero normal random values (never zeros: they hide unwritten outputs)."""
     out = torch.randn(*shape, dtype=torch.float32, device=device, generator=generator) * scale
     return out.to(dtype)
+
+
+def autograd_node_names(y: torch.Tensor) -> set:
+    """The class names of every autograd node behind ``y`` (``y.grad_fn`` and all it reaches)."""
+    names, stack = set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            stack += [fn for fn, _ in node.next_functions]
+    return names

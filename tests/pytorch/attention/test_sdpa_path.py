@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from tests.utils import dtype_tols, randn
+from tests.utils import autograd_node_names, dtype_tols, randn
 from transformer_engine.plugin import BackendImplKind, Capabilities, OpImpl, get_default_manager
 from transformer_engine.plugin.backends.reference import attention as reference
 from transformer_engine.plugin.core import with_preference
@@ -33,23 +33,12 @@ def sdpa_attention():
         manager.registry.unregister(impl.op_name, TEST_ID)
 
 
-def _nodes(y: torch.Tensor) -> set:
-    """The names of every autograd node behind ``y``."""
-    names, stack = set(), [y.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None:
-            names.add(type(node).__name__)
-            stack += [fn for fn, _ in node.next_functions]
-    return names
-
-
 def _step(dpa, q, k, v, dy, **kwargs):
     """(out, dq, dk, dv, autograd node names)."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = dpa(*leaves, **kwargs)
     out.backward(dy)
-    return (out.detach(), *(t.grad for t in leaves)), _nodes(out)
+    return (out.detach(), *(t.grad for t in leaves)), autograd_node_names(out)
 
 
 def _uses_function(names: set) -> bool:
@@ -121,7 +110,7 @@ def test_sdpa_path_in_a_transformer_layer_with_checkpointed_attention(sdpa_atten
         layer.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
         out = layer(xi, checkpoint_core_attention=recompute)
-        assert "ScaledDotProductFlashAttentionForCpuBackward0" in _nodes(out) or recompute
+        assert "ScaledDotProductFlashAttentionForCpuBackward0" in autograd_node_names(out) or recompute
         out.backward(dy)
         grads.append([xi.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*grads):

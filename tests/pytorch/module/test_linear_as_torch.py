@@ -10,7 +10,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from tests.pytorch.references import forward_backward
-from tests.utils import dtype_tols, randn
+from tests.utils import autograd_node_names, dtype_tols, randn
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.plugin import BackendImplKind, Capabilities, OpImpl, get_default_manager, runs_as_aten
 from transformer_engine.plugin.backends._registration import impls_from_modules
@@ -48,19 +48,8 @@ def aten_activations():
         manager.registry.unregister(impl.op_name, ATEN_ID)
 
 
-def _graph_names(y: torch.Tensor) -> set:
-    """The names of every autograd node behind ``y``."""
-    names, stack = set(), [y.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None:
-            names.add(type(node).__name__)
-            stack += [fn for fn, _ in node.next_functions]
-    return names
-
-
 def _runs_function(y: torch.Tensor) -> bool:
-    return bool({"LinearFunctionBackward", "LayerNormLinearFunctionBackward", "LayerNormMLPFunctionBackward"} & _graph_names(y))
+    return bool({"LinearFunctionBackward", "LayerNormLinearFunctionBackward", "LayerNormMLPFunctionBackward"} & autograd_node_names(y))
 
 
 def test_runs_as_aten_reads_the_first_choice(aten_gemm):
@@ -206,7 +195,7 @@ def _activation_step(op, x: torch.Tensor, dy: torch.Tensor):
     xi = x.clone().requires_grad_()
     y = op(xi)
     y.backward(dy)
-    return y.detach(), xi.grad, _graph_names(y)
+    return y.detach(), xi.grad, autograd_node_names(y)
 
 
 @pytest.mark.parametrize("op, node", [(te.ops.GELU, "GeluBackward0"), (te.ops.SiLU, "SiluBackward0")])
@@ -250,7 +239,7 @@ def test_layernorm_mlp_activation_as_torch_operator(aten_gemm, aten_activations)
     dtype = torch.bfloat16
     layer = te.LayerNormMLP(16, 24, activation="gelu", params_dtype=dtype)
     x = randn(2, 3, 16, dtype=dtype)
-    assert "GeluBackward0" in _graph_names(layer(x.clone().requires_grad_()))
+    assert "GeluBackward0" in autograd_node_names(layer(x.clone().requires_grad_()))
     _same_as_the_function(layer, aten_gemm, x=x, dy=randn(2, 3, 16, dtype=dtype), dln=None)
 
 
@@ -311,7 +300,7 @@ def test_cuda_policy_runs_layernorm_mlp_as_nodes_and_torch_linears(activation):
     fused = te.LayerNormMLP(256, 512, activation=activation, checkpoint=True, params_dtype=dtype, device="cuda")
     fused.load_state_dict(layer.state_dict())
     x, dy = randn(4, 32, 256, dtype=dtype, device="cuda"), randn(4, 32, 256, dtype=dtype, device="cuda")
-    names = _graph_names(layer(x.clone().requires_grad_()))
+    names = autograd_node_names(layer(x.clone().requires_grad_()))
     assert not _runs_function(layer(x.clone().requires_grad_()))
     assert ("GeluBackward0" in names) == (activation == "gelu")  # vendor.cuda's GELU is PyTorch's: its node
     got, want = forward_backward(layer, x, dy), forward_backward(fused, x, dy)
