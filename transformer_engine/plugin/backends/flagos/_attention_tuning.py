@@ -3,7 +3,7 @@ the ones that fit a device: a tile model per kernel (shared memory per pipeline 
 thread) checked before anything is compiled.
 
 Config lists: (BLOCK_M query rows, BLOCK_N key rows, num_warps, num_stages). The measurements behind the
-first entries (autotuner timings on the H200, 2026-11-22) are in docs/performance.md; under the
+first entries (autotuner timings on the H200, 2026-11-22) are in docs/performance-history.md; under the
 interpreter one small config exercises the multi-block paths.
 """
 
