@@ -197,8 +197,9 @@ def test_fused_non_interleaved_qkv_under_tensor_parallelism_holds_each_ranks_hea
 @pytest.mark.parametrize("groups,sizes,dim",
                          [((4, 3), (1, 1, 1), -2), ((2, 4), (2, 1, 1), -2), ((4, 2), (2, 1, 1), -3), ((3, 2), (1, 1), -2)])
 def test_split_heads_matches_autograd_split(groups, sizes, dim):
-    """The q/k/v views and the one-concatenation backward equal view + split + reshape under autograd,
-    also when a part gets no gradient (it contributes zeros)."""
+    """The q/k/v views equal view + split + reshape of the 5-D view, and so do the gradients (also when a part gets
+    none: it contributes zeros); autograd joins them by one split backward of a 2-D split (one concatenation of 2-D
+    pieces), no Python node."""
     from transformer_engine.pytorch.attention.multi_head_attention import _split_heads
 
     head_dim = 8
@@ -206,6 +207,12 @@ def test_split_heads_matches_autograd_split(groups, sizes, dim):
     ours = _split_heads(mixed, groups, sizes, head_dim, dim)
     expected = tuple(p.reshape(5, 2, -1, head_dim) for p in mixed.view(5, 2, *groups, head_dim).split(sizes, dim=dim))
     assert all(torch.equal(a, b) for a, b in zip(ours, expected))
+    node, stack = None, [ours[0].grad_fn]
+    while stack and node is None:
+        fn = stack.pop()
+        node = fn if type(fn).__name__ == "SplitWithSizesBackward0" else None
+        stack += [f for f, _ in fn.next_functions if f is not None]
+    assert node is not None and len(node._saved_self_sym_sizes) == 2 and node._saved_dim == 1
     weights = [randn(*p.shape, dtype=torch.float64) for p in expected]
     used = range(len(ours) - 1)  # the last part takes no part in the loss
     (grad,) = torch.autograd.grad(sum((ours[i] * weights[i]).sum() for i in used), mixed)

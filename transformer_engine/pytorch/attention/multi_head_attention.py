@@ -20,7 +20,6 @@ and the layout is [Q; K; V].
 from __future__ import annotations
 
 import collections
-import math
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -64,35 +63,23 @@ def _qk_norms(qk_norm_type: Optional[str], eps: float, head_dim: int, dtype, dev
     return cls(head_dim, eps=eps, dtype=dtype, device=device), cls(head_dim, eps=eps, dtype=dtype, device=device)
 
 
-class _SplitHeads(torch.autograd.Function):
-    """Views of ``mixed`` [..., F] as [..., groups[0], groups[1], head_dim], split ``sizes`` along ``dim``
-    (-3 or -2), each flattened to [..., heads, head_dim]; the backward joins the parts' gradients with
-    one ``torch.cat`` of 2-D pieces [rows, columns of the part].
-
-    Autograd's own split backward (and a ``torch.cat`` of the 5-D parts: torch's fast concatenation
-    kernel takes at most 4 dims) writes each part by a strided copy of its own: for the fused QKV
-    gradient of the headline layer ([8192, 12288] bf16, H200) three copies of 80 us.
-    """
-
-    @staticmethod
-    def forward(ctx, mixed: torch.Tensor, groups: Tuple[int, int], sizes: Tuple[int, ...], head_dim: int, dim: int):
-        lead = mixed.shape[:-1]
-        parts = mixed.view(*lead, groups[0], groups[1], head_dim).split(sizes, dim=dim)
-        ctx.part_shapes, ctx.dim, ctx.mixed_shape = [p.shape for p in parts], dim % (mixed.dim() + 2), mixed.shape
-        return tuple(p.reshape(*lead, -1, head_dim) for p in parts)
-
-    @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):
-        rows = math.prod(ctx.part_shapes[0][: ctx.dim])
-        like = next(g for g in grads if g is not None)
-        pieces = [(like.new_zeros(shape) if g is None else g).reshape(rows, -1) for g, shape in zip(grads, ctx.part_shapes)]
-        return torch.cat(pieces, dim=1).view(ctx.mixed_shape), None, None, None, None
-
-
 def _split_heads(mixed: torch.Tensor, groups: Tuple[int, int], sizes: Tuple[int, ...], head_dim: int, dim: int):
     """View ``mixed`` [..., F] as [..., groups[0], groups[1], head_dim], split ``sizes`` along ``dim`` (-3 or -2)
-    and flatten each part to [..., heads, head_dim] (see :class:`_SplitHeads`)."""
-    return _SplitHeads.apply(mixed, groups, sizes, head_dim, dim)
+    and flatten each part to [..., heads, head_dim].
+
+    Views and a split of ``mixed`` as 2-D [rows, columns] (a row: one group of ``groups[1]`` heads for ``dim`` -2, all
+    of a token's features for -3), with PyTorch's autograd: its split backward then joins the parts' gradients with one
+    ``torch.cat`` of 2-D pieces. A split of the 5-D view instead would have autograd write each part by a strided copy
+    of its own (torch's fast concatenation kernel takes at most 4 dims): for the fused QKV gradient of the headline
+    layer ([8192, 12288] bf16, H200) three copies of 80 us.
+    """
+    lead = mixed.shape[:-1]
+    inner = head_dim if dim == -2 else groups[1] * head_dim  # columns of one unit of ``sizes``
+    rows = mixed.view(-1, (groups[1] if dim == -2 else groups[0] * groups[1]) * head_dim)
+    pieces = rows.split([size * inner for size in sizes], dim=1)
+    if dim == -2:
+        return tuple(piece.view(*lead, groups[0], size, head_dim).reshape(*lead, -1, head_dim) for piece, size in zip(pieces, sizes))
+    return tuple(piece.view(*lead, size * groups[1], head_dim) for piece, size in zip(pieces, sizes))
 
 
 class MultiheadAttention(torch.nn.Module):
