@@ -142,33 +142,36 @@ class LayerNormMLP(TransformerEngineBaseModule):
         act_dtype, comms, q = self._linear_prelude((inp, w1, w2), self.hidden_size, what="hidden_size")
         fc1_comm, fc2_comm = comms
         b2 = self.fc2.bias(self)
+        gemm_b2 = None if self.return_bias else b2
         if not self.checkpoint and self._runs_as_torch_linear(inp, (w1, w2), act_dtype, q, comms):
-            result = norm_then(self, inp, act_dtype, self.hidden_size, lambda ln_out: self._torch_linears(ln_out, w1, w2, b2, act_dtype))
-            return norm_linear_outputs(self, result, fc2_comm.deferred_bias(cast(b2, act_dtype)), fc1_comm)
-        args = LayerNormMLPArgs(
-            dtype=act_dtype,
-            quantization=q,
-            fc1_operand=self._weight_operand("fc1_weight", w1, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
-            fc2_operand=self._weight_operand("fc2_weight", w2, q.gemms[1].weight, is_first_microbatch=is_first_microbatch),
-            fc1_wgrad=self._wgrad_target(w1.dtype, self.fc1.weight_params(self)),
-            fc2_wgrad=self._wgrad_target(w2.dtype, self.fc2.weight_params(self)),
-            norm=self.norm,
-            activation=self.activation,
-            return_layernorm_output=self.return_layernorm_output,
-            fc1_comm=fc1_comm,
-            fc2_comm=fc2_comm,
-            checkpoint=self.checkpoint,
-        )
-        result = apply_without_torch_autocast(
-            LayerNormMLPFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, w1, self.fc1.bias(self), w2,
-            None if self.return_bias else b2, args,
-        )
+            result = norm_then(self, inp, act_dtype, self.hidden_size,
+                               lambda ln_out: self._torch_linears(ln_out, w1, w2, gemm_b2, act_dtype))
+        else:
+            args = LayerNormMLPArgs(
+                dtype=act_dtype,
+                quantization=q,
+                fc1_operand=self._weight_operand("fc1_weight", w1, q.gemms[0].weight, is_first_microbatch=is_first_microbatch),
+                fc2_operand=self._weight_operand("fc2_weight", w2, q.gemms[1].weight, is_first_microbatch=is_first_microbatch),
+                fc1_wgrad=self._wgrad_target(w1.dtype, self.fc1.weight_params(self)),
+                fc2_wgrad=self._wgrad_target(w2.dtype, self.fc2.weight_params(self)),
+                norm=self.norm,
+                activation=self.activation,
+                return_layernorm_output=self.return_layernorm_output,
+                fc1_comm=fc1_comm,
+                fc2_comm=fc2_comm,
+                checkpoint=self.checkpoint,
+            )
+            result = apply_without_torch_autocast(
+                LayerNormMLPFunction, inp.device, inp, self.layer_norm_weight, self.layer_norm_bias, w1, self.fc1.bias(self), w2,
+                gemm_b2, args,
+            )
         return norm_linear_outputs(self, result, fc2_comm.deferred_bias(cast(b2, act_dtype)), fc1_comm)
 
     def _torch_linears(self, ln_out: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: Optional[torch.Tensor],
                        dtype: torch.dtype) -> torch.Tensor:
-        """fc2(act(fc1(ln_out))) in high precision: PyTorch's ``linear`` for FC1 and FC2 (see ``Linear``), the activation as
-        an autograd node of its own (``apply_activation``, as ``te.ops``' activations)."""
+        """fc2(act(fc1(ln_out))) in high precision, ``b2`` (None with ``return_bias``) added by FC2: PyTorch's ``linear`` for
+        FC1 and FC2 (see ``Linear``), the activation as an autograd node of its own (``apply_activation``, as ``te.ops``'
+        activations)."""
         h = torch_linear(ln_out, w1, self.fc1.bias(self), dtype)
         a = apply_activation(h, ActivationArgs(act=self.activation, dtype=dtype, interleave=None, cache_quantizer=None))
-        return torch_linear(a, w2, None if self.return_bias else b2, dtype)
+        return torch_linear(a, w2, b2, dtype)
