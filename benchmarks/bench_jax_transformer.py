@@ -1,7 +1,8 @@
 """JAX/Flax TransformerLayer fwd+bwd: bf16 vs FP8 (delayed and current scaling), plus an HLO check.
 
 Layer (PERF.md headline, in JAX's [b, s, h] layout): hidden 4096, FFN 16384, 32 heads, sequence 2048,
-batch 4, causal self-attention, dropout as the module defaults (0.1), bf16 parameters and inputs,
+batch 4, causal self-attention, dropout as the module defaults (0.1; ``--attention-dropout 0`` for the dropout-free
+attention of most LLM pre-training, which runs on cuDNN's fused attention on a GPU), bf16 parameters and inputs,
 no relative position bias (a GPT-style layer). One jitted training step = forward, backward w.r.t.
 every variable (for FP8 the "grads" of fp8_metas are the next scaling state) and the loss
 sum(out * dy) with a fixed random dy.
@@ -14,7 +15,8 @@ TFLOP/s = fwd+bwd FLOPs / median step time (time.perf_counter around ``block_unt
 HLO check: "f8 dots emitted" counts the dot_generals on f8 operands in the lowered StableHLO (12 per
 step for the 4 GEMMs x fprop/dgrad/wgrad); the compiled module is searched for cuBLASLt FP8 GEMM calls
 (``__cublas$lt$matmul$f8``), other GEMM custom calls, and ``dot`` ops that still take f8 operands
-(FP8 dots XLA did not rewrite: those run emulated). On CPU there are no custom calls at all.
+(FP8 dots XLA did not rewrite: those run emulated), and for cuDNN fused-attention calls (``__cudnn$fmha...``:
+forward and backward). On CPU there are no custom calls at all.
 
     python benchmarks/bench_jax_transformer.py --json jax_transformer.json
     python benchmarks/bench_jax_transformer.py --small          # CPU smoke run, tiny layer
@@ -57,6 +59,7 @@ class Problem:
     ffn: int = 16384
     heads: int = 32
     dropout: float = 0.1
+    attention_dropout: float = 0.1
 
     def flops(self) -> float:
         """Model FLOPs of one fwd+bwd (causal attention counted as half)."""
@@ -72,7 +75,7 @@ SMALL = Problem(batch=2, seqlen=128, hidden=256, ffn=1024, heads=4)
 def _layer(p: Problem) -> te_flax.TransformerLayer:
     return te_flax.TransformerLayer(
         hidden_size=p.hidden, mlp_hidden_size=p.ffn, num_attention_heads=p.heads, hidden_dropout=p.dropout,
-        attention_dropout=p.dropout, self_attn_mask_type="causal", enable_relative_embedding=False,
+        attention_dropout=p.attention_dropout, self_attn_mask_type="causal", enable_relative_embedding=False,
         dtype=jnp.bfloat16,
     )
 
@@ -97,12 +100,12 @@ def _build(p: Problem, recipe):
 
 
 def _hlo_report(hlo: str) -> Dict[str, int]:
-    """Counts of FP8 GEMM custom calls, other GEMM custom calls, and dots still on f8 operands."""
+    """Counts of FP8 GEMM custom calls, other GEMM custom calls, dots still on f8 operands and cuDNN attention calls."""
     fp8_gemms = len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo))
     all_gemms = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$matmul[^"]*|gemm)"', hlo))
     f8_dots = sum(1 for line in hlo.splitlines() if re.search(r"\bdot\(", line) and re.search(r"f8e[45]m[23]", line))
     return {"fp8_gemm_custom_calls": fp8_gemms, "other_gemm_custom_calls": all_gemms - fp8_gemms,
-            "unrewritten_f8_dots": f8_dots}
+            "unrewritten_f8_dots": f8_dots, "cudnn_attention_calls": len(re.findall(r'custom_call_target="__cudnn\$fmha', hlo))}
 
 
 def _time(compiled, variables, args, warmup: int, iters: int) -> float:
@@ -149,10 +152,11 @@ def run(p: Problem, names, warmup: int, iters: int) -> Dict[str, dict]:
 
 def _print(p: Problem, results: Dict[str, dict]) -> None:
     headers = ("variant", "ms", "ratio", "TFLOP/s", "GiB", "out rel err", "f8 dots emitted", "FP8 GEMMs",
-               "other GEMMs", "f8 dots left")
+               "other GEMMs", "f8 dots left", "cuDNN attention")
     rows = [(n, f"{r['ms']:.2f}", f"{r['ratio']:.2f}x", f"{r['tflops']:.0f}",
              "-" if r["gib"] is None else f"{r['gib']:.1f}", f"{r['out_rel_err_vs_bf16']:.3g}",
-             r["f8_dots_emitted"], r["fp8_gemm_custom_calls"], r["other_gemm_custom_calls"], r["unrewritten_f8_dots"])
+             r["f8_dots_emitted"], r["fp8_gemm_custom_calls"], r["other_gemm_custom_calls"], r["unrewritten_f8_dots"],
+             r["cudnn_attention_calls"])
             for n, r in results.items()]
     cells = [list(headers)] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
@@ -173,6 +177,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny layer (CPU smoke run)")
     parser.add_argument("--variants", default=",".join(RECIPES), help=f"comma list from {list(RECIPES)}")
     parser.add_argument("--batch", type=int, default=None, help="override the batch size")
+    parser.add_argument("--attention-dropout", type=float, default=None, help="override the attention dropout (0.1)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
@@ -183,6 +188,8 @@ def main() -> None:
     p = SMALL if args.small else Problem()
     if args.batch:
         p = Problem(**{**asdict(p), "batch": args.batch})
+    if args.attention_dropout is not None:
+        p = Problem(**{**asdict(p), "attention_dropout": args.attention_dropout})
     results = run(p, names, args.warmup, args.iters)
     _print(p, results)
     if args.json:

@@ -11,7 +11,9 @@ from transformer_engine.jax.attention import (
     AttnSoftmaxType,
     QKVLayout,
     SequenceDescriptor,
+    _xla_attention,
     canonicalize_attn_mask_type,
+    cudnn_gap,
     fused_attn,
 )
 
@@ -144,3 +146,70 @@ def test_dropout_and_errors():
                    QKVLayout.BSHD_BSHD_BSHD, AttnSoftmaxType.VANILLA_SOFTMAX, SCALE, 0.0, is_training=False)
     with pytest.raises(ValueError, match="unknown AttnMaskType"):
         canonicalize_attn_mask_type("diagonal")
+
+
+def _shaped(shape_q, shape_kv, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape_q, dtype), jax.ShapeDtypeStruct(shape_kv, dtype), jax.ShapeDtypeStruct(shape_kv, dtype)
+
+
+_NONE, _CAUSAL = AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK
+
+
+@pytest.mark.parametrize("shapes, mask, window, dropout, reason", [
+    (((2, 64, 8, 64), (2, 64, 2, 64)), _CAUSAL, None, 0.0, None),  # GQA, causal, square
+    (((2, 64, 8, 128), (2, 96, 8, 128)), _NONE, (-1, -1), 0.0, None),
+    (((2, 64, 8, 64), (2, 64, 8, 64)), AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, (-1, 0), 0.0, None),
+    (((2, 64, 8, 64), (2, 96, 8, 64)), _CAUSAL, None, 0.0, "square problems"),
+    (((2, 64, 8, 64), (2, 64, 8, 64)), _CAUSAL, None, 0.1, "dropout 0.1"),
+    (((2, 64, 8, 64), (2, 64, 8, 64)), _NONE, (8, 8), 0.0, "window_size=(8, 8)"),
+    (((2, 64, 8, 64), (2, 64, 8, 64)), AttnMaskType.PADDING_CAUSAL_MASK, None, 0.0, "padded query rows"),
+    (((2, 64, 8, 256), (2, 64, 8, 256)), _NONE, None, 0.0, "head sizes 256"),
+    (((2, 64, 8, 60), (2, 64, 8, 60)), _NONE, None, 0.0, "head sizes 60"),
+])
+def test_cudnn_gap_names_the_calls_cudnn_does_not_run(shapes, mask, window, dropout, reason):
+    q, k, v = _shaped(*shapes)
+    args = (AttnBiasType.NO_BIAS, mask, QKVLayout.BSHD_BSHD_BSHD, AttnSoftmaxType.VANILLA_SOFTMAX, dropout, window)
+    gap = cudnn_gap(q, k, v, *args, backend="gpu")
+    assert gap is None if reason is None else reason in gap
+    assert "cpu backend" in cudnn_gap(q, k, v, *args, backend="cpu")
+
+
+@pytest.mark.parametrize("dtype, bias_type, softmax, layout, reason", [
+    (jnp.float32, AttnBiasType.NO_BIAS, AttnSoftmaxType.VANILLA_SOFTMAX, QKVLayout.BSHD_BSHD_BSHD, "dtypes"),
+    (jnp.bfloat16, AttnBiasType.POST_SCALE_BIAS, AttnSoftmaxType.VANILLA_SOFTMAX, QKVLayout.BSHD_BSHD_BSHD, "POST_SCALE_BIAS"),
+    (jnp.bfloat16, AttnBiasType.NO_BIAS, AttnSoftmaxType.OFF_BY_ONE_SOFTMAX, QKVLayout.BSHD_BSHD_BSHD, "OFF_BY_ONE"),
+    (jnp.bfloat16, AttnBiasType.NO_BIAS, AttnSoftmaxType.VANILLA_SOFTMAX, QKVLayout.THD_THD_THD, "THD"),
+])
+def test_cudnn_gap_other_settings(dtype, bias_type, softmax, layout, reason):
+    q, k, v = _shaped((2, 64, 8, 64), (2, 64, 8, 64), dtype)
+    assert reason in cudnn_gap(q, k, v, bias_type, _NONE, layout, softmax, 0.0, None, backend="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs JAX on a GPU")
+@pytest.mark.parametrize("mask", [_NONE, _CAUSAL])
+def test_cudnn_path_equals_the_einsum_path(mask):
+    """On a GPU an eligible call compiles to cuDNN's fused attention (a cuDNN custom call in the HLO) and agrees with
+    the einsum path, forward and gradients, to bf16 tolerance; the einsum path computes in float32 (the reference)."""
+    b, s, hq, hkv, d = 2, 256, 8, 2, 64
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (b, s, h, d), jnp.bfloat16) for i, h in ((1, hq), (2, hkv), (3, hkv)))
+    dy = jax.random.normal(jax.random.PRNGKey(4), (b, s, hq, d), jnp.bfloat16)
+    scale = d**-0.5
+    args = (AttnBiasType.NO_BIAS, mask, QKVLayout.BSHD_BSHD_BSHD, AttnSoftmaxType.VANILLA_SOFTMAX)
+
+    def fused(q, k, v):
+        return fused_attn((q, k, v), None, None, None, *args, scale, 0.0, is_training=True)
+
+    def einsum(q, k, v):
+        return _xla_attention(q, k, v, None, None, None, *args, scale, 0.0, None, None)
+
+    assert cudnn_gap(q, k, v, *args, 0.0, None) is None
+    assert "cudnn" in jax.jit(fused).lower(q, k, v).compile().as_text().lower()
+    for f in (fused, einsum):
+        out, vjp = jax.vjp(f, q, k, v)
+        if f is fused:
+            got = (out, *vjp(dy))
+        else:
+            want = (out, *vjp(dy))
+    for g, w in zip(got, want):
+        assert_allclose(g, w, jnp.bfloat16)

@@ -16,6 +16,12 @@ Masks: PADDING from a [b, 1, sq, skv] mask or a :class:`SequenceDescriptor`; CAU
 (top-left), the BOTTOM_RIGHT variants keep j <= i + skv - sq; ``window_size=(left, right)`` keeps
 i - left <= j <= i + right (-1 = unbounded). THD layouts hold several sequences per row, told apart by
 segment ids (0 = padding) with positions for the causal and window masks. Gradients by autodiff.
+
+On a GPU, a call that cuDNN's fused attention expresses runs there instead (``jax.nn.dot_product_attention`` with
+``implementation="cudnn"``, forward and backward; see :func:`cudnn_gap` for which calls): bf16 / fp16 BSHD tensors
+of one head size (a multiple of 8, at most 128), no bias, no padding or window, a vanilla softmax, unmasked or causal
+on a square problem (where top-left and bottom-right agree), and no dropout (cuDNN's JAX path takes its dropout seed as a
+compile-time constant, which would repeat one mask every step). Everything else runs the einsum path above.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "canonicalize_attn_bias_type",
     "canonicalize_softmax_type",
     "canonicalize_qkv_layout",
+    "cudnn_gap",
     "fused_attn",
 ]
 
@@ -362,17 +369,59 @@ def fused_attn(
                    (context_parallel_strategy, context_parallel_causal_load_balanced, context_parallel_axis, stripe_size))
     if (mask_type.is_padding() or layout.is_thd()) and sequence_descriptor is None:
         raise ValueError(f"fused_attn: {mask_type.name} with {layout.name} needs a sequence_descriptor or mask")
+    dropout = dropout_probability if is_training else 0.0
+    if cudnn_gap(q, k, v, bias_type, mask_type, layout, softmax_type, dropout, window_size) is None:
+        out = jax.nn.dot_product_attention(q, k, v, scale=scaling_factor, is_causal=mask_type.is_causal(), implementation="cudnn")
+        return checkpoint_name(out, context_checkpoint_name)
+    return checkpoint_name(_xla_attention(q, k, v, bias, sequence_descriptor, seed, bias_type, mask_type, layout, softmax_type,
+                                          scaling_factor, dropout, window_size, softmax_offset), context_checkpoint_name)
+
+
+def cudnn_gap(q, k, v, bias_type: AttnBiasType, mask_type: AttnMaskType, layout: QKVLayout, softmax_type: AttnSoftmaxType,
+              dropout: float, window_size: Optional[Tuple[int, int]], backend: Optional[str] = None) -> Optional[str]:
+    """Why :func:`fused_attn` does not run this call on cuDNN's fused attention, or None when it does.
+
+    ``q``, ``k``, ``v`` are (b, s, h, d) (only shapes and dtypes are read); ``dropout`` is the probability applied in
+    this call (0 outside training); ``backend`` is the platform JAX compiles for (default ``jax.default_backend()``).
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if backend not in ("gpu", "cuda"):
+        return f"the {backend} backend has no cuDNN"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (cuDNN: bfloat16 or float16, all alike)"
+    d = q.shape[-1]
+    if v.shape[-1] != d or d % 8 or d > 128:
+        return f"head sizes {d} / {v.shape[-1]} (cuDNN here: equal, a multiple of 8, at most 128)"
+    if layout.is_thd():
+        return "packed (THD) sequences"
+    if bias_type != AttnBiasType.NO_BIAS or softmax_type != AttnSoftmaxType.VANILLA_SOFTMAX:
+        return f"{bias_type.name} with {softmax_type.name}"
+    if mask_type.is_padding():
+        return f"{mask_type.name} (padded query rows: cuDNN writes 0 where this path writes the mean of v)"
+    if mask_type.is_causal() and q.shape[1] != k.shape[1]:
+        return f"{mask_type.name} with {q.shape[1]} queries and {k.shape[1]} keys (cuDNN's causal mask: square problems here)"
+    unbounded = {(-1, -1), (-1, 0)} if mask_type.is_causal() else {(-1, -1)}  # (-1, 0) is the causal mask itself
+    if window_size is not None and tuple(window_size) not in unbounded:
+        return f"window_size={tuple(window_size)}"
+    if dropout > 0.0:
+        return f"dropout {dropout} (cuDNN's JAX path fixes its seed at compile time)"
+    return None
+
+
+def _xla_attention(q, k, v, bias, sequence_descriptor, seed, bias_type: AttnBiasType, mask_type: AttnMaskType,
+                   layout: QKVLayout, softmax_type: AttnSoftmaxType, scaling_factor: float, dropout: float, window_size,
+                   softmax_offset) -> jax.Array:
+    """The einsum path of the module docstring: (b, sq, hq, dv) in q's dtype."""
     z = _logits(q, k, bias, bias_type, scaling_factor)
     mask = _build_mask(sequence_descriptor, mask_type, layout, (q.shape[0], q.shape[1], k.shape[1]), window_size)
     if mask is not None:
         z = jnp.where(mask, _MASKED_LOGIT, z)
     p = _softmax(z, softmax_type, softmax_offset)
-    if is_training and dropout_probability > 0.0:
-        keep = jax.random.bernoulli(seed, 1.0 - dropout_probability, p.shape)
-        p = jnp.where(keep, p / (1.0 - dropout_probability), 0.0)
+    if dropout > 0.0:
+        keep = jax.random.bernoulli(seed, 1.0 - dropout, p.shape)
+        p = jnp.where(keep, p / (1.0 - dropout), 0.0)
     b, hq, sq, skv = p.shape
     hkv = k.shape[2]
     p = p.reshape(b, hkv, hq // hkv, sq, skv).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, preferred_element_type=jnp.float32)
-    out = out.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype)
-    return checkpoint_name(out, context_checkpoint_name)
+    return out.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype)
