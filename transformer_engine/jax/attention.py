@@ -370,11 +370,14 @@ def fused_attn(
     if (mask_type.is_padding() or layout.is_thd()) and sequence_descriptor is None:
         raise ValueError(f"fused_attn: {mask_type.name} with {layout.name} needs a sequence_descriptor or mask")
     dropout = dropout_probability if is_training else 0.0
-    if cudnn_gap(q, k, v, bias_type, mask_type, layout, softmax_type, dropout, window_size) is None:
+    if cudnn_gap(q, k, v, bias_type=bias_type, mask_type=mask_type, layout=layout, softmax_type=softmax_type, dropout=dropout,
+                 window_size=window_size) is None:
         out = jax.nn.dot_product_attention(q, k, v, scale=scaling_factor, is_causal=mask_type.is_causal(), implementation="cudnn")
-        return checkpoint_name(out, context_checkpoint_name)
-    return checkpoint_name(_xla_attention(q, k, v, bias, sequence_descriptor, seed, bias_type, mask_type, layout, softmax_type,
-                                          scaling_factor, dropout, window_size, softmax_offset), context_checkpoint_name)
+    else:
+        out = _xla_attention(q, k, v, bias=bias, sequence_descriptor=sequence_descriptor, seed=seed, bias_type=bias_type,
+                             mask_type=mask_type, layout=layout, softmax_type=softmax_type, scaling_factor=scaling_factor,
+                             dropout=dropout, window_size=window_size, softmax_offset=softmax_offset)
+    return checkpoint_name(out, context_checkpoint_name)
 
 
 def cudnn_gap(q, k, v, bias_type: AttnBiasType, mask_type: AttnMaskType, layout: QKVLayout, softmax_type: AttnSoftmaxType,
