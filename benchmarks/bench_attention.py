@@ -7,11 +7,15 @@ work); bwd = 2.5 fwd (five GEMMs, Q K^T recomputed); fwd+bwd = 3.5 fwd. TFLOP/s 
 Providers: ``dispatch`` (``ops.fused_attn_fwd`` under the policy, ``--backend`` pins its preferred
 kind; the backward runs on the backend that ran the forward), ``flagos`` and ``vendor`` (that backend
 alone, through ``call_impl``), ``sdpa`` (``F.scaled_dot_product_attention`` with autograd, PyTorch's
-default backend choice: the baseline, no TE-FL code). Every provider's output is first checked
+default backend choice: the baseline, no TE-FL code); not in the default list: ``dpa`` (``te.DotProductAttention``,
+the module's host time included) and ``fp8_dpa`` (the module under ``te.autocast(recipe=DelayedScaling(fp8_dpa=True))``:
+q, k, v cast to FP8, the FP8 attention ops, dequantized gradients; on cuDNN's FP8 graphs with the optional
+cudnn-frontend package, else the reference backend's emulation; compare it with ``dpa``). Every provider's output is first checked
 against SDPA's (relative error in the table).
 
     python benchmarks/bench_attention.py --json attention.json
     python benchmarks/bench_attention.py --backend flagos --providers dispatch,sdpa
+    python benchmarks/bench_attention.py --providers fp8_dpa,dpa --seqlen 8192 --batch 1
 """
 
 from __future__ import annotations
@@ -114,6 +118,47 @@ def _sdpa_runner(problem: Problem, tensors) -> Runner:
     return Runner(lambda: forward(), backward, full, out.detach().transpose(1, 2), "torch.sdpa")
 
 
+def _module_runner(problem: Problem, tensors, fp8: bool) -> Runner:
+    """te.DotProductAttention, fwd and autograd bwd: in high precision, or under DelayedScaling(fp8_dpa=True) (``fp8``,
+    one autocast per forward)."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling
+
+    q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(tensors))
+    dpa = te.DotProductAttention(problem.heads, problem.head_dim, num_gqa_groups=problem.kv_heads, qkv_format="bshd",
+                                 attn_mask_type="causal" if problem.causal else "no_mask")
+    recipe = DelayedScaling(fp8_dpa=True)
+
+    def forward():
+        with te.autocast(enabled=fp8, recipe=recipe):
+            return dpa(q, k, v)
+
+    for _ in range(2):  # scales from the amaxes of a first step, as in training
+        torch.autograd.grad(forward(), (q, k, v), dout.flatten(-2))
+    out = forward()
+
+    def backward():
+        return torch.autograd.grad(out, (q, k, v), dout.flatten(-2), retain_graph=True)
+
+    def full():
+        return torch.autograd.grad(forward(), (q, k, v), dout.flatten(-2))
+
+    out_bshd = out.detach().unflatten(-1, (problem.heads, problem.head_dim))
+    return Runner(lambda: forward(), backward, full, out_bshd, _fp8_impl(problem, q, k, v) if fp8 else "te.DotProductAttention")
+
+
+def _fp8_impl(problem: Problem, q, k, v) -> str:
+    """The implementation the dispatcher picks for this problem's FP8 attention forward (and why the others do not run)."""
+    from transformer_engine.plugin.core import get_default_manager
+
+    one = torch.ones((), device=q.device)
+    decisions = get_default_manager().explain("fused_attn_fp8_fwd", *(t.detach().to(torch.float8_e4m3fn) for t in (q, k, v)), one, one,
+                                              one, problem.config())
+    chosen = next((d.impl_id for d in decisions if d.status == "selected"), "none")
+    passed_over = [f"{d.impl_id}: {d.reason[:60]}" for d in decisions if d.status == "rejected"]
+    return chosen + (f" ({'; '.join(passed_over)})" if passed_over else "")
+
+
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.float()
     return ((actual.float() - expected).norm() / expected.norm()).item()
@@ -139,6 +184,8 @@ def _providers(names, problem: Problem, tensors, backend: str) -> Dict[str, Call
         "flagos": lambda: _plugin_runner(problem, tensors, IMPL_IDS["flagos"], backend),
         "vendor": lambda: _plugin_runner(problem, tensors, IMPL_IDS["vendor"], backend),
         "sdpa": lambda: _sdpa_runner(problem, tensors),
+        "dpa": lambda: _module_runner(problem, tensors, fp8=False),
+        "fp8_dpa": lambda: _module_runner(problem, tensors, fp8=True),
     }
     unknown = set(names) - set(factories)
     if unknown:

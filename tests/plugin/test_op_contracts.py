@@ -292,6 +292,20 @@ _CFG = AttentionConfig(softmax_scale=0.5, mask_type="causal")
 case("fused_attn_fwd", "empty_batch",
      lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
 case("fused_attn_fwd", "noncontiguous", lambda: tuple(rnd(5, 1, 2, 8, dtype=torch.float16).transpose(0, 1) for _ in range(3)) + (_CFG,))
+_ONE = torch.tensor(1.0)
+
+
+def _fp8_attention_operands(b: int, transposed: bool = False):
+    """FP8 q, k, v [b, 5, 2, 8] (views of [5, b, 2, 8] tensors when ``transposed``) and the forward's three scales."""
+    make = (lambda: rnd(5, b, 2, 8).transpose(0, 1)) if transposed else (lambda: rnd(b, 5, 2, 8))
+    return tuple(make().to(E4M3) for _ in range(3)) + (_ONE, torch.tensor(448.0), torch.tensor(4.0))
+
+
+case("fused_attn_fp8_fwd", "empty_batch", lambda: _fp8_attention_operands(0) + (_CFG,))
+case("fused_attn_fp8_fwd", "noncontiguous", lambda: _fp8_attention_operands(2, transposed=True) + (_CFG,))
+case("fused_attn_fp8_bwd", "empty_batch",
+     lambda: (rnd(0, 5, 2, 8).to(E5M2), *_fp8_attention_operands(0)[:3], rnd(0, 5, 2, 8).to(E4M3), rnd(0, 2, 5),
+              _ONE, _ONE, _ONE, torch.tensor(448.0), _ONE, _ONE, _CFG))
 case("attention_block_fwd", "empty_batch",
      lambda: (rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), rnd(0, 5, 2, 8, dtype=torch.float16), _CFG))
 case("attention_block_fwd", "noncontiguous",

@@ -122,12 +122,19 @@ def test_bad_recipe_and_backward_override(monkeypatch):
             pass
 
 
-@pytest.mark.parametrize("flags", [dict(fp8_dpa=True), dict(fp8_mha=True)])
-def test_fp8_attention_is_refused_not_ignored(flags):
-    """FP8 attention is not implemented: a recipe asking for it fails at the autocast, before any module runs."""
-    with pytest.raises(NotImplementedError, match="FP8 attention is not implemented"):
-        with te.autocast(recipe=DelayedScaling(**flags)):
+@pytest.mark.parametrize("recipe, match", [
+    (DelayedScaling(fp8_mha=True), "fp8_mha=True"),
+    (DelayedScaling(fp8_dpa=True, fp8_mha=True), "fp8_mha=True"),
+    (Float8CurrentScaling(fp8_dpa=True), "implemented for DelayedScaling only"),
+])
+def test_unimplemented_fp8_attention_is_refused_not_ignored(recipe, match):
+    """FP8 across the attention's boundaries (fp8_mha), and FP8 attention under recipes other than DelayedScaling, fail at
+    the autocast, before any module runs; DelayedScaling(fp8_dpa=True) enters (tests/pytorch/attention/test_fp8_attention.py)."""
+    with pytest.raises(NotImplementedError, match=match):
+        with te.autocast(recipe=recipe):
             pass
+    with te.autocast(recipe=DelayedScaling(fp8_dpa=True)):
+        pass
 
 
 def _pretend_gpu(monkeypatch, capability):

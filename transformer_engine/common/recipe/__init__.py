@@ -231,8 +231,9 @@ class DelayedScaling(Recipe):
         amax_compute_algo: "max", "most_recent", or a callable(history [L, N]) -> amax [N].
         scaling_factor_compute_algo: None or a callable(amax, scale, fp8_max, recipe) -> scale.
         reduce_amax: MAX-reduce the amaxes over the autocast's ``amax_reduction_group``.
-        fp8_dpa: FP8 dot-product attention; fp8_mha: FP8 multi-head attention (implies fp8_dpa). Not implemented
-            yet in PyTorch or JAX: ``te.autocast`` refuses a recipe that sets either.
+        fp8_dpa: FP8 dot-product attention (PyTorch: ``DotProductAttention`` computes in FP8, see its docstring; JAX's
+            ``te.autocast`` refuses it); fp8_mha: FP8 across the attention's boundaries (implies fp8_dpa), not
+            implemented: ``te.autocast`` refuses it.
         backward_override: must be None for delayed scaling.
     """
 
@@ -275,7 +276,8 @@ class Float8CurrentScaling(Recipe):
         use_power_2_scales: power-of-two scales (env ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1``).
         fp8_format: ``Format.HYBRID`` or ``Format.E4M3``.
         fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: :class:`MMParams` of the three GEMMs.
-        fp8_dpa, fp8_mha: FP8 attention switches (not implemented yet: ``te.autocast`` refuses them).
+        fp8_dpa, fp8_mha: FP8 attention switches (not implemented with this recipe yet: ``te.autocast`` refuses them;
+            ``DelayedScaling(fp8_dpa=True)`` runs FP8 attention).
         backward_override: None, "high_precision" or "dequantized" (env ``NVTE_BACKWARD_OVERRIDE``).
     """
 

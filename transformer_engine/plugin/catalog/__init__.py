@@ -9,6 +9,7 @@ Conventions shared by every op:
 - ops return new tensors unless they are declared ``inplace``.
 """
 
-from . import activation, attention, gemm, misc, mxfp8, normalization, nvfp4, optimizer, quantization, rope, softmax
+from . import activation, attention, attention_fp8, gemm, misc, mxfp8, normalization, nvfp4, optimizer, quantization, rope, softmax
 
-__all__ = ["activation", "attention", "gemm", "misc", "mxfp8", "normalization", "nvfp4", "optimizer", "quantization", "rope", "softmax"]
+__all__ = ["activation", "attention", "attention_fp8", "gemm", "misc", "mxfp8", "normalization", "nvfp4", "optimizer", "quantization",
+           "rope", "softmax"]

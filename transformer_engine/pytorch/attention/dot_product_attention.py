@@ -12,7 +12,8 @@ op through the dispatcher too: only the backend that made the forward's opaque c
 (every other one declines it, see ``fused_attn_bwd`` in the catalog), whatever the policy says when
 the backward runs. A call that PyTorch's SDPA expresses runs as SDPA with PyTorch's autograd where the
 policy's first choice is SDPA's kernels (vendor.cuda) or torch.compile traces it (see ``_attend``).
-The attention math stays in the inputs' precision (no FP8 attention yet).
+Under an autocast whose recipe sets ``fp8_dpa`` (DelayedScaling), the attention runs in FP8 instead (see
+:mod:`.fp8_attention`), for the calls FP8 attention implements; any other call under it raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .._checks import check_probability
 from . import _layout, _masks
 from . import context_parallel as _cp
 from ._checks import check_heads, check_kv_channels
+from .fp8_attention import FP8AttentionState, fp8_attention
 
 __all__ = ["DotProductAttention"]
 
@@ -248,13 +250,15 @@ class DotProductAttention(torch.nn.Module):
 
     O = dropout(softmax(softmax_scale Q K^T (+ bias), masked)) V, per head; keys/values may have
     ``num_gqa_groups`` heads (GQA / MQA). Arguments, defaults and shapes follow TE 2.x
-    ``transformer_engine.pytorch.DotProductAttention``; FP8 attention is not supported here
-    (NotImplementedError). ``return_max_logit=True``: forward returns (output, max_logit), max_logit [h]
-    float32 the largest masked score of each head (``ops.attention_max_logit``; not differentiable, and not
-    with context parallelism or KV caching). Context parallelism (``cp_group`` or
-    :meth:`set_context_parallel_group`) splits the sequence over a group's ranks in TE's load-balanced
-    layout, "bshd" / "sbhd" with no_mask or causal masks, and packed "thd" sequences with padding masks (TE's
-    global ``cu_seqlens_*`` and ``cu_seqlens_*_padded``; see :mod:`.context_parallel`).
+    ``transformer_engine.pytorch.DotProductAttention``. Under ``te.autocast`` with a DelayedScaling recipe of
+    ``fp8_dpa=True`` it computes in FP8 with TE's scaling roles (:mod:`.fp8_attention`; its state is ``fp8_meta``): causal
+    or unmasked, GQA, one head size, no dropout, bias, window, padding or extra mask, not with context parallelism, KV
+    caching or ``checkpoint_core_attention`` (each of those raises NotImplementedError under ``fp8_dpa``).
+    ``return_max_logit=True``: forward returns (output, max_logit), max_logit [h] float32 the largest masked score of
+    each head (``ops.attention_max_logit``; not differentiable, and not with context parallelism or KV caching).
+    Context parallelism (``cp_group`` or :meth:`set_context_parallel_group`) splits the sequence over a group's ranks
+    in TE's load-balanced layout, "bshd" / "sbhd" with no_mask or causal masks, and packed "thd" sequences with
+    padding masks (TE's global ``cu_seqlens_*`` and ``cu_seqlens_*_padded``; see :mod:`.context_parallel`).
 
     Example:
         >>> import torch, transformer_engine.pytorch as te
@@ -311,6 +315,8 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_type = softmax_type
         self.name = name
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self._fp8_attention = FP8AttentionState()
+        self.fp8_meta = self._fp8_attention.fp8_meta  # TE's name for the module's FP8 scaling state
         self.softmax_offset = None
         if softmax_type == "learnable":
             heads = num_attention_heads // tp_size
@@ -334,11 +340,12 @@ class DotProductAttention(torch.nn.Module):
         self._cp_group_settings = None if cp_group is None else _cp.CPGroup(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def get_extra_state(self) -> torch.Tensor:
-        """An empty tensor: TE keeps a ``core_attention._extra_state`` key (FP8 attention metadata)."""
+        """An empty tensor: TE keeps a ``core_attention._extra_state`` key (FP8 attention metadata); the FP8 attention
+        state (``fp8_meta``) is not checkpointed yet."""
         return torch.empty(0, dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
-        """Accept (and ignore) TE's attention ``_extra_state``: attention runs in high precision here."""
+        """Accept (and ignore) TE's attention ``_extra_state``: the FP8 attention state is not restored from it yet."""
 
     def _mask_spec(self, attn_mask_type, window_size, bottom_right_diagonal, inference: bool) -> _masks.MaskSpec:
         mask_type = self.attn_mask_type if attn_mask_type is None else _masks.canonical_mask_type(attn_mask_type)
@@ -425,6 +432,10 @@ class DotProductAttention(torch.nn.Module):
         if self.return_max_logit and (cp or inference_params is not None):
             raise NotImplementedError("DotProductAttention(return_max_logit=True) with context parallelism or KV caching "
                                       "(inference_params) is not implemented yet")
+        fp8 = self._fp8_attention.requested()
+        if fp8 and (cp or inference_params is not None or checkpoint_core_attention):
+            raise NotImplementedError("DotProductAttention under fp8_dpa=True does not implement context parallelism, KV caching "
+                                      "(inference_params) or checkpoint_core_attention yet; set fp8_dpa=False for this module's calls")
         seqs = _Sequences(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         if cp:
             bias_type = "alibi" if alibi_slopes is not None else core_attention_bias_type
@@ -437,7 +448,9 @@ class DotProductAttention(torch.nn.Module):
                                  alibi_slopes=bias.slopes, thd=problem.thd, device=q.device)
         config, attn_bias, extras = self._op_call(plan, bias, problem)
         args = (problem.q, problem.k, problem.v, attn_bias, self.softmax_offset, extras, config, self._rng_ctx(config.dropout_p))
-        if checkpoint_core_attention:
+        if fp8:
+            out = self._fp8_attend(problem, attn_bias, extras, config)
+        elif checkpoint_core_attention:
             out = checkpoint(_attend, *args, get_rng_state_tracker=self.get_rng_state_tracker)
         else:
             out = _attend(*args)
@@ -448,6 +461,14 @@ class DotProductAttention(torch.nn.Module):
                                                 alibi_slopes=extras.alibi_slopes, cu_seqlens_q=extras.cu_seqlens_q,
                                                 cu_seqlens_kv=extras.cu_seqlens_kv)
         return problem.restore(out), max_logit
+
+    def _fp8_attend(self, problem: _Problem, attn_bias, extras: _Extras, config: AttentionConfig) -> torch.Tensor:
+        """The FP8 attention of a call (checked first: what the op's config does not say is checked here)."""
+        if attn_bias is not None or extras.attn_mask is not None or extras.alibi_slopes is not None or self.softmax_offset is not None:
+            raise NotImplementedError("DotProductAttention under fp8_dpa=True does not implement padding or arbitrary masks, "
+                                      "biases, ALiBi or learnable softmax offsets; set fp8_dpa=False for this module's calls")
+        quantizers = self._fp8_attention.quantizers(problem.q.device, type(self).__name__)
+        return fp8_attention(problem.q, problem.k, problem.v, quantizers, config)
 
     def _cp_forward(self, q, k, v, fmt: str, spec: _masks.MaskSpec, seqs: _Sequences, bias_type: str,
                     bias_tensor: Optional[torch.Tensor], inference: bool, checkpointed: bool):

@@ -286,10 +286,16 @@ def _check_runnable(recipe: Recipe) -> None:
             f"backward_override={recipe.backward_override!r} is not implemented yet in TransformerEngine-FL; "
             "unset NVTE_BACKWARD_OVERRIDE"
         )
-    if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
+    if getattr(recipe, "fp8_mha", False):
         raise NotImplementedError(
-            f"{type(recipe).__name__}(fp8_dpa={recipe.fp8_dpa}, fp8_mha={recipe.fp8_mha}): FP8 attention is not implemented "
-            "yet in TransformerEngine-FL (attention would silently stay in high precision); set both to False"
+            f"{type(recipe).__name__}(fp8_mha=True): FP8 across the attention's boundaries is not implemented yet in "
+            "TransformerEngine-FL (the projections would silently exchange high-precision tensors); set fp8_mha=False "
+            "(fp8_dpa=True runs the attention itself in FP8 under DelayedScaling)"
+        )
+    if getattr(recipe, "fp8_dpa", False) and not recipe.delayed():
+        raise NotImplementedError(
+            f"{type(recipe).__name__}(fp8_dpa=True): FP8 attention is implemented for DelayedScaling only in "
+            "TransformerEngine-FL (attention would silently stay in high precision); set fp8_dpa=False"
         )
     if recipe.mxfp8():  # emulated anywhere
         _check_emulated_runnable(check_mxfp8_support)

@@ -9,12 +9,12 @@ Inductor compiles them, fused with their neighbours.
 from transformer_engine.plugin.backends._registration import impls_from_modules, register_torch_capability_probe
 from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
 
-from . import activation, attention, attention_block, gemm, grouped, misc, mxfp8, normalization, nvfp4, optimizer, quantization, rope, \
-    softmax
+from . import (activation, attention, attention_block, attention_fp8, gemm, grouped, misc, mxfp8, normalization, nvfp4, optimizer,
+               quantization, rope, softmax)
 
 IMPL_ID = "reference.torch"
-_MODULES = (activation, attention, attention_block, gemm, grouped, misc, mxfp8, normalization, nvfp4, optimizer, quantization, rope,
-            softmax)
+_MODULES = (activation, attention, attention_block, attention_fp8, gemm, grouped, misc, mxfp8, normalization, nvfp4, optimizer,
+            quantization, rope, softmax)
 
 __all__ = ["register", "IMPL_ID"]
 

@@ -4,6 +4,7 @@
 - ``gemm_grouped`` / ``gemm_grouped_wgrad``: the G GEMMs of a grouped linear layer (CUTLASS or cuBLASLt per split);
 - ``fused_attn_fwd`` / ``fused_attn_bwd``: PyTorch SDPA (cuDNN / flash), when its module is present;
 - ``attention_block_fwd`` / ``attention_block_bwd``: the same kernels as blocks of blockwise (ring) attention;
+- ``fused_attn_fp8_fwd`` / ``fused_attn_fp8_bwd``: cuDNN's FP8 attention graphs, through the optional cudnn-frontend package;
 - ``gelu`` / ``dgelu`` / ``silu`` / ``dsilu``: PyTorch's own activations (modules then run them as PyTorch's autograd nodes).
 
 Every op runs on CUDA devices only (``Capabilities(device_types={"cuda"})``); what a vendor op cannot
@@ -21,7 +22,7 @@ from transformer_engine.plugin.core.types import BackendImplKind, Capabilities
 IMPL_ID = "vendor.cuda"
 VENDOR = "cuda"
 PRIORITY = 100
-_FAMILIES = ("gemm", "gemm_grouped", "attention", "attention_block", "activation")
+_FAMILIES = ("gemm", "gemm_grouped", "attention", "attention_block", "attention_fp8", "activation")
 
 #: Ops where this backend was measured faster than the flagos kernel (attention, H200), or as fast on the GPU and
 #: cheaper on the host (the activations, H100; docs/performance.md):
