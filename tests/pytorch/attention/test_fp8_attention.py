@@ -237,3 +237,27 @@ def test_module_on_cudnn_tracks_high_precision(mask):
             out = dpa(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), dy)
     assert rel_err(want, out) < 0.08 and all(rel_err(w, g) < 0.15 for w, g in zip(want_grads, grads))
+
+
+def test_fp8_attention_state_is_checkpointed_in_te_format():
+    """``_extra_state`` is empty until an FP8 attention call, then holds TE's payload (3 GEMMs), which a fresh module
+    loads: the same scales and histories, and the same FP8 output on the next step."""
+    dpa, q, k, v = _dpa_and_inputs()
+    assert dpa.state_dict()["_extra_state"].numel() == 0
+    recipe = DelayedScaling(fp8_dpa=True, amax_history_len=4)
+    for _ in range(2):
+        with te.autocast(recipe=recipe):
+            out = dpa(q, k, v)
+        out.sum().backward()
+    fresh = te.DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    fresh.load_state_dict(dpa.state_dict())
+    for mode in ("scaling_fwd", "scaling_bwd"):
+        for name in ("scale", "amax_history"):
+            assert torch.equal(getattr(fresh.fp8_meta[mode], name), getattr(dpa.fp8_meta[mode], name))
+    with te.autocast(recipe=recipe):
+        assert torch.equal(fresh(q, k, v), dpa(q, k, v))
+    linear = te.Linear(16, 16)
+    with te.autocast(recipe=DelayedScaling()):
+        linear(randn(8, 16))
+    with pytest.raises(ValueError, match="holds 1 GEMMs but DotProductAttention has 3"):
+        fresh.load_state_dict({"_extra_state": linear.state_dict()["_extra_state"]})

@@ -29,14 +29,17 @@ import io
 import json
 import pickle
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from transformer_engine.common import recipe as _recipe
 from transformer_engine.common.recipe import DelayedScaling, Format, Recipe
 
-__all__ = ["ExtraState", "decode", "empty", "encode"]
+from ..quantization.recipe_state import RecipeState
+from .fp8_meta import install_states
+
+__all__ = ["ExtraState", "decode", "empty", "encode", "load_states"]
 
 #: what a checkpoint's pickle may name from the recipe module: data classes and enums, no behaviour on load
 _RECIPE_GLOBALS = frozenset(
@@ -144,6 +147,39 @@ def decode(state: torch.Tensor, role_major: bool = False) -> ExtraState:
             scale, history = _to_gemm_major(scale, n, _roles(mode)), _to_gemm_major(history, n, _roles(mode))
         tensors[mode] = {"scale": scale, "scale_inv": torch.reciprocal(scale), "amax_history": history}
     return ExtraState(recipe=payload["recipe"], num_gemms=n, scaling_fwd=tensors["fwd"], scaling_bwd=tensors["bwd"])
+
+
+def load_states(state, fp8_meta: Dict, quantizers: Dict, current_recipe: Optional[Recipe], owner: str, device: torch.device,
+                role_major: bool = False) -> bool:
+    """Install the scaling states an ``_extra_state`` payload holds into ``fp8_meta`` (and rebuild ``quantizers``);
+    False for an empty payload (or None), which restores nothing.
+
+    ``current_recipe``: the recipe the owner runs (None: any), whose type the payload's must have.
+
+    Raises:
+        ValueError: a payload :func:`decode` refuses, another recipe type, GEMM count or slot count.
+    """
+    if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        return False
+    loaded = decode(state, role_major=role_major)
+    if current_recipe is not None and type(current_recipe) is not type(loaded.recipe):
+        raise ValueError(
+            f"cannot load the _extra_state of a {type(loaded.recipe).__name__} checkpoint into {owner}, which uses "
+            f"{type(current_recipe).__name__}; load a checkpoint saved with the same recipe, or leave out the '_extra_state' "
+            "keys (load_state_dict(..., strict=False))"
+        )
+    n = fp8_meta["num_gemms"]
+    if loaded.num_gemms != n:
+        raise ValueError(f"the _extra_state holds {loaded.num_gemms} GEMMs but {owner} has {n}")
+    states = [RecipeState.create(loaded.recipe, mode=m, num_gemms=n, device=device) for m in ("forward", "backward")]
+    for scaling, tensors in zip(states, (loaded.scaling_fwd, loaded.scaling_bwd)):
+        if tensors["amax_history"].shape[1] != scaling.num_quantizers:
+            raise ValueError(f"the _extra_state has {tensors['amax_history'].shape[1]} {scaling.mode} slots, "
+                             f"expected {scaling.num_quantizers}")
+        for key, value in tensors.items():
+            setattr(scaling, key, value.to(device))
+    install_states(fp8_meta, quantizers, *states)
+    return True
 
 
 # ------------------------------------------------------------------------- the first format (JSON, read only)

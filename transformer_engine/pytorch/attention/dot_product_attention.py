@@ -340,12 +340,18 @@ class DotProductAttention(torch.nn.Module):
         self._cp_group_settings = None if cp_group is None else _cp.CPGroup(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def get_extra_state(self) -> torch.Tensor:
-        """An empty tensor: TE keeps a ``core_attention._extra_state`` key (FP8 attention metadata); the FP8 attention
-        state (``fp8_meta``) is not checkpointed yet."""
-        return torch.empty(0, dtype=torch.uint8)
+        """The FP8 attention state (``fp8_meta``) in TE's ``core_attention._extra_state`` format; empty before any call
+        under ``fp8_dpa``."""
+        return self._fp8_attention.extra_state()
 
     def set_extra_state(self, state) -> None:
-        """Accept (and ignore) TE's attention ``_extra_state``: the FP8 attention state is not restored from it yet."""
+        """Restore the FP8 attention state :meth:`get_extra_state` (or NVIDIA TE's DotProductAttention) saved.
+
+        Raises:
+            ValueError: a payload that is not TE's scaling state, of another recipe type or GEMM count (TE's 3).
+        """
+        device = self.softmax_offset.device if self.softmax_offset is not None else default_device()
+        self._fp8_attention.load_extra_state(state, device, type(self).__name__)
 
     def _mask_spec(self, attn_mask_type, window_size, bottom_right_diagonal, inference: bool) -> _masks.MaskSpec:
         mask_type = self.attn_mask_type if attn_mask_type is None else _masks.canonical_mask_type(attn_mask_type)

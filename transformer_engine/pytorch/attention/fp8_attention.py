@@ -28,6 +28,7 @@ from transformer_engine.plugin import ops
 from transformer_engine.plugin.catalog.attention import AttentionConfig
 from transformer_engine.plugin.catalog.attention_fp8 import fp8_attention_error
 
+from .._functions import extra_state
 from .._functions.fp8_meta import ensure_states, new_fp8_meta
 from ..quantization.autocast import current_config, register_states
 from ..quantization.quantizer import Quantizer
@@ -58,6 +59,19 @@ class FP8AttentionState:
     def __init__(self):
         self.fp8_meta: Dict = new_fp8_meta(3)
         self._quantizers: Dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}
+
+    def extra_state(self) -> torch.Tensor:
+        """The state in TE's ``_extra_state`` format (what TE keeps as ``core_attention._extra_state``), empty before
+        the first FP8 attention call."""
+        return extra_state.encode(self.fp8_meta) if self.fp8_meta["fp8_checkpoint"] else extra_state.empty()
+
+    def load_extra_state(self, state, device: torch.device, owner: str) -> None:
+        """Restore what :meth:`extra_state` (or NVIDIA TE's DotProductAttention) saved; an empty payload restores nothing.
+
+        Raises:
+            ValueError: see ``extra_state.load_states``.
+        """
+        extra_state.load_states(state, self.fp8_meta, self._quantizers, self.fp8_meta["recipe"], owner, device)
 
     @staticmethod
     def requested() -> bool:

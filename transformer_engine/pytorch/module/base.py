@@ -36,7 +36,7 @@ from transformer_engine.plugin import ops, runs_as_aten
 from ..quantization.autocast import current_config, forward_amax_buffer, register_states
 from ..quantization.model_init import model_init_config
 from ..quantization.quantizer import IDENTITY, Quantizer
-from ..quantization.recipe_state import RecipeState, reserve_delayed_tensors, reserved_fit
+from ..quantization.recipe_state import reserve_delayed_tensors, reserved_fit
 from ..quantization.roles import BWD_ROLES, FWD_ROLES, Role, slot
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..parallel.linear_comm import NO_COMM, LinearComm, linear_comm, share_scales
@@ -45,7 +45,7 @@ from .._functions import extra_state
 from .._functions.common import Operand
 from ._fp8_params import fp8_param_operand, quantize_param, weight_param_quantizer
 from ._public_quantizers import public_quantizers
-from .._functions.fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, install_states, new_fp8_meta
+from .._functions.fp8_meta import ForwardQuantization, GemmQuantizers, ensure_states, high_precision, new_fp8_meta
 from .._functions.gemm import WgradTarget
 from .._functions.wgrad_store import WeightGradStore
 
@@ -524,29 +524,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
             ValueError: for a payload that is not a checkpoint of scaling state (e.g. a pickle of other objects, which
                 is not unpickled), another GEMM count, or a recipe type that differs from the module's.
         """
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
-            return
-        loaded = extra_state.decode(state, role_major=self._ROLE_MAJOR_CHECKPOINT)
-        current = self._model_init_recipe or self.fp8_meta["recipe"]
-        if current is not None and type(current) is not type(loaded.recipe):
-            raise ValueError(
-                f"cannot load the _extra_state of a {type(loaded.recipe).__name__} checkpoint into "
-                f"{type(self).__name__}, which uses {type(current).__name__}; load a checkpoint saved with the same "
-                "recipe, or leave out the '_extra_state' keys (load_state_dict(..., strict=False))"
-            )
-        n = self.fp8_meta["num_gemms"]
-        if loaded.num_gemms != n:
-            raise ValueError(f"the _extra_state holds {loaded.num_gemms} GEMMs but {type(self).__name__} has {n}")
-        device = self._state_device()
-        states = [RecipeState.create(loaded.recipe, mode=m, num_gemms=n, device=device) for m in ("forward", "backward")]
-        for state, tensors in zip(states, (loaded.scaling_fwd, loaded.scaling_bwd)):
-            if tensors["amax_history"].shape[1] != state.num_quantizers:
-                raise ValueError(f"the _extra_state has {tensors['amax_history'].shape[1]} {state.mode} slots, "
-                                 f"expected {state.num_quantizers}")
-            for key, value in tensors.items():
-                setattr(state, key, value.to(device))
-        install_states(self.fp8_meta, self._slot_quantizers, *states)
-        self._states_installed()
+        if extra_state.load_states(state, self.fp8_meta, self._slot_quantizers, self._model_init_recipe or self.fp8_meta["recipe"],
+                                   type(self).__name__, self._state_device(), role_major=self._ROLE_MAJOR_CHECKPOINT):
+            self._states_installed()
 
     def _state_device(self) -> torch.device:
         devices = [p.device for p in self.parameters() if p.device.type != "meta"]
