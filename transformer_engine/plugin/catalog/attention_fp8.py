@@ -31,6 +31,7 @@ from .attention import AttentionConfig
 
 __all__ = ["fp8_attention_error", "fused_attn_fp8_bwd", "fused_attn_fp8_fwd"]
 
+
 def fp8_attention_error(q, k, v, config: AttentionConfig) -> Optional[str]:
     """Why the shapes of q, k, v and ``config`` are not a call of these ops (a reason naming the setting), or None.
 
