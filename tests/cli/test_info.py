@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from transformer_engine import __version__
+from transformer_engine.cli import info as info_module
 from transformer_engine.cli import main
 from transformer_engine.plugin.core import get_default_manager, list_specs, reset_global_policy
 from transformer_engine.plugin.core.discovery import BUILTIN_BACKENDS
@@ -33,7 +34,7 @@ def _info_json(capsys, *extra):
 
 def test_json_report_has_every_section(capsys):
     info = _info_json(capsys)
-    assert set(info) == {"versions", "devices", "recipes", "backends", "policy", "settings", "dispatch"}
+    assert set(info) == {"versions", "devices", "recipes", "jax", "backends", "policy", "settings", "dispatch"}
     versions = info["versions"]
     assert versions["te_fl"] == __version__ and versions["python"] == platform.python_version()
     torch = pytest.importorskip("torch")
@@ -121,7 +122,7 @@ def test_op_filter_and_unknown_op(capsys):
 def test_text_report_shows_every_section(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    for title in ("TE-FL", "Devices", "FP8 recipes", "Backends and plugins", "Policy", "Dispatch on cpu"):
+    for title in ("TE-FL", "Devices", "FP8 recipes", "JAX", "Backends and plugins", "Policy", "Dispatch on cpu"):
         assert title in out
     assert __version__ in out and platform.python_version() in out
     cpu = _describe_chosen("cpu")
@@ -178,3 +179,16 @@ def test_python_dash_m_runs_the_same_command():
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["versions"]["te_fl"] == __version__ and list(info["dispatch"]["cpu"]) == ["gemm"]
+
+
+def test_jax_section_says_how_attention_runs(capsys):
+    """Where JAX is installed the report names the platform it compiles for and the attention path there (einsum on a
+    CPU; cuDNN for what ``cudnn_gap`` accepts on a GPU, with the FP8 compile-time flag)."""
+    jax = pytest.importorskip("jax")
+    info = _info_json(capsys)["jax"]
+    assert info["version"] == jax.__version__ and info["backend"] == jax.default_backend()
+    if info["backend"] == "cpu":
+        assert info["attention"] == "einsum path (the cpu backend has no cuDNN)"
+    else:
+        assert "cudnn_gap" in info["attention"] and "xla_gpu_enable_triton_gemm" in info["fp8_compile"]
+    assert info_module._jax_rows(None) == [("jax", "not installed")]

@@ -1,13 +1,13 @@
 """``te-fl info``: what TE-FL sees on this machine and which implementation runs each op.
 
-Prints: the TE-FL, Python, PyTorch and Triton versions; the devices (CPU, and each CUDA GPU with its
-compute capability); which FP8 recipes can run and why not; the backends and plugins that were
-loaded, with their load errors; the active selection policy; every environment variable declared in
-the registry (``transformer_engine.common.env``: the ``TE_FL_*`` settings, the ``NVTE_*`` recipe defaults,
-``TRITON_INTERPRET``, ...; value or default, meaning; unknown ``TE_FL_*`` ones flagged); and, for the CPU and (when present)
-the first CUDA GPU, the per-op dispatch table: the implementation chosen and why each other one was
-passed over. ``--json`` prints the same information as JSON. Tables use ``rich`` when it is
-installed, plain text otherwise.
+Prints: the TE-FL, Python, PyTorch and Triton versions; the devices (CPU, and each CUDA GPU with its compute
+capability); which FP8 recipes can run and why not; where JAX is installed, the platform it compiles for and how
+``transformer_engine.jax`` runs attention there; the backends and plugins that were loaded, with their load errors;
+the active selection policy; every environment variable declared in the registry (``transformer_engine.common.env``:
+the ``TE_FL_*`` settings, the ``NVTE_*`` recipe defaults, ``TRITON_INTERPRET``, ...; value or default, meaning;
+unknown ``TE_FL_*`` ones flagged); and, for the CPU and (when present) the first CUDA GPU, the per-op dispatch
+table: the implementation chosen and why each other one was passed over. ``--json`` prints the same information as
+JSON. Tables use ``rich`` when it is installed, plain text otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
+import os
 import platform
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -70,6 +72,7 @@ def collect(op_names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "versions": _versions(),
         "devices": devices,
         "recipes": _recipes(),
+        "jax": _jax(),
         "backends": [dataclasses.asdict(record) for record in manager.plugin_records],
         "policy": _policy(),
         "settings": _settings(),
@@ -177,6 +180,32 @@ class _Section:
     rows: List[Tuple[str, ...]]
 
 
+def _jax() -> Optional[Dict[str, Any]]:
+    """JAX's version, the platform it compiles for and how ``transformer_engine.jax`` runs attention and FP8 there
+    (None where JAX is not installed)."""
+    if importlib.util.find_spec("jax") is None:
+        return None
+    try:
+        import jax
+
+        backend = jax.default_backend()
+    except Exception as exc:  # noqa: BLE001 - a broken JAX install is reported, not raised
+        return {"version": _module_version("jax"), "backend": None, "attention": f"JAX cannot start ({type(exc).__name__}: {exc})",
+                "fp8_compile": "-"}
+    if backend not in ("gpu", "cuda"):
+        return {"version": jax.__version__, "backend": backend, "attention": f"einsum path (the {backend} backend has no cuDNN)",
+                "fp8_compile": "-"}
+    triton_gemm_off = "--xla_gpu_enable_triton_gemm=false" in os.environ.get("XLA_FLAGS", "")
+    return {
+        "version": jax.__version__, "backend": backend,
+        "attention": "cuDNN fused attention (jax.nn.dot_product_attention) for the calls transformer_engine.jax.attention."
+                     "cudnn_gap accepts (bf16 / fp16, head size <= 128, no dropout, bias, padding or window); the einsum path otherwise",
+        "fp8_compile": "XLA_FLAGS has --xla_gpu_enable_triton_gemm=false: FP8 steps compile in seconds" if triton_gemm_off else
+                       "XLA autotunes Triton fusions around every FP8 dot (minutes per layer); set "
+                       "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (README)",
+    }
+
+
 def _sections(info: Dict[str, Any]) -> List[_Section]:
     v = info["versions"]
     sections = [
@@ -192,6 +221,7 @@ def _sections(info: Dict[str, Any]) -> List[_Section]:
             (r["recipe"], ("available" + (f": {r['reason']}" if r["reason"] else "")) if r["available"] else f"unavailable: {r['reason']}")
             for r in info["recipes"]
         ]),
+        _Section("JAX", ("item", "value"), _jax_rows(info["jax"])),
         _Section("Backends and plugins", ("name", "source", "status", "impl ids"), [
             (b["name"], b["source"], f"loaded ({b['ops']} impls)" if b["ok"] else f"failed: {b['error']}", ", ".join(b["impl_ids"]) or "-")
             for b in info["backends"]
@@ -203,6 +233,13 @@ def _sections(info: Dict[str, Any]) -> List[_Section]:
         sections.append(_Section(f"Dispatch on {device}", ("op", "runs", "passed over"),
                                  [_dispatch_row(op, entry) for op, entry in table.items()]))
     return sections
+
+
+def _jax_rows(jax_info: Optional[Dict[str, Any]]) -> List[Tuple[str, str]]:
+    if jax_info is None:
+        return [("jax", "not installed")]
+    return [("jax", jax_info["version"] or "unknown"), ("compiles for", jax_info["backend"] or "-"),
+            ("attention", jax_info["attention"]), ("FP8 compile", jax_info["fp8_compile"])]
 
 
 def _policy_rows(policy: Dict[str, Any]) -> List[Tuple[str, str]]:
