@@ -453,13 +453,14 @@ class DotProductAttention(torch.nn.Module):
         plan = _masks.plan_masks(spec, s_q=problem.s_q, s_kv=problem.s_kv, padding=problem.padding, user_mask=user_mask,
                                  alibi_slopes=bias.slopes, thd=problem.thd, device=q.device)
         config, attn_bias, extras = self._op_call(plan, bias, problem)
-        args = (problem.q, problem.k, problem.v, attn_bias, self.softmax_offset, extras, config, self._rng_ctx(config.dropout_p))
         if fp8:
             out = self._fp8_attend(problem, attn_bias, extras, config)
-        elif checkpoint_core_attention:
-            out = checkpoint(_attend, *args, get_rng_state_tracker=self.get_rng_state_tracker)
         else:
-            out = _attend(*args)
+            args = (problem.q, problem.k, problem.v, attn_bias, self.softmax_offset, extras, config, self._rng_ctx(config.dropout_p))
+            if checkpoint_core_attention:
+                out = checkpoint(_attend, *args, get_rng_state_tracker=self.get_rng_state_tracker)
+            else:
+                out = _attend(*args)
         if not self.return_max_logit:
             return problem.restore(out)
         with torch.no_grad():  # traced by torch.compile as the op's compiled form (the catalog declares it traced)
