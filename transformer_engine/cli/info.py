@@ -17,12 +17,12 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import os
 import platform
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from transformer_engine.common.env import NAMESPACES, describe
+from transformer_engine.common.env import read as read_env
 
 __all__ = ["add_arguments", "run", "collect"]
 
@@ -195,7 +195,7 @@ def _jax() -> Optional[Dict[str, Any]]:
     if backend not in ("gpu", "cuda"):
         return {"version": jax.__version__, "backend": backend, "attention": f"einsum path (the {backend} backend has no cuDNN)",
                 "fp8_compile": "-"}
-    triton_gemm_off = "--xla_gpu_enable_triton_gemm=false" in os.environ.get("XLA_FLAGS", "")
+    triton_gemm_off = "--xla_gpu_enable_triton_gemm=false" in (read_env("XLA_FLAGS") or "")
     return {
         "version": jax.__version__, "backend": backend,
         "attention": "cuDNN fused attention (jax.nn.dot_product_attention) for the calls transformer_engine.jax.attention."

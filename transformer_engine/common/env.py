@@ -166,6 +166,8 @@ THIRD_PARTY_VARIABLES: Tuple[EnvVar, ...] = (
     EnvVar("TRITON_INTERPRET", "Triton's own: 1 = Triton kernels run in Triton's interpreter (the flagos backend then "
            "serves the CPU too)", "0", type="bool"),
     EnvVar("XDG_CACHE_HOME", "base folder of te-fl demo's default output (<it>/te-fl/demo)", "~/.cache", scope="cli", type="path"),
+    EnvVar("XLA_FLAGS", "XLA's own: te-fl info says whether it holds --xla_gpu_enable_triton_gemm=false (JAX FP8 compile time)",
+           "none", scope="cli"),
 )
 
 #: every declared variable: TE-FL's own first (``te-fl info`` lists them in this order)
