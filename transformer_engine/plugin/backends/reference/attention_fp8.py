@@ -32,10 +32,9 @@ def _heads_first(x: torch.Tensor, descale: torch.Tensor, group: int = 1) -> torc
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def _scores(q, k, qkv_descale, config) -> torch.Tensor:
-    """S [b, h, s_q, s_kv] float32, masked entries -inf."""
-    group = q.shape[2] // k.shape[2]
-    s = config.softmax_scale * torch.matmul(_heads_first(q, qkv_descale), _heads_first(k, qkv_descale, group).transpose(-1, -2))
+def _scores(qf: torch.Tensor, kf: torch.Tensor, config) -> torch.Tensor:
+    """S [b, h, s_q, s_kv] float32 from dequantized heads-first q and k (:func:`_heads_first`), masked entries -inf."""
+    s = config.softmax_scale * torch.matmul(qf, kf.transpose(-1, -2))
     if config.mask_type == "causal":
         s_q, s_kv = s.shape[-2:]
         s = s.masked_fill(torch.ones(s_q, s_kv, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -57,12 +56,13 @@ def fused_attn_fp8_fwd(q, k, v, qkv_scale_inv, s_scale, o_scale, config):
     _check(q, k, v, config)
     descale, s_scale_f, o_scale_f = (scalar_f32(t, n) for t, n in ((qkv_scale_inv, "qkv_scale_inv"), (s_scale, "s_scale"),
                                                                       (o_scale, "o_scale")))
-    s = _scores(q, k, descale, config)
+    group = q.shape[2] // k.shape[2]
+    s = _scores(_heads_first(q, descale), _heads_first(k, descale, group), config)
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - m).nan_to_num(0.0)  # a fully masked row (m = -inf) gives 0
     l = p.sum(dim=-1, keepdim=True)
     p8 = saturating_cast(p * s_scale_f, q.dtype).float() / s_scale_f
-    o = torch.matmul(p8, _heads_first(v, descale, q.shape[2] // k.shape[2])) / l.clamp(min=torch.finfo(torch.float32).tiny)
+    o = torch.matmul(p8, _heads_first(v, descale, group)) / l.clamp(min=torch.finfo(torch.float32).tiny)
     o = torch.where(l > 0, o, torch.zeros_like(o))
     stats = (m + torch.log(l)).squeeze(-1)
     return _to_bshd_fp8(o, o_scale_f, q.dtype), stats, amax_finite(p), amax_finite(o)
@@ -80,10 +80,10 @@ def fused_attn_fp8_bwd(dout, q, k, v, out, stats, qkv_scale_inv, out_scale_inv, 
     descale, o_descale, do_descale, s_scale_f, dp_scale_f, dqkv_scale_f = (
         scalar_f32(t, n) for t, n in zip((qkv_scale_inv, out_scale_inv, dout_scale_inv, s_scale, dp_scale, dqkv_scale), names))
     group = q.shape[2] // k.shape[2]
-    p = torch.exp(_scores(q, k, descale, config) - stats.float().unsqueeze(-1)).nan_to_num(0.0)
+    qf, kf, vf = _heads_first(q, descale), _heads_first(k, descale, group), _heads_first(v, descale, group)
+    p = torch.exp(_scores(qf, kf, config) - stats.float().unsqueeze(-1)).nan_to_num(0.0)
     p8 = saturating_cast(p * s_scale_f, q.dtype).float() / s_scale_f
     do, o = _heads_first(dout, do_descale), _heads_first(out, o_descale)
-    qf, kf, vf = _heads_first(q, descale), _heads_first(k, descale, group), _heads_first(v, descale, group)
     dv = torch.matmul(p8.transpose(-1, -2), do)
     dp = torch.matmul(do, vf.transpose(-1, -2))
     ds = p * (dp - (do * o).sum(dim=-1, keepdim=True))
