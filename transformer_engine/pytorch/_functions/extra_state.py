@@ -39,7 +39,7 @@ from transformer_engine.common.recipe import DelayedScaling, Format, Recipe
 from ..quantization.recipe_state import RecipeState
 from .fp8_meta import install_states
 
-__all__ = ["ExtraState", "decode", "empty", "encode", "load_states"]
+__all__ = ["ExtraState", "decode", "empty", "encode", "load_states", "save_states"]
 
 #: what a checkpoint's pickle may name from the recipe module: data classes and enums, no behaviour on load
 _RECIPE_GLOBALS = frozenset(
@@ -94,6 +94,12 @@ def encode(fp8_meta: Dict, role_major: bool = False) -> torch.Tensor:
             tensor = tensor.detach().to("cpu", torch.float32)
             state[f"{name}_{mode}"] = (_to_role_major(tensor, n, _roles(mode)) if role_major else tensor).contiguous()
     return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+def save_states(fp8_meta: Dict, role_major: bool = False) -> torch.Tensor:
+    """A module's ``_extra_state``: :func:`encode` of ``fp8_meta`` when it holds an amax history worth checkpointing,
+    else :func:`empty`."""
+    return encode(fp8_meta, role_major=role_major) if fp8_meta["fp8_checkpoint"] else empty()
 
 
 class _StateUnpickler(pickle.Unpickler):

@@ -63,7 +63,7 @@ class FP8AttentionState:
     def extra_state(self) -> torch.Tensor:
         """The state in TE's ``_extra_state`` format (what TE keeps as ``core_attention._extra_state``), empty before
         the first FP8 attention call."""
-        return extra_state.encode(self.fp8_meta) if self.fp8_meta["fp8_checkpoint"] else extra_state.empty()
+        return extra_state.save_states(self.fp8_meta)
 
     def load_extra_state(self, state, device: torch.device, owner: str) -> None:
         """Restore what :meth:`extra_state` (or NVIDIA TE's DotProductAttention) saved; an empty payload restores nothing.

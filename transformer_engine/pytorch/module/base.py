@@ -513,9 +513,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def get_extra_state(self) -> torch.Tensor:
         """The delayed-scaling state as a uint8 tensor in TE's format (empty when there is none; see ``_extra_state``)."""
-        if not self.fp8_meta["fp8_checkpoint"]:
-            return extra_state.empty()
-        return extra_state.encode(self.fp8_meta, role_major=self._ROLE_MAJOR_CHECKPOINT)
+        return extra_state.save_states(self.fp8_meta, role_major=self._ROLE_MAJOR_CHECKPOINT)
 
     def set_extra_state(self, state) -> None:
         """Restore what :meth:`get_extra_state` (or NVIDIA TE's) saved (an empty tensor or None restores nothing).

@@ -122,7 +122,11 @@ _AMAX_S, _AMAX_O, _DQ, _DK, _DV, _AMAX_DQ, _AMAX_DK, _AMAX_DV, _AMAX_DP = range(
 
 
 def _build(problem: _Problem) -> Union[Any, str]:
-    """The built forward (``bwd_dtype`` None) or backward graph of ``problem``, or cuDNN's reason for refusing it."""
+    """The built forward (``bwd_dtype`` None) or backward graph of ``problem``, or the reason there is none (the GPU's
+    compute capability, or cuDNN's refusal)."""
+    capability = torch.cuda.get_device_capability(problem.device)
+    if capability < (9, 0):
+        return f"cuDNN's FP8 attention needs compute capability 9.0 or newer, this GPU has {capability}"
     cudnn = _cudnn()
     fp8 = _cudnn_type(cudnn, problem.fwd_dtype)
     graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT)
@@ -185,8 +189,6 @@ def _gap(q, k, v, config, bwd_dtype: Optional[torch.dtype]) -> Optional[str]:
     cudnn = _cudnn()
     if isinstance(cudnn, str):
         return cudnn
-    if torch.cuda.get_device_capability(q.device) < (9, 0):
-        return f"cuDNN's FP8 attention needs compute capability 9.0 or newer, this GPU has {torch.cuda.get_device_capability(q.device)}"
     if k.stride() != v.stride():
         return "k and v must have one memory layout"
     graph = _GRAPHS.get(_problem(q, k, config, bwd_dtype))
